@@ -1,0 +1,161 @@
+from meshrl.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TrainSample(_message.Message):
+    __slots__ = ("prompt_ids", "response_ids", "advantages", "old_logprobs", "ref_logprobs")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    OLD_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REF_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    response_ids: _containers.RepeatedScalarFieldContainer[int]
+    advantages: _containers.RepeatedScalarFieldContainer[float]
+    old_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    ref_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., ref_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ActorLoss(_message.Message):
+    __slots__ = ("clip_low", "clip_high", "dual_clip", "kl_coef", "kl_type", "entropy_coef", "loss_agg_mode", "ppo_epochs", "mini_batch_size", "temperature")
+    CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
+    CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
+    DUAL_CLIP_FIELD_NUMBER: _ClassVar[int]
+    KL_COEF_FIELD_NUMBER: _ClassVar[int]
+    KL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
+    LOSS_AGG_MODE_FIELD_NUMBER: _ClassVar[int]
+    PPO_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    MINI_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    clip_low: float
+    clip_high: float
+    dual_clip: float
+    kl_coef: float
+    kl_type: str
+    entropy_coef: float
+    loss_agg_mode: str
+    ppo_epochs: int
+    mini_batch_size: int
+    temperature: float
+    def __init__(self, clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_type: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_agg_mode: _Optional[str] = ..., ppo_epochs: _Optional[int] = ..., mini_batch_size: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
+
+class TrainActorRequest(_message.Message):
+    __slots__ = ("samples", "loss")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[TrainSample]
+    loss: ActorLoss
+    def __init__(self, samples: _Optional[_Iterable[_Union[TrainSample, _Mapping]]] = ..., loss: _Optional[_Union[ActorLoss, _Mapping]] = ...) -> None: ...
+
+class ValuesRequest(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ...) -> None: ...
+
+class TokenValues(_message.Message):
+    __slots__ = ("id", "values")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, id: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ValuesResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TokenValues]
+    def __init__(self, results: _Optional[_Iterable[_Union[TokenValues, _Mapping]]] = ...) -> None: ...
+
+class CriticSample(_message.Message):
+    __slots__ = ("prompt_ids", "response_ids", "returns", "old_values")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETURNS_FIELD_NUMBER: _ClassVar[int]
+    OLD_VALUES_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    response_ids: _containers.RepeatedScalarFieldContainer[int]
+    returns: _containers.RepeatedScalarFieldContainer[float]
+    old_values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., returns: _Optional[_Iterable[float]] = ..., old_values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TrainCriticRequest(_message.Message):
+    __slots__ = ("samples", "clip_value", "ppo_epochs", "mini_batch_size")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CLIP_VALUE_FIELD_NUMBER: _ClassVar[int]
+    PPO_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    MINI_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[CriticSample]
+    clip_value: float
+    ppo_epochs: int
+    mini_batch_size: int
+    def __init__(self, samples: _Optional[_Iterable[_Union[CriticSample, _Mapping]]] = ..., clip_value: _Optional[float] = ..., ppo_epochs: _Optional[int] = ..., mini_batch_size: _Optional[int] = ...) -> None: ...
+
+class TrainResponse(_message.Message):
+    __slots__ = ("step", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class PushWeightsRequest(_message.Message):
+    __slots__ = ("targets", "bucket_bytes")
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    targets: _containers.RepeatedScalarFieldContainer[str]
+    bucket_bytes: int
+    def __init__(self, targets: _Optional[_Iterable[str]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class PushResult(_message.Message):
+    __slots__ = ("target", "ok", "error", "seconds")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    ok: bool
+    error: str
+    seconds: float
+    def __init__(self, target: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class PushWeightsResponse(_message.Message):
+    __slots__ = ("weight_version", "results", "num_bytes", "seconds")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    results: _containers.RepeatedCompositeFieldContainer[PushResult]
+    num_bytes: int
+    seconds: float
+    def __init__(self, weight_version: _Optional[int] = ..., results: _Optional[_Iterable[_Union[PushResult, _Mapping]]] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("path", "step", "weight_version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    step: int
+    weight_version: int
+    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,140 @@
+"""Typed, validated configuration shared by every service: YAML file < MESHRL_* env < CLI flags.
+
+One YAML file describes a whole run (sections `model`, `rollout`, `reward`, `reference`, `actor`,
+`algorithm`, `data`, `run`, `server`, ...). Each service declares the sections it reads as a
+`MeshSettings` subclass; sections reject unknown keys, so a typo fails with the key named.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+_YAML_DATA: contextvars.ContextVar[dict | None] = contextvars.ContextVar("meshrl_yaml_data", default=None)
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerConfig(Section):
+    """How a service's gRPC server listens and authenticates."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    # Bearer token; every RPC but health and reflection needs it when set. Env: MESHRL_SERVER__AUTH_TOKEN.
+    auth_token: SecretStr | None = None
+    max_message_bytes: int = Field(256 * 1024 * 1024, ge=4 * 1024 * 1024)
+    # Clients re-resolve DNS only when a connection drops, so connections are recycled periodically.
+    max_connection_age_s: float = Field(300.0, gt=0)
+    grace_seconds: float = Field(5.0, ge=0)
+    # Deadline of outgoing calls made by this service (seconds).
+    call_timeout_s: float = Field(600.0, gt=0)
+
+
+class ModelConfig(Section):
+    """Which Hugging Face model folder to load and how."""
+
+    path: str = "examples/arith/model"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    # OMP threads for CPU torch work; unset, step times vary 20x on small machines.
+    num_threads: int = Field(1, ge=1)
+
+
+class MeshSettings(BaseSettings):
+    """Base of every service's settings: sections from YAML, overridden by env and CLI."""
+
+    model_config = SettingsConfigDict(env_prefix="MESHRL_", env_nested_delimiter="__", extra="ignore")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSource(settings_cls))
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Reads the parsed YAML that load_config put in the context variable."""
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - __call__ does the work
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_YAML_DATA.get() or {})
+
+
+S = TypeVar("S", bound=MeshSettings)
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    """Parses a YAML config file; errors name the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"config file {str(p)!r}{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(p)!r}: top level must be a mapping of sections")
+    return data
+
+
+def format_validation_error(err: ValidationError, source: str = "config") -> str:
+    parts = []
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"]) or "<root>"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        parts.append(f"{key}: {msg}")
+    return f"{source}: " + "; ".join(parts)
+
+
+def nest_overrides(flat: dict[str, Any]) -> dict:
+    """{'rollout.n': 4} -> {'rollout': {'n': 4}} (CLI flags are dotted section keys)."""
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {key!r}: {p!r} is not a section")
+        node[leaf] = value
+    return out
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(cls: type[S], path: str | os.PathLike | None = None, *, data: dict | None = None,
+                overrides: dict[str, Any] | None = None) -> S:
+    """Builds `cls` from a YAML file (or an already parsed dict), MESHRL_* env vars and dotted overrides.
+
+    Raises ValueError naming the file and the bad key.
+    """
+    source = str(path) if path else "config"
+    yaml_data = read_yaml(path) if path else {}
+    if data:
+        yaml_data = deep_merge(yaml_data, data)
+    token = _YAML_DATA.set(yaml_data)
+    try:
+        # pydantic-settings deep-merges the sources, so a dotted override replaces one key only.
+        return cls(**nest_overrides(overrides or {}))
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e, source)) from None
+    finally:
+        _YAML_DATA.reset(token)

@@ -1,0 +1,74 @@
+"""The one entry point every service process goes through: config, logging, serve, announce, drain."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from typing import Any, Awaitable, Callable, Sequence
+
+from services.common.config import MeshSettings, load_config
+from services.common.server import MeshServer, announce, serve_until_signalled, setup_logging
+
+# start(settings, address) -> (server, port, engine-or-None); the engine may expose `async close()`.
+StartFn = Callable[[Any, str], Awaitable[tuple[MeshServer, int, Any]]]
+
+
+def parse_args(role: str, argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
+    parser = argparse.ArgumentParser(prog=f"meshrl serve {role}")
+    parser.add_argument("--config", help="YAML config file (all sections of a run)")
+    parser.add_argument("--port", type=int, default=None, help="port to listen on (0 = any free port)")
+    parser.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    args, rest = parser.parse_known_args(argv)
+    return args, parse_dotted_flags(rest)
+
+
+def parse_dotted_flags(rest: Sequence[str]) -> dict[str, str]:
+    """`--rollout.n 4` or `--rollout.n=4` -> {'rollout.n': '4'} (pydantic coerces the type)."""
+    overrides: dict[str, str] = {}
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise SystemExit(f"unknown argument {arg!r} (overrides look like --section.key value)")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(rest):
+                raise SystemExit(f"{arg}: missing value")
+            key, value = arg[2:], rest[i + 1]
+            i += 2
+        overrides[key] = value
+    return overrides
+
+
+def serve_main(role: str, settings_cls: type[MeshSettings], start: StartFn, argv: Sequence[str] | None = None,
+               host_for_announce: str | None = None) -> None:
+    args, overrides = parse_args(role, argv)
+    if args.port is not None:
+        overrides["server.port"] = str(args.port)
+    if args.host is not None:
+        overrides["server.host"] = args.host
+    setup_logging(os.environ.get("MESHRL_LOG_LEVEL", "INFO"))
+    try:
+        settings = load_config(settings_cls, args.config, overrides=overrides)
+    except ValueError as e:
+        raise SystemExit(f"meshrl serve {role}: {e}") from None
+    asyncio.run(_serve(role, settings, start, host_for_announce))
+
+
+async def _serve(role: str, settings: Any, start: StartFn, host_for_announce: str | None) -> None:
+    server_cfg = settings.server
+    mesh, port, engine = await start(settings, f"{server_cfg.host}:{server_cfg.port}")
+    announce(role, host_for_announce or server_cfg.host, port)
+
+    async def close():
+        closer = getattr(engine, "close", None)
+        if closer is not None:
+            result = closer()
+            if asyncio.iscoroutine(result):
+                await result
+
+    await serve_until_signalled(mesh, grace=server_cfg.grace_seconds, on_stop=None)
+    await close()

@@ -1,0 +1,129 @@
+"""Model loading and the log-prob math every model-holding service shares (trainer, reference, rollout)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from services.common.codec import DTYPES
+
+log = logging.getLogger("meshrl.modeling")
+
+
+def set_threads(num_threads: int) -> None:
+    torch.set_num_threads(num_threads)
+
+
+def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", trainable: bool = False):
+    """Loads a local Hugging Face causal LM with from_pretrained (never from a hub)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    model.to(device)
+    model.train(trainable)
+    if not trainable:
+        model.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def validate_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
+                       vocab_size: int, max_len: int | None = None, field: str = "sequences") -> None:
+    """Bad token input is a ValueError naming the sequence and the field."""
+    if len(prompts) == 0:
+        raise ValueError(f"{field}: empty batch")
+    if len(prompts) != len(responses):
+        raise ValueError(f"{field}: {len(prompts)} prompts but {len(responses)} responses")
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if len(p) == 0:
+            raise ValueError(f"{field}[{i}].prompt_ids: empty")
+        if len(r) == 0:
+            raise ValueError(f"{field}[{i}].response_ids: empty")
+        for name, ids in (("prompt_ids", p), ("response_ids", r)):
+            bad = [t for t in ids if t < 0 or t >= vocab_size]
+            if bad:
+                raise ValueError(f"{field}[{i}].{name}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        if max_len is not None and len(p) + len(r) > max_len:
+            raise ValueError(f"{field}[{i}]: {len(p) + len(r)} tokens exceed the model's limit of {max_len}")
+
+
+def pad_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_id: int,
+              device: str | torch.device = "cpu"):
+    """Right-padded [B, L] input ids and attention mask, plus [B, R] response positions and mask."""
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    B, L, R = len(prompts), max(lengths), max(len(r) for r in responses)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    # Position of the logit that predicts response token t: prompt_len - 1 + t.
+    positions = torch.zeros((B, R), dtype=torch.long)
+    response_mask = torch.zeros((B, R), dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids = list(p) + list(r)
+        input_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, :len(ids)] = 1
+        positions[i, :len(r)] = torch.arange(len(p) - 1, len(p) - 1 + len(r))
+        response_mask[i, :len(r)] = True
+    targets = torch.gather(input_ids, 1, (positions + 1).clamp(max=L - 1))
+    return (input_ids.to(device), attention_mask.to(device), positions.to(device), response_mask.to(device),
+            targets.to(device))
+
+
+def response_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
+                      pad_id: int, temperature: float = 1.0, with_entropy: bool = False):
+    """Per-token log-probs [B, R] (and entropy) of the response tokens; padded entries are 0.
+
+    Logits are taken in fp32 before the softmax so bf16 models stay accurate. Gradients flow when
+    called under grad mode (the trainer), not otherwise (reference, rollout).
+    """
+    device = next(model.parameters()).device
+    input_ids, attention_mask, positions, mask, targets = pad_batch(prompts, responses, pad_id=pad_id, device=device)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, L, V]
+    idx = positions.unsqueeze(-1).expand(-1, -1, logits.size(-1))
+    logits = torch.gather(logits, 1, idx).float()                                             # [B, R, V]
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = torch.gather(logp_all, 2, targets.unsqueeze(-1)).squeeze(-1) * mask                 # [B, R]
+    if not with_entropy:
+        return logp, mask
+    entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
+    return logp, mask, entropy
+
+
+def pack_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Groups indices (sorted by length) into micro-batches whose padded size B * max_len stays within budget."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = max([lengths[j] for j in current] + [lengths[i]])
+        if current and longest * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@torch.no_grad()
+def batched_logprobs(model, prompts, responses, *, pad_id: int, temperature: float = 1.0,
+                     token_budget: int = 16384) -> list[list[float]]:
+    """Log-probs of each response's tokens, computed in micro-batches packed by a token budget."""
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    out: list[list[float] | None] = [None] * len(prompts)
+    for group in pack_by_token_budget(lengths, token_budget):
+        logp, mask = response_logprobs(model, [prompts[i] for i in group], [responses[i] for i in group],
+                                       pad_id=pad_id, temperature=temperature)
+        logp = logp.cpu()
+        for row, i in enumerate(group):
+            out[i] = logp[row, :len(responses[i])].tolist()
+    return out  # type: ignore[return-value]

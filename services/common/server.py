@@ -1,0 +1,221 @@
+"""gRPC server plumbing shared by every service: factory, health, reflection, errors, auth, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Iterable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.config import ServerConfig
+from services.common.errors import MeshError
+
+log = logging.getLogger("meshrl.server")
+
+# Health and reflection stay reachable without a token so orchestrators can probe.
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The one place where Python exceptions become gRPC status codes."""
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, MeshError):
+        return getattr(grpc.StatusCode, exc.status), str(exc)
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+class ServiceInterceptor(grpc.aio.ServerInterceptor):
+    """Checks the bearer token and maps exceptions raised by servicers to status codes."""
+
+    def __init__(self, auth_token: str | None = None):
+        self._expected = f"Bearer {auth_token}".encode() if auth_token else None
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        if self._expected is None or details.method.startswith(OPEN_METHOD_PREFIXES):
+            return True
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else value
+                return hmac.compare_digest(got, self._expected)
+        return False
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHOD_PREFIXES):
+            return handler
+        if not self._authorized(details):
+            return _wrap(handler, _deny)
+        return _wrap(handler, None)
+
+
+async def _deny(context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+
+async def _abort_for(exc: Exception, context, method: str):
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("%s failed:\n%s", method, "".join(traceback.format_exception(exc)))
+    await context.abort(code, message)
+
+
+def _wrap(handler: grpc.RpcMethodHandler, deny) -> grpc.RpcMethodHandler:
+    """Re-builds a method handler whose behaviour denies (auth) or maps errors."""
+    kwargs = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        inner = handler.unary_unary
+
+        async def unary_unary(request, context):
+            if deny:
+                return await deny(context)
+            try:
+                return await inner(request, context)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # noqa: BLE001 - mapped to a status, never swallowed
+                await _abort_for(e, context, inner.__qualname__)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
+    if handler.stream_unary:
+        inner_su = handler.stream_unary
+
+        async def stream_unary(request_iterator, context):
+            if deny:
+                return await deny(context)
+            try:
+                return await inner_su(request_iterator, context)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # noqa: BLE001
+                await _abort_for(e, context, inner_su.__qualname__)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
+    if handler.unary_stream:
+        inner_us = handler.unary_stream
+
+        async def unary_stream(request, context):
+            if deny:
+                await deny(context)
+                return
+            try:
+                async for item in inner_us(request, context):
+                    yield item
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # noqa: BLE001
+                await _abort_for(e, context, inner_us.__qualname__)
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, **kwargs)
+    inner_ss = handler.stream_stream
+
+    async def stream_stream(request_iterator, context):
+        if deny:
+            await deny(context)
+            return
+        try:
+            async for item in inner_ss(request_iterator, context):
+                yield item
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            await _abort_for(e, context, inner_ss.__qualname__)
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, **kwargs)
+
+
+def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+@dataclass
+class MeshServer:
+    """A started grpc.aio server with its health servicer."""
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    service_names: Sequence[str]
+    port: int
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Health flips to NOT_SERVING first so balancers drain, then in-flight calls get `grace` seconds."""
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def create_server(servicers: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], Any]],
+                        service_names: Sequence[str], *, address: str | None = None,
+                        config: ServerConfig | None = None) -> tuple[MeshServer, int]:
+    """Builds and starts a server for the given (add_XServicer_to_server, servicer) pairs.
+
+    Returns the server and the bound port (address "host:0" picks a free one).
+    """
+    config = config or ServerConfig()
+    address = address or f"{config.host}:{config.port}"
+    token = config.auth_token.get_secret_value() if config.auth_token else None
+    server = grpc.aio.server(interceptors=[ServiceInterceptor(token)], options=server_options(config))
+    for add, servicer in servicers:
+        add(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind {address}")
+    await server.start()
+    mesh = MeshServer(server, health_servicer, service_names, port)
+    await mesh.set_serving(True)
+    return mesh, port
+
+
+def announce(role: str, host: str, port: int) -> None:
+    """The one line launchers parse to learn where a service listens."""
+    print(f"meshrl {role} listening on {host}:{port}", flush=True)
+
+
+async def serve_until_signalled(mesh: MeshServer, *, grace: float,
+                                on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Runs until SIGTERM/SIGINT, then drains: NOT_SERVING, `grace` seconds for in-flight calls."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - non-main thread
+            pass
+    waiter = asyncio.create_task(mesh.server.wait_for_termination())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if on_stop:
+        await on_stop()
+    await mesh.stop(grace)
+    waiter.cancel()
+    stopper.cancel()
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

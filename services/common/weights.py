@@ -1,0 +1,165 @@
+"""Weight-update payloads: a manifest of tensors plus checksummed byte buckets, applied all-or-nothing.
+
+The sender streams tensors bucket by bucket without building one big buffer; the receiver
+assembles the payload, checks every bucket's CRC and the total length, and only then hands back
+tensors whose names, dtypes and shapes the caller checks against its model before copying any.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Mapping
+
+import torch
+
+from services.common.codec import dtype_from_name, dtype_name, tensor_bytes, tensor_from_bytes
+
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, dtype and shape of one tensor and where its bytes sit in the payload."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a weight update holds: its version and every tensor, in payload order."""
+
+    version: int
+    tensors: tuple[TensorMeta, ...]
+    total_bytes: int
+
+
+def build_manifest(state: Mapping[str, torch.Tensor], version: int) -> Manifest:
+    metas, offset = [], 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+        offset += nbytes
+    return Manifest(version, tuple(metas), offset)
+
+
+def iter_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+                 ) -> Iterator[tuple[bytes, int]]:
+    """Yields (bucket, crc32) slices of the concatenated payload, each at most bucket_bytes long."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
+    pending = bytearray()
+    for t in state.values():
+        view = tensor_bytes(t)
+        start = 0
+        while start < len(view):
+            take = min(bucket_bytes - len(pending), len(view) - start)
+            pending += view[start:start + take]
+            start += take
+            if len(pending) == bucket_bytes:
+                data = bytes(pending)
+                yield data, zlib.crc32(data)
+                pending.clear()
+    if pending:
+        data = bytes(pending)
+        yield data, zlib.crc32(data)
+
+
+@dataclass
+class PayloadAssembler:
+    """Collects buckets of one update and rebuilds its tensors once everything checked out."""
+
+    manifest: Manifest
+    _buffer: bytearray = field(default_factory=bytearray)
+    num_buckets: int = 0
+
+    def __post_init__(self):
+        expected, offset = 0, 0
+        for i, m in enumerate(self.manifest.tensors):
+            if not m.name:
+                raise ValueError(f"manifest.tensors[{i}].name: empty")
+            dtype = dtype_from_name(m.dtype, field=f"manifest.tensors[{i}].dtype ({m.name})")
+            numel = 1
+            for s in m.shape:
+                if s < 0:
+                    raise ValueError(f"manifest.tensors[{i}].shape ({m.name}): negative dimension")
+                numel *= s
+            if m.offset != offset or m.nbytes != numel * torch.empty((), dtype=dtype).element_size():
+                raise ValueError(f"manifest.tensors[{i}] ({m.name}): offset/nbytes do not match its shape and dtype")
+            offset += m.nbytes
+            expected += m.nbytes
+        if expected != self.manifest.total_bytes:
+            raise ValueError(f"manifest.total_bytes: {self.manifest.total_bytes} but tensors add up to {expected}")
+        if len({m.name for m in self.manifest.tensors}) != len(self.manifest.tensors):
+            raise ValueError("manifest.tensors: duplicate tensor names")
+
+    def add(self, data: bytes, crc32: int) -> None:
+        if zlib.crc32(data) != crc32:
+            raise ValueError(f"bucket {self.num_buckets}: checksum mismatch (corrupted payload)")
+        if len(self._buffer) + len(data) > self.manifest.total_bytes:
+            raise ValueError(f"bucket {self.num_buckets}: payload longer than manifest.total_bytes "
+                             f"({self.manifest.total_bytes})")
+        self._buffer += data
+        self.num_buckets += 1
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        if len(self._buffer) != self.manifest.total_bytes:
+            raise ValueError(f"payload truncated: got {len(self._buffer)} of {self.manifest.total_bytes} bytes")
+        view = memoryview(self._buffer)
+        return {m.name: tensor_from_bytes(view[m.offset:m.offset + m.nbytes], dtype_from_name(m.dtype), m.shape,
+                                          field=m.name)
+                for m in self.manifest.tensors}
+
+
+def check_against(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+    """Raises ValueError naming the first tensor whose name, dtype or shape the model does not have.
+
+    Every parameter of the model must be present: a partial update would leave mixed weights.
+    """
+    for name, t in tensors.items():
+        if name not in expected:
+            raise ValueError(f"weights: unknown tensor {name!r}")
+        want = expected[name]
+        if t.dtype != want.dtype:
+            raise ValueError(f"weights: tensor {name!r} has dtype {dtype_name(t.dtype)}, model has "
+                             f"{dtype_name(want.dtype)}")
+        if tuple(t.shape) != tuple(want.shape):
+            raise ValueError(f"weights: tensor {name!r} has shape {list(t.shape)}, model has {list(want.shape)}")
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise ValueError(f"weights: update lacks tensor {missing[0]!r} ({len(missing)} missing)")
+
+
+def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a weight update carries: parameters without tied duplicates, plus persistent buffers."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        out[name] = p
+    return out
+
+
+@torch.no_grad()
+def apply_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copies checked tensors into the model's parameters (call check_against first)."""
+    params = named_weights(model)
+    for name, t in tensors.items():
+        params[name].copy_(t.to(params[name].device))
+
+
+def manifest_to_kwargs(manifest: Manifest) -> dict:
+    return dict(version=manifest.version, total_bytes=manifest.total_bytes,
+                tensors=[dict(name=m.name, dtype=m.dtype, shape=list(m.shape), offset=m.offset, nbytes=m.nbytes)
+                         for m in manifest.tensors])
+
+
+def manifest_from_kwargs(version: int, total_bytes: int, tensors: Iterable) -> Manifest:
+    return Manifest(int(version), tuple(TensorMeta(t.name, t.dtype, tuple(int(s) for s in t.shape), int(t.offset),
+                                                   int(t.nbytes)) for t in tensors), int(total_bytes))

@@ -1,0 +1,13 @@
+"""`python -m services.reference --config FILE [--port N]`: run one reference replica."""
+
+from services.common.launch import serve_main
+from services.reference.engine import ReferenceSettings
+from services.reference.servicer import start
+
+
+def main(argv=None) -> None:
+    serve_main("reference", ReferenceSettings, start, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""gRPC servicer of the reference service: converts and delegates to ReferenceEngine."""
+
+from __future__ import annotations
+
+from meshrl.v1 import reference_pb2, reference_pb2_grpc
+from services.common import convert
+from services.common.server import MeshServer, create_server
+from services.reference.engine import ReferenceEngine, ReferenceSettings
+
+
+class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
+    def __init__(self, engine: ReferenceEngine):
+        self.engine = engine
+
+    async def ComputeLogProbs(self, request, context):
+        batch = convert.sequences_from_pb(request)
+        logprobs = await self.engine.logprobs(batch.prompts, batch.responses, batch.temperature)
+        return convert.logprobs_to_pb(batch.ids, logprobs, weight_version=0)
+
+    async def GetInfo(self, request, context):
+        return convert.info_to_pb("reference", self.engine.model_path, 0, self.engine.info())
+
+
+SERVICE_NAME = reference_pb2.DESCRIPTOR.services_by_name["Reference"].full_name
+
+
+async def start(settings: ReferenceSettings, address: str | None = None) -> tuple[MeshServer, int, ReferenceEngine]:
+    engine = ReferenceEngine(settings)
+    mesh, port = await create_server([(reference_pb2_grpc.add_ReferenceServicer_to_server,
+                                       ReferenceServicer(engine))], [SERVICE_NAME], address=address,
+                                     config=settings.server)
+    return mesh, port, engine
