@@ -138,3 +138,24 @@ def load_config(cls: type[S], path: str | os.PathLike | None = None, *, data: di
         raise ValueError(format_validation_error(e, source)) from None
     finally:
         _YAML_DATA.reset(token)
+
+
+class PoolConfig(Section):
+    """Keys every replicated role's section carries for the coordinator's replica pool.
+
+    The service itself ignores them; they live in its section because users know `rollout.servers`.
+    """
+
+    # Static replica list (host:port); `meshrl up` fills it with the replicas it started.
+    servers: list[str] = Field(default_factory=list)
+    # A DNS name (host:port) that resolves to one address per replica (Kubernetes headless Service).
+    dns: str | None = None
+    # Discover replicas through the Redis registry (they register with a TTL heartbeat).
+    registry: bool = False
+    load_balancer: Literal["round_robin", "least_loaded"] = "round_robin"
+    # Replicas `meshrl up` starts on this machine.
+    replicas: int = Field(1, ge=0, le=64)
+    # Deadline of one call to a replica, seconds.
+    timeout_s: float = Field(300.0, gt=0)
+    # GPUs this role's processes see (CUDA_VISIBLE_DEVICES), e.g. "4,5"; "" = inherit.
+    devices: str = ""

@@ -8,13 +8,13 @@ import logging
 import torch
 from pydantic import Field
 
-from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig
+from services.common.config import MeshSettings, ModelConfig, PoolConfig, ServerConfig
 from services.common.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
 
 log = logging.getLogger("meshrl.reference")
 
 
-class ReferenceConfig(Section):
+class ReferenceConfig(PoolConfig):
     """`reference:` section. The model defaults to `model:` (the initial policy)."""
 
     model_path: str | None = None
