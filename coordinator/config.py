@@ -1,0 +1,129 @@
+"""The run config: every section of a recipe YAML, validated before any service is called."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig
+from services.reference.engine import ReferenceConfig
+from services.reward.engine import RewardConfig
+from services.rollout.engine import RolloutConfig
+from services.trainer.engine import ActorConfig
+
+
+class AlgorithmConfig(Section):
+    """`algorithm:` advantage estimator, KL handling and PPO loss settings (verl's names)."""
+
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = "grpo"
+    # False gives Dr. GRPO's mean-centred advantages.
+    norm_adv_by_std: bool = True
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    whiten_advantages: bool = True
+    # KL as a loss term in the trainer ...
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: Literal["k1", "k2", "k3"] = "k3"
+    # ... or as a per-token reward penalty, fixed or adaptive toward target_kl.
+    use_kl_in_reward: bool = False
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0)
+    target_kl: float = Field(0.1, gt=0)
+    kl_horizon: int = Field(10000, ge=1)
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    # Dual-clip constant c for negative advantages; 0 turns it off.
+    clip_ratio_c: float = Field(3.0, ge=0)
+    entropy_coeff: float = Field(0.0, ge=0)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    ppo_epochs: int = Field(1, ge=1)
+    ppo_mini_batch_size: int = Field(0, ge=0)
+    # Critic (PPO).
+    clip_value: float = Field(0.5, ge=0)
+    # Truncated importance sampling between the rollout engine and the trainer (None = off).
+    tis_cap: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _dual_clip(self):
+        if self.clip_ratio_c and self.clip_ratio_c <= 1:
+            raise ValueError("clip_ratio_c must be > 1 (or 0 to turn dual clip off)")
+        return self
+
+
+class DataConfig(Section):
+    """`data:` where prompts come from and how many per step."""
+
+    train_files: list[str] = Field(default_factory=lambda: ["examples/arith/data/train.jsonl"], min_length=1)
+    heldout_files: list[str] = Field(default_factory=list)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    rollout_batch_size: int = Field(8, ge=1)
+    shuffle: bool = True
+    seed: int = 0
+    max_prompt_length: int | None = Field(None, ge=1)
+    apply_chat_template: bool = False
+    # Held-out prompts evaluated (greedy) before training and after the last step; 0 = all.
+    heldout_size: int = Field(0, ge=0)
+
+
+class TrainerSection(Section):
+    """`trainer:` where the trainer's rank 0 listens, and how `meshrl up` launches it."""
+
+    address: str = ""
+    nproc_per_node: int = Field(1, ge=1)
+    devices: str = ""
+    timeout_s: float = Field(600.0, gt=0)
+
+
+class RunSection(Section):
+    """`run:` length, outputs, checkpoints, async mode, state store."""
+
+    name: str = "run"
+    num_steps: int = Field(10, ge=1)
+    run_dir: str = "runs"
+    seed: int = 0
+    checkpoint_every: int = Field(0, ge=0)
+    # Held-out evaluation every k steps (0 = only before the first and after the last step).
+    eval_every: int = Field(0, ge=0)
+    # Overlap step t+1's generation with step t's update (bounded staleness).
+    async_mode: bool = False
+    max_staleness: int = Field(1, ge=0)
+    # Run state store; empty = in memory (lost with the coordinator).
+    redis_url: str = ""
+    # Seconds between replica re-discovery / health checks.
+    refresh_interval_s: float = Field(5.0, gt=0)
+
+
+class CoordinatorConfig(Section):
+    """`coordinator:` the run API server."""
+
+    address: str = ""
+
+
+class RunConfig(MeshSettings):
+    """A whole recipe. Unknown sections or keys fail with the key named."""
+
+    model_config = MeshSettings.model_config | {"extra": "forbid"}
+
+    model: ModelConfig = ModelConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    reference: ReferenceConfig = ReferenceConfig()
+    actor: ActorConfig = ActorConfig()
+    critic: dict | None = None
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    data: DataConfig = DataConfig()
+    run: RunSection = RunSection()
+    trainer: TrainerSection = TrainerSection()
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    server: ServerConfig = ServerConfig()
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.algorithm.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"

@@ -1,0 +1,155 @@
+"""Typed calls to the services: the coordinator's protobuf edge (messages in, dataclasses out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from meshrl.v1 import (common_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc,
+                       trainer_pb2, trainer_pb2_grpc)
+from coordinator.data import Problem
+
+
+@dataclass
+class Sample:
+    """One generated response and everything the step computes for it."""
+
+    problem: Problem
+    group: int                  # index of its prompt in the batch
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    text: str
+    finish_reason: str
+    weight_version: int
+    reward: float = 0.0
+    components: dict[str, float] = field(default_factory=dict)
+    old_logprobs: list[float] = field(default_factory=list)
+    ref_logprobs: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    returns: list[float] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return f"{self.problem.id}#{self.group}"
+
+
+@dataclass
+class Sampling:
+    n: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    seed: int = 0
+
+    def to_pb(self) -> rollout_pb2.SamplingParams:
+        return rollout_pb2.SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p,
+                                          max_tokens=self.max_tokens, stop=self.stop, seed=self.seed)
+
+
+def rollout_stub(channel):
+    return rollout_pb2_grpc.RolloutStub(channel)
+
+
+def reward_stub(channel):
+    return reward_pb2_grpc.RewardStub(channel)
+
+
+def reference_stub(channel):
+    return reference_pb2_grpc.ReferenceStub(channel)
+
+
+def trainer_stub(channel):
+    return trainer_pb2_grpc.TrainerStub(channel)
+
+
+async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sampling: Sampling) -> list[Sample]:
+    request = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(id=f"{p.id}@{g}", text=p.prompt) for p, g in zip(problems, groups)],
+        sampling=sampling.to_pb())
+    response = await stub.Generate(request)
+    if len(response.responses) != len(problems):
+        raise RuntimeError(f"rollout returned {len(response.responses)} responses for {len(problems)} prompts")
+    samples = []
+    for problem, group, rr in zip(problems, groups, response.responses):
+        if len(rr.samples) != sampling.n:
+            raise RuntimeError(f"rollout returned {len(rr.samples)} samples for prompt {problem.id}, expected "
+                               f"{sampling.n}")
+        for s in rr.samples:
+            samples.append(Sample(problem, group, list(rr.prompt_ids), list(s.response_ids), list(s.logprobs),
+                                  s.text, s.finish_reason, s.weight_version))
+    return samples
+
+
+async def score(stub, samples: Sequence[Sample]) -> list[tuple[float, dict[str, float]]]:
+    request = reward_pb2.ScoreRequest(items=[
+        reward_pb2.ScoreItem(id=s.id, prompt=s.problem.prompt, response=s.text, response_ids=s.response_ids,
+                             ground_truth=s.problem.ground_truth, data_source=s.problem.data_source)
+        for s in samples])
+    response = await stub.Score(request)
+    return [(r.score, dict(r.components)) for r in response.results]
+
+
+def logprobs_request(samples: Sequence[Sample], temperature: float = 1.0) -> common_pb2.LogProbsRequest:
+    return common_pb2.LogProbsRequest(
+        sequences=[common_pb2.TokenSequence(id=str(i), prompt_ids=s.prompt_ids, response_ids=s.response_ids)
+                   for i, s in enumerate(samples)], temperature=temperature)
+
+
+async def logprobs(stub, samples: Sequence[Sample], temperature: float = 1.0) -> list[list[float]]:
+    response = await stub.ComputeLogProbs(logprobs_request(samples, temperature))
+    return [list(r.logprobs) for r in response.results]
+
+
+async def values(stub, samples: Sequence[Sample]) -> list[list[float]]:
+    request = trainer_pb2.ValuesRequest(sequences=logprobs_request(samples).sequences)
+    response = await stub.ComputeValues(request)
+    return [list(r.values) for r in response.results]
+
+
+async def train_actor(stub, samples: Sequence[Sample], loss: dict) -> tuple[int, dict[str, float]]:
+    request = trainer_pb2.TrainActorRequest(
+        samples=[trainer_pb2.TrainSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
+                                         advantages=s.advantages, old_logprobs=s.old_logprobs,
+                                         ref_logprobs=s.ref_logprobs) for s in samples],
+        loss=trainer_pb2.ActorLoss(**loss))
+    response = await stub.TrainActor(request)
+    return response.step, dict(response.metrics)
+
+
+async def train_critic(stub, samples: Sequence[Sample], *, clip_value: float, ppo_epochs: int,
+                       mini_batch_size: int) -> dict[str, float]:
+    request = trainer_pb2.TrainCriticRequest(
+        samples=[trainer_pb2.CriticSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, returns=s.returns,
+                                          old_values=s.values) for s in samples],
+        clip_value=clip_value, ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size)
+    response = await stub.TrainCritic(request)
+    return dict(response.metrics)
+
+
+@dataclass
+class PushOutcome:
+    version: int
+    num_bytes: int
+    seconds: float
+    failed: dict[str, str]
+
+
+async def push_weights(stub, targets: Sequence[str]) -> PushOutcome:
+    response = await stub.PushWeights(trainer_pb2.PushWeightsRequest(targets=list(targets)))
+    return PushOutcome(response.weight_version, response.num_bytes, response.seconds,
+                       {r.target: r.error for r in response.results if not r.ok})
+
+
+async def info(stub) -> common_pb2.ServiceInfo:
+    return await stub.GetInfo(common_pb2.GetInfoRequest())
+
+
+async def save_checkpoint(stub, path: str) -> trainer_pb2.CheckpointResponse:
+    return await stub.SaveCheckpoint(trainer_pb2.CheckpointRequest(path=path))
+
+
+async def load_checkpoint(stub, path: str) -> trainer_pb2.CheckpointResponse:
+    return await stub.LoadCheckpoint(trainer_pb2.CheckpointRequest(path=path))

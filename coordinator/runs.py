@@ -1,0 +1,223 @@
+"""Run manager: starts, steps, pauses, stops and resumes runs, keeping their state in the store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+
+import yaml
+
+from coordinator import loop, phases, remote
+from coordinator.config import RunConfig
+from coordinator.store import UNFINISHED, RunRecord, RunStore
+from services.common.config import load_config
+from services.common.errors import FailedPrecondition, NotFound
+
+log = logging.getLogger("meshrl.runs")
+
+
+def parse_run_config(text: str) -> RunConfig:
+    """YAML/JSON text -> RunConfig; ValueError names the bad key."""
+    try:
+        data = yaml.safe_load(text) if text.strip() else {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"config: invalid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError("config: top level must be a mapping of sections")
+    return load_config(RunConfig, data=data)
+
+
+class RunManager:
+    """Owns the asyncio task of every active run; the gRPC servicer and tests call it directly."""
+
+    def __init__(self, store: RunStore, registry=None):
+        self.store = store
+        self.registry = registry
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.contexts: dict[str, phases.RunContext] = {}
+        self._changed: dict[str, asyncio.Condition] = {}
+
+    def _cond(self, run_id: str) -> asyncio.Condition:
+        return self._changed.setdefault(run_id, asyncio.Condition())
+
+    async def _notify(self, run_id: str) -> None:
+        cond = self._cond(run_id)
+        async with cond:
+            cond.notify_all()
+
+    async def start_run(self, config_text: str, run_id: str = "") -> str:
+        cfg = parse_run_config(config_text)
+        run_id = run_id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        if await self.store.get(run_id):
+            raise ValueError(f"run_id: run {run_id!r} already exists")
+        # Connect before accepting, so an unreachable server list fails StartRun itself.
+        ctx = await phases.open_context(run_id, cfg, registry=self.registry)
+        record = RunRecord(run_id=run_id, config=config_text, state="RUNNING", num_steps=cfg.run.num_steps,
+                           run_dir=str(ctx.run_dir))
+        await self.store.put(record)
+        self._launch(record, ctx)
+        return run_id
+
+    def _launch(self, record: RunRecord, ctx: phases.RunContext) -> None:
+        self.contexts[record.run_id] = ctx
+        self.tasks[record.run_id] = asyncio.create_task(self._drive(record.run_id, ctx))
+
+    async def resume_unfinished(self) -> list[str]:
+        """After a coordinator restart: continue every unfinished run from its last completed step."""
+        resumed = []
+        for record in await self.store.list():
+            if record.state not in UNFINISHED or record.run_id in self.tasks:
+                continue
+            cfg = parse_run_config(record.config)
+            ctx = await phases.open_context(record.run_id, cfg, registry=self.registry,
+                                            position=record.data_position)
+            ctx.step, ctx.weight_version = record.step, record.weight_version
+            info = await remote.info(ctx.trainer)
+            if info.weight_version != record.weight_version:
+                if record.checkpoint_path:
+                    await remote.load_checkpoint(ctx.trainer, record.checkpoint_path)
+                else:
+                    log.warning("run %s: trainer is at weight version %d, run state at %d and no checkpoint",
+                                record.run_id, info.weight_version, record.weight_version)
+            log.info("resuming run %s at step %d (data position %d)", record.run_id, record.step,
+                     record.data_position)
+            self._launch(record, ctx)
+            resumed.append(record.run_id)
+        return resumed
+
+    async def _drive(self, run_id: str, ctx: phases.RunContext) -> None:
+        try:
+            await self._drive_steps(run_id, ctx)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the run fails with its reason, the coordinator keeps serving
+            log.exception("run %s failed", run_id)
+            record = await self.store.get(run_id)
+            record.state, record.message = "FAILED", f"{type(e).__name__}: {e}"
+            await self.store.put(record)
+        finally:
+            await ctx.close()
+            self.contexts.pop(run_id, None)
+            self.tasks.pop(run_id, None)
+            await self._notify(run_id)
+
+    async def _drive_steps(self, run_id: str, ctx: phases.RunContext) -> None:
+        cfg = ctx.cfg
+        record = await self.store.get(run_id)
+        started = time.time()
+        if record.step == 0 and "heldout_accuracy_before" not in record.last_metrics:
+            acc = await phases.evaluate(ctx)
+            record.last_metrics = {"heldout_accuracy_before": acc}
+            await self._record(record, {"step": 0, "heldout_accuracy": acc})
+        while ctx.step < cfg.run.num_steps:
+            record = await self.store.get(run_id)
+            if record.command == "stop":
+                record.state, record.command = "STOPPED", ""
+                await self.store.put(record)
+                return
+            if record.command == "pause" or record.state == "PAUSED":
+                if record.state != "PAUSED":
+                    record.state = "PAUSED"
+                    await self.store.put(record)
+                    await self._notify(run_id)
+                await asyncio.sleep(0.2)
+                continue
+            metrics = await loop.rl_step(ctx)
+            if cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0 and ctx.step < cfg.run.num_steps:
+                metrics["heldout_accuracy"] = await phases.evaluate(ctx)
+            record = await self.store.get(run_id)
+            if cfg.run.checkpoint_every and ctx.step % cfg.run.checkpoint_every == 0:
+                path = str(ctx.run_dir / "checkpoints" / f"step_{ctx.step}")
+                await remote.save_checkpoint(ctx.trainer, path)
+                record.checkpoint_path = path
+            record.step, record.weight_version, record.data_position = ctx.step, ctx.weight_version, \
+                ctx.data.position
+            await self._record(record, {"step": ctx.step, **metrics})
+        record = await self.store.get(run_id)
+        acc = await phases.evaluate(ctx)
+        summary = write_summary(ctx, record, acc, time.time() - started)
+        record.state = "COMPLETED"
+        record.last_metrics = {**record.last_metrics, "heldout_accuracy_after": acc,
+                               "heldout_accuracy_before": summary["heldout_accuracy_before"]}
+        await self._record(record, {"step": ctx.step, "heldout_accuracy": acc, "final": 1.0})
+
+    async def _record(self, record: RunRecord, metrics: dict) -> None:
+        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics["timestamp"] = time.time()
+        record.last_metrics = {**record.last_metrics, **{k: v for k, v in metrics.items() if math.isfinite(v)}}
+        await self.store.append_metrics(record.run_id, metrics)
+        await self.store.put(record)
+        ctx = self.contexts.get(record.run_id)
+        if ctx is not None:
+            phases.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)
+        await self._notify(record.run_id)
+
+    async def get(self, run_id: str) -> RunRecord:
+        record = await self.store.get(run_id)
+        if record is None:
+            raise NotFound(f"run_id: no run {run_id!r}")
+        return record
+
+    async def command(self, run_id: str, command: str) -> RunRecord:
+        record = await self.get(run_id)
+        if record.state not in UNFINISHED:
+            raise FailedPrecondition(f"run {run_id!r} is {record.state}; cannot {command}")
+        if command == "resume":
+            if record.state != "PAUSED" and record.command != "pause":
+                raise FailedPrecondition(f"run {run_id!r} is not paused")
+            record.command, record.state = "", "RUNNING"
+        else:
+            record.command = command
+        await self.store.put(record)
+        await self._notify(run_id)
+        return record
+
+    async def wait_for_change(self, run_id: str, timeout: float) -> None:
+        cond = self._cond(run_id)
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    async def metrics(self, run_id: str, from_step: int = 0) -> list[dict]:
+        await self.get(run_id)
+        return await self.store.metrics(run_id, from_step)
+
+    async def close(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        for task in list(self.tasks.values()):
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        await self.store.close()
+
+
+def write_summary(ctx: phases.RunContext, record: RunRecord, accuracy_after: float, seconds: float) -> dict:
+    history = []
+    path = ctx.run_dir / "metrics.jsonl"
+    if path.exists():
+        history = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    before = next((m["heldout_accuracy"] for m in history if m["step"] == 0 and "heldout_accuracy" in m),
+                  float("nan"))
+    steps = [m for m in history if "reward_mean" in m]
+    phase_totals: dict[str, float] = {}
+    for m in steps:
+        for k, v in m.items():
+            if k.startswith("time/") and k != "time/step":
+                phase_totals[k[5:]] = phase_totals.get(k[5:], 0.0) + v
+    total = sum(m.get("time/step", 0.0) for m in steps) or 1.0
+    summary = {
+        "run_id": ctx.run_id, "steps": len(steps), "seconds": seconds,
+        "heldout_accuracy_before": before, "heldout_accuracy_after": accuracy_after,
+        "reward_curve": [m["reward_mean"] for m in steps],
+        "phase_time_shares": {k: v / total for k, v in sorted(phase_totals.items())},
+    }
+    (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,147 @@
+"""Coordinator gRPC service: the run API over RunManager, plus `python -m coordinator` to serve it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pydantic import Field
+
+from coordinator.runs import RunManager
+from coordinator.store import RunRecord, open_store
+from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
+from services.common.config import MeshSettings, Section, ServerConfig
+from services.common.server import MeshServer, create_server
+
+log = logging.getLogger("meshrl.coordinator")
+
+STATES = {name: getattr(coordinator_pb2, f"RUN_STATE_{name}") for name in
+          ("PENDING", "RUNNING", "PAUSED", "COMPLETED", "FAILED", "STOPPED")}
+
+
+class CoordinatorRunSection(Section):
+    """The parts of `run:` the coordinator process itself reads (the rest belongs to each run)."""
+
+    model_config = Section.model_config | {"extra": "ignore"}
+    redis_url: str = ""
+    resume: bool = Field(True, description="resume unfinished runs found in the store at start-up")
+
+
+class CoordinatorSettings(MeshSettings):
+    run: CoordinatorRunSection = CoordinatorRunSection()
+    server: ServerConfig = ServerConfig()
+
+
+def record_to_pb(r: RunRecord) -> coordinator_pb2.RunStatus:
+    return coordinator_pb2.RunStatus(run_id=r.run_id, state=STATES[r.state], step=r.step, num_steps=r.num_steps,
+                                     weight_version=r.weight_version, data_position=r.data_position,
+                                     checkpoint_path=r.checkpoint_path, message=r.message, run_dir=r.run_dir,
+                                     last_metrics=r.last_metrics)
+
+
+def metrics_to_pb(run_id: str, m: dict) -> coordinator_pb2.StepMetrics:
+    return coordinator_pb2.StepMetrics(run_id=run_id, step=int(m["step"]), timestamp=m.get("timestamp", 0.0),
+                                       metrics={k: v for k, v in m.items() if k not in ("step", "timestamp")})
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, manager: RunManager):
+        self.manager = manager
+
+    async def StartRun(self, request, context):
+        return coordinator_pb2.StartRunResponse(run_id=await self.manager.start_run(request.config, request.run_id))
+
+    async def GetRun(self, request, context):
+        return record_to_pb(await self.manager.get(request.run_id))
+
+    async def ListRuns(self, request, context):
+        return coordinator_pb2.ListRunsResponse(runs=[record_to_pb(r) for r in await self.manager.store.list()])
+
+    async def StreamMetrics(self, request, context):
+        # Metric records are append-only, so an index into the list is a cursor.
+        sent = 0
+        while True:
+            records = await self.manager.metrics(request.run_id, request.from_step)
+            for m in records[sent:]:
+                yield metrics_to_pb(request.run_id, m)
+            sent = len(records)
+            record = await self.manager.get(request.run_id)
+            if record.state in ("COMPLETED", "FAILED", "STOPPED") and request.run_id not in self.manager.tasks:
+                for m in (await self.manager.metrics(request.run_id, request.from_step))[sent:]:
+                    yield metrics_to_pb(request.run_id, m)
+                return
+            await self.manager.wait_for_change(request.run_id, timeout=1.0)
+
+    async def PauseRun(self, request, context):
+        return record_to_pb(await self.manager.command(request.run_id, "pause"))
+
+    async def ResumeRun(self, request, context):
+        return record_to_pb(await self.manager.command(request.run_id, "resume"))
+
+    async def StopRun(self, request, context):
+        return record_to_pb(await self.manager.command(request.run_id, "stop"))
+
+    async def SaveCheckpoint(self, request, context):
+        from coordinator import remote
+
+        record = await self.manager.get(request.run_id)
+        ctx = self.manager.contexts.get(request.run_id)
+        if ctx is None:
+            from services.common.errors import FailedPrecondition
+
+            raise FailedPrecondition(f"run {request.run_id!r} is not active")
+        path = str(ctx.run_dir / "checkpoints" / f"step_{ctx.step}")
+        await remote.save_checkpoint(ctx.trainer, path)
+        record = await self.manager.get(request.run_id)
+        record.checkpoint_path = path
+        await self.manager.store.put(record)
+        return record_to_pb(record)
+
+    async def ListServices(self, request, context):
+        replicas = []
+        contexts = ([self.manager.contexts[request.run_id]] if request.run_id in self.manager.contexts
+                    else list(self.manager.contexts.values())[:1])
+        for ctx in contexts:
+            for pool in (ctx.rollout, ctx.reward, ctx.reference):
+                if pool is None:
+                    continue
+                for rep in pool.replicas.values():
+                    replicas.append(coordinator_pb2.ReplicaStatus(pool=pool.role, address=rep.address,
+                                                                  healthy=rep.healthy,
+                                                                  weight_version=max(rep.weight_version, 0),
+                                                                  load=rep.load))
+        return coordinator_pb2.ListServicesResponse(replicas=replicas)
+
+
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+class CoordinatorEngine:
+    """What `start` returns: the manager plus its shutdown."""
+
+    def __init__(self, manager: RunManager):
+        self.manager = manager
+
+    async def close(self) -> None:
+        await self.manager.close()
+
+
+async def start(settings: CoordinatorSettings, address: str | None = None
+                ) -> tuple[MeshServer, int, CoordinatorEngine]:
+    registry = None
+    if settings.run.redis_url:
+        from coordinator.registry import Registry
+
+        registry = Registry(settings.run.redis_url)
+    manager = RunManager(open_store(settings.run.redis_url), registry=registry)
+    mesh, port = await create_server([(coordinator_pb2_grpc.add_CoordinatorServicer_to_server,
+                                       CoordinatorServicer(manager))], [SERVICE_NAME], address=address,
+                                     config=settings.server)
+    if settings.run.resume:
+        try:
+            resumed = await manager.resume_unfinished()
+            if resumed:
+                log.info("resumed runs: %s", resumed)
+        except Exception:  # noqa: BLE001 - a run that cannot resume must not stop the API from serving
+            log.exception("could not resume unfinished runs")
+    return mesh, port, CoordinatorEngine(manager)

@@ -1,0 +1,128 @@
+"""Run state stores: in memory (the embedded default) or Redis (survives a coordinator restart)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+RUN_STATES = ("PENDING", "RUNNING", "PAUSED", "COMPLETED", "FAILED", "STOPPED")
+UNFINISHED = ("PENDING", "RUNNING", "PAUSED")
+
+
+@dataclass
+class RunRecord:
+    """Everything needed to resume a run: config, step, data position, weight version, checkpoint, status."""
+
+    run_id: str
+    config: str                      # the YAML text it was started with (addresses filled in)
+    state: str = "PENDING"
+    step: int = 0
+    num_steps: int = 0
+    weight_version: int = 0
+    data_position: int = 0
+    checkpoint_path: str = ""
+    message: str = ""
+    run_dir: str = ""
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    last_metrics: dict = field(default_factory=dict)
+    # Commands from the run API, read between steps: "", "pause", "stop".
+    command: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunRecord":
+        return cls(**json.loads(text))
+
+
+class RunStore(Protocol):
+    async def put(self, record: RunRecord) -> None: ...
+    async def get(self, run_id: str) -> RunRecord | None: ...
+    async def list(self) -> list[RunRecord]: ...
+    async def append_metrics(self, run_id: str, record: dict) -> None: ...
+    async def metrics(self, run_id: str, from_step: int = 0) -> list[dict]: ...
+    async def close(self) -> None: ...
+
+
+class MemoryStore:
+    """Run state in this process; lost when the coordinator stops."""
+
+    def __init__(self):
+        self._runs: dict[str, str] = {}
+        self._metrics: dict[str, list[dict]] = {}
+        self._lock = asyncio.Lock()
+
+    async def put(self, record: RunRecord) -> None:
+        record.updated_at = time.time()
+        self._runs[record.run_id] = record.to_json()
+
+    async def get(self, run_id: str) -> RunRecord | None:
+        text = self._runs.get(run_id)
+        return RunRecord.from_json(text) if text else None
+
+    async def list(self) -> list[RunRecord]:
+        return [RunRecord.from_json(t) for t in self._runs.values()]
+
+    async def append_metrics(self, run_id: str, record: dict) -> None:
+        self._metrics.setdefault(run_id, []).append(record)
+
+    async def metrics(self, run_id: str, from_step: int = 0) -> list[dict]:
+        return [m for m in self._metrics.get(run_id, []) if m["step"] >= from_step]
+
+    async def close(self) -> None:
+        pass
+
+
+class RedisStore:
+    """Run state in Redis: a JSON record per run and a list of per-step metric records.
+
+    Durability is Redis's own: with AOF or RDB persistence on, state survives a Redis restart.
+    """
+
+    def __init__(self, url: str, prefix: str = "meshrl"):
+        import redis.asyncio as aioredis
+
+        self._redis = aioredis.from_url(url, decode_responses=True)
+        self._prefix = prefix
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self._prefix, *parts))
+
+    async def put(self, record: RunRecord) -> None:
+        record.updated_at = time.time()
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._key("run", record.run_id), record.to_json())
+            pipe.sadd(self._key("runs"), record.run_id)
+            await pipe.execute()
+
+    async def get(self, run_id: str) -> RunRecord | None:
+        text = await self._redis.get(self._key("run", run_id))
+        return RunRecord.from_json(text) if text else None
+
+    async def list(self) -> list[RunRecord]:
+        ids = sorted(await self._redis.smembers(self._key("runs")))
+        out = []
+        for run_id in ids:
+            rec = await self.get(run_id)
+            if rec:
+                out.append(rec)
+        return out
+
+    async def append_metrics(self, run_id: str, record: dict) -> None:
+        await self._redis.rpush(self._key("run", run_id, "metrics"), json.dumps(record))
+
+    async def metrics(self, run_id: str, from_step: int = 0) -> list[dict]:
+        items = await self._redis.lrange(self._key("run", run_id, "metrics"), 0, -1)
+        return [m for m in map(json.loads, items) if m["step"] >= from_step]
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def open_store(url: str) -> RunStore:
+    return RedisStore(url) if url else MemoryStore()
