@@ -1,0 +1,180 @@
+"""Rule-based reward functions and their registry (exact match, GSM8K, boxed answers, format, length).
+
+Every function is called as `fn(*, prompt, response, response_ids, ground_truth, data_source, **params)`
+and returns a float; `params` are the component's `params:` from the config. A bad param raises
+ValueError naming it; the engine calls each built-in once on an empty sample at start, so a typo in a
+regex or a negative length fails when the service starts, not mid-run.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Any, Protocol, Sequence
+
+
+class RewardFn(Protocol):
+    def __call__(self, *, prompt: str, response: str, response_ids: Sequence[int], ground_truth: str,
+                 data_source: str, **params: Any) -> float: ...
+
+
+# The keyword arguments every reward function (built-in or user) is called with.
+SAMPLE_KWARGS = ("prompt", "response", "response_ids", "ground_truth", "data_source")
+
+# A plain decimal number: optional sign, digits with an optional fraction, optional exponent.
+_NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
+_NUMBER_RE = re.compile(_NUMBER)
+_GSM8K_RE = re.compile(r"####\s*\$?\s*([+-]?[\d,]*\.?\d+)")
+_FLEXIBLE_NUMBER_RE = re.compile(r"[+-]?\d[\d,]*(?:\.\d+)?|[+-]?\.\d+")
+
+
+def parse_number(text: str) -> Decimal | None:
+    """`" +82.0 "` -> Decimal('82.0'); None unless the whole (stripped) text is one finite number."""
+    text = text.strip()
+    if not _NUMBER_RE.fullmatch(text):
+        return None
+    try:
+        return Decimal(text)
+    except InvalidOperation:  # pragma: no cover - the regex admits only valid decimals
+        return None
+
+
+def answers_equal(a: str, b: str) -> bool:
+    """Equal after stripping whitespace; two numbers compare by value ("82" == "+82" == "82.0")."""
+    a, b = a.strip(), b.strip()
+    if a == b:
+        return True
+    na, nb = parse_number(a), parse_number(b)
+    return na is not None and nb is not None and na == nb
+
+
+def exact_match(*, prompt: str, response: str, response_ids: Sequence[int], ground_truth: str,
+                data_source: str, **_: Any) -> float:
+    """1.0 when the response is the ground truth (whitespace stripped, numbers compared by value)."""
+    return 1.0 if answers_equal(response, ground_truth) else 0.0
+
+
+def _gsm8k_answer(text: str) -> str | None:
+    """The number after the last `####` (commas and `$` dropped), or None when there is none."""
+    found = _GSM8K_RE.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def gsm8k(*, prompt: str, response: str, response_ids: Sequence[int], ground_truth: str, data_source: str,
+          mode: str = "strict", format_score: float = 0.0, score: float = 1.0, **_: Any) -> float:
+    """GSM8K's `#### answer` convention: `score` when the last number after `####` equals the ground truth.
+
+    The ground truth may be a full GSM8K solution (its `####` answer is used) or the bare answer.
+    `mode: flexible` falls back to the last number anywhere in the response when it has no `####`.
+    `format_score` is given to a well-formed but wrong answer (verl's convention; 0 by default).
+    """
+    if mode not in ("strict", "flexible"):
+        raise ValueError(f"params.mode: must be 'strict' or 'flexible', got {mode!r}")
+    expected = _gsm8k_answer(ground_truth)
+    if expected is None:
+        expected = ground_truth.strip().replace(",", "")
+    got = _gsm8k_answer(response)
+    if got is None and mode == "flexible":
+        numbers = _FLEXIBLE_NUMBER_RE.findall(response)
+        got = numbers[-1].replace(",", "") if numbers else None
+    if got is None:
+        return 0.0
+    return float(score) if answers_equal(got, expected) else float(format_score)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), nested braces included; None if absent/unclosed."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None
+
+
+def _normalise_math(text: str) -> str:
+    """Drops what does not change a short math answer: spaces, `$`, `\\left`/`\\right`, a trailing period."""
+    text = text.replace("\\left", "").replace("\\right", "").replace("$", "")
+    text = re.sub(r"\s+", "", text)
+    return text.rstrip(".")
+
+
+def boxed(*, prompt: str, response: str, response_ids: Sequence[int], ground_truth: str, data_source: str,
+          format_score: float = 0.0, score: float = 1.0, **_: Any) -> float:
+    """`score` when the last `\\boxed{}` of the response equals the ground truth (itself boxed or bare)."""
+    got = last_boxed(response)
+    if got is None:
+        return 0.0
+    expected = last_boxed(ground_truth)
+    expected = ground_truth if expected is None else expected
+    return float(score) if answers_equal(_normalise_math(got), _normalise_math(expected)) else float(format_score)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(pattern: str, dotall: bool, ignore_case: bool) -> re.Pattern:
+    flags = (re.DOTALL if dotall else 0) | (re.IGNORECASE if ignore_case else 0)
+    try:
+        return re.compile(pattern, flags)
+    except re.error as e:
+        raise ValueError(f"params.pattern: invalid regular expression {pattern!r}: {e}") from None
+
+
+def format_reward(*, prompt: str, response: str, response_ids: Sequence[int], ground_truth: str, data_source: str,
+           pattern: str | None = None, match: str = "fullmatch", dotall: bool = True, ignore_case: bool = False,
+           strip: bool = True, **_: Any) -> float:
+    """1.0 when the response matches `pattern` (`match: fullmatch` the whole response, or `search` anywhere).
+
+    Example: `pattern: "<think>.*</think>\\s*<answer>.*</answer>"` rewards the R1 output format.
+    """
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError("params.pattern: required, a regular expression")
+    if match not in ("fullmatch", "search"):
+        raise ValueError(f"params.match: must be 'fullmatch' or 'search', got {match!r}")
+    regex = _compile(pattern, bool(dotall), bool(ignore_case))
+    text = response.strip() if strip else response
+    found = regex.fullmatch(text) if match == "fullmatch" else regex.search(text)
+    return 1.0 if found else 0.0
+
+
+def length_penalty(*, prompt: str, response: str, response_ids: Sequence[int], ground_truth: str,
+                   data_source: str, max_length: int | None = None, target: int = 0, scale: float = 1.0,
+                   unit: str = "tokens", **_: Any) -> float:
+    """A penalty in [-scale, 0]: 0 up to `target`, falling linearly to -scale at `max_length` and beyond.
+
+    With `target = max_length - buffer` this is DAPO's soft overlong punishment. Length is counted in
+    response tokens (`unit: tokens`, the default) or characters (`unit: chars`).
+    """
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
+        raise ValueError(f"params.max_length: required, a positive integer, got {max_length!r}")
+    if not isinstance(target, int) or not 0 <= target < max_length:
+        raise ValueError(f"params.target: must be an integer in [0, max_length={max_length}), got {target!r}")
+    if unit not in ("tokens", "chars"):
+        raise ValueError(f"params.unit: must be 'tokens' or 'chars', got {unit!r}")
+    if scale < 0:
+        raise ValueError(f"params.scale: must be >= 0, got {scale!r}")
+    if unit == "tokens":
+        if response and not response_ids:
+            raise ValueError("response_ids: empty, but length_penalty counts tokens (set params.unit: chars "
+                             "to count characters)")
+        length = len(response_ids)
+    else:
+        length = len(response)
+    excess = min(1.0, max(0.0, (length - target) / (max_length - target)))
+    return -float(scale) * excess
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "gsm8k": gsm8k,
+    "boxed": boxed,
+    "format": format_reward,
+    "length_penalty": length_penalty,
+}
