@@ -1,0 +1,74 @@
+"""Protobuf <-> dataclass conversions of the rollout service (the only place rollout_pb2 is touched)."""
+
+from __future__ import annotations
+
+from meshrl.v1 import common_pb2, rollout_pb2
+from services.common.weights import Manifest, manifest_from_kwargs
+from services.rollout.engine import (GenerateBatch, PromptInput, PromptResult, RolloutConfig, SampleResult,
+                                     SamplingParams)
+
+
+def sampling_from_pb(pb: rollout_pb2.SamplingParams | None, defaults: RolloutConfig) -> SamplingParams:
+    """Unset (0 / empty) fields take the replica's `rollout:` defaults, except temperature: 0 is greedy.
+
+    With no SamplingParams message at all, every field (temperature included) is the default.
+    """
+    if pb is None:
+        return SamplingParams(n=defaults.n, temperature=defaults.temperature, top_p=defaults.top_p,
+                              max_tokens=defaults.max_tokens, stop=list(defaults.stop), seed=defaults.seed)
+    return SamplingParams(
+        n=pb.n if pb.n != 0 else defaults.n,
+        temperature=pb.temperature,
+        top_p=pb.top_p if pb.top_p != 0 else 1.0,
+        max_tokens=pb.max_tokens if pb.max_tokens != 0 else defaults.max_tokens,
+        stop=list(pb.stop) if pb.stop else list(defaults.stop),
+        seed=pb.seed if pb.seed != 0 else defaults.seed)
+
+
+def request_from_pb(request: rollout_pb2.GenerateRequest, defaults: RolloutConfig) -> GenerateBatch:
+    sampling = request.sampling if request.HasField("sampling") else None
+    return GenerateBatch(prompts=[PromptInput(id=p.id, text=p.text, prompt_ids=list(p.prompt_ids))
+                                  for p in request.prompts],
+                         sampling=sampling_from_pb(sampling, defaults))
+
+
+def sampling_to_pb(p: SamplingParams) -> rollout_pb2.SamplingParams:
+    return rollout_pb2.SamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens,
+                                      stop=p.stop, seed=p.seed or 0)
+
+
+def request_to_pb(batch: GenerateBatch) -> rollout_pb2.GenerateRequest:
+    return rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(id=p.id, text=p.text, prompt_ids=p.prompt_ids) for p in batch.prompts],
+        sampling=sampling_to_pb(batch.sampling))
+
+
+def sample_to_pb(s: SampleResult) -> rollout_pb2.Sample:
+    return rollout_pb2.Sample(response_ids=s.response_ids, logprobs=s.logprobs, text=s.text,
+                              finish_reason=s.finish_reason, weight_version=s.weight_version)
+
+
+def results_to_pb(results: list[PromptResult]) -> rollout_pb2.GenerateResponse:
+    return rollout_pb2.GenerateResponse(responses=[
+        rollout_pb2.RolloutResponse(prompt_id=r.prompt_id, prompt_ids=r.prompt_ids,
+                                    samples=[sample_to_pb(s) for s in r.samples])
+        for r in results])
+
+
+def results_from_pb(response: rollout_pb2.GenerateResponse) -> list[PromptResult]:
+    return [PromptResult(prompt_id=r.prompt_id, prompt_ids=list(r.prompt_ids),
+                         samples=[SampleResult(response_ids=list(s.response_ids), logprobs=list(s.logprobs),
+                                               text=s.text, finish_reason=s.finish_reason,
+                                               weight_version=s.weight_version) for s in r.samples])
+            for r in response.responses]
+
+
+def manifest_from_pb(pb: common_pb2.WeightManifest) -> Manifest:
+    return manifest_from_kwargs(pb.version, pb.total_bytes, pb.tensors)
+
+
+def manifest_to_pb(m: Manifest) -> common_pb2.WeightManifest:
+    return common_pb2.WeightManifest(
+        version=m.version, total_bytes=m.total_bytes,
+        tensors=[common_pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), offset=t.offset,
+                                       nbytes=t.nbytes) for t in m.tensors])

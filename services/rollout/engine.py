@@ -1,0 +1,465 @@
+"""Rollout engines: n samples per prompt with per-token log-probs, and all-or-nothing weight swaps.
+
+`RolloutEngine` is the interface the servicer talks to; `TorchEngine` runs a Hugging Face causal LM
+with its own batched decode loop (left padding, KV cache) so that every sampled token's log-prob is
+the raw-model log-prob the trainer will recompute. Other engines (vLLM, OpenAI proxy) live beside it.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterable, Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, field_validator
+
+from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig
+from services.common.modeling import batched_logprobs, load_causal_lm, load_tokenizer, set_threads, \
+    validate_sequences
+from services.common.weights import Manifest, PayloadAssembler, apply_weights, check_against, named_weights
+
+log = logging.getLogger("meshrl.rollout")
+
+
+class RolloutConfig(Section):
+    """`rollout:` section: the engine and the default sampling settings of a replica."""
+
+    engine: Literal["torch", "vllm", "openai"] = "torch"
+    # Defaults for requests that leave a sampling field unset (0 / empty in the proto).
+    n: int = Field(1, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(16, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = None
+    # Rows (prompts x samples) decoded together; larger requests run in several chunks.
+    max_batch_size: int = Field(64, ge=1)
+    # Prompt + response token limit; None = the model's max_position_embeddings.
+    max_model_len: int | None = Field(None, ge=2)
+    # Micro-batch token budget of ComputeLogProbs.
+    logprobs_token_budget: int = Field(16384, ge=1)
+    # OpenAI-compatible HTTP API port (0 = any free port); None = no HTTP API.
+    http_port: int | None = Field(None, ge=0, le=65535)
+    # engine "openai": base URL of the OpenAI-compatible server to proxy (http://host:port/v1).
+    server_url: str | None = None
+    # engine "openai": model name sent upstream; None = model.path.
+    served_model_name: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+
+class RolloutSettings(MeshSettings):
+    model: ModelConfig = ModelConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    server: ServerConfig = ServerConfig()
+
+
+# --------------------------------------------------------------------------------------------------
+# Requests and results (what convert.py maps the protobuf messages to)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one batch; already resolved against the replica's defaults."""
+
+    n: int = 1
+    temperature: float = 1.0     # 0 = greedy
+    top_p: float = 1.0           # nucleus mass in (0, 1]
+    max_tokens: int = 16         # new tokens per sample
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None      # None = unseeded
+
+
+@dataclass
+class PromptInput:
+    """One prompt: token ids take precedence over text (which needs a tokenizer)."""
+
+    id: str = ""
+    text: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class GenerateBatch:
+    prompts: list[PromptInput]
+    sampling: SamplingParams
+
+
+@dataclass
+class SampleResult:
+    """One generated sample; logprobs are under the raw model distribution (no temperature/top_p)."""
+
+    response_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str           # "stop" (eos or a stop string) or "length"
+    weight_version: int
+
+
+@dataclass
+class PromptResult:
+    prompt_id: str
+    prompt_ids: list[int]
+    samples: list[SampleResult]
+
+
+def validate_sampling(p: SamplingParams) -> None:
+    """Bad sampling settings are ValueErrors naming the field."""
+    if p.n < 1:
+        raise ValueError(f"sampling.n: must be >= 1, got {p.n}")
+    if not p.temperature >= 0:  # also catches NaN
+        raise ValueError(f"sampling.temperature: must be >= 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise ValueError(f"sampling.top_p: must be in (0, 1], got {p.top_p}")
+    if p.max_tokens < 1:
+        raise ValueError(f"sampling.max_tokens: must be >= 1, got {p.max_tokens}")
+    if any(s == "" for s in p.stop):
+        raise ValueError("sampling.stop: stop strings must not be empty")
+
+
+class RolloutEngine(abc.ABC):
+    """What every rollout engine offers the servicer (and the HTTP API)."""
+
+    model_path: str
+    weight_version: int = 0
+    tokenizer = None
+
+    @abc.abstractmethod
+    async def generate(self, batch: GenerateBatch) -> list[PromptResult]:
+        """n samples for every prompt, one PromptResult per prompt in order."""
+
+    @abc.abstractmethod
+    async def logprobs(self, prompts: list[list[int]], responses: list[list[int]],
+                       temperature: float = 1.0) -> tuple[list[list[float]], int]:
+        """Per-token log-probs of each response and the weight version that computed them."""
+
+    @abc.abstractmethod
+    def info(self) -> dict:
+        """Engine, limits, device and dtype for GetInfo."""
+
+    @abc.abstractmethod
+    async def update_weights(self, manifest: Manifest, buckets: AsyncIterable[tuple[bytes, int]]) -> dict:
+        """Applies a whole update or nothing; returns {weight_version, num_bytes, seconds}."""
+
+    async def close(self) -> None:
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling math
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zeroes the tail outside the smallest set of tokens whose mass reaches top_p; [B, V] -> [B, V]."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)  # the top token always has mass_before 0
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+def sample_tokens(logits: torch.Tensor, *, temperature: float, top_p: float,
+                  generators: Sequence[torch.Generator] | None) -> torch.Tensor:
+    """Next token per row from fp32 logits [B, V] -> [B].
+
+    Sampling is the exponential race argmax(p / Exp(1)) (what vLLM does): it draws exactly from p,
+    and with one generator per row a seeded sample does not depend on what else is in the batch.
+    """
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = F.softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        probs = top_p_filter(probs, top_p)
+    if generators is None:
+        q = torch.empty_like(probs).exponential_()
+    else:
+        q = torch.stack([torch.empty(probs.size(-1), dtype=probs.dtype).exponential_(generator=g)
+                         for g in generators]).to(probs.device)
+    return (probs / q).argmax(-1)
+
+
+def row_generators(seed: int, num_rows: int) -> list[torch.Generator]:
+    """One generator per (prompt, sample) row, derived from the request seed."""
+    root = torch.Generator().manual_seed(seed)
+    seeds = torch.randint(0, 2**62, (num_rows,), generator=root).tolist()
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+# --------------------------------------------------------------------------------------------------
+# The transformers/torch engine
+
+
+@dataclass
+class _Row:
+    """Decode state of one (prompt, sample) row."""
+
+    prompt: list[int]
+    budget: int                                   # new tokens this row may produce
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str | None = None                       # set when a stop string cut it
+
+
+class TorchEngine(RolloutEngine):
+    """Generates with a transformers model and a batched KV-cache decode loop; no gRPC here."""
+
+    def __init__(self, settings: RolloutSettings, *, model=None, tokenizer=None):
+        m, r = settings.model, settings.rollout
+        self.config = r
+        self.model_path = m.path
+        self.dtype = m.dtype
+        self.device = m.device
+        set_threads(m.num_threads)
+        self.model = model if model is not None else load_causal_lm(m.path, dtype=m.dtype, device=m.device)
+        self.model.eval()
+        self.tokenizer = tokenizer if tokenizer is not None else _try_tokenizer(m.path)
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.pad_id = _first_id(cfg.pad_token_id) if cfg.pad_token_id is not None else 0
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        model_len = getattr(cfg, "max_position_embeddings", None)
+        self.max_model_len = int(r.max_model_len or model_len or 2048)
+        if model_len and self.max_model_len > model_len:
+            raise ValueError(f"rollout.max_model_len: {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({model_len})")
+        self.weight_version = 0
+        # One torch job at a time (generation, scoring, weight swap): a swap never lands mid-generation.
+        self._lock = asyncio.Lock()
+        log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer=%s",
+                 self.model_path, self.device, self.dtype, self.max_model_len, r.max_batch_size,
+                 "yes" if self.tokenizer is not None else "none")
+
+    # ---- RolloutEngine
+
+    def info(self) -> dict:
+        return {"engine": "torch", "max_model_len": self.max_model_len, "max_batch_size": self.config.max_batch_size,
+                "device": self.device, "dtype": self.dtype, "vocab_size": self.vocab_size,
+                "tokenizer": self.tokenizer is not None}
+
+    async def generate(self, batch: GenerateBatch) -> list[PromptResult]:
+        prompt_ids = self.resolve_prompts(batch.prompts)   # validate before queueing behind the lock
+        validate_sampling(batch.sampling)
+        self._check_stop_support(batch.sampling)
+        async with self._lock:
+            return await asyncio.to_thread(self._generate_sync, batch, prompt_ids)
+
+    async def logprobs(self, prompts, responses, temperature: float = 1.0):
+        validate_sequences(prompts, responses, vocab_size=self.vocab_size, max_len=self.max_model_len)
+        async with self._lock:
+            out = await asyncio.to_thread(batched_logprobs, self.model, prompts, responses, pad_id=self.pad_id,
+                                          temperature=temperature, token_budget=self.config.logprobs_token_budget)
+            return out, self.weight_version
+
+    async def update_weights(self, manifest: Manifest, buckets: AsyncIterable[tuple[bytes, int]]) -> dict:
+        start = time.perf_counter()
+        if manifest.version < 0:
+            raise ValueError(f"manifest.version: must be >= 0, got {manifest.version}")
+        assembler = PayloadAssembler(manifest)   # validates the manifest itself
+        num_bytes = 0
+        async for data, crc in buckets:
+            assembler.add(data, crc)
+            num_bytes += len(data)
+        tensors = assembler.finish()
+        check_against(tensors, named_weights(self.model))
+        async with self._lock:
+            await asyncio.to_thread(apply_weights, self.model, tensors)
+            self.weight_version = manifest.version
+        seconds = time.perf_counter() - start
+        log.info("weights version %d applied: %d tensors, %.1f MiB in %.2fs", manifest.version, len(tensors),
+                 num_bytes / 2**20, seconds)
+        return {"weight_version": self.weight_version, "num_bytes": num_bytes, "seconds": seconds}
+
+    # ---- input checks
+
+    def resolve_prompts(self, prompts: Sequence[PromptInput]) -> list[list[int]]:
+        """Token ids of every prompt (tokenizing text), checked against the vocabulary and max_model_len."""
+        if len(prompts) == 0:
+            raise ValueError("prompts: empty batch")
+        out = []
+        for i, p in enumerate(prompts):
+            if p.prompt_ids:
+                ids = [int(t) for t in p.prompt_ids]
+                bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+                if bad:
+                    raise ValueError(f"prompts[{i}].prompt_ids: token id {bad[0]} outside the vocabulary "
+                                     f"[0, {self.vocab_size})")
+            elif p.text:
+                if self.tokenizer is None:
+                    raise ValueError(f"prompts[{i}].text: this replica has no tokenizer; send prompt_ids")
+                ids = self.encode(p.text)
+                if not ids:
+                    raise ValueError(f"prompts[{i}].text: tokenizes to no tokens")
+            else:
+                raise ValueError(f"prompts[{i}]: needs prompt_ids or text")
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"prompts[{i}]: {len(ids)} tokens leave no room to generate within "
+                                 f"max_model_len={self.max_model_len}")
+            out.append(ids)
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _check_stop_support(self, p: SamplingParams) -> None:
+        if p.stop and self.tokenizer is None:
+            raise ValueError("sampling.stop: stop strings need a tokenizer, and this replica has none")
+
+    # ---- generation (runs in a worker thread under the lock)
+
+    def _generate_sync(self, batch: GenerateBatch, prompt_ids: list[list[int]]) -> list[PromptResult]:
+        p = batch.sampling
+        n = p.n
+        rows = [_Row(prompt=ids, budget=min(p.max_tokens, self.max_model_len - len(ids)))
+                for ids in prompt_ids for _ in range(n)]          # prompt-major: row = prompt * n + sample
+        gens = row_generators(p.seed, len(rows)) if p.seed is not None else None
+        chunk = self.config.max_batch_size
+        for start in range(0, len(rows), chunk):
+            self._decode(rows[start:start + chunk], p, gens[start:start + chunk] if gens else None)
+        version = self.weight_version
+        results = []
+        for i, (prompt, ids) in enumerate(zip(batch.prompts, prompt_ids)):
+            samples = []
+            for row in rows[i * n:(i + 1) * n]:
+                text = row.text if row.text is not None else self.decode(row.tokens)
+                samples.append(SampleResult(response_ids=row.tokens, logprobs=row.logprobs, text=text,
+                                            finish_reason=row.finish_reason or "length", weight_version=version))
+            results.append(PromptResult(prompt_id=prompt.id, prompt_ids=ids, samples=samples))
+        return results
+
+    @torch.inference_mode()
+    def _decode(self, rows: list[_Row], p: SamplingParams, gens: list[torch.Generator] | None) -> None:
+        """Decodes rows together: left-padded prefill, then one token per step for the rows still running.
+
+        Rows that finish are dropped from the batch (and the KV cache), so long tails do not pay for
+        finished rows.
+        """
+        from transformers import DynamicCache
+
+        dev = self.device
+        # Prefill each distinct prompt once, then fan the KV cache out to its samples.
+        uniq: dict[tuple[int, ...], int] = {}
+        fan = [uniq.setdefault(tuple(r.prompt), len(uniq)) for r in rows]
+        prompts = list(uniq)
+        L = max(len(q) for q in prompts)
+        ids = torch.full((len(prompts), L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), L), dtype=torch.long)
+        for i, q in enumerate(prompts):
+            ids[i, L - len(q):] = torch.tensor(q, dtype=torch.long)
+            mask[i, L - len(q):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :].float()
+        fan_t = torch.tensor(fan, dtype=torch.long, device=dev)
+        if len(prompts) != len(rows) or fan != list(range(len(rows))):
+            cache.batch_select_indices(fan_t)
+            logits, mask, pos = logits[fan_t], mask[fan_t], pos[fan_t]
+        next_pos = pos[:, -1:] + 1                                         # [B, 1]
+
+        active = list(range(len(rows)))   # index into rows of each batch row
+        stops = p.stop
+        while True:
+            logp = F.log_softmax(logits, dim=-1)                              # raw distribution, fp32
+            tok = sample_tokens(logits, temperature=p.temperature, top_p=p.top_p,
+                                generators=[gens[a] for a in active] if gens else None)
+            tok_lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+            tok_l, lp_l = tok.tolist(), tok_lp.tolist()
+            keep = []
+            for b, a in enumerate(active):
+                row = rows[a]
+                row.tokens.append(tok_l[b])
+                row.logprobs.append(lp_l[b])
+                if tok_l[b] in self.eos_ids:
+                    row.finish_reason = "stop"
+                elif stops and self._hit_stop(row, stops):
+                    row.finish_reason = "stop"
+                elif len(row.tokens) >= row.budget:
+                    row.finish_reason = "length"
+                else:
+                    keep.append(b)
+            if not keep:
+                return
+            if len(keep) != len(active):
+                k = torch.tensor(keep, dtype=torch.long, device=dev)
+                cache.batch_select_indices(k)
+                tok, mask, next_pos = tok[k], mask[k], next_pos[k]
+                active = [active[b] for b in keep]
+            mask = torch.cat([mask, mask.new_ones((mask.size(0), 1))], dim=1)
+            out = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
+                             past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1, :].float()
+            next_pos = next_pos + 1
+
+    def _hit_stop(self, row: _Row, stops: Sequence[str]) -> bool:
+        """True when the decoded response contains a stop string; the text is cut before it (as in vLLM)."""
+        text = self.decode(row.tokens)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        row.text = text[:cut]
+        return True
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _try_tokenizer(path: str):
+    # AutoTokenizer would build an empty tokenizer from config.json alone, so look for its files first.
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        log.warning("no tokenizer files in %s; only prompt_ids are accepted", path)
+        return None
+    try:
+        return load_tokenizer(path)
+    except Exception as e:  # noqa: BLE001 - a model folder without a tokenizer serves prompt_ids only
+        log.warning("no tokenizer in %s (%s: %s); only prompt_ids are accepted", path, type(e).__name__, e)
+        return None
+
+
+def _first_id(x) -> int:
+    return int(x[0]) if isinstance(x, (list, tuple)) else int(x)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (model.config.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None)):
+        if src is None:
+            continue
+        ids.update(int(x) for x in (src if isinstance(src, (list, tuple)) else [src]))
+    return ids
+
+
+ENGINES = {"torch": TorchEngine}
+
+
+def build_engine(settings: RolloutSettings) -> RolloutEngine:
+    """The engine `rollout.engine` names (the vllm and openai engines import their packages lazily)."""
+    name = settings.rollout.engine
+    if name == "openai":
+        from services.rollout.openai_engine import OpenAIEngine
+        return OpenAIEngine(settings)
+    if name == "vllm":
+        try:
+            from services.rollout.vllm_engine import VLLMEngine  # type: ignore[import-not-found]
+        except ImportError as e:
+            raise ValueError(f"rollout.engine: 'vllm' is not available here ({e}); use 'torch' or 'openai'") from None
+        return VLLMEngine(settings)
+    return ENGINES[name](settings)

@@ -1,0 +1,65 @@
+"""gRPC servicer of the rollout service: converts and delegates to a RolloutEngine."""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from services.common import convert as common_convert
+from services.common.server import MeshServer, create_server
+from services.rollout import convert
+from services.rollout.engine import RolloutEngine, RolloutSettings, build_engine
+
+log = logging.getLogger("meshrl.rollout")
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, engine: RolloutEngine, settings: RolloutSettings):
+        self.engine = engine
+        self.defaults = settings.rollout
+
+    async def Generate(self, request, context):
+        results = await self.engine.generate(convert.request_from_pb(request, self.defaults))
+        return convert.results_to_pb(results)
+
+    async def ComputeLogProbs(self, request, context):
+        batch = common_convert.sequences_from_pb(request)
+        logprobs, version = await self.engine.logprobs(batch.prompts, batch.responses, batch.temperature)
+        return common_convert.logprobs_to_pb(batch.ids, logprobs, weight_version=version)
+
+    async def GetInfo(self, request, context):
+        return common_convert.info_to_pb("rollout", self.engine.model_path, self.engine.weight_version,
+                                         self.engine.info())
+
+    async def UpdateWeights(self, request_iterator, context):
+        first = None
+        async for first in request_iterator:
+            break
+        if first is None or not first.HasField("manifest"):
+            raise ValueError("UpdateWeights: the first message must carry the manifest")
+        manifest = convert.manifest_from_pb(first.manifest)
+        done = await self.engine.update_weights(manifest, _buckets(request_iterator))
+        return common_pb2.UpdateWeightsResponse(**done)
+
+
+async def _buckets(request_iterator) -> AsyncIterator[tuple[bytes, int]]:
+    i = 0
+    async for msg in request_iterator:
+        i += 1
+        if msg.HasField("manifest"):
+            raise ValueError(f"UpdateWeights: message {i} carries a second manifest")
+        yield msg.data, msg.crc32
+
+
+SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
+
+
+async def start(settings: RolloutSettings, address: str | None = None, *,
+                engine: RolloutEngine | None = None) -> tuple[MeshServer, int, RolloutEngine]:
+    """Starts a replica: the engine `rollout.engine` names behind a gRPC server (and the HTTP API when on)."""
+    engine = engine or build_engine(settings)
+    mesh, port = await create_server([(rollout_pb2_grpc.add_RolloutServicer_to_server,
+                                       RolloutServicer(engine, settings))], [SERVICE_NAME], address=address,
+                                     config=settings.server)
+    return mesh, port, engine
