@@ -1,3 +1,223 @@
-"""placeholder"""
+"""The `meshrl` command: serve a role, bring a whole mesh up, drive and watch runs, plot metrics."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
 import typer
-app = typer.Typer()
+import yaml
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="meshrl: RL post-training (PPO, GRPO, RLOO, REINFORCE++) as a mesh of gRPC services.")
+console = Console()
+
+ROLES = {"coordinator": "coordinator.__main__", "trainer": "services.trainer.__main__",
+         "rollout": "services.rollout.__main__", "reward": "services.reward.__main__",
+         "reference": "services.reference.__main__"}
+DEFAULT_COORDINATOR = os.environ.get("MESHRL_COORDINATOR", "127.0.0.1:50050")
+PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+@app.command(context_settings=PASSTHROUGH)
+def serve(ctx: typer.Context, role: str = typer.Argument(..., help="coordinator, trainer, rollout, reward, reference")):
+    """Run one service: `meshrl serve rollout --config FILE [--port N] [--section.key value ...]`."""
+    if role not in ROLES:
+        raise typer.BadParameter(f"unknown role {role!r}; expected one of {', '.join(ROLES)}", param_hint="ROLE")
+    importlib.import_module(ROLES[role]).main(list(ctx.args))
+
+
+def _overrides(args: list[str]) -> dict[str, str]:
+    from services.common.launch import parse_dotted_flags
+
+    return parse_dotted_flags(args)
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def step_line(m: dict, num_steps: int) -> str:
+    return (f"step {int(m['step']):>3}/{num_steps}  reward {_fmt(m.get('reward_mean'))}  "
+            f"acc {_fmt(m.get('accuracy'))}  kl {_fmt(m.get('kl'), '.4f')}  "
+            f"entropy {_fmt(m.get('actor/entropy'))}  len {_fmt(m.get('response_length_mean'), '.1f')}  "
+            f"{_fmt(m.get('time/step'), '.2f')}s")
+
+
+@app.command(context_settings=PASSTHROUGH)
+def up(ctx: typer.Context, config: Path = typer.Argument(..., exists=True, dir_okay=False, help="recipe YAML"),
+       run_dir: Optional[Path] = typer.Option(None, help="where run directories go (default: run.run_dir)"),
+       threads: int = typer.Option(1, help="OMP threads per service process")):
+    """Start every service as a process on 127.0.0.1, run the recipe to the end, stop everything."""
+    from coordinator.client import Client
+    from coordinator.config import RunConfig
+    from coordinator.launcher import Launcher
+    from services.common.config import load_config
+
+    overrides = _overrides(list(ctx.args))
+    if run_dir is not None:
+        overrides["run.run_dir"] = str(run_dir)
+    try:
+        cfg = load_config(RunConfig, config, overrides=overrides)
+    except ValueError as e:
+        console.print(f"[red]meshrl up: {e}[/red]")
+        raise typer.Exit(2)
+    raw = yaml.safe_load(config.read_text()) or {}
+    num_rollout = cfg.rollout.replicas if "replicas" in (raw.get("rollout") or {}) else 2
+    num_reference = cfg.reference.replicas if (cfg.reference.replicas or cfg.needs_reference) else 0
+    log_dir = Path(cfg.run.run_dir) / "logs" / time.strftime("%Y%m%d-%H%M%S")
+    token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None
+    with Launcher(str(config), log_dir=log_dir, overrides=overrides, num_threads=threads) as launcher:
+        try:
+            children = [launcher.start("trainer", nproc=cfg.trainer.nproc_per_node, devices=cfg.trainer.devices)]
+            children += [launcher.start("reference", i, devices=cfg.reference.devices) for i in range(num_reference)]
+            children += [launcher.start("reward", i, devices=cfg.reward.devices)
+                         for i in range(max(1, cfg.reward.replicas))]
+            children += [launcher.start("rollout", i, devices=cfg.rollout.devices) for i in range(num_rollout)]
+            children.append(launcher.start("coordinator"))
+            addresses: dict[str, list[str]] = {}
+            for c in children:
+                addresses.setdefault(c.role, []).append(launcher.wait_ready(c))
+            console.print(f"mesh up: {json.dumps(addresses)} (logs in {log_dir})")
+            data = _with_addresses(raw, overrides, addresses)
+            with Client(addresses["coordinator"][0], token=token) as client:
+                run_id = client.start_run(yaml.safe_dump(data, sort_keys=False))
+                console.print(f"run {run_id} started")
+                _follow(client, run_id, cfg.run.num_steps)
+                status = client.get_run(run_id)
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted: stopping every service[/yellow]")
+            raise typer.Exit(130)
+        except RuntimeError as e:
+            console.print(f"[red]meshrl up: {e}[/red]")
+            raise typer.Exit(1)
+    _print_result(status)
+    if status.state != "COMPLETED":
+        raise typer.Exit(1)
+
+
+def _with_addresses(raw: dict, overrides: dict[str, str], addresses: dict[str, list[str]]) -> dict:
+    from services.common.config import deep_merge, nest_overrides
+
+    data = deep_merge(raw, nest_overrides(overrides))
+    for role in ("rollout", "reward", "reference"):
+        if addresses.get(role):
+            data.setdefault(role, {})
+            data[role]["servers"] = addresses[role]
+    data.setdefault("trainer", {})["address"] = addresses["trainer"][0]
+    return data
+
+
+def _follow(client, run_id: str, num_steps: int) -> None:
+    for m in client.stream_metrics(run_id):
+        if "reward_mean" in m:
+            console.print(step_line(m, num_steps), highlight=False)
+        elif "heldout_accuracy" in m:
+            label = "after" if m.get("final") else ("before" if m["step"] == 0 else f"at step {m['step']}")
+            console.print(f"held-out accuracy {label}: {m['heldout_accuracy']:.1%}", highlight=False)
+
+
+def _print_result(status) -> None:
+    before = status.last_metrics.get("heldout_accuracy_before")
+    after = status.last_metrics.get("heldout_accuracy_after")
+    console.print(f"run {status.run_id} {status.state} after {status.step} steps; metrics in {status.run_dir}"
+                  + (f" ({status.message})" if status.message else ""), highlight=False)
+    if before is not None and after is not None:
+        console.print(f"held-out accuracy before {before:.1%} -> after {after:.1%} "
+                      f"({(after - before) * 100:+.1f} points)", highlight=False)
+
+
+@app.command()
+def run(config: Path = typer.Argument(..., exists=True, dir_okay=False),
+        coordinator: str = typer.Option(DEFAULT_COORDINATOR, help="coordinator address"),
+        token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN"),
+        follow: bool = typer.Option(True, help="stream metrics until the run ends")):
+    """Start a run on a running coordinator (services listed in the YAML)."""
+    from coordinator.client import Client
+
+    with Client(coordinator, token=token) as client:
+        run_id = client.start_run(config.read_text())
+        console.print(run_id)
+        if follow:
+            num_steps = client.get_run(run_id).num_steps
+            _follow(client, run_id, num_steps)
+            _print_result(client.get_run(run_id))
+
+
+@app.command()
+def status(run_id: Optional[str] = typer.Argument(None), coordinator: str = typer.Option(DEFAULT_COORDINATOR),
+           token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN")):
+    """Show one run, or every run the coordinator knows."""
+    from rich.table import Table
+
+    from coordinator.client import Client
+
+    with Client(coordinator, token=token) as client:
+        runs = [client.get_run(run_id)] if run_id else client.list_runs()
+    table = Table("run", "state", "step", "weight version", "data position", "reward", "message")
+    for r in runs:
+        table.add_row(r.run_id, r.state, f"{r.step}/{r.num_steps}", str(r.weight_version), str(r.data_position),
+                      _fmt(r.last_metrics.get("reward_mean")), r.message)
+    console.print(table)
+
+
+@app.command()
+def watch(run_id: str, coordinator: str = typer.Option(DEFAULT_COORDINATOR),
+          token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN")):
+    """Live progress bar with reward, KL and throughput until the run ends."""
+    from coordinator.client import Client
+    from coordinator.progress import watch_run
+
+    with Client(coordinator, token=token) as client:
+        watch_run(client, run_id)
+
+
+@app.command()
+def stop(run_id: str, coordinator: str = typer.Option(DEFAULT_COORDINATOR),
+         token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN")):
+    """Stop a run after its current step."""
+    from coordinator.client import Client
+
+    with Client(coordinator, token=token) as client:
+        console.print(client.stop_run(run_id).state)
+
+
+@app.command()
+def services(coordinator: str = typer.Option(DEFAULT_COORDINATOR),
+             token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN")):
+    """Replicas of every pool with health, weight version and load."""
+    from rich.table import Table
+
+    from coordinator.client import Client
+
+    with Client(coordinator, token=token) as client:
+        replicas = client.list_services()
+    table = Table("pool", "address", "healthy", "weight version", "load")
+    for r in replicas:
+        table.add_row(r.pool, r.address, "yes" if r.healthy else "no", str(r.weight_version), str(r.load))
+    console.print(table)
+
+
+@app.command()
+def plot(run_dir: Path = typer.Argument(..., exists=True, file_okay=False),
+         out: Optional[Path] = typer.Option(None, "--out", "-o", help="PNG path (default RUN_DIR/report.png)")):
+    """PNG curves of reward, accuracy, KL, entropy, response length and the step-time breakdown."""
+    from coordinator.report import plot_run
+
+    path = plot_run(run_dir, out)
+    console.print(str(path))
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,133 @@
+"""`meshrl up`: every service as its own process on 127.0.0.1, then one run driven to the end."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODULES = {"coordinator": "coordinator", "trainer": "services.trainer", "rollout": "services.rollout",
+           "reward": "services.reward", "reference": "services.reference"}
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    # PR_SET_PDEATHSIG: the kernel sends SIGTERM to the child if the launcher dies, even by kill -9.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    """A service process and the address it announced."""
+
+    role: str
+    index: int
+    proc: subprocess.Popen
+    log_path: Path
+    address: str = ""
+    _lines: queue.Queue = field(default_factory=queue.Queue)
+
+
+class Launcher:
+    """Starts service processes, learns their ports from the announce line, and stops them all."""
+
+    def __init__(self, config_path: str, *, log_dir: Path, overrides: dict[str, str] | None = None,
+                 host: str = "127.0.0.1", num_threads: int = 1):
+        self.config_path = config_path
+        self.log_dir = log_dir
+        self.overrides = overrides or {}
+        self.host = host
+        self.num_threads = num_threads
+        self.children: list[Child] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, role: str, index: int = 0, *, devices: str = "", nproc: int = 1,
+              extra_args: list[str] | None = None) -> Child:
+        module = MODULES[role]
+        args = ["-m", module, "--config", self.config_path, "--port", "0", "--host", self.host]
+        for key, value in self.overrides.items():
+            args += [f"--{key}", str(value)]
+        args += extra_args or []
+        if role == "trainer" and nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
+        else:
+            cmd = [sys.executable, *args]
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.num_threads), PYTHONUNBUFFERED="1",
+                   TOKENIZERS_PARALLELISM="false")
+        if devices:
+            env["CUDA_VISIBLE_DEVICES"] = devices
+        log_path = self.log_dir / f"{role}-{index}.log"
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                preexec_fn=_die_with_parent)
+        child = Child(role, index, proc, log_path)
+        threading.Thread(target=self._pump, args=(child,), daemon=True).start()
+        self.children.append(child)
+        return child
+
+    @staticmethod
+    def _pump(child: Child) -> None:
+        """Copies the child's output to its log file and hands lines to wait_ready."""
+        with child.log_path.open("w") as f:
+            for line in child.proc.stdout:
+                f.write(line)
+                f.flush()
+                if not child.address:
+                    child._lines.put(line)
+        child._lines.put(None)
+
+    def wait_ready(self, child: Child, timeout: float = 180.0) -> str:
+        deadline = time.time() + timeout
+        marker = f"meshrl {child.role} listening on "
+        while time.time() < deadline:
+            try:
+                line = child._lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise RuntimeError(f"{child.role}-{child.index} exited with code {child.proc.wait()} before "
+                                   f"serving; see {child.log_path}:\n{tail(child.log_path)}")
+            if marker in line:
+                child.address = line.split(marker, 1)[1].strip()
+                return child.address
+        raise RuntimeError(f"{child.role}-{child.index} did not announce an address within {timeout}s; "
+                           f"see {child.log_path}")
+
+    def stop_all(self, grace: float = 10.0) -> None:
+        """SIGTERM every child (they drain), then SIGKILL what is left after `grace` seconds."""
+        for c in self.children:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + grace
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_all()
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def torchrun_available() -> bool:
+    return shutil.which("torchrun") is not None
