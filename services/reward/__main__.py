@@ -1,14 +1,20 @@
 """`python -m services.reward --config FILE [--port N]`: run one reward replica."""
 
+from services.common.launch import serve_main
+from services.reward.engine import RewardSettings
+from services.reward.servicer import start
+
+
+async def _start(settings: RewardSettings, address: str):
+    # A user function that cannot be loaded is a config problem: one line, not a traceback.
+    try:
+        return await start(settings, address)
+    except ValueError as e:
+        raise SystemExit(f"meshrl serve reward: {e}") from None
+
 
 def main(argv=None) -> None:
-    # Imported here, not at the top: user-function workers are spawned processes that re-import this
-    # module as __mp_main__, and they should not pay for grpc (or torch) imports they never use.
-    from services.common.launch import serve_main
-    from services.reward.engine import RewardSettings
-    from services.reward.servicer import start
-
-    serve_main("reward", RewardSettings, start, argv)
+    serve_main("reward", RewardSettings, _start, argv)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 from pydantic import Field, field_validator, model_validator
 
-from services.common.config import MeshSettings, Section, ServerConfig
+from services.common.config import MeshSettings, PoolConfig, Section, ServerConfig
 from services.reward.functions import REWARD_FUNCTIONS, SAMPLE_KWARGS
 
 log = logging.getLogger("meshrl.reward")
@@ -67,7 +67,7 @@ class ComponentConfig(Section):
         return self.label or self.name
 
 
-class RewardConfig(Section):
+class RewardConfig(PoolConfig):
     """`reward:` section."""
 
     components: list[ComponentConfig] = Field(default_factory=lambda: [ComponentConfig(name="exact_match")])

@@ -1,0 +1,94 @@
+"""User reward functions: the one loader of `package.module:function`, and the component that runs them.
+
+A user function is called exactly like a built-in, `fn(*, prompt, response, response_ids, ground_truth,
+data_source, **params)`, and returns a number. It is loaded and its signature checked when the service
+starts; it then runs in worker processes (services.reward.workers) so a hang or a crash fails one
+call with a status that names the function instead of taking the service down.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from services.reward.functions import SAMPLE_KWARGS
+
+if TYPE_CHECKING:
+    from services.reward.engine import ComponentConfig, ScoreItem
+
+log = logging.getLogger("meshrl.reward")
+
+CALL_CONVENTION = "fn(*, prompt, response, response_ids, ground_truth, data_source, **params) -> float"
+
+
+def load_function(path: str, *, params: Sequence[str] = ()) -> Callable[..., Any]:
+    """Imports `package.module:function` and checks it can be called with the sample keywords and `params`.
+
+    Raises ValueError with the path and what is wrong: a malformed path, a missing module or
+    attribute, something not callable, or a signature that does not accept the keyword arguments.
+    """
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"function: {path!r} is not of the form 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"function {path!r}: cannot import module {module_name!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed while importing; say so
+        raise ValueError(f"function {path!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from None
+    fn: Any = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise ValueError(f"function {path!r}: module {module_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ValueError(f"function {path!r}: {type(fn).__name__} object is not callable")
+    check_signature(fn, path, params)
+    return fn
+
+
+def check_signature(fn: Callable[..., Any], path: str, params: Sequence[str] = ()) -> None:
+    """The signature must accept every sample keyword and every param, and require nothing else."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature; they will fail on the first call
+        return
+    names = [*SAMPLE_KWARGS, *params]
+    try:
+        sig.bind(**{name: None for name in names})
+    except TypeError as e:
+        accepts_var_kw = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+        missing = [] if accepts_var_kw else [n for n in names if n not in sig.parameters or
+                                             sig.parameters[n].kind == inspect.Parameter.POSITIONAL_ONLY]
+        what = (f"does not accept keyword argument(s) {', '.join(missing)}" if missing else
+                f"cannot be called with the sample keywords{' and params' if params else ''} alone ({e})")
+        raise ValueError(f"function {path!r} {what}; reward functions are called as {CALL_CONVENTION}") from None
+
+
+class UserFunctionComponent:
+    """A reward component backed by a user function running in a pool of worker processes."""
+
+    def __init__(self, config: "ComponentConfig", *, timeout_s: float, num_workers: int):
+        from services.reward.workers import WorkerPool
+
+        assert config.function is not None
+        self.key, self.weight, self.path = config.key, config.weight, config.function
+        self.params = dict(config.params)
+        # Import and check here, in the service process, so a broken function fails at start.
+        load_function(self.path, params=list(self.params))
+        self.pool = WorkerPool(self.path, self.params, num_workers=num_workers, timeout_s=timeout_s)
+        log.info("user reward function %s: %d worker processes, %.3g s per call", self.path, num_workers, timeout_s)
+
+    async def score(self, items: Sequence["ScoreItem"]) -> list[float]:
+        return await self.pool.score([it.kwargs() for it in items], ids=[it.id for it in items])
+
+    def describe(self) -> str:
+        return f"function={self.path}" + "".join(f" {k}={v!r}" for k, v in self.params.items())
+
+    async def close(self) -> None:
+        self.pool.close()
+
+    def close_now(self) -> None:
+        self.pool.close()

@@ -1,0 +1,132 @@
+"""User reward functions behind a real server: hangs, crashes, errors and NaN fail one call, not the service."""
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from meshrl.v1 import reward_pb2, reward_pb2_grpc
+from services.common.channel import create_channel
+from services.common.config import load_config
+from services.reward.engine import RewardSettings
+from services.reward.servicer import start
+
+REPO = Path(__file__).resolve().parents[2]
+FNS = "tests.fixtures.reward_user_fns"
+
+
+@pytest.fixture(autouse=True)
+def repo_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+
+
+def request(*responses):
+    return reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(id=f"s{i}", response=r, ground_truth="82")
+                                          for i, r in enumerate(responses)])
+
+
+async def score_or_error(stub, req):
+    try:
+        return await stub.Score(req)
+    except grpc.aio.AioRpcError as e:
+        return e
+
+
+def run_calls(reward: dict, requests: list) -> list:
+    """Starts a reward server, sends the requests one after the other, returns responses or errors."""
+    async def main():
+        mesh, port, engine = await start(load_config(RewardSettings, data={"reward": reward}), "127.0.0.1:0")
+        try:
+            async with create_channel(f"127.0.0.1:{port}", timeout=60) as channel:
+                stub = reward_pb2_grpc.RewardStub(channel)
+                return [await score_or_error(stub, r) for r in requests]
+        finally:
+            await mesh.stop(0)
+            await engine.close()
+
+    return asyncio.run(main())
+
+
+def test_a_hanging_user_function_is_deadline_exceeded_and_the_next_call_works():
+    start_time = time.monotonic()
+    hung, after = run_calls({"function": f"{FNS}:moody", "timeout_s": 1.0, "num_workers": 1},
+                            [request("82", "hang"), request("82", "81")])
+    assert isinstance(hung, grpc.aio.AioRpcError)
+    assert hung.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert f"{FNS}:moody" in hung.details() and "items[1] (id 's1')" in hung.details()
+    assert [r.score for r in after.results] == [1.0, 0.0]
+    assert time.monotonic() - start_time < 20
+
+
+def test_a_function_that_always_hangs_fails_every_call_quickly_instead_of_stalling():
+    start_time = time.monotonic()
+    results = run_calls({"function": f"{FNS}:hangs", "timeout_s": 0.5, "num_workers": 2},
+                        [request("a"), request("b", "c")])
+    assert [r.code() for r in results] == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2
+    assert time.monotonic() - start_time < 20
+
+
+def test_a_crashing_user_function_is_internal_naming_the_function_and_the_next_call_works():
+    crashed, after = run_calls({"function": f"{FNS}:moody", "num_workers": 1},
+                               [request("crash"), request("82")])
+    assert crashed.code() == grpc.StatusCode.INTERNAL
+    assert f"{FNS}:moody" in crashed.details() and "exit code 7" in crashed.details()
+    assert [r.score for r in after.results] == [1.0]
+
+
+def test_a_function_that_always_crashes_fails_each_call_with_its_exit_code():
+    results = run_calls({"function": f"{FNS}:crashes", "num_workers": 1}, [request("a"), request("b")])
+    assert [r.code() for r in results] == [grpc.StatusCode.INTERNAL] * 2
+    assert all("exit code 3" in r.details() for r in results)
+
+
+def test_an_exception_or_a_non_number_from_a_user_function_is_internal_with_its_message():
+    raised, text, after = run_calls({"function": f"{FNS}:moody"}, [request("raise"), request("text"), request("82")])
+    assert raised.code() == grpc.StatusCode.INTERNAL
+    assert "RuntimeError: cannot score this one" in raised.details()
+    assert text.code() == grpc.StatusCode.INTERNAL and "not a number" in text.details()
+    assert after.results[0].score == 1.0
+
+
+def test_a_nan_from_a_user_function_is_invalid_argument_naming_the_sample():
+    [nan] = run_calls({"function": f"{FNS}:returns_nan"}, [request("fine", "also fine")])
+    assert nan.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "items[0] (id 's0')" in nan.details() and "returns_nan" in nan.details()
+
+
+def test_a_wrong_signature_fails_the_service_start_not_the_first_call():
+    with pytest.raises(ValueError, match="does not accept keyword argument"):
+        run_calls({"function": f"{FNS}:wrong_signature"}, [])
+
+
+def test_a_hang_in_one_call_does_not_hold_up_a_concurrent_call_on_another_worker():
+    async def main():
+        reward = {"function": f"{FNS}:moody", "timeout_s": 3.0, "num_workers": 2}
+        mesh, port, engine = await start(load_config(RewardSettings, data={"reward": reward}), "127.0.0.1:0")
+        try:
+            async with create_channel(f"127.0.0.1:{port}", timeout=60) as channel:
+                stub = reward_pb2_grpc.RewardStub(channel)
+                await stub.Score(request("82"))  # both workers up
+
+                async def timed(req):
+                    t0 = time.monotonic()
+                    result = await score_or_error(stub, req)
+                    return result, time.monotonic() - t0
+
+                return await asyncio.gather(timed(request("hang")), timed(request("82")))
+        finally:
+            await mesh.stop(0)
+            await engine.close()
+
+    (hung, _), (good, good_seconds) = asyncio.run(main())
+    assert hung.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert good.results[0].score == 1.0 and good_seconds < 2.0
+
+
+def test_closing_the_engine_leaves_no_worker_process_behind():
+    import multiprocessing
+
+    run_calls({"function": f"{FNS}:moody", "num_workers": 2}, [request("82", "82"), request("crash")])
+    assert [p.name for p in multiprocessing.active_children() if p.name.startswith("reward-fn")] == []
