@@ -17,9 +17,9 @@ from typing import AsyncIterable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 
-from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig
+from services.common.config import MeshSettings, ModelConfig, PoolConfig, Section, ServerConfig
 from services.common.modeling import batched_logprobs, load_causal_lm, load_tokenizer, set_threads, \
     validate_sequences
 from services.common.weights import Manifest, PayloadAssembler, apply_weights, check_against, named_weights
@@ -27,7 +27,7 @@ from services.common.weights import Manifest, PayloadAssembler, apply_weights, c
 log = logging.getLogger("meshrl.rollout")
 
 
-class RolloutConfig(Section):
+class RolloutConfig(PoolConfig):
     """`rollout:` section: the engine and the default sampling settings of a replica."""
 
     engine: Literal["torch", "vllm", "openai"] = "torch"
@@ -48,8 +48,13 @@ class RolloutConfig(Section):
     http_port: int | None = Field(None, ge=0, le=65535)
     # engine "openai": base URL of the OpenAI-compatible server to proxy (http://host:port/v1).
     server_url: str | None = None
-    # engine "openai": model name sent upstream; None = model.path.
+    # Model name the HTTP API answers to; None = model.path.
     served_model_name: str | None = None
+    # engine "openai": model name requested upstream; None = the first one the server's /v1/models lists.
+    upstream_model: str | None = None
+    # engine "openai": seconds per upstream request and the bearer token it needs (env MESHRL_ROLLOUT__API_KEY).
+    request_timeout_s: float = Field(600.0, gt=0)
+    api_key: SecretStr | None = None
 
     @field_validator("stop")
     @classmethod
@@ -79,6 +84,7 @@ class SamplingParams:
     max_tokens: int = 16         # new tokens per sample
     stop: list[str] = field(default_factory=list)
     seed: int | None = None      # None = unseeded
+    top_logprobs: int = 0        # also return the k most likely tokens per step (HTTP API only)
 
 
 @dataclass
@@ -105,6 +111,8 @@ class SampleResult:
     text: str
     finish_reason: str           # "stop" (eos or a stop string) or "length"
     weight_version: int
+    # Per step, the top_logprobs most likely (token id, raw log-prob) pairs; None unless asked for.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -126,6 +134,8 @@ def validate_sampling(p: SamplingParams) -> None:
         raise ValueError(f"sampling.max_tokens: must be >= 1, got {p.max_tokens}")
     if any(s == "" for s in p.stop):
         raise ValueError("sampling.stop: stop strings must not be empty")
+    if not 0 <= p.top_logprobs <= 20:
+        raise ValueError(f"sampling.top_logprobs: must be in [0, 20], got {p.top_logprobs}")
 
 
 class RolloutEngine(abc.ABC):
@@ -209,6 +219,7 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     text: str | None = None                       # set when a stop string cut it
+    top: list[list[tuple[int, float]]] | None = None
 
 
 class TorchEngine(RolloutEngine):
@@ -338,7 +349,8 @@ class TorchEngine(RolloutEngine):
             for row in rows[i * n:(i + 1) * n]:
                 text = row.text if row.text is not None else self.decode(row.tokens)
                 samples.append(SampleResult(response_ids=row.tokens, logprobs=row.logprobs, text=text,
-                                            finish_reason=row.finish_reason or "length", weight_version=version))
+                                            finish_reason=row.finish_reason or "length", weight_version=version,
+                                            top_logprobs=row.top))
             results.append(PromptResult(prompt_id=prompt.id, prompt_ids=ids, samples=samples))
         return results
 
@@ -382,11 +394,17 @@ class TorchEngine(RolloutEngine):
                                 generators=[gens[a] for a in active] if gens else None)
             tok_lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
             tok_l, lp_l = tok.tolist(), tok_lp.tolist()
+            if p.top_logprobs:
+                top_v, top_i = logp.topk(min(p.top_logprobs, logp.size(-1)), dim=-1)
+                top_v, top_i = top_v.tolist(), top_i.tolist()
             keep = []
             for b, a in enumerate(active):
                 row = rows[a]
                 row.tokens.append(tok_l[b])
                 row.logprobs.append(lp_l[b])
+                if p.top_logprobs:
+                    row.top = row.top or []
+                    row.top.append(list(zip(top_i[b], top_v[b])))
                 if tok_l[b] in self.eos_ids:
                     row.finish_reason = "stop"
                 elif stops and self._hit_stop(row, stops):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
 
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common import convert as common_convert
@@ -55,11 +56,39 @@ async def _buckets(request_iterator) -> AsyncIterator[tuple[bytes, int]]:
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
 
 
+@dataclass
+class RolloutReplica:
+    """What start() brings up besides the gRPC server: the engine and, when configured, the HTTP API."""
+
+    engine: RolloutEngine
+    http_port: int | None = None
+    _http_runner: Any = None
+
+    async def close(self) -> None:
+        if self._http_runner is not None:
+            await self._http_runner.cleanup()
+            self._http_runner = None
+        await self.engine.close()
+
+
 async def start(settings: RolloutSettings, address: str | None = None, *,
-                engine: RolloutEngine | None = None) -> tuple[MeshServer, int, RolloutEngine]:
-    """Starts a replica: the engine `rollout.engine` names behind a gRPC server (and the HTTP API when on)."""
+                engine: RolloutEngine | None = None) -> tuple[MeshServer, int, RolloutReplica]:
+    """Starts a replica: the engine `rollout.engine` names behind a gRPC server, plus the OpenAI-compatible
+    HTTP API on `rollout.http_port` when that is set. `await replica.close()` stops the HTTP API."""
     engine = engine or build_engine(settings)
-    mesh, port = await create_server([(rollout_pb2_grpc.add_RolloutServicer_to_server,
-                                       RolloutServicer(engine, settings))], [SERVICE_NAME], address=address,
-                                     config=settings.server)
-    return mesh, port, engine
+    replica = RolloutReplica(engine)
+    r = settings.rollout
+    if r.http_port is not None:
+        from services.rollout.http_api import start_http
+        token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None
+        replica._http_runner, replica.http_port = await start_http(
+            engine, host=settings.server.host, port=r.http_port, model_name=r.served_model_name or engine.model_path,
+            defaults=r, auth_token=token)
+    try:
+        mesh, port = await create_server([(rollout_pb2_grpc.add_RolloutServicer_to_server,
+                                           RolloutServicer(engine, settings))], [SERVICE_NAME], address=address,
+                                         config=settings.server)
+    except BaseException:
+        await replica.close()
+        raise
+    return mesh, port, replica

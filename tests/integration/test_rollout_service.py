@@ -33,13 +33,14 @@ def model_dir(tmp_path_factory) -> str:
 @contextlib.asynccontextmanager
 async def serving(model_dir: str, **rollout):
     settings = RolloutSettings(model={"path": model_dir}, rollout=rollout)
-    mesh, port, engine = await start(settings, "127.0.0.1:0")
+    mesh, port, replica = await start(settings, "127.0.0.1:0")
     channel = create_channel(f"127.0.0.1:{port}", timeout=60)
     try:
-        yield rollout_pb2_grpc.RolloutStub(channel), engine
+        yield rollout_pb2_grpc.RolloutStub(channel), replica.engine
     finally:
         await channel.close()
         await mesh.stop(0)
+        await replica.close()
 
 
 def greedy_request(prompt=PROMPT, **sampling) -> rollout_pb2.GenerateRequest:

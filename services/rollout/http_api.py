@@ -1,0 +1,290 @@
+"""OpenAI-compatible HTTP API of a rollout replica: /v1/models, /v1/completions, /v1/chat/completions.
+
+Served by aiohttp in the replica's event loop, next to gRPC, over the same engine (so its lock,
+weights and version are shared). Request and response shapes follow the OpenAI API; like vLLM it
+also understands `return_token_ids` (adds `token_ids` / `prompt_token_ids` to each choice) and
+`return_tokens_as_token_ids` (tokens spelled "token_id:N"), which the openai proxy engine relies on.
+`stream: true` is answered as server-sent events with one chunk per choice once generation ends.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from services.common.errors import MeshError, NotFound
+from services.rollout.engine import (GenerateBatch, PromptInput, PromptResult, RolloutConfig, RolloutEngine,
+                                     SamplingParams)
+
+log = logging.getLogger("meshrl.rollout.http")
+
+HTTP_STATUS = {"FAILED_PRECONDITION": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503,
+               "DEADLINE_EXCEEDED": 504}
+
+
+class OpenAIApi:
+    """Request handlers; everything model-related is delegated to the engine."""
+
+    def __init__(self, engine: RolloutEngine, *, model_name: str, defaults: RolloutConfig):
+        self.engine = engine
+        self.model_name = model_name
+        self.defaults = defaults
+        self.created = int(time.time())
+
+    # ---- routes
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "meshrl",
+             "root": self.engine.model_path, "max_model_len": getattr(self.engine, "max_model_len", None)}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "weight_version": self.engine.weight_version})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        self._check_model(body)
+        _reject_unsupported(body, ("echo", "suffix", "best_of"))
+        prompts = _prompts(body.get("prompt"))
+        k = _opt_int(body, "logprobs")
+        sampling = self._sampling(body, default_max_tokens=16, top_logprobs=k or 0)
+        results = await self.engine.generate(GenerateBatch(prompts, sampling))
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        choices = []
+        for i, r in enumerate(results):
+            for j, s in enumerate(r.samples):
+                choice: dict[str, Any] = {"index": i * sampling.n + j, "text": s.text,
+                                          "finish_reason": s.finish_reason, "logprobs": None}
+                if k is not None:
+                    tokens = [self._token(t, as_ids) for t in s.response_ids]
+                    offsets, pos = [], 0
+                    for t in tokens:
+                        offsets.append(pos)
+                        pos += len(t)
+                    if s.top_logprobs:
+                        top = [{self._token(t, as_ids): lp for t, lp in step} for step in s.top_logprobs]
+                    else:   # logprobs=0: the sampled token only, as vLLM answers
+                        top = [{tok: lp} for tok, lp in zip(tokens, s.logprobs)]
+                    choice["logprobs"] = {"tokens": tokens, "token_logprobs": s.logprobs, "text_offset": offsets,
+                                          "top_logprobs": top}
+                self._add_ids(body, choice, r, s)
+                choices.append(choice)
+        payload = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                   "model": self.model_name, "choices": choices, "usage": _usage(results),
+                   "system_fingerprint": f"meshrl-v{self.engine.weight_version}"}
+        if body.get("stream"):
+            return await self._stream(request, payload, "text_completion")
+        return web.json_response(payload)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        self._check_model(body)
+        _reject_unsupported(body, ("tools", "functions", "response_format"))
+        text = self._render_chat(body.get("messages"))
+        want_lp = bool(body.get("logprobs"))
+        k = _opt_int(body, "top_logprobs") or 0
+        if k and not want_lp:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        if "max_completion_tokens" in body and body.get("max_tokens") is None:
+            body = dict(body, max_tokens=body["max_completion_tokens"])
+        sampling = self._sampling(body, default_max_tokens=getattr(self.engine, "max_model_len", None)
+                                  or self.defaults.max_tokens, top_logprobs=k)
+        results = await self.engine.generate(GenerateBatch([PromptInput(id="chat", text=text)], sampling))
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        choices = []
+        for j, s in enumerate(results[0].samples):
+            choice: dict[str, Any] = {"index": j, "message": {"role": "assistant", "content": s.text},
+                                      "finish_reason": s.finish_reason, "logprobs": None}
+            if want_lp:
+                content = []
+                for step, (t, lp) in enumerate(zip(s.response_ids, s.logprobs)):
+                    tok = self._token(t, as_ids)
+                    top = s.top_logprobs[step] if s.top_logprobs else []
+                    content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                                    "top_logprobs": [{"token": self._token(i, as_ids), "logprob": v,
+                                                      "bytes": list(self._token(i, as_ids).encode())}
+                                                     for i, v in top]})
+                choice["logprobs"] = {"content": content}
+            self._add_ids(body, choice, results[0], s)
+            choices.append(choice)
+        payload = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                   "model": self.model_name, "choices": choices, "usage": _usage(results),
+                   "system_fingerprint": f"meshrl-v{self.engine.weight_version}"}
+        if body.get("stream"):
+            return await self._stream(request, payload, "chat.completion.chunk")
+        return web.json_response(payload)
+
+    # ---- helpers
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model not in (None, "", self.model_name, self.engine.model_path):
+            raise NotFound(f"model: {model!r} is not served here (this replica serves {self.model_name!r})")
+
+    def _sampling(self, body: dict, *, default_max_tokens: int, top_logprobs: int) -> SamplingParams:
+        stop = body.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise ValueError("stop: must be a string or a list of strings")
+        return SamplingParams(
+            n=_num(body, "n", int, 1),
+            temperature=_num(body, "temperature", float, 1.0),
+            top_p=_num(body, "top_p", float, 1.0),
+            max_tokens=_num(body, "max_tokens", int, default_max_tokens),
+            stop=stop,
+            seed=_opt_int(body, "seed"),
+            top_logprobs=top_logprobs)
+
+    def _render_chat(self, messages) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: must be a non-empty list")
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("messages: chat needs a tokenizer, and this replica has none")
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("messages: the tokenizer has no chat template; use /v1/completions")
+        flat = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"messages[{i}]: needs a role")
+            content = m.get("content") or ""
+            if isinstance(content, list):   # content parts: keep the text ones
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            flat.append({"role": m["role"], "content": content})
+        return tok.apply_chat_template(flat, add_generation_prompt=True, tokenize=False)
+
+    def _token(self, token_id: int, as_ids: bool) -> str:
+        tok = self.engine.tokenizer
+        if as_ids or tok is None:
+            return f"token_id:{token_id}"
+        return tok.decode([token_id])
+
+    @staticmethod
+    def _add_ids(body: dict, choice: dict, result: PromptResult, sample) -> None:
+        if body.get("return_token_ids"):
+            choice["token_ids"] = sample.response_ids
+            choice["prompt_token_ids"] = result.prompt_ids
+            choice["weight_version"] = sample.weight_version
+
+    async def _stream(self, request: web.Request, payload: dict, chunk_object: str) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for choice in payload["choices"]:
+            chunk_choice = dict(choice)
+            if "message" in chunk_choice:
+                chunk_choice["delta"] = chunk_choice.pop("message")
+            chunk = {k: payload[k] for k in ("id", "created", "model", "system_fingerprint")}
+            chunk.update(object=chunk_object, choices=[chunk_choice])
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _usage(results: list[PromptResult]) -> dict:
+    prompt = sum(len(r.prompt_ids) for r in results)
+    completion = sum(len(s.response_ids) for r in results for s in r.samples)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _prompts(prompt) -> list[PromptInput]:
+    """OpenAI's prompt forms: a string, strings, a token list, or token lists."""
+    if isinstance(prompt, str):
+        return [PromptInput(id="0", text=prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [PromptInput(id=str(i), text=p) for i, p in enumerate(prompt)]
+        if all(isinstance(t, int) for t in prompt):
+            return [PromptInput(id="0", prompt_ids=list(prompt))]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+            return [PromptInput(id=str(i), prompt_ids=list(p)) for i, p in enumerate(prompt)]
+    raise ValueError("prompt: must be a string, a list of strings, a list of token ids or a list of such lists")
+
+
+def _num(body: dict, key: str, kind, default):
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise ValueError(f"{key}: must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    return kind(value)
+
+
+def _opt_int(body: dict, key: str) -> int | None:
+    return None if body.get(key) is None else _num(body, key, int, None)
+
+
+def _reject_unsupported(body: dict, keys) -> None:
+    for key in keys:
+        if body.get(key):
+            raise ValueError(f"{key}: not supported by this server")
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"request body: not JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ValueError("request body: must be a JSON object")
+    return body
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": message.split(":", 1)[0],
+                                        "code": status}}, status=status)
+
+
+def _middlewares(auth_token: str | None):
+    expected = f"Bearer {auth_token}" if auth_token else None
+
+    @web.middleware
+    async def errors(request: web.Request, handler):
+        if expected and request.path != "/health":
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), expected.encode()):
+                return _error(401, "missing or invalid bearer token", "authentication_error")
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except ValueError as e:
+            return _error(400, str(e), "invalid_request_error")
+        except MeshError as e:
+            return _error(HTTP_STATUS.get(e.status, 500), str(e), e.status.lower())
+        except Exception as e:  # noqa: BLE001 - reported as a 500, logged with its traceback
+            log.exception("%s failed", request.path)
+            return _error(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+
+    return [errors]
+
+
+def build_app(engine: RolloutEngine, *, model_name: str, defaults: RolloutConfig,
+              auth_token: str | None = None) -> web.Application:
+    api = OpenAIApi(engine, model_name=model_name, defaults=defaults)
+    app = web.Application(middlewares=_middlewares(auth_token), client_max_size=64 * 1024 * 1024)
+    app.add_routes([web.get("/v1/models", api.models), web.get("/health", api.health),
+                    web.post("/v1/completions", api.completions), web.post("/v1/chat/completions", api.chat)])
+    return app
+
+
+async def start_http(engine: RolloutEngine, *, host: str, port: int, model_name: str, defaults: RolloutConfig,
+                     auth_token: str | None = None) -> tuple[web.AppRunner, int]:
+    """Starts the API on host:port (0 = any free port); returns the runner (cleanup() stops it) and the port."""
+    runner = web.AppRunner(build_app(engine, model_name=model_name, defaults=defaults, auth_token=auth_token),
+                           access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # aiohttp exposes the bound port only here
+    log.info("OpenAI-compatible API on http://%s:%d/v1 (model %r)", host, bound, model_name)
+    return runner, bound
