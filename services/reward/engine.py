@@ -78,6 +78,8 @@ class RewardConfig(PoolConfig):
     # Worker processes that run user functions.
     num_workers: int = Field(2, ge=1)
     max_batch_size: int = Field(4096, ge=1)
+    # torch CPU threads for reward models; unset, step times vary 20x on small machines.
+    num_threads: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _check_components(self) -> "RewardConfig":
@@ -103,6 +105,10 @@ class RewardConfig(PoolConfig):
             seen[c.key] = i
             if c.function is None and c.name in REWARD_FUNCTIONS:
                 check_rule_params(c.name, c.params, where)
+            elif c.function is None:
+                from services.reward.models import parse_params
+
+                parse_params(c.name, c.params, where)
         return self
 
 
@@ -195,6 +201,10 @@ class RewardEngine:
     def __init__(self, settings: RewardSettings):
         self.config = settings.reward
         self.components: list[Component] = []
+        if any(c.function is None and c.name in MODEL_COMPONENTS for c in self.config.components):
+            from services.common.modeling import set_threads
+
+            set_threads(self.config.num_threads)
         try:
             for i, c in enumerate(self.config.components):
                 try:

