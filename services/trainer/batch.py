@@ -1,0 +1,133 @@
+"""Trainer inputs as dataclasses (samples, loss settings) and their validation, done before anything runs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from services.common.modeling import validate_sequences
+from services.trainer.losses import AGG_MODES, KL_ALIASES, KL_TYPES
+
+
+@dataclass
+class TrainSample:
+    """One scored sample of a policy update; per-token lists are aligned with response_ids."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    advantages: list[float]
+    old_logprobs: list[float]
+    # Required when kl_coef > 0.
+    ref_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ActorLoss:
+    """Loss settings of one TrainActor call (the ActorLoss message, with proto zeros read as defaults)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float = 0.0
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
+    entropy_coef: float = 0.0
+    loss_agg_mode: str = "token-mean"
+    ppo_epochs: int = 1
+    # Samples per optimizer step; 0 = the whole batch.
+    mini_batch_size: int = 0
+    temperature: float = 1.0
+
+
+@dataclass
+class CriticSample:
+    """One sample of a critic update: return targets and pre-update values per response token."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    returns: list[float]
+    old_values: list[float] = field(default_factory=list)
+
+
+@dataclass
+class CriticLoss:
+    """Settings of one TrainCritic call."""
+
+    # Value clip range; 0 turns clipping off (old_values are then optional).
+    clip_value: float = 0.0
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0
+
+
+def _check_aligned(i: int, name: str, values: Sequence[float], n: int, *, where: str = "samples") -> None:
+    if len(values) != n:
+        raise ValueError(f"{where}[{i}].{name}: {len(values)} values for {n} response tokens")
+    for t, v in enumerate(values):
+        if not math.isfinite(v):
+            raise ValueError(f"{where}[{i}].{name}[{t}]: not finite ({v})")
+
+
+def _check_schedule(ppo_epochs: int, mini_batch_size: int, num_samples: int, dp_size: int, where: str) -> None:
+    if ppo_epochs < 1:
+        raise ValueError(f"{where}.ppo_epochs: must be >= 1, got {ppo_epochs}")
+    if mini_batch_size < 0:
+        raise ValueError(f"{where}.mini_batch_size: must be >= 0, got {mini_batch_size}")
+    # Every DP rank needs at least one sample of every mini-batch, the last (shorter) one included.
+    sizes = [len(m) for m in mini_batches(num_samples, mini_batch_size)]
+    if min(sizes) < dp_size:
+        raise ValueError(f"{where}.mini_batch_size: a mini-batch of {min(sizes)} samples cannot be split over "
+                         f"dp_size={dp_size} ranks ({num_samples} samples, mini_batch_size={mini_batch_size})")
+
+
+def validate_actor_batch(samples: Sequence[TrainSample], loss: ActorLoss, *, vocab_size: int,
+                         max_len: int | None, dp_size: int = 1) -> None:
+    """Raises ValueError naming the field (and sample index) of the first bad input."""
+    if len(samples) == 0:
+        raise ValueError("samples: empty batch")
+    validate_sequences([s.prompt_ids for s in samples], [s.response_ids for s in samples], vocab_size=vocab_size,
+                       max_len=max_len, field="samples")
+    if KL_ALIASES.get(loss.kl_type, loss.kl_type) not in KL_TYPES:
+        raise ValueError(f"loss.kl_type: unknown {loss.kl_type!r} (expected one of {', '.join(KL_TYPES)})")
+    if loss.loss_agg_mode not in AGG_MODES:
+        raise ValueError(f"loss.loss_agg_mode: unknown {loss.loss_agg_mode!r} (expected one of {', '.join(AGG_MODES)})")
+    if not 0 <= loss.clip_low < 1:
+        raise ValueError(f"loss.clip_low: must be in [0, 1), got {loss.clip_low}")
+    if loss.clip_high < 0:
+        raise ValueError(f"loss.clip_high: must be >= 0, got {loss.clip_high}")
+    if loss.dual_clip != 0 and loss.dual_clip <= 1:
+        raise ValueError(f"loss.dual_clip: must be 0 (off) or > 1, got {loss.dual_clip}")
+    if not (math.isfinite(loss.kl_coef) and loss.kl_coef >= 0):
+        raise ValueError(f"loss.kl_coef: must be >= 0, got {loss.kl_coef}")
+    if not math.isfinite(loss.entropy_coef):
+        raise ValueError(f"loss.entropy_coef: not finite ({loss.entropy_coef})")
+    if not (math.isfinite(loss.temperature) and loss.temperature > 0):
+        raise ValueError(f"loss.temperature: must be > 0, got {loss.temperature}")
+    _check_schedule(loss.ppo_epochs, loss.mini_batch_size, len(samples), dp_size, "loss")
+    for i, s in enumerate(samples):
+        n = len(s.response_ids)
+        _check_aligned(i, "advantages", s.advantages, n)
+        _check_aligned(i, "old_logprobs", s.old_logprobs, n)
+        if loss.kl_coef > 0:
+            _check_aligned(i, "ref_logprobs", s.ref_logprobs, n)
+
+
+def validate_critic_batch(samples: Sequence[CriticSample], loss: CriticLoss, *, vocab_size: int,
+                          max_len: int | None, dp_size: int = 1) -> None:
+    if len(samples) == 0:
+        raise ValueError("samples: empty batch")
+    validate_sequences([s.prompt_ids for s in samples], [s.response_ids for s in samples], vocab_size=vocab_size,
+                       max_len=max_len, field="samples")
+    if not (math.isfinite(loss.clip_value) and loss.clip_value >= 0):
+        raise ValueError(f"clip_value: must be >= 0, got {loss.clip_value}")
+    _check_schedule(loss.ppo_epochs, loss.mini_batch_size, len(samples), dp_size, "request")
+    for i, s in enumerate(samples):
+        n = len(s.response_ids)
+        _check_aligned(i, "returns", s.returns, n)
+        if loss.clip_value > 0:
+            _check_aligned(i, "old_values", s.old_values, n)
+
+
+def mini_batches(num_samples: int, mini_batch_size: int) -> list[list[int]]:
+    """Consecutive index ranges of the (already shuffled) batch; 0 = one mini-batch of everything."""
+    size = mini_batch_size or num_samples
+    return [list(range(start, min(start + size, num_samples))) for start in range(0, num_samples, size)]

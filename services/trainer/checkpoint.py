@@ -1,0 +1,85 @@
+"""Trainer checkpoints with torch.distributed.checkpoint: loadable on a different mesh shape.
+
+Layout of a checkpoint directory:
+  dcp/                 model + optimizer of the actor (and critic), keyed by parameter FQN (DCP, resharded on load)
+  trainer_state.pt     schedulers, optimizer-step counts, weight version, the saving mesh (rank 0)
+  rng/rank{r}.pt       torch RNG state of each rank (restored where the rank exists)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger("meshrl.trainer")
+
+STATE_FILE = "trainer_state.pt"
+
+
+def exists(path: str) -> bool:
+    return (Path(path) / STATE_FILE).is_file() and (Path(path) / "dcp").is_dir()
+
+
+def read_meta(path: str) -> dict:
+    return torch.load(Path(path) / STATE_FILE, weights_only=False)
+
+
+def _state(models: Sequence) -> dict:
+    out = {}
+    for m in models:
+        fresh = not m.optimizer.state
+        model_sd, optim_sd = get_state_dict(m.module, m.optimizer)
+        if fresh:
+            # get_state_dict initialises empty Adam state with a zero-lr step (step=1); undo it so a
+            # checkpoint taken before the first update does not change the next update's bias correction.
+            m.optimizer.state = defaultdict(dict)
+        out[m.name] = {"model": model_sd, "optim": optim_sd}
+    return out
+
+
+def save(path: str, models: Sequence, *, weight_version: int, rank: int, world_size: int, mesh: str) -> None:
+    """Collective: every rank writes its shards; rank 0 writes the small state."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dcp.save(_state(models), checkpoint_id=str(root / "dcp"))
+    (root / "rng").mkdir(exist_ok=True)
+    torch.save(torch.get_rng_state(), root / "rng" / f"rank{rank}.pt")
+    if rank == 0:
+        torch.save({"weight_version": weight_version, "world_size": world_size, "mesh": mesh,
+                    "has_critic": any(m.name == "critic" for m in models),
+                    "models": {m.name: {"step": m.step, "scheduler": m.scheduler.state_dict()} for m in models}},
+                   root / STATE_FILE)
+    dist.barrier()
+    log.info("saved checkpoint to %s (step %d, version %d)", root, models[0].step, weight_version)
+
+
+def load(path: str, models: Sequence, *, rank: int) -> int:
+    """Collective: restores every model in place and returns the saved weight version."""
+    root = Path(path)
+    meta = read_meta(path)
+    state = _state(models)
+    # Loading into fresh optimizer state needs the initialised structure that _state just undid.
+    for m in models:
+        state[m.name]["optim"] = get_state_dict(m.module, m.optimizer)[1]
+    dcp.load(state, checkpoint_id=str(root / "dcp"))
+    for m in models:
+        set_state_dict(m.module, m.optimizer, model_state_dict=state[m.name]["model"],
+                       optim_state_dict=state[m.name]["optim"])
+        saved = meta["models"][m.name]
+        m.scheduler.load_state_dict(saved["scheduler"])
+        m.step = int(saved["step"])
+    rng = root / "rng" / f"rank{rank}.pt"
+    if rng.is_file():
+        torch.set_rng_state(torch.load(rng, weights_only=True))
+    dist.barrier()
+    log.info("loaded checkpoint %s (step %d, version %d, saved on %s)", root, models[0].step,
+             meta["weight_version"], meta["mesh"])
+    return int(meta["weight_version"])

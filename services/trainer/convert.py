@@ -1,0 +1,77 @@
+"""Protobuf <-> dataclasses of the trainer service; proto3 zeros of ActorLoss read as the documented defaults."""
+
+from __future__ import annotations
+
+from meshrl.v1 import common_pb2, trainer_pb2
+from services.common.weights import Manifest
+from services.trainer.batch import ActorLoss, CriticLoss, CriticSample, TrainSample
+
+
+def actor_loss_from_pb(pb: trainer_pb2.ActorLoss) -> ActorLoss:
+    """Unset (zero) fields take ActorLoss's defaults; clip_high defaults to clip_low (symmetric clip)."""
+    d = ActorLoss()
+    clip_low = pb.clip_low or d.clip_low
+    return ActorLoss(clip_low=clip_low, clip_high=pb.clip_high or clip_low, dual_clip=pb.dual_clip,
+                     kl_coef=pb.kl_coef, kl_type=pb.kl_type or d.kl_type, entropy_coef=pb.entropy_coef,
+                     loss_agg_mode=pb.loss_agg_mode or d.loss_agg_mode, ppo_epochs=pb.ppo_epochs or d.ppo_epochs,
+                     mini_batch_size=pb.mini_batch_size, temperature=pb.temperature or d.temperature)
+
+
+def actor_loss_to_pb(loss: ActorLoss) -> trainer_pb2.ActorLoss:
+    return trainer_pb2.ActorLoss(clip_low=loss.clip_low, clip_high=loss.clip_high, dual_clip=loss.dual_clip,
+                                 kl_coef=loss.kl_coef, kl_type=loss.kl_type, entropy_coef=loss.entropy_coef,
+                                 loss_agg_mode=loss.loss_agg_mode, ppo_epochs=loss.ppo_epochs,
+                                 mini_batch_size=loss.mini_batch_size, temperature=loss.temperature)
+
+
+def train_actor_from_pb(request: trainer_pb2.TrainActorRequest) -> tuple[list[TrainSample], ActorLoss]:
+    samples = [TrainSample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
+                           advantages=list(s.advantages), old_logprobs=list(s.old_logprobs),
+                           ref_logprobs=list(s.ref_logprobs)) for s in request.samples]
+    return samples, actor_loss_from_pb(request.loss)
+
+
+def train_actor_to_pb(samples: list[TrainSample], loss: ActorLoss) -> trainer_pb2.TrainActorRequest:
+    return trainer_pb2.TrainActorRequest(
+        samples=[trainer_pb2.TrainSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
+                                         advantages=s.advantages, old_logprobs=s.old_logprobs,
+                                         ref_logprobs=s.ref_logprobs) for s in samples],
+        loss=actor_loss_to_pb(loss))
+
+
+def train_critic_from_pb(request: trainer_pb2.TrainCriticRequest) -> tuple[list[CriticSample], CriticLoss]:
+    samples = [CriticSample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
+                            returns=list(s.returns), old_values=list(s.old_values)) for s in request.samples]
+    return samples, CriticLoss(clip_value=request.clip_value, ppo_epochs=request.ppo_epochs or 1,
+                               mini_batch_size=request.mini_batch_size)
+
+
+def train_critic_to_pb(samples: list[CriticSample], loss: CriticLoss) -> trainer_pb2.TrainCriticRequest:
+    return trainer_pb2.TrainCriticRequest(
+        samples=[trainer_pb2.CriticSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, returns=s.returns,
+                                          old_values=s.old_values) for s in samples],
+        clip_value=loss.clip_value, ppo_epochs=loss.ppo_epochs, mini_batch_size=loss.mini_batch_size)
+
+
+def train_response_to_pb(step: int, metrics: dict[str, float]) -> trainer_pb2.TrainResponse:
+    return trainer_pb2.TrainResponse(step=step, metrics={k: float(v) for k, v in metrics.items()})
+
+
+def values_request_from_pb(request: trainer_pb2.ValuesRequest) -> tuple[list[str], list[list[int]], list[list[int]]]:
+    return ([s.id for s in request.sequences], [list(s.prompt_ids) for s in request.sequences],
+            [list(s.response_ids) for s in request.sequences])
+
+
+def values_to_pb(ids: list[str], values: list[list[float]]) -> trainer_pb2.ValuesResponse:
+    return trainer_pb2.ValuesResponse(results=[trainer_pb2.TokenValues(id=i, values=v) for i, v in zip(ids, values)])
+
+
+def checkpoint_to_pb(result: dict) -> trainer_pb2.CheckpointResponse:
+    return trainer_pb2.CheckpointResponse(path=result["path"], step=result["step"],
+                                          weight_version=result["weight_version"])
+
+
+def manifest_to_pb(m: Manifest) -> common_pb2.WeightManifest:
+    return common_pb2.WeightManifest(version=m.version, total_bytes=m.total_bytes, tensors=[
+        common_pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), offset=t.offset, nbytes=t.nbytes)
+        for t in m.tensors])

@@ -1,0 +1,568 @@
+"""Trainer engine: the actor (and optional critic) on the device mesh, PPO updates, checkpoints, export.
+
+SPMD: rank 0 validates each command, broadcasts it over the CommandChannel and runs it like every
+other rank (`_local_<command>`); ranks > 0 sit in `serve_workers`. Each rank trains on its DP
+shard of every mini-batch; results come back to rank 0. One process is the world-size-1 case of
+the same code. No gRPC here.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import shutil
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+from pydantic import Field, model_validator
+from torch import nn
+
+from services.common.codec import DTYPES
+from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig
+from services.common.errors import FailedPrecondition, NotFound
+from services.common.modeling import (load_causal_lm, pack_by_token_budget, pad_batch, response_logprobs,
+                                      set_threads, validate_sequences)
+from services.common.weights import DEFAULT_BUCKET_BYTES, named_weights
+from services.trainer import checkpoint
+from services.trainer.batch import (ActorLoss, CriticLoss, CriticSample, TrainSample, mini_batches,
+                                    validate_actor_batch, validate_critic_batch)
+from services.trainer.losses import aggregate, clipped_policy_loss, clipped_value_loss, kl_penalty
+from services.trainer.parallel import (CommandChannel, ParallelDims, all_reduce_sum, gather_to_rank0,
+                                       init_distributed, launched_world_size, local_device)
+from services.trainer.parallelize import parallelize
+
+log = logging.getLogger("meshrl.trainer")
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class OptimSection(Section):
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    # Max global gradient norm; 0 turns clipping off (the norm is still reported).
+    grad_clip: float = Field(1.0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    # Linear warm-up from lr / warmup_steps to lr over this many optimizer steps.
+    warmup_steps: int = Field(0, ge=0)
+    # Cosine: optimizer steps from the end of warm-up to min_lr_ratio * lr.
+    total_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    # Micro-batches are packed so that batch * longest sequence stays within this many tokens.
+    micro_batch_token_budget: int = Field(16384, ge=1)
+
+    @model_validator(mode="after")
+    def _cosine_needs_steps(self):
+        if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
+            raise ValueError(f"total_steps: the cosine schedule needs total_steps > warmup_steps "
+                             f"({self.total_steps} <= {self.warmup_steps})")
+        for b in self.betas:
+            if not 0 <= b < 1:
+                raise ValueError(f"betas: each must be in [0, 1), got {list(self.betas)}")
+        return self
+
+
+class ActorConfig(OptimSection):
+    """`actor:` section: the policy being trained, its optimizer and its mesh."""
+
+    # Defaults to model.path (the initial policy).
+    model_path: str | None = None
+    tp_size: int = Field(1, ge=1)
+    pp_size: int = Field(1, ge=1)
+    dp_size: int = Field(1, ge=1)
+    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    activation_checkpointing: bool = False
+    # Master weights and optimizer state; defaults to model.dtype.
+    param_dtype: DType | None = None
+    # Forward/backward dtype; defaults to param_dtype.
+    dtype: DType | None = None
+    seed: int = 0
+    # Shuffle the batch before cutting it into mini-batches (seeded by seed, step and epoch).
+    shuffle: bool = True
+    # Samples per TrainActor / ComputeLogProbs call.
+    max_batch_size: int = Field(8192, ge=1)
+    # Weights are cast to this dtype for rollout replicas (default: param_dtype).
+    weight_sync_dtype: DType | None = None
+    weight_bucket_bytes: int = Field(DEFAULT_BUCKET_BYTES, ge=1024)
+
+
+class CriticConfig(OptimSection):
+    """`critic:` section (PPO): a value head on the actor's architecture, with its own optimizer."""
+
+    lr: float = Field(1e-5, gt=0)
+    # Defaults to actor.model_path / model.path.
+    model_path: str | None = None
+
+
+class TrainerSettings(MeshSettings):
+    model: ModelConfig = ModelConfig()
+    actor: ActorConfig = ActorConfig()
+    # No critic unless the section is present (GRPO needs none).
+    critic: CriticConfig | None = None
+    server: ServerConfig = ServerConfig()
+
+
+def lr_lambda(cfg: OptimSection):
+    """Multiplier of the base lr after `step` optimizer steps: linear warm-up, then constant or cosine."""
+    def fn(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return fn
+
+
+class ValueModel(nn.Module):
+    """The causal LM's backbone with a scalar head: one value per position."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.model = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.value_head.weight, std=1.0 / (hidden_size + 1))
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()   # [B, L]
+
+
+@dataclass
+class Trained:
+    """A model with its optimizer and schedule; actor and critic never share one."""
+
+    name: str
+    module: nn.Module          # parameters, state dicts, names
+    forward: nn.Module         # what forward/backward runs through (the DDP wrapper under dp_mode ddp)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    cfg: OptimSection
+    step: int = 0
+
+
+def _build_trained(name: str, module: nn.Module, mesh, cfg: OptimSection, actor: ActorConfig, param_dtype: str,
+                   compute_dtype: str) -> Trained:
+    forward = parallelize(module, mesh, dp_mode=actor.dp_mode, activation_checkpointing=actor.activation_checkpointing,
+                          param_dtype=param_dtype, compute_dtype=compute_dtype)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                  weight_decay=cfg.weight_decay, foreach=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    return Trained(name, module, forward, optimizer, scheduler, cfg)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective: every rank calls it), any other tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class TrainerEngine:
+    """The trainer on one rank. Public methods are called on rank 0 and run on every rank."""
+
+    def __init__(self, settings: TrainerSettings):
+        a, m = settings.actor, settings.model
+        # The mesh is checked before anything heavy happens, so a bad launch fails in a second.
+        self.dims = ParallelDims(dp=a.dp_size, pp=a.pp_size, tp=a.tp_size, world_size=launched_world_size())
+        self.settings = settings
+        self.cfg = a
+        self.model_path = a.model_path or m.path
+        if not (Path(self.model_path) / "config.json").is_file():
+            raise ValueError(f"actor.model_path: {self.model_path!r} is not a Hugging Face model folder "
+                             f"(no config.json)")
+        self.param_dtype = a.param_dtype or m.dtype
+        self.compute_dtype = a.dtype or self.param_dtype
+        set_threads(m.num_threads)
+        self.device = local_device(m.device)
+        init_distributed(self.device.type)
+        self.rank = dist.get_rank()
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.dp_mesh = self.mesh["dp"]
+        self.dp_rank = self.dp_mesh.get_local_rank()
+        self.dp_group = self.dp_mesh.get_group()
+        self.channel = CommandChannel()
+        # FSDP/DDP already mix in the compute dtype; autocast covers the unsharded case.
+        self._autocast = self.compute_dtype != self.param_dtype and not (a.dp_mode == "fsdp" and self.dims.dp > 1)
+        torch.manual_seed(a.seed)
+
+        module = load_causal_lm(self.model_path, dtype=self.param_dtype, device=str(self.device), trainable=True)
+        # No dropout in RL updates: at the first step of a batch the ratio to the old policy must be exactly 1.
+        module.train(False)
+        self.hf_config = copy.deepcopy(module.config)
+        self.hf_config.architectures = [type(module).__name__]
+        self.pad_id = module.config.pad_token_id or 0
+        self.vocab_size = module.config.vocab_size
+        self.max_len = getattr(module.config, "max_position_embeddings", None)
+        self.actor = _build_trained("actor", module, self.mesh, a, a, self.param_dtype, self.compute_dtype)
+        self.critic: Trained | None = None
+        if settings.critic is not None:
+            self.critic = _build_trained("critic", self._load_value_model(settings.critic), self.mesh,
+                                         settings.critic, a, self.param_dtype, self.compute_dtype)
+        self.weight_version = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        devices = gather_to_rank0(str(self.device), self.channel.group)
+        self.devices = ",".join(devices) if devices else str(self.device)
+        log.info("Rank %d: actor loaded on %s (%s)", self.rank, self.device, self.dims.describe())
+        if self.critic is not None:
+            log.info("Rank %d: critic loaded on %s (%s)", self.rank, self.device, self.dims.describe())
+
+    def _load_value_model(self, cfg: CriticConfig) -> ValueModel:
+        from transformers import AutoModel
+
+        path = cfg.model_path or self.model_path
+        backbone = AutoModel.from_pretrained(path, dtype=DTYPES[self.param_dtype], local_files_only=True)
+        model = ValueModel(backbone, backbone.config.hidden_size).to(device=self.device, dtype=DTYPES[self.param_dtype])
+        model.train(False)
+        return model
+
+    # ---- commands (rank 0) ------------------------------------------------------------------------
+
+    def _run(self, name: str, *args) -> Any:
+        """Broadcasts the command and runs it here too; the lock keeps every rank's command order equal."""
+        with self._lock:
+            if self._closed:
+                raise FailedPrecondition("trainer is shut down")
+            self.channel.send((name, args))
+            return getattr(self, f"_local_{name}")(*args)
+
+    def compute_logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                         temperature: float = 1.0) -> list[list[float]]:
+        self._check_sequences(prompts, responses)
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        return self._run("compute_logprobs", [list(p) for p in prompts], [list(r) for r in responses], temperature)
+
+    def compute_values(self, prompts, responses) -> list[list[float]]:
+        self._require_critic()
+        self._check_sequences(prompts, responses)
+        return self._run("compute_values", [list(p) for p in prompts], [list(r) for r in responses])
+
+    def train_actor(self, samples: Sequence[TrainSample], loss: ActorLoss) -> dict[str, float]:
+        if len(samples) > self.cfg.max_batch_size:
+            raise ValueError(f"samples: {len(samples)} exceed actor.max_batch_size={self.cfg.max_batch_size}")
+        validate_actor_batch(samples, loss, vocab_size=self.vocab_size, max_len=self.max_len, dp_size=self.dims.dp)
+        return self._run("train_actor", list(samples), loss)
+
+    def train_critic(self, samples: Sequence[CriticSample], loss: CriticLoss) -> dict[str, float]:
+        self._require_critic()
+        if len(samples) > self.cfg.max_batch_size:
+            raise ValueError(f"samples: {len(samples)} exceed actor.max_batch_size={self.cfg.max_batch_size}")
+        validate_critic_batch(samples, loss, vocab_size=self.vocab_size, max_len=self.max_len, dp_size=self.dims.dp)
+        return self._run("train_critic", list(samples), loss)
+
+    def state_for_sync(self) -> tuple[dict[str, torch.Tensor], int]:
+        """Full CPU copies of the actor's weights (HF names, no tied duplicates) and their version."""
+        return self._run("state_for_sync"), self.weight_version
+
+    def save_checkpoint(self, path: str) -> dict:
+        if not path:
+            raise ValueError("path: empty")
+        self._run("save_checkpoint", path, self.weight_version)
+        return {"path": path, "step": self.actor.step, "weight_version": self.weight_version}
+
+    def load_checkpoint(self, path: str) -> dict:
+        if not path:
+            raise ValueError("path: empty")
+        if not checkpoint.exists(path):
+            raise NotFound(f"path: no trainer checkpoint at {path!r}")
+        meta = checkpoint.read_meta(path)
+        if bool(meta.get("has_critic")) != (self.critic is not None):
+            raise FailedPrecondition(f"path: checkpoint {'has' if meta.get('has_critic') else 'has no'} critic, "
+                                     f"this trainer {'has' if self.critic else 'has none'}")
+        self._run("load_checkpoint", path)
+        return {"path": path, "step": self.actor.step, "weight_version": self.weight_version}
+
+    def export_hf(self, path: str) -> dict:
+        if not path:
+            raise ValueError("path: empty")
+        self._run("export_hf", path)
+        return {"path": path, "step": self.actor.step, "weight_version": self.weight_version}
+
+    def info(self) -> dict:
+        return {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "world_size": self.dims.world_size,
+                "devices": self.devices, "step": self.actor.step, "dtype": self.compute_dtype,
+                "param_dtype": self.param_dtype, "dp_mode": self.cfg.dp_mode,
+                "critic": self.critic is not None, "critic_step": self.critic.step if self.critic else 0,
+                "micro_batch_token_budget": self.cfg.micro_batch_token_budget, "max_model_len": self.max_len}
+
+    def close(self) -> None:
+        """Releases ranks > 0 from their loop; the engine takes no commands afterwards."""
+        with self._lock:
+            if not self._closed and self.rank == 0:
+                self.channel.send(("shutdown", ()))
+            self._closed = True
+
+    def serve_workers(self) -> None:
+        """The loop of ranks > 0: run each command rank 0 broadcasts until it says shutdown."""
+        while True:
+            name, args = self.channel.receive()
+            if name == "shutdown":
+                return
+            try:
+                getattr(self, f"_local_{name}")(*args)
+            except Exception:  # noqa: BLE001 - rank 0 validated the input; keep serving and say why
+                log.exception("Rank %d: command %s failed", self.rank, name)
+
+    def _require_critic(self) -> None:
+        if self.critic is None:
+            raise FailedPrecondition("no critic configured (add a `critic:` section to the trainer config)")
+
+    def _check_sequences(self, prompts, responses) -> None:
+        validate_sequences(prompts, responses, vocab_size=self.vocab_size, max_len=self.max_len)
+        if len(prompts) > self.cfg.max_batch_size:
+            raise ValueError(f"sequences: {len(prompts)} exceed actor.max_batch_size={self.cfg.max_batch_size}")
+
+    # ---- per-rank work ----------------------------------------------------------------------------
+
+    def _amp(self):
+        return torch.autocast(self.device.type, dtype=DTYPES[self.compute_dtype]) if self._autocast else nullcontext()
+
+    def _local_groups(self, indices: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int] | None]:
+        """This DP rank's shard of `indices` packed by token budget, padded with None (a zero-weight
+        dummy micro-batch) so that every DP rank runs as many forwards as the busiest one: FSDP's
+        collectives must line up. Every rank holds the whole batch, so this needs no communication.
+        """
+        packed = []
+        for r in range(self.dims.dp):
+            shard = list(indices[r::self.dims.dp])
+            packed.append([[shard[j] for j in g] for g in pack_by_token_budget([lengths[i] for i in shard], budget)])
+        mine: list[list[int] | None] = list(packed[self.dp_rank])
+        return mine + [None] * (max(len(p) for p in packed) - len(mine))
+
+    def _group_ids(self, group: list[int] | None, prompts, responses):
+        if group is None:
+            return [[self.pad_id]], [[self.pad_id]]
+        return [prompts[i] for i in group], [responses[i] for i in group]
+
+    def _merge_on_rank0(self, part: dict[int, list[float]], n: int) -> list[list[float]] | None:
+        parts = gather_to_rank0(part, self.channel.group)
+        if parts is None:
+            return None
+        merged: dict[int, list[float]] = {}
+        for p in parts:
+            merged.update(p)
+        return [merged[i] for i in range(n)]
+
+    @torch.no_grad()
+    def _local_compute_logprobs(self, prompts, responses, temperature: float):
+        # Same packing and forward as services.common.modeling.batched_logprobs, so a one-rank trainer
+        # and the reference service agree bit for bit on the same weights.
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        out: dict[int, list[float]] = {}
+        for group in self._local_groups(range(len(prompts)), lengths, self.cfg.micro_batch_token_budget):
+            ps, rs = self._group_ids(group, prompts, responses)
+            with self._amp():
+                logp, _ = response_logprobs(self.actor.forward, ps, rs, pad_id=self.pad_id, temperature=temperature)
+            logp = logp.cpu()
+            for row, i in enumerate(group or []):
+                out[i] = logp[row, :len(responses[i])].tolist()
+        return self._merge_on_rank0(out, len(prompts))
+
+    def _values(self, model: nn.Module, prompts, responses) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, attention_mask, positions, mask, _ = pad_batch(prompts, responses, pad_id=self.pad_id,
+                                                                  device=self.device)
+        with self._amp():
+            values = model(input_ids=input_ids, attention_mask=attention_mask)                 # [B, L]
+        return torch.gather(values.float(), 1, positions) * mask, mask                          # [B, R]
+
+    @torch.no_grad()
+    def _local_compute_values(self, prompts, responses):
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        out: dict[int, list[float]] = {}
+        for group in self._local_groups(range(len(prompts)), lengths, self.critic.cfg.micro_batch_token_budget):
+            ps, rs = self._group_ids(group, prompts, responses)
+            values, _ = self._values(self.critic.forward, ps, rs)
+            values = values.cpu()
+            for row, i in enumerate(group or []):
+                out[i] = values[row, :len(responses[i])].tolist()
+        return self._merge_on_rank0(out, len(prompts))
+
+    def _order(self, n: int, epoch: int, trained: Trained) -> list[int]:
+        if not self.cfg.shuffle:
+            return list(range(n))
+        # Seeded by (seed, step, epoch): identical on every rank, and after a checkpoint restore.
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + trained.step * 1009 + epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    def _padded(self, rows: list[list[float]], width: int) -> torch.Tensor:
+        out = torch.zeros(len(rows), width, dtype=torch.float32)
+        for i, r in enumerate(rows):
+            out[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
+        return out.to(self.device)
+
+    def _optimizer_step(self, trained: Trained) -> tuple[float, float, bool]:
+        """Clips, steps and schedules; a non-finite gradient norm skips the step (weights stay)."""
+        params = [p for p in trained.module.parameters() if p.requires_grad]
+        max_norm = trained.cfg.grad_clip if trained.cfg.grad_clip > 0 else float("inf")
+        norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        lr = trained.optimizer.param_groups[0]["lr"]
+        if not math.isfinite(norm):
+            trained.optimizer.zero_grad(set_to_none=True)
+            return norm, lr, False
+        trained.optimizer.step()
+        trained.scheduler.step()
+        trained.optimizer.zero_grad(set_to_none=True)
+        trained.step += 1
+        return norm, lr, True
+
+    def _local_train_actor(self, samples: list[TrainSample], loss: ActorLoss) -> dict[str, float]:
+        t0 = time.perf_counter()
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        use_kl = loss.kl_coef > 0 or all(len(s.ref_logprobs) == len(s.response_ids) for s in samples)
+        # Summed over mini-batches: pg, kl, entropy-loss, total; over tokens: clipped, approx-kl, entropy, count.
+        totals = dict(pg_loss=0.0, kl_loss=0.0, entropy_loss=0.0, loss=0.0, clipped=0.0, approx_kl=0.0,
+                      entropy=0.0, tokens=0.0)
+        norms, lrs, num_steps, num_mini, skipped = [], [], 0, 0, 0
+        for epoch in range(loss.ppo_epochs):
+            order = self._order(len(samples), epoch, self.actor)
+            for mb in mini_batches(len(samples), loss.mini_batch_size):
+                idx = [order[j] for j in mb]
+                stats = self._actor_mini_batch(samples, idx, lengths, loss, use_kl)
+                for k, v in stats.items():
+                    totals[k] += v
+                norm, lr, ok = self._optimizer_step(self.actor)
+                norms.append(norm)
+                lrs.append(lr)
+                num_steps += ok
+                skipped += not ok
+                num_mini += 1
+        self.weight_version += 1
+        seconds = time.perf_counter() - t0
+        tokens = totals["tokens"]
+        return {
+            "pg_loss": totals["pg_loss"] / num_mini, "kl_loss": totals["kl_loss"] / num_mini,
+            "entropy_loss": totals["entropy_loss"] / num_mini, "loss": totals["loss"] / num_mini,
+            "entropy": totals["entropy"] / max(tokens, 1), "clip_frac": totals["clipped"] / max(tokens, 1),
+            "approx_kl": totals["approx_kl"] / max(tokens, 1),
+            "grad_norm": sum(norms) / len(norms), "lr": lrs[-1],
+            "num_tokens": float(sum(len(s.response_ids) for s in samples)),
+            "tokens_per_s": loss.ppo_epochs * sum(lengths) / max(seconds, 1e-9),
+            "num_optimizer_steps": float(num_steps), "num_skipped_steps": float(skipped),
+            "seconds": seconds,
+        }
+
+    def _actor_mini_batch(self, samples, idx, lengths, loss: ActorLoss, use_kl: bool) -> dict[str, float]:
+        """Forward/backward of one mini-batch over this rank's micro-batches; returns DP-summed stats."""
+        denom = (sum(len(samples[i].response_ids) for i in idx) if loss.loss_agg_mode == "token-mean" else len(idx))
+        stats = torch.zeros(8, dtype=torch.float64)
+        for group in self._local_groups(idx, lengths, self.cfg.micro_batch_token_budget):
+            rows = [samples[i] for i in group] if group else [TrainSample([self.pad_id], [self.pad_id], [0.0], [0.0],
+                                                                            [0.0])]
+            width = max(len(s.response_ids) for s in rows)
+            with self._amp():
+                logp, mask, entropy = response_logprobs(self.actor.forward, [s.prompt_ids for s in rows],
+                                                        [s.response_ids for s in rows], pad_id=self.pad_id,
+                                                        temperature=loss.temperature, with_entropy=True)
+            old = self._padded([s.old_logprobs for s in rows], width)
+            adv = self._padded([s.advantages for s in rows], width)
+            pg, clipped = clipped_policy_loss(logp, old, adv, clip_low=loss.clip_low, clip_high=loss.clip_high,
+                                              dual_clip=loss.dual_clip)
+            pg_loss = aggregate(pg, mask, loss.loss_agg_mode, denom=denom)
+            ent_loss = aggregate(entropy, mask, loss.loss_agg_mode, denom=denom)
+            total = pg_loss - loss.entropy_coef * ent_loss
+            kl_loss = torch.zeros(())
+            if use_kl:
+                ref = self._padded([s.ref_logprobs for s in rows], width)
+                kl_loss = aggregate(kl_penalty(logp, ref, loss.kl_type), mask, loss.loss_agg_mode, denom=denom)
+                total = total + loss.kl_coef * kl_loss
+            weight = 1.0 if group else 0.0
+            # FSDP and DDP average gradients over DP ranks; scaling by dp turns that into the sum over
+            # the mini-batch, whose normaliser (denom) already counts every rank's tokens.
+            (total * (weight * self.dims.dp)).backward()
+            with torch.no_grad():
+                m = mask.float()
+                stats += weight * torch.tensor([
+                    pg_loss.item(), kl_loss.item(), ent_loss.item(), total.item(),
+                    (clipped * m).sum().item(), ((old - logp) * m).sum().item(), (entropy * m).sum().item(),
+                    m.sum().item()], dtype=torch.float64)
+        summed = all_reduce_sum(stats.tolist(), group=self.dp_group, device=self.device)
+        return dict(zip(("pg_loss", "kl_loss", "entropy_loss", "loss", "clipped", "approx_kl", "entropy", "tokens"),
+                        summed))
+
+    def _local_train_critic(self, samples: list[CriticSample], loss: CriticLoss) -> dict[str, float]:
+        t0 = time.perf_counter()
+        critic = self.critic
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        totals = torch.zeros(4, dtype=torch.float64)   # vf_loss (per mini-batch), clipped, value sum, tokens
+        norms, lrs, num_mini, num_steps = [], [], 0, 0
+        for epoch in range(loss.ppo_epochs):
+            order = self._order(len(samples), epoch, critic)
+            for mb in mini_batches(len(samples), loss.mini_batch_size):
+                idx = [order[j] for j in mb]
+                denom = sum(len(samples[i].response_ids) for i in idx)
+                stats = torch.zeros(4, dtype=torch.float64)
+                for group in self._local_groups(idx, lengths, critic.cfg.micro_batch_token_budget):
+                    rows = [samples[i] for i in group] if group else [CriticSample([self.pad_id], [self.pad_id], [0.0],
+                                                                                   [0.0])]
+                    width = max(len(s.response_ids) for s in rows)
+                    values, mask = self._values(critic.forward, [s.prompt_ids for s in rows],
+                                                [s.response_ids for s in rows])
+                    returns = self._padded([s.returns for s in rows], width)
+                    old = self._padded([s.old_values for s in rows], width) if loss.clip_value > 0 else values.detach()
+                    vf, clipped = clipped_value_loss(values, old, returns, clip_value=loss.clip_value)
+                    vf_loss = aggregate(vf, mask, "token-mean", denom=denom)
+                    weight = 1.0 if group else 0.0
+                    (vf_loss * (weight * self.dims.dp)).backward()
+                    m = mask.float()
+                    stats += weight * torch.tensor([vf_loss.item(), (clipped * m).sum().item(),
+                                                    (values.detach() * m).sum().item(), m.sum().item()],
+                                                   dtype=torch.float64)
+                totals += torch.tensor(all_reduce_sum(stats.tolist(), group=self.dp_group, device=self.device),
+                                       dtype=torch.float64)
+                norm, lr, ok = self._optimizer_step(critic)
+                norms.append(norm)
+                lrs.append(lr)
+                num_steps += ok
+                num_mini += 1
+        tokens = max(float(totals[3]), 1.0)
+        return {"vf_loss": float(totals[0]) / num_mini, "vf_clip_frac": float(totals[1]) / tokens,
+                "values_mean": float(totals[2]) / tokens, "grad_norm": sum(norms) / len(norms), "lr": lrs[-1],
+                "num_tokens": float(sum(len(s.response_ids) for s in samples)),
+                "num_optimizer_steps": float(num_steps), "seconds": time.perf_counter() - t0}
+
+    @torch.no_grad()
+    def _local_state_for_sync(self) -> dict[str, torch.Tensor] | None:
+        dtype = DTYPES[self.cfg.weight_sync_dtype or self.param_dtype]
+        state = {name: _full(t).detach().to("cpu", dtype=dtype, copy=True)
+                 for name, t in named_weights(self.actor.module).items()}
+        return state if self.rank == 0 else None
+
+    def _models(self) -> list[Trained]:
+        return [self.actor] + ([self.critic] if self.critic else [])
+
+    def _local_save_checkpoint(self, path: str, weight_version: int) -> None:
+        checkpoint.save(path, self._models(), weight_version=weight_version, rank=self.rank,
+                        world_size=self.dims.world_size, mesh=self.dims.describe())
+
+    def _local_load_checkpoint(self, path: str) -> None:
+        self.weight_version = checkpoint.load(path, self._models(), rank=self.rank)
+
+    def _local_export_hf(self, path: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.actor.module, options=StateDictOptions(full_state_dict=True,
+                                                                                   cpu_offload=True))
+        if self.rank != 0:
+            return
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        self.actor.module.save_pretrained(out, state_dict=state)
+        # save_pretrained names the class it was called on; FSDP renames it (FSDPQwen2ForCausalLM).
+        self.hf_config.save_pretrained(out)
+        for f in Path(self.model_path).iterdir():
+            # Tokenizer, chat template, custom code: everything but weights and the configs just written.
+            if f.is_file() and not (f.suffix in (".safetensors", ".bin", ".pt") or f.name.endswith(".index.json")
+                                    or f.name in ("config.json", "generation_config.json")):
+                shutil.copy2(f, out / f.name)
+        log.info("exported actor (step %d) to %s", self.actor.step, out)

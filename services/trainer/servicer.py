@@ -1,0 +1,87 @@
+"""gRPC servicer of the trainer (rank 0): converts and delegates to TrainerEngine and a WeightSender."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from meshrl.v1 import trainer_pb2, trainer_pb2_grpc
+from services.common import convert as common_convert
+from services.common.server import MeshServer, create_server
+from services.trainer import convert
+from services.trainer.engine import TrainerEngine, TrainerSettings
+from services.trainer.weight_sync import GrpcSender, WeightSender
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, engine: TrainerEngine, sender: WeightSender):
+        self.engine = engine
+        self.sender = sender
+
+    async def ComputeLogProbs(self, request, context):
+        batch = common_convert.sequences_from_pb(request)
+        logprobs = await asyncio.to_thread(self.engine.compute_logprobs, batch.prompts, batch.responses,
+                                           batch.temperature)
+        return common_convert.logprobs_to_pb(batch.ids, logprobs, self.engine.weight_version)
+
+    async def ComputeValues(self, request, context):
+        ids, prompts, responses = convert.values_request_from_pb(request)
+        values = await asyncio.to_thread(self.engine.compute_values, prompts, responses)
+        return convert.values_to_pb(ids, values)
+
+    async def TrainActor(self, request, context):
+        samples, loss = convert.train_actor_from_pb(request)
+        metrics = await asyncio.to_thread(self.engine.train_actor, samples, loss)
+        return convert.train_response_to_pb(self.engine.actor.step, metrics)
+
+    async def TrainCritic(self, request, context):
+        samples, loss = convert.train_critic_from_pb(request)
+        metrics = await asyncio.to_thread(self.engine.train_critic, samples, loss)
+        return convert.train_response_to_pb(self.engine.critic.step, metrics)
+
+    async def PushWeights(self, request, context):
+        targets = list(request.targets)
+        if not targets:
+            raise ValueError("targets: no rollout replicas given")
+        if len(set(targets)) != len(targets):
+            raise ValueError("targets: duplicate addresses")
+        if request.bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes: must be >= 0, got {request.bucket_bytes}")
+        t0 = time.perf_counter()
+        state, version = await asyncio.to_thread(self.engine.state_for_sync)
+        outcomes = await self.sender.push(state, version, targets,
+                                          bucket_bytes=request.bucket_bytes or self.engine.cfg.weight_bucket_bytes)
+        return trainer_pb2.PushWeightsResponse(
+            weight_version=version, num_bytes=sum(t.numel() * t.element_size() for t in state.values()),
+            seconds=time.perf_counter() - t0,
+            results=[trainer_pb2.PushResult(target=o.target, ok=o.ok, error=o.error, seconds=o.seconds)
+                     for o in outcomes])
+
+    async def SaveCheckpoint(self, request, context):
+        return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.save_checkpoint, request.path))
+
+    async def LoadCheckpoint(self, request, context):
+        return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.load_checkpoint, request.path))
+
+    async def ExportHF(self, request, context):
+        return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.export_hf, request.path))
+
+    async def GetInfo(self, request, context):
+        return common_convert.info_to_pb("trainer", self.engine.model_path, self.engine.weight_version,
+                                         self.engine.info())
+
+
+SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
+
+
+async def start(settings: TrainerSettings, address: str | None = None, *,
+                engine: TrainerEngine | None = None) -> tuple[MeshServer, int, TrainerEngine]:
+    """Rank 0's server. The engine (collective on every rank) is built here unless one is given."""
+    # Built on the loop's thread: torch.cuda.set_device and process-group start-up belong to it.
+    engine = engine or TrainerEngine(settings)
+    token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None
+    sender = GrpcSender(token=token, timeout=settings.server.call_timeout_s)
+    mesh, port = await create_server([(trainer_pb2_grpc.add_TrainerServicer_to_server,
+                                       TrainerServicer(engine, sender))], [SERVICE_NAME], address=address,
+                                     config=settings.server)
+    return mesh, port, engine
