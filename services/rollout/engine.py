@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import hashlib
 import logging
 import os
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterable, Literal, Sequence
@@ -52,9 +54,14 @@ class RolloutConfig(PoolConfig):
     served_model_name: str | None = None
     # engine "openai": model name requested upstream; None = the first one the server's /v1/models lists.
     upstream_model: str | None = None
-    # engine "openai": seconds per upstream request and the bearer token it needs (env MESHRL_ROLLOUT__API_KEY).
+    # engine "openai": seconds per upstream request, retries of failed ones, and the bearer token
+    # the upstream needs (env MESHRL_ROLLOUT__API_KEY).
     request_timeout_s: float = Field(600.0, gt=0)
+    request_retries: int = Field(2, ge=0)
     api_key: SecretStr | None = None
+    # engine "openai": ask for token ids with vLLM's return_token_ids / return_tokens_as_token_ids
+    # (turn off for servers that reject unknown fields; the local tokenizer then maps tokens to ids).
+    request_token_ids: bool = True
 
     @field_validator("stop")
     @classmethod
@@ -198,11 +205,16 @@ def sample_tokens(logits: torch.Tensor, *, temperature: float, top_p: float,
     return (probs / q).argmax(-1)
 
 
-def row_generators(seed: int, num_rows: int) -> list[torch.Generator]:
-    """One generator per (prompt, sample) row, derived from the request seed."""
-    root = torch.Generator().manual_seed(seed)
-    seeds = torch.randint(0, 2**62, (num_rows,), generator=root).tolist()
-    return [torch.Generator().manual_seed(s) for s in seeds]
+def row_generator(seed: int, prompt_ids: Sequence[int], sample_index: int) -> torch.Generator:
+    """The generator of one (prompt, sample) row, a hash of the request seed, the prompt and the sample index.
+
+    So a seeded sample does not depend on the prompt's position, the batch, the chunking or on how a
+    batch was spread over replicas; the same prompt twice in one seeded request samples the same.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack("<qq", seed, sample_index))
+    h.update(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids))
+    return torch.Generator().manual_seed(int.from_bytes(h.digest(), "little") & (2**63 - 1))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -338,7 +350,8 @@ class TorchEngine(RolloutEngine):
         n = p.n
         rows = [_Row(prompt=ids, budget=min(p.max_tokens, self.max_model_len - len(ids)))
                 for ids in prompt_ids for _ in range(n)]          # prompt-major: row = prompt * n + sample
-        gens = row_generators(p.seed, len(rows)) if p.seed is not None else None
+        gens = ([row_generator(p.seed, ids, j) for ids in prompt_ids for j in range(n)]
+                if p.seed is not None else None)
         chunk = self.config.max_batch_size
         for start in range(0, len(rows), chunk):
             self._decode(rows[start:start + chunk], p, gens[start:start + chunk] if gens else None)

@@ -90,6 +90,12 @@ def test_seeded_sampling_does_not_depend_on_batch_chunking(model_dir):
     assert [s.response_ids for s in flat(a)] == [s.response_ids for s in flat(b)]
 
 
+def test_a_seeded_sample_depends_on_its_prompt_not_on_its_position_in_the_batch(engine):
+    together = gen(engine, n=2, temperature=1.0, max_tokens=10, seed=8)
+    alone = gen(engine, prompts=[PROMPTS[2]], n=2, temperature=1.0, max_tokens=10, seed=8)
+    assert [s.response_ids for s in together[2].samples] == [s.response_ids for s in alone[0].samples]
+
+
 def test_samples_of_one_prompt_differ_when_sampling(engine):
     r = gen(engine, prompts=[PROMPTS[0]], n=4, temperature=1.0, max_tokens=16, seed=3)[0]
     assert len({tuple(s.response_ids) for s in r.samples}) > 1
