@@ -49,17 +49,21 @@ def test_completions_return_n_choices_per_prompt_with_raw_logprobs(model_dir):
     async def main():
         async with http_replica(model_dir) as (client, engine):
             resp = await client.completions.create(model="tiny", prompt=["12+3=", "7-2="], n=2, temperature=0.8,
-                                                   top_p=0.9, max_tokens=6, logprobs=2, seed=3)
+                                                   top_p=0.9, max_tokens=6, logprobs=2, seed=3,
+                                                   extra_body={"return_token_ids": True})
             ids = [engine.encode("12+3=")] * 2 + [engine.encode("7-2=")] * 2
-            resp_ids = [engine.encode("".join(c.logprobs.tokens)) for c in resp.choices]
+            resp_ids = [c.model_extra["token_ids"] for c in resp.choices]
             ref, _ = await engine.logprobs(ids, resp_ids)
             return resp, ref
 
     resp, ref = asyncio.run(main())
+    from services.rollout.testing import char_tokenizer
+    tok = char_tokenizer()
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     for c, expected in zip(resp.choices, ref):
         assert c.finish_reason in ("stop", "length")
         assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) <= 6
+        assert c.logprobs.tokens == [tok.decode([t]) for t in c.model_extra["token_ids"]]
         assert max(abs(a - b) for a, b in zip(c.logprobs.token_logprobs, expected)) < 1e-4
         assert all(len(top) == 2 for top in c.logprobs.top_logprobs)
         # The sampled token's log-prob never exceeds the best alternative's.
