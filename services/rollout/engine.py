@@ -101,6 +101,9 @@ class PromptInput:
     id: str = ""
     text: str = ""
     prompt_ids: list[int] = field(default_factory=list)
+    # Text is tokenized with the tokenizer's special tokens (its bos), as vLLM does for completions;
+    # a rendered chat template already holds them, so the HTTP chat route turns this off.
+    add_special_tokens: bool = True
 
 
 @dataclass
@@ -320,7 +323,7 @@ class TorchEngine(RolloutEngine):
             elif p.text:
                 if self.tokenizer is None:
                     raise ValueError(f"prompts[{i}].text: this replica has no tokenizer; send prompt_ids")
-                ids = self.encode(p.text)
+                ids = self.encode(p.text, add_special_tokens=p.add_special_tokens)
                 if not ids:
                     raise ValueError(f"prompts[{i}].text: tokenizes to no tokens")
             else:
@@ -331,8 +334,8 @@ class TorchEngine(RolloutEngine):
             out.append(ids)
         return out
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:

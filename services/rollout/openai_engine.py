@@ -99,7 +99,7 @@ class OpenAIEngine(RolloutEngine):
         samples = [self._sample(i, c, s) for c in choices]
         prompt_ids = (choices[0].model_extra or {}).get("prompt_token_ids") or list(p.prompt_ids)
         if not prompt_ids and self.tokenizer is not None:
-            prompt_ids = list(self.tokenizer(p.text, add_special_tokens=False)["input_ids"])
+            prompt_ids = list(self.tokenizer(p.text, add_special_tokens=p.add_special_tokens)["input_ids"])
         return PromptResult(prompt_id=p.id, prompt_ids=list(prompt_ids), samples=samples)
 
     def _sample(self, i: int, c, s: SamplingParams) -> SampleResult:

@@ -7,21 +7,24 @@ from pathlib import Path
 import torch
 
 # Ids 0-2 are pad/bos/eos; the rest are single characters, so text and tokens line up one to one.
+# Like examples/arith's tokenizer, encoding with special tokens prepends bos and the chat template
+# starts with it.
 SPECIALS = ["<pad>", "<s>", "</s>"]
 CHARS = list("0123456789+-=*/ ().,?abcdexyz\n")   # 29 characters
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}a:{% endif %}")
 
 
 def char_tokenizer():
     """A PreTrainedTokenizerFast that maps each character to one id and decodes by concatenation."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
     return fast

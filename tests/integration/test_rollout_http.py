@@ -70,7 +70,7 @@ def test_completions_return_n_choices_per_prompt_with_raw_logprobs(model_dir):
         assert all(lp <= max(top.values()) + 1e-6 for lp, top in zip(c.logprobs.token_logprobs,
                                                                       c.logprobs.top_logprobs))
     assert resp.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in resp.choices)
-    assert resp.usage.prompt_tokens == 5 + 4
+    assert resp.usage.prompt_tokens == 6 + 5        # bos + characters
 
 
 def test_completions_accept_token_ids_and_honour_stop_and_max_tokens(model_dir):
@@ -104,7 +104,7 @@ def test_chat_completions_apply_the_chat_template(model_dir):
     assert len(resp.choices) == 3
     first = resp.choices[0]
     assert first.message.role == "assistant"
-    assert first.model_extra["prompt_token_ids"] == engine.encode("u:1+1=\na:")
+    assert first.model_extra["prompt_token_ids"] == engine.encode("<s>u:1+1=\na:", add_special_tokens=False)
     assert len(first.logprobs.content) == len(first.model_extra["token_ids"]) <= 5
     assert all(len(t.top_logprobs) == 1 for t in first.logprobs.content)
 

@@ -66,7 +66,7 @@ def test_generate_returns_n_samples_per_prompt_with_logprobs_and_version(model_d
     resp = asyncio.run(main())
     assert [r.prompt_id for r in resp.responses] == ["a", "b"]
     assert list(resp.responses[0].prompt_ids) == PROMPT
-    assert len(resp.responses[1].prompt_ids) == 4          # one id per character
+    assert list(resp.responses[1].prompt_ids) == [1, 10, 14, 6, 15]     # bos + one id per character
     for r in resp.responses:
         assert len(r.samples) == 3
         for s in r.samples:
