@@ -49,7 +49,8 @@ def save(path: str, models: Sequence, *, weight_version: int, rank: int, world_s
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dcp.save(_state(models), checkpoint_id=str(root / "dcp"))
+    # Saving over an older checkpoint in the same directory is what a periodic "latest" save does.
+    dcp.save(_state(models), storage_writer=dcp.FileSystemWriter(str(root / "dcp"), overwrite=True))
     (root / "rng").mkdir(exist_ok=True)
     torch.save(torch.get_rng_state(), root / "rng" / f"rank{rank}.pt")
     if rank == 0:

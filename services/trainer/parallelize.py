@@ -76,8 +76,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     # Every parameter takes part in every forward, so DDP never searches for unused ones.
-    wrapped = DistributedDataParallel(model, process_group=dp_mesh.get_group(), find_unused_parameters=False,
-                                      broadcast_buffers=False)
+    wrapped = DistributedDataParallel(model, process_group=dp_mesh.get_group(), find_unused_parameters=False)
     log.info("Applied DDP (dp=%d)", dp_mesh.size())
     return wrapped
 

@@ -1,0 +1,147 @@
+"""Data parallel on CPU: `torchrun --nproc_per_node=2 -m services.trainer` (gloo) against one process.
+
+Rank 0 serves gRPC and fans every command out to both ranks; each rank trains on its half of every
+mini-batch. One TrainActor step must give the loss and updated weights of a single-process run of
+the same batch (fp32, within 1e-5), and a checkpoint saved on the 2-rank mesh must resume on one rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.common.channel import create_channel
+from services.common.config import load_config
+from services.common.weights import named_weights
+from services.trainer import convert
+from services.trainer.batch import ActorLoss
+from services.trainer.engine import TrainerEngine, TrainerSettings
+from services.trainer.testing import make_tiny_model, random_samples
+
+REPO = Path(__file__).resolve().parents[2]
+LOSS = ActorLoss(mini_batch_size=4, kl_coef=0.05, entropy_coef=0.01)
+
+
+class Launched:
+    """A torchrun-launched trainer; `port` is parsed from rank 0's announce line."""
+
+    def __init__(self, config: Path, log: Path, nproc: int = 2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "services.trainer", "--config", str(config), "--port", "0"]
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.port = None
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def wait_ready(self, timeout: float = 90.0) -> int:
+        while True:
+            try:
+                line = self._lines.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError("trainer did not announce its port") from None
+            if "listening on" in line:
+                self.port = int(line.rsplit(":", 1)[1])
+                return self.port
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def _samples(seed: int, old_from: TrainerEngine):
+    samples = random_samples(8, seed=seed)
+    lps = old_from.compute_logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    for s, lp in zip(samples, lps):
+        s.old_logprobs = lp
+        s.ref_logprobs = [x - 0.05 for x in lp]
+    return samples
+
+
+def _sequences(samples):
+    return common_pb2.LogProbsRequest(sequences=[
+        common_pb2.TokenSequence(id=str(i), prompt_ids=s.prompt_ids, response_ids=s.response_ids)
+        for i, s in enumerate(samples)], temperature=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp_mode", ["fsdp", "ddp"])
+def test_two_rank_data_parallel_step_matches_a_single_process_run(tmp_path, dp_mode):
+    model = make_tiny_model(tmp_path / "model")
+    actor = {"lr": 1e-4, "seed": 3}
+    config = tmp_path / "trainer.yaml"
+    config.write_text(f"model:\n  path: {model}\nactor:\n  lr: 1.0e-4\n  seed: 3\n  dp_size: 2\n  dp_mode: {dp_mode}\n")
+    launched = Launched(config, tmp_path / "torchrun.log")
+    try:
+        # The single-process run works while the two ranks start.
+        single = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": model}, "actor": actor}))
+        first = _samples(1, single)
+        expected_lp = single.compute_logprobs([s.prompt_ids for s in first], [s.response_ids for s in first])
+        expected = single.train_actor(first, LOSS)
+        expected_weights = {k: v.detach().clone() for k, v in named_weights(single.actor.module).items()}
+        second = _samples(2, single)
+        expected_next = single.train_actor(second, LOSS)
+
+        port = launched.wait_ready()
+
+        async def drive():
+            async with create_channel(f"127.0.0.1:{port}") as channel:
+                stub = trainer_pb2_grpc.TrainerStub(channel)
+                info = await stub.GetInfo(common_pb2.GetInfoRequest())
+                lp = await stub.ComputeLogProbs(_sequences(first))
+                trained = await stub.TrainActor(convert.train_actor_to_pb(first, LOSS))
+                await stub.SaveCheckpoint(trainer_pb2.CheckpointRequest(path=str(tmp_path / "ck")))
+                await stub.ExportHF(trainer_pb2.CheckpointRequest(path=str(tmp_path / "hf")))
+                trained_next = await stub.TrainActor(convert.train_actor_to_pb(second, LOSS))
+                return info, lp, trained, trained_next
+
+        info, lp, trained, trained_next = asyncio.run(drive())
+    finally:
+        launched.stop()
+
+    assert (info.details["dp"], info.details["world_size"], info.details["devices"]) == ("2", "2", "cpu,cpu")
+    assert info.details["dp_mode"] == dp_mode
+    log = (tmp_path / "torchrun.log").read_text()
+    assert "Rank 0: actor loaded on cpu (tp=1 pp=1 dp=2)" in log and "Rank 1: actor loaded on cpu (tp=1 pp=1 dp=2)" in log
+
+    for got, want in zip(lp.results, expected_lp):
+        assert list(got.logprobs) == pytest.approx(want, abs=1e-6)
+    for key in ("pg_loss", "kl_loss", "entropy", "grad_norm", "clip_frac"):
+        assert trained.metrics[key] == pytest.approx(expected[key], abs=1e-5), key
+    assert trained.step == 2
+
+    from safetensors.torch import load_file
+
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    diff = max((exported[k] - expected_weights[k]).abs().max().item() for k in expected_weights)
+    assert diff < 1e-5
+
+    # The 2-rank run continued after the checkpoint; a 1-rank trainer resumed from it takes the same step.
+    assert trained_next.metrics["pg_loss"] == pytest.approx(expected_next["pg_loss"], abs=1e-5)
+    resumed = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": model}, "actor": actor}))
+    resumed.load_checkpoint(str(tmp_path / "ck"))
+    again = resumed.train_actor(second, LOSS)
+    assert again["pg_loss"] == pytest.approx(trained_next.metrics["pg_loss"], abs=1e-5)
+    assert again["grad_norm"] == pytest.approx(trained_next.metrics["grad_norm"], rel=1e-5)
+    assert resumed.actor.step == 4 and resumed.weight_version == 2
+    for k, v in named_weights(resumed.actor.module).items():
+        assert torch.allclose(v, named_weights(single.actor.module)[k], atol=1e-5), k
