@@ -11,7 +11,7 @@ import asyncio
 import inspect
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol, Sequence
 
 from pydantic import Field, field_validator, model_validator
@@ -73,13 +73,18 @@ class RewardConfig(PoolConfig):
     components: list[ComponentConfig] = Field(default_factory=lambda: [ComponentConfig(name="exact_match")])
     # Shorthand for `components: [{name: <function name>, function: ...}]`.
     function: str | None = None
-    # Seconds one call of a user function (one sample) may take before the call fails.
-    timeout_s: float = Field(30.0, gt=0)
+    # Seconds one call of a user function (one sample) may take before the Score call fails.
+    # (`timeout_s`, from PoolConfig, is the coordinator's deadline for a whole Score call.)
+    function_timeout_s: float = Field(30.0, gt=0)
     # Worker processes that run user functions.
     num_workers: int = Field(2, ge=1)
     max_batch_size: int = Field(4096, ge=1)
     # torch CPU threads for reward models; unset, step times vary 20x on small machines.
     num_threads: int = Field(1, ge=1)
+
+    # Items whose data_source is a key here are scored with that list instead of `components`
+    # (verl's per-data-source reward dispatch): `{gsm8k: [{name: gsm8k}], math: [{name: boxed}]}`.
+    by_data_source: dict[str, list[ComponentConfig]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_components(self) -> "RewardConfig":
@@ -90,26 +95,36 @@ class RewardConfig(PoolConfig):
             name = self.function.rpartition(":")[2] or self.function
             # Direct __dict__ write: validate_assignment would re-enter this validator.
             self.__dict__["components"] = [ComponentConfig(name=name, function=self.function)]
-        if not self.components:
-            raise ValueError("reward.components: empty; give at least one component")
-        seen: dict[str, int] = {}
-        for i, c in enumerate(self.components):
-            where = f"reward.components[{i}]"
-            if c.function is None and c.name not in REWARD_FUNCTIONS and c.name not in MODEL_COMPONENTS:
-                known = ", ".join([*REWARD_FUNCTIONS, *MODEL_COMPONENTS])
-                raise ValueError(f"{where}.name: unknown reward {c.name!r} (built-ins: {known}; "
-                                 f"or give function: 'package.module:function')")
-            if c.key in seen:
-                raise ValueError(f"{where}: label {c.key!r} is also used by reward.components[{seen[c.key]}]; "
-                                 f"set label: to tell them apart")
-            seen[c.key] = i
-            if c.function is None and c.name in REWARD_FUNCTIONS:
-                check_rule_params(c.name, c.params, where)
-            elif c.function is None:
-                from services.reward.models import parse_params
-
-                parse_params(c.name, c.params, where)
+        check_component_list(self.components, "reward.components")
+        for source, components in self.by_data_source.items():
+            check_component_list(components, f"reward.by_data_source.{source}")
         return self
+
+    def component_lists(self) -> dict[str | None, list[ComponentConfig]]:
+        """Component lists by data source; None is the default list (`components`)."""
+        return {None: self.components, **self.by_data_source}
+
+
+def check_component_list(components: Sequence[ComponentConfig], where: str) -> None:
+    if not components:
+        raise ValueError(f"{where}: empty; give at least one component")
+    seen: dict[str, int] = {}
+    for i, c in enumerate(components):
+        at = f"{where}[{i}]"
+        if c.function is None and c.name not in REWARD_FUNCTIONS and c.name not in MODEL_COMPONENTS:
+            known = ", ".join([*REWARD_FUNCTIONS, *MODEL_COMPONENTS])
+            raise ValueError(f"{at}.name: unknown reward {c.name!r} (built-ins: {known}; "
+                             f"or give function: 'package.module:function')")
+        if c.key in seen:
+            raise ValueError(f"{at}: label {c.key!r} is also used by {where}[{seen[c.key]}]; "
+                             f"set label: to tell them apart")
+        seen[c.key] = i
+        if c.function is None and c.name in REWARD_FUNCTIONS:
+            check_rule_params(c.name, c.params, at)
+        elif c.function is None:
+            from services.reward.models import parse_params
+
+            parse_params(c.name, c.params, at)
 
 
 class RewardSettings(MeshSettings):
@@ -127,6 +142,13 @@ class ScoreItem:
     response_ids: list[int] = field(default_factory=list)
     ground_truth: str = ""
     data_source: str = ""
+    # Position in the Score batch, set by the engine, so errors name the sample even within a sub-batch.
+    index: int = -1
+
+    @property
+    def where(self) -> str:
+        """How errors name this sample: `items[3] (id 'q7-2')`."""
+        return f"items[{self.index}] (id {self.id!r})"
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments reward functions are called with."""
@@ -153,10 +175,6 @@ class Component(Protocol):
     async def close(self) -> None: ...
 
 
-def _where(items: Sequence[ScoreItem], i: int) -> str:
-    return f"items[{i}] (id {items[i].id!r})"
-
-
 class RuleComponent:
     """A built-in rule function; cheap, so it runs in a thread of the service process."""
 
@@ -170,7 +188,7 @@ class RuleComponent:
             try:
                 out.append(float(self.fn(**item.kwargs(), **self.params)))
             except ValueError as e:
-                raise ValueError(f"{_where(items, i)}: {self.name}: {e}") from None
+                raise ValueError(f"{item.where}: {self.name}: {e}") from None
         return out
 
     async def score(self, items: Sequence[ScoreItem]) -> list[float]:
@@ -187,7 +205,7 @@ def build_component(config: ComponentConfig, reward: RewardConfig) -> Component:
     if config.function is not None:
         from services.reward.plugins import UserFunctionComponent
 
-        return UserFunctionComponent(config, timeout_s=reward.timeout_s, num_workers=reward.num_workers)
+        return UserFunctionComponent(config, timeout_s=reward.function_timeout_s, num_workers=reward.num_workers)
     if config.name in MODEL_COMPONENTS:
         from services.reward.models import build_model_component
 
@@ -200,21 +218,28 @@ class RewardEngine:
 
     def __init__(self, settings: RewardSettings):
         self.config = settings.reward
-        self.components: list[Component] = []
-        if any(c.function is None and c.name in MODEL_COMPONENTS for c in self.config.components):
+        lists = self.config.component_lists()
+        # Components by data source; None is the default list, also exposed as `self.components`.
+        self.groups: dict[str | None, list[Component]] = {source: [] for source in lists}
+        self.components = self.groups[None]
+        if any(c.function is None and c.name in MODEL_COMPONENTS for cs in lists.values() for c in cs):
             from services.common.modeling import set_threads
 
             set_threads(self.config.num_threads)
         try:
-            for i, c in enumerate(self.config.components):
-                try:
-                    self.components.append(build_component(c, self.config))
-                except ValueError as e:
-                    raise ValueError(f"reward.components[{i}] ({c.key}): {e}") from None
+            for source, configs in lists.items():
+                where = "reward.components" if source is None else f"reward.by_data_source.{source}"
+                for i, c in enumerate(configs):
+                    try:
+                        self.groups[source].append(build_component(c, self.config))
+                    except ValueError as e:
+                        raise ValueError(f"{where}[{i}] ({c.key}): {e}") from None
         except BaseException:
             self._close_now()
             raise
-        log.info("reward components: %s", ", ".join(f"{c.key} x{c.weight:g}" for c in self.components))
+        for source, components in self.groups.items():
+            log.info("reward components%s: %s", f" for data_source {source!r}" if source else "",
+                     ", ".join(f"{c.key} x{c.weight:g}" for c in components))
 
     def validate(self, items: Sequence[ScoreItem]) -> None:
         if len(items) == 0:
@@ -225,44 +250,64 @@ class RewardEngine:
     async def score(self, items: Sequence[ScoreItem]) -> list[Scored]:
         """Weighted score and per-component scores of every item, in order."""
         self.validate(items)
-        per_component = await asyncio.gather(*(c.score(items) for c in self.components))
-        results = []
-        for i in range(len(items)):
-            components: dict[str, float] = {}
-            total = 0.0
-            for c, values in zip(self.components, per_component):
-                v = float(values[i])
-                if not math.isfinite(v):
-                    # A NaN reward would silently poison the advantages of the whole group.
-                    raise ValueError(f"{_where(items, i)}: reward component {c.key!r} returned {v}, "
-                                     f"not a finite number")
-                components[c.key] = v
-                total += c.weight * v
-            results.append(Scored(total, components))
-        return results
+        items = [it if it.index == i else replace(it, index=i) for i, it in enumerate(items)]
+        by_group: dict[str | None, list[ScoreItem]] = {}
+        for it in items:
+            by_group.setdefault(it.data_source if it.data_source in self.groups else None, []).append(it)
+
+        async def score_group(source, group):
+            components = self.groups[source]
+            return group, components, await asyncio.gather(*(c.score(group) for c in components))
+
+        results: list[Scored | None] = [None] * len(items)
+        for group, components, per_component in await asyncio.gather(
+                *(score_group(source, group) for source, group in by_group.items())):
+            for row, it in enumerate(group):
+                results[it.index] = self._combine(it, components, [values[row] for values in per_component])
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _combine(item: ScoreItem, components: Sequence[Component], values: Sequence[float]) -> Scored:
+        scores: dict[str, float] = {}
+        total = 0.0
+        for c, value in zip(components, values):
+            v = float(value)
+            if not math.isfinite(v):
+                # A NaN reward would silently poison the advantages of the whole group.
+                raise ValueError(f"{item.where}: reward component {c.key!r} returned {v}, not a finite number")
+            scores[c.key] = v
+            total += c.weight * v
+        return Scored(total, scores)
 
     def info(self) -> dict[str, Any]:
         details: dict[str, Any] = {
             "components": ",".join(c.key for c in self.components),
             "max_batch_size": self.config.max_batch_size,
-            "timeout_s": self.config.timeout_s,
+            "function_timeout_s": self.config.function_timeout_s,
             "num_workers": self.config.num_workers,
         }
-        for c in self.components:
-            details[f"component.{c.key}"] = f"weight={c.weight:g} {c.describe()}"
+        for source, components in self.groups.items():
+            prefix = "" if source is None else f"by_data_source.{source}."
+            if source is not None:
+                details[f"by_data_source.{source}"] = ",".join(c.key for c in components)
+            for c in components:
+                details[f"{prefix}component.{c.key}"] = f"weight={c.weight:g} {c.describe()}"
         return details
+
+    def _all(self) -> list[Component]:
+        return [c for components in self.groups.values() for c in components]
 
     @property
     def model(self) -> str:
         """Paths of the reward models served (comma-separated; "" for rule rewards only)."""
-        return ",".join(p for c in self.components if (p := getattr(c, "model_path", "")))
+        return ",".join(dict.fromkeys(p for c in self._all() if (p := getattr(c, "model_path", ""))))
 
     def _close_now(self) -> None:
-        for c in self.components:
+        for c in self._all():
             closer = getattr(c, "close_now", None)
             if closer is not None:
                 closer()
 
     async def close(self) -> None:
-        for c in self.components:
+        for c in self._all():
             await c.close()

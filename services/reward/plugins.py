@@ -82,7 +82,7 @@ class UserFunctionComponent:
         log.info("user reward function %s: %d worker processes, %.3g s per call", self.path, num_workers, timeout_s)
 
     async def score(self, items: Sequence["ScoreItem"]) -> list[float]:
-        return await self.pool.score([it.kwargs() for it in items], ids=[it.id for it in items])
+        return await self.pool.score([it.kwargs() for it in items], names=[it.where for it in items])
 
     def describe(self) -> str:
         return f"function={self.path}" + "".join(f" {k}={v!r}" for k, v in self.params.items())

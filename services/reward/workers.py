@@ -2,7 +2,7 @@
 
 Each worker is a spawned process holding one end of a pipe: it receives a chunk of samples and sends
 back one result per sample as it goes, so the parent can time every single call. A call that runs
-past `timeout_s` gets its worker killed (SIGKILL; a hung C extension ignores anything gentler); a
+past `reward.function_timeout_s` gets its worker killed (SIGKILL; a hung C extension ignores anything gentler); a
 worker that dies (segfault, `os._exit`, the OOM killer) is noticed by the closed pipe. Either way
 only the call that was using that worker fails, and a fresh worker takes its place for the next one.
 
@@ -110,7 +110,7 @@ class _Worker:
         for i in range(len(chunk)):
             if not self.conn.poll(timeout_s):
                 self.kill()
-                raise _Failure("timeout", i, f"took longer than reward.timeout_s={timeout_s:g} s")
+                raise _Failure("timeout", i, f"took longer than reward.function_timeout_s={timeout_s:g} s")
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):
@@ -164,7 +164,7 @@ class WorkerPool:
         log.warning("reward function %s: worker process replaced (%d so far)", self.path, self.num_replaced)
         return _Worker(self._ctx, self.path, self.params)
 
-    async def score(self, samples: Sequence[dict], *, ids: Sequence[str]) -> list[float]:
+    async def score(self, samples: Sequence[dict], *, names: Sequence[str]) -> list[float]:
         """The function's value on every sample, in order; raises naming the function and the sample."""
         if self._closed:
             raise RuntimeError("reward worker pool is closed")
@@ -177,15 +177,14 @@ class WorkerPool:
             try:
                 return await loop.run_in_executor(self._threads, self._run_chunk, samples[start:end])
             except _Failure as f:
-                raise self._error(f, start + f.index, ids) from None
+                raise self._error(f, names[start + f.index]) from None
 
         parts = await asyncio.gather(*(run(a, b) for a, b in bounds))
         return [v for part in parts for v in part]
 
-    def _error(self, f: _Failure, index: int, ids: Sequence[str]) -> MeshError:
+    def _error(self, f: _Failure, where: str) -> MeshError:
         if f.kind == "startup":
             return FailedPrecondition(f"reward function {self.path}: {f.message}")
-        where = f"items[{index}] (id {ids[index]!r})"
         message = f"reward function {self.path} {f.message} on {where}"
         if f.kind == "timeout":
             return DeadlineExceeded(message + "; its worker was killed and replaced")

@@ -108,3 +108,16 @@ def test_python_m_services_reward_serves_the_config_file_and_announces_its_port(
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def test_score_routes_each_item_to_the_components_of_its_data_source_over_grpc():
+    reward = {"components": [{"name": "exact_match"}], "by_data_source": {"gsm8k": [{"name": "gsm8k"}]}}
+
+    async def call(stub):
+        return await stub.Score(reward_pb2.ScoreRequest(items=[
+            reward_pb2.ScoreItem(id="g", response="#### 12", ground_truth="12", data_source="gsm8k"),
+            reward_pb2.ScoreItem(id="a", response="12", ground_truth="12", data_source="arith")]))
+
+    g, a = asyncio.run(with_service(reward, call)).results
+    assert (g.id, dict(g.components), g.score) == ("g", {"gsm8k": 1.0}, 1.0)
+    assert (a.id, dict(a.components), a.score) == ("a", {"exact_match": 1.0}, 1.0)

@@ -51,7 +51,7 @@ def run_calls(reward: dict, requests: list) -> list:
 
 def test_a_hanging_user_function_is_deadline_exceeded_and_the_next_call_works():
     start_time = time.monotonic()
-    hung, after = run_calls({"function": f"{FNS}:moody", "timeout_s": 1.0, "num_workers": 1},
+    hung, after = run_calls({"function": f"{FNS}:moody", "function_timeout_s": 1.0, "num_workers": 1},
                             [request("82", "hang"), request("82", "81")])
     assert isinstance(hung, grpc.aio.AioRpcError)
     assert hung.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -62,7 +62,7 @@ def test_a_hanging_user_function_is_deadline_exceeded_and_the_next_call_works():
 
 def test_a_function_that_always_hangs_fails_every_call_quickly_instead_of_stalling():
     start_time = time.monotonic()
-    results = run_calls({"function": f"{FNS}:hangs", "timeout_s": 0.5, "num_workers": 2},
+    results = run_calls({"function": f"{FNS}:hangs", "function_timeout_s": 0.5, "num_workers": 2},
                         [request("a"), request("b", "c")])
     assert [r.code() for r in results] == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2
     assert time.monotonic() - start_time < 20
@@ -103,7 +103,7 @@ def test_a_wrong_signature_fails_the_service_start_not_the_first_call():
 
 def test_a_hang_in_one_call_does_not_hold_up_a_concurrent_call_on_another_worker():
     async def main():
-        reward = {"function": f"{FNS}:moody", "timeout_s": 3.0, "num_workers": 2}
+        reward = {"function": f"{FNS}:moody", "function_timeout_s": 3.0, "num_workers": 2}
         mesh, port, engine = await start(load_config(RewardSettings, data={"reward": reward}), "127.0.0.1:0")
         try:
             async with create_channel(f"127.0.0.1:{port}", timeout=60) as channel:

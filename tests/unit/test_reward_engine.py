@@ -98,3 +98,46 @@ def test_info_lists_every_component_with_its_weight():
     assert info["components"] == "exact_match,gsm8k"
     assert info["component.exact_match"].startswith("weight=0.7")
     assert info["component.gsm8k"].startswith("weight=0.3")
+
+
+MIXED = {"components": [{"name": "exact_match"}],
+         "by_data_source": {"gsm8k": [{"name": "gsm8k"}],
+                            "math": [{"name": "boxed", "weight": 2.0},
+                                     {"name": "length_penalty", "weight": 1.0,
+                                      "params": {"max_length": 100, "target": 50}}]}}
+
+
+def test_items_are_scored_with_the_components_of_their_data_source_and_the_default_otherwise():
+    engine = engine_for(MIXED)
+    results = score(engine, [
+        ScoreItem(id="a", response="#### 7", ground_truth="7", data_source="gsm8k"),
+        ScoreItem(id="b", response="7", ground_truth="7", data_source="arith"),
+        ScoreItem(id="c", response=r"\boxed{7}", response_ids=[1] * 75, ground_truth="7", data_source="math"),
+        ScoreItem(id="d", response="#### 7", ground_truth="7", data_source=""),
+    ])
+    assert results[0].components == {"gsm8k": 1.0} and results[0].score == 1.0
+    assert results[1].components == {"exact_match": 1.0}
+    assert results[2].components == {"boxed": 1.0, "length_penalty": pytest.approx(-0.5)}
+    assert results[2].score == pytest.approx(2.0 - 0.5)
+    assert results[3].components == {"exact_match": 0.0}  # "#### 7" is not the text "7"
+
+
+def test_an_error_inside_a_data_source_group_names_the_index_in_the_whole_batch():
+    engine = engine_for(MIXED)
+    with pytest.raises(ValueError, match=r"items\[2\] \(id 'c'\): length_penalty: response_ids"):
+        score(engine, [ScoreItem(id="a", data_source="math"), ScoreItem(id="b"),
+                       ScoreItem(id="c", response="text", data_source="math")])
+
+
+def test_a_bad_component_of_one_data_source_is_rejected_naming_its_path():
+    with pytest.raises(ValueError, match=r"reward.by_data_source.math\[0\].name: unknown reward 'boxd'"):
+        engine_for({"by_data_source": {"math": [{"name": "boxd"}]}})
+    with pytest.raises(ValueError, match=r"reward.by_data_source.math: empty"):
+        engine_for({"by_data_source": {"math": []}})
+
+
+def test_info_lists_the_components_of_each_data_source():
+    info = engine_for(MIXED).info()
+    assert info["components"] == "exact_match"
+    assert info["by_data_source.math"] == "boxed,length_penalty"
+    assert info["by_data_source.math.component.boxed"].startswith("weight=2")
