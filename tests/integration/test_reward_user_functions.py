@@ -130,3 +130,45 @@ def test_closing_the_engine_leaves_no_worker_process_behind():
 
     run_calls({"function": f"{FNS}:moody", "num_workers": 2}, [request("82", "82"), request("crash")])
     assert [p.name for p in multiprocessing.active_children() if p.name.startswith("reward-fn")] == []
+
+
+def test_the_service_process_runs_user_functions_in_workers_and_survives_a_crash(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"reward:\n  function: '{FNS}:moody'\n  num_workers: 1\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "services.reward", "--config", str(config), "--port", "0"],
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        port = int(proc.stdout.readline().rsplit(":", 1)[1])
+
+        async def main():
+            async with create_channel(f"127.0.0.1:{port}", timeout=60) as channel:
+                stub = reward_pb2_grpc.RewardStub(channel)
+                return [await score_or_error(stub, r) for r in (request("82"), request("crash"), request("82"))]
+
+        ok, crashed, again = asyncio.run(main())
+        assert ok.results[0].score == 1.0
+        assert crashed.code() == grpc.StatusCode.INTERNAL and "exit code 7" in crashed.details()
+        assert again.results[0].score == 1.0
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+def test_the_service_refuses_to_start_with_a_wrong_signature_in_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"reward:\n  function: '{FNS}:wrong_signature'\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "services.reward", "--config", str(config), "--port", "0"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("meshrl serve reward: reward.components[0] (wrong_signature)") and "Traceback" not in done.stderr
