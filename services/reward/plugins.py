@@ -64,7 +64,13 @@ def check_signature(fn: Callable[..., Any], path: str, params: Sequence[str] = (
                                              sig.parameters[n].kind == inspect.Parameter.POSITIONAL_ONLY]
         what = (f"does not accept keyword argument(s) {', '.join(missing)}" if missing else
                 f"cannot be called with the sample keywords{' and params' if params else ''} alone ({e})")
-        raise ValueError(f"function {path!r} {what}; reward functions are called as {CALL_CONVENTION}") from None
+        hint = ""
+        if "solution_str" in sig.parameters:
+            hint = (" (a verl compute_score(data_source, solution_str, ground_truth, extra_info) needs a wrapper: "
+                    "def fn(*, response, ground_truth, data_source, **kw): "
+                    "return compute_score(data_source, response, ground_truth))")
+        raise ValueError(f"function {path!r} {what}; reward functions are called as {CALL_CONVENTION}{hint}") \
+            from None
 
 
 class UserFunctionComponent:

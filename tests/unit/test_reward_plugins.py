@@ -68,3 +68,10 @@ def test_a_user_function_with_params_is_scored_in_worker_processes():
     results = asyncio.run(run())
     assert [r.components["ratio"] for r in results] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert [r.score for r in results] == [0.0, 0.5, 2.0, 1.5, 2.0]
+
+
+def test_a_verl_style_compute_score_is_refused_with_a_hint_how_to_wrap_it():
+    with pytest.raises(ValueError) as err:
+        load_function(f"{FNS}:verl_compute_score")
+    assert "does not accept keyword argument(s) prompt, response, response_ids" in str(err.value)
+    assert "needs a wrapper" in str(err.value)
