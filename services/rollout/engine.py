@@ -312,26 +312,30 @@ class TorchEngine(RolloutEngine):
         """Token ids of every prompt (tokenizing text), checked against the vocabulary and max_model_len."""
         if len(prompts) == 0:
             raise ValueError("prompts: empty batch")
-        out = []
+        texts: dict[bool, list[int]] = {}      # add_special_tokens -> indices of text prompts
         for i, p in enumerate(prompts):
             if p.prompt_ids:
-                ids = [int(t) for t in p.prompt_ids]
-                bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+                bad = [t for t in p.prompt_ids if t < 0 or t >= self.vocab_size]
                 if bad:
                     raise ValueError(f"prompts[{i}].prompt_ids: token id {bad[0]} outside the vocabulary "
                                      f"[0, {self.vocab_size})")
             elif p.text:
                 if self.tokenizer is None:
                     raise ValueError(f"prompts[{i}].text: this replica has no tokenizer; send prompt_ids")
-                ids = self.encode(p.text, add_special_tokens=p.add_special_tokens)
-                if not ids:
-                    raise ValueError(f"prompts[{i}].text: tokenizes to no tokens")
+                texts.setdefault(p.add_special_tokens, []).append(i)
             else:
                 raise ValueError(f"prompts[{i}]: needs prompt_ids or text")
+        out = [[int(t) for t in p.prompt_ids] for p in prompts]
+        for special, idx in texts.items():   # one tokenizer call per kind: the fast tokenizer batches
+            encoded = self.tokenizer([prompts[i].text for i in idx], add_special_tokens=special)["input_ids"]
+            for i, ids in zip(idx, encoded):
+                out[i] = list(ids)
+        for i, ids in enumerate(out):
+            if not ids:
+                raise ValueError(f"prompts[{i}].text: tokenizes to no tokens")
             if len(ids) >= self.max_model_len:
                 raise ValueError(f"prompts[{i}]: {len(ids)} tokens leave no room to generate within "
                                  f"max_model_len={self.max_model_len}")
-            out.append(ids)
         return out
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -402,49 +406,64 @@ class TorchEngine(RolloutEngine):
             logits, mask, pos = logits[fan_t], mask[fan_t], pos[fan_t]
         next_pos = pos[:, -1:] + 1                                         # [B, 1]
 
-        active = list(range(len(rows)))   # index into rows of each batch row
-        stops = p.stop
+        # Bookkeeping stays in tensors (one op per step, not one Python step per row); lists at the end.
+        R, T = len(rows), max(r.budget for r in rows)
+        out_tok = torch.zeros((R, T), dtype=torch.long, device=dev)
+        out_lp = torch.zeros((R, T), dtype=torch.float32, device=dev)
+        k_top = min(p.top_logprobs, self.vocab_size)
+        if k_top:
+            out_top_i = torch.zeros((R, T, k_top), dtype=torch.long, device=dev)
+            out_top_v = torch.zeros((R, T, k_top), dtype=torch.float32, device=dev)
+        lengths = torch.zeros(R, dtype=torch.long, device=dev)
+        stopped = torch.zeros(R, dtype=torch.bool, device=dev)             # eos or a stop string
+        budget = torch.tensor([r.budget for r in rows], dtype=torch.long, device=dev)
+        eos = torch.tensor(sorted(self.eos_ids) or [-1], dtype=torch.long, device=dev)
+        active = torch.arange(R, device=dev)                               # row index of each batch row
+        step = 0
         while True:
             logp = F.log_softmax(logits, dim=-1)                              # raw distribution, fp32
             tok = sample_tokens(logits, temperature=p.temperature, top_p=p.top_p,
-                                generators=[gens[a] for a in active] if gens else None)
-            tok_lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-            tok_l, lp_l = tok.tolist(), tok_lp.tolist()
-            if p.top_logprobs:
-                top_v, top_i = logp.topk(min(p.top_logprobs, logp.size(-1)), dim=-1)
-                top_v, top_i = top_v.tolist(), top_i.tolist()
-            keep = []
-            for b, a in enumerate(active):
-                row = rows[a]
-                row.tokens.append(tok_l[b])
-                row.logprobs.append(lp_l[b])
-                if p.top_logprobs:
-                    row.top = row.top or []
-                    row.top.append(list(zip(top_i[b], top_v[b])))
-                if tok_l[b] in self.eos_ids:
-                    row.finish_reason = "stop"
-                elif stops and self._hit_stop(row, stops):
-                    row.finish_reason = "stop"
-                elif len(row.tokens) >= row.budget:
-                    row.finish_reason = "length"
-                else:
-                    keep.append(b)
-            if not keep:
-                return
-            if len(keep) != len(active):
-                k = torch.tensor(keep, dtype=torch.long, device=dev)
-                cache.batch_select_indices(k)
-                tok, mask, next_pos = tok[k], mask[k], next_pos[k]
-                active = [active[b] for b in keep]
+                                generators=[gens[a] for a in active.tolist()] if gens else None)
+            out_tok[active, step] = tok
+            out_lp[active, step] = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+            if k_top:
+                top_v, top_i = logp.topk(k_top, dim=-1)
+                out_top_i[active, step], out_top_v[active, step] = top_i, top_v
+            hit = torch.isin(tok, eos)
+            if p.stop:
+                for b in (~hit).nonzero().flatten().tolist():
+                    a = int(active[b])
+                    if self._hit_stop(rows[a], out_tok[a, :step + 1].tolist(), p.stop):
+                        hit[b] = True
+            done = hit | (step + 1 >= budget[active])
+            stopped[active[hit]] = True
+            lengths[active[done]] = step + 1
+            if bool(done.all()):
+                break
+            if bool(done.any()):
+                keep = (~done).nonzero().flatten()
+                cache.batch_select_indices(keep)
+                tok, mask, next_pos, active = tok[keep], mask[keep], next_pos[keep], active[keep]
             mask = torch.cat([mask, mask.new_ones((mask.size(0), 1))], dim=1)
             out = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
                              past_key_values=cache, use_cache=True)
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
+            step += 1
 
-    def _hit_stop(self, row: _Row, stops: Sequence[str]) -> bool:
+        tok_l, lp_l, len_l, stop_l = out_tok.tolist(), out_lp.tolist(), lengths.tolist(), stopped.tolist()
+        if k_top:
+            ti_l, tv_l = out_top_i.tolist(), out_top_v.tolist()
+        for a, row in enumerate(rows):
+            L = len_l[a]
+            row.tokens, row.logprobs = tok_l[a][:L], lp_l[a][:L]
+            row.finish_reason = "stop" if stop_l[a] else "length"
+            if k_top:
+                row.top = [list(zip(ti_l[a][t], tv_l[a][t])) for t in range(L)]
+
+    def _hit_stop(self, row: _Row, tokens: list[int], stops: Sequence[str]) -> bool:
         """True when the decoded response contains a stop string; the text is cut before it (as in vLLM)."""
-        text = self.decode(row.tokens)
+        text = self.decode(tokens)
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if cut < 0:
             return False
