@@ -81,7 +81,6 @@ class RewardConfig(PoolConfig):
     max_batch_size: int = Field(4096, ge=1)
     # torch CPU threads for reward models; unset, step times vary 20x on small machines.
     num_threads: int = Field(1, ge=1)
-
     # Items whose data_source is a key here are scored with that list instead of `components`
     # (verl's per-data-source reward dispatch): `{gsm8k: [{name: gsm8k}], math: [{name: boxed}]}`.
     by_data_source: dict[str, list[ComponentConfig]] = Field(default_factory=dict)
@@ -184,7 +183,7 @@ class RuleComponent:
 
     def score_sync(self, items: Sequence[ScoreItem]) -> list[float]:
         out = []
-        for i, item in enumerate(items):
+        for item in items:
             try:
                 out.append(float(self.fn(**item.kwargs(), **self.params)))
             except ValueError as e:

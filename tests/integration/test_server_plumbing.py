@@ -1,0 +1,130 @@
+"""The shared server factory: error mapping, bearer-token auth, health, reflection, graceful stop."""
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from services.common.channel import create_channel
+from services.common.config import ServerConfig
+from services.common.errors import FailedPrecondition
+from services.common.server import create_server
+
+SERVICE = reward_pb2.DESCRIPTOR.services_by_name["Reward"].full_name
+
+
+class FaultyReward(reward_pb2_grpc.RewardServicer):
+    """Raises what engines raise, so the interceptor's mapping is what the client sees."""
+
+    def __init__(self):
+        self.release = asyncio.Event()
+
+    async def Score(self, request, context):
+        if not request.items:
+            raise ValueError("items: empty batch")
+        if request.items[0].id == "precondition":
+            raise FailedPrecondition("model not loaded")
+        if request.items[0].id == "slow":
+            await self.release.wait()
+            return reward_pb2.ScoreResponse(results=[reward_pb2.ScoreResult(id="slow", score=1.0)])
+        raise RuntimeError("boom")
+
+    async def GetInfo(self, request, context):
+        return common_pb2.ServiceInfo(role="reward")
+
+
+async def _serve(token=None):
+    servicer = FaultyReward()
+    mesh, port = await create_server([(reward_pb2_grpc.add_RewardServicer_to_server, servicer)], [SERVICE],
+                                     address="127.0.0.1:0", config=ServerConfig(auth_token=token))
+    return mesh, port, servicer
+
+
+async def _code(coro):
+    try:
+        await coro
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
+def test_value_error_in_an_engine_reaches_the_client_as_invalid_argument_with_its_message():
+    async def main():
+        mesh, port, _ = await _serve()
+        stub = reward_pb2_grpc.RewardStub(create_channel(f"127.0.0.1:{port}"))
+        code, details = await _code(stub.Score(reward_pb2.ScoreRequest()))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details == "items: empty batch"
+        code, details = await _code(stub.Score(reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(id="x")])))
+        assert code == grpc.StatusCode.INTERNAL and "RuntimeError: boom" in details
+        code, details = await _code(stub.Score(reward_pb2.ScoreRequest(
+            items=[reward_pb2.ScoreItem(id="precondition")])))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and details == "model not loaded"
+        # The server keeps serving after errors.
+        assert (await stub.GetInfo(common_pb2.GetInfoRequest())).role == "reward"
+        await mesh.stop(0)
+
+    asyncio.run(main())
+
+
+def test_auth_rejects_missing_and_wrong_tokens_but_health_needs_none():
+    async def main():
+        mesh, port, _ = await _serve(token="s3cret")
+        addr = f"127.0.0.1:{port}"
+        for token in (None, "wrong"):
+            stub = reward_pb2_grpc.RewardStub(create_channel(addr, token=token))
+            code, details = await _code(stub.GetInfo(common_pb2.GetInfoRequest()))
+            assert code == grpc.StatusCode.UNAUTHENTICATED, token
+            assert "s3cret" not in details
+        good = reward_pb2_grpc.RewardStub(create_channel(addr, token="s3cret"))
+        assert (await good.GetInfo(common_pb2.GetInfoRequest())).role == "reward"
+        health = health_pb2_grpc.HealthStub(create_channel(addr))
+        resp = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        await mesh.stop(0)
+
+    asyncio.run(main())
+
+
+def test_reflection_lists_the_service():
+    async def main():
+        mesh, port, _ = await _serve()
+        stub = reflection_pb2_grpc.ServerReflectionStub(create_channel(f"127.0.0.1:{port}"))
+
+        async def requests():
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+        names = []
+        async for resp in stub.ServerReflectionInfo(requests()):
+            names = [s.name for s in resp.list_services_response.service]
+        assert SERVICE in names and "grpc.health.v1.Health" in names
+        await mesh.stop(0)
+
+    asyncio.run(main())
+
+
+def test_stop_flips_health_to_not_serving_and_lets_in_flight_calls_finish():
+    async def main():
+        mesh, port, servicer = await _serve()
+        addr = f"127.0.0.1:{port}"
+        stub = reward_pb2_grpc.RewardStub(create_channel(addr))
+        in_flight = asyncio.ensure_future(stub.Score(reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(id="slow")])))
+        await asyncio.sleep(0.2)
+        stopping = asyncio.create_task(mesh.stop(grace=5.0))
+        await asyncio.sleep(0.2)
+        status = await mesh.health.Check(health_pb2.HealthCheckRequest(service=""), None)
+        assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        servicer.release.set()
+        result = await in_flight
+        assert result.results[0].score == 1.0
+        await stopping
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("n", [0])
+def test_oversized_message_limit_is_raised_above_grpc_default(n):
+    cfg = ServerConfig()
+    assert cfg.max_message_bytes > 4 * 1024 * 1024
