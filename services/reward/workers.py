@@ -36,7 +36,13 @@ class RewardFunctionError(MeshError):
 
 def _worker_main(conn, path: str, params: dict) -> None:
     """Body of a worker process: load the function, then score chunks until the pipe closes."""
+    import signal
+
     from services.reward.plugins import load_function
+
+    # Ctrl-C reaches the whole process group; the service decides when workers stop (it kills them,
+    # or they see the pipe close when it exits), so a worker does not die mid-call with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     try:
         fn = load_function(path, params=list(params))
