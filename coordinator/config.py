@@ -10,7 +10,7 @@ from services.common.config import MeshSettings, ModelConfig, Section, ServerCon
 from services.reference.engine import ReferenceConfig
 from services.reward.engine import RewardConfig
 from services.rollout.engine import RolloutConfig
-from services.trainer.engine import ActorConfig
+from services.trainer.engine import ActorConfig, CriticConfig
 
 
 class AlgorithmConfig(Section):
@@ -112,7 +112,7 @@ class RunConfig(MeshSettings):
     reward: RewardConfig = RewardConfig()
     reference: ReferenceConfig = ReferenceConfig()
     actor: ActorConfig = ActorConfig()
-    critic: dict | None = None
+    critic: CriticConfig | None = None
     algorithm: AlgorithmConfig = AlgorithmConfig()
     data: DataConfig = DataConfig()
     run: RunSection = RunSection()

@@ -31,6 +31,7 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
 
     ctx.data.advance(batch_size)
     ctx.step += 1
+    ctx.last_samples = samples
     seconds = time.perf_counter() - start
     return {**phases.sample_metrics(samples), **adv_metrics, **train_metrics, **sync_metrics,
             **staleness(ctx, samples), **{f"time/{k}": v for k, v in timer.seconds.items()},

@@ -62,7 +62,8 @@ class RunContext:
     kl_coef: float = 0.0
     kl_controller: adv_fns.AdaptiveKLController | None = None
     prefetched: asyncio.Task | None = None
-    history: list[dict] = field(default_factory=list)
+    # The last step's samples, for tests and debugging.
+    last_samples: list = field(default_factory=list)
 
     @property
     def sampling(self) -> remote.Sampling:

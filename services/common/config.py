@@ -38,6 +38,10 @@ class ServerConfig(Section):
     grace_seconds: float = Field(5.0, ge=0)
     # Deadline of outgoing calls made by this service (seconds).
     call_timeout_s: float = Field(600.0, gt=0)
+    # Register this replica in the Redis service registry (TTL heartbeat) when set.
+    registry_url: str = ""
+    # Host others reach this replica at (default: host, or this machine's hostname when host is 0.0.0.0).
+    advertise_host: str | None = None
 
 
 class ModelConfig(Section):

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
+import socket
 from typing import Any, Awaitable, Callable, Sequence
 
 from services.common.config import MeshSettings, load_config
 from services.common.server import MeshServer, announce, serve_until_signalled, setup_logging
 
 # start(settings, address) -> (server, port, engine-or-None); the engine may expose `async close()`.
+log = logging.getLogger("meshrl.launch")
+
 StartFn = Callable[[Any, str], Awaitable[tuple[MeshServer, int, Any]]]
 
 
@@ -70,5 +74,29 @@ async def _serve(role: str, settings: Any, start: StartFn, host_for_announce: st
             if asyncio.iscoroutine(result):
                 await result
 
-    await serve_until_signalled(mesh, grace=server_cfg.grace_seconds, on_stop=None)
+    heartbeat = None
+    stop_heartbeat = asyncio.Event()
+    if server_cfg.registry_url:
+        from coordinator.registry import Registry
+
+        registry = Registry(server_cfg.registry_url)
+        advertised = f"{advertise_host(server_cfg)}:{port}"
+        heartbeat = asyncio.create_task(registry.heartbeat(role, advertised, stop_heartbeat))
+        log.info("registered %s %s in the service registry", role, advertised)
+
+    async def leave():
+        # Leave the registry first so the coordinator stops routing here while calls drain.
+        stop_heartbeat.set()
+        if heartbeat is not None:
+            await heartbeat
+
+    await serve_until_signalled(mesh, grace=server_cfg.grace_seconds, on_stop=leave)
     await close()
+
+
+def advertise_host(server_cfg) -> str:
+    if server_cfg.advertise_host:
+        return server_cfg.advertise_host
+    if server_cfg.host in ("0.0.0.0", "::", "[::]"):
+        return socket.gethostname()
+    return server_cfg.host

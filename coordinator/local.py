@@ -1,0 +1,70 @@
+"""Every service as a real gRPC server on port 0 inside one process: for tests and notebooks.
+
+`meshrl up` runs each service as its own process instead; the code path per service is the same
+(`services.<role>.servicer.start`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.config import deep_merge, load_config
+
+
+@dataclass
+class LocalMesh:
+    """Started servers and engines by role, and the run config data with their addresses filled in."""
+
+    config: dict
+    servers: dict[str, list[Any]] = field(default_factory=dict)
+    engines: dict[str, list[Any]] = field(default_factory=dict)
+    addresses: dict[str, list[str]] = field(default_factory=dict)
+
+    async def stop(self) -> None:
+        for role in list(self.servers):
+            for server, engine in zip(self.servers[role], self.engines[role]):
+                await server.stop(0)
+                closer = getattr(engine, "close", None)
+                if closer is not None:
+                    result = closer()
+                    if hasattr(result, "__await__"):
+                        await result
+
+
+async def start_role(role: str, data: dict):
+    if role == "rollout":
+        from services.rollout.engine import RolloutSettings as S
+        from services.rollout.servicer import start
+    elif role == "reward":
+        from services.reward.engine import RewardSettings as S
+        from services.reward.servicer import start
+    elif role == "reference":
+        from services.reference.engine import ReferenceSettings as S
+        from services.reference.servicer import start
+    elif role == "trainer":
+        from services.trainer.engine import TrainerSettings as S
+        from services.trainer.servicer import start
+    else:
+        raise ValueError(f"role: unknown role {role!r}")
+    settings = load_config(S, data=data)
+    return await start(settings, "127.0.0.1:0")
+
+
+async def start_local_mesh(config: dict, *, num_rollout: int = 2, num_reward: int = 1, num_reference: int = 1
+                           ) -> LocalMesh:
+    """Starts trainer, reference, reward and rollout replicas; returns their addresses in `config`."""
+    data = copy.deepcopy(config)
+    mesh = LocalMesh(data)
+    for role, count in (("trainer", 1), ("reference", num_reference), ("reward", num_reward),
+                        ("rollout", num_rollout)):
+        for _ in range(count):
+            server, port, engine = await start_role(role, data)
+            mesh.servers.setdefault(role, []).append(server)
+            mesh.engines.setdefault(role, []).append(engine)
+            mesh.addresses.setdefault(role, []).append(f"127.0.0.1:{port}")
+    for role in ("rollout", "reward", "reference"):
+        data[role] = deep_merge(data.get(role) or {}, {"servers": mesh.addresses.get(role, [])})
+    data["trainer"] = deep_merge(data.get("trainer") or {}, {"address": mesh.addresses["trainer"][0]})
+    return mesh
