@@ -134,9 +134,15 @@ class ValueModel(nn.Module):
         nn.init.normal_(self.value_head.weight, std=1.0 / (hidden_size + 1))
         nn.init.zeros_(self.value_head.bias)
 
+    @property
+    def config(self):
+        return self.model.config
+
     def forward(self, input_ids, attention_mask):
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()   # [B, L]
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)       # [B, L]
+        # A copy, not a view: FSDP's pre-backward hook on a returned view is lost by in-place ops.
+        return values.float() if values.dtype != torch.float32 else values.clone()
 
 
 @dataclass
@@ -165,6 +171,22 @@ def _build_trained(name: str, module: nn.Module, mesh, cfg: OptimSection, actor:
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (a collective: every rank calls it), any other tensor as is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float) -> float:
+    """Global L2 norm of the gradients, clipped to max_norm (0 = report only); as torch's
+    clip_grad_norm_, but for any mix of DTensor (TP/FSDP shards) and plain gradients.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    # Each DTensor norm is reduced over its mesh by full_tensor(): a collective, in the same order on every rank.
+    total = math.sqrt(sum(float(_full(torch.linalg.vector_norm(g, dtype=torch.float32))) ** 2 for g in grads))
+    if max_norm > 0 and math.isfinite(total):
+        coef = max_norm / (total + 1e-6)
+        if coef < 1:
+            for g in grads:
+                g.mul_(coef)
+    return total
 
 
 class TrainerEngine:
@@ -404,8 +426,7 @@ class TrainerEngine:
     def _optimizer_step(self, trained: Trained) -> tuple[float, float, bool]:
         """Clips, steps and schedules; a non-finite gradient norm skips the step (weights stay)."""
         params = [p for p in trained.module.parameters() if p.requires_grad]
-        max_norm = trained.cfg.grad_clip if trained.cfg.grad_clip > 0 else float("inf")
-        norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        norm = clip_grad_norm(params, trained.cfg.grad_clip)
         lr = trained.optimizer.param_groups[0]["lr"]
         if not math.isfinite(norm):
             trained.optimizer.zero_grad(set_to_none=True)

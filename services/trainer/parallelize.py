@@ -53,6 +53,67 @@ def _blocks_parent(model: nn.Module) -> nn.ModuleList:
     raise ValueError("no decoder layers")
 
 
+def tp_plan(model: nn.Module) -> tuple[dict, dict]:
+    """The one per-architecture tensor-parallel plan (Megatron-style) for Llama and Qwen2 decoders.
+
+    Attention and MLP inputs are column-split and their outputs row-split, so each block needs one
+    all-reduce per sub-layer; the (possibly tied) embedding and LM head split the vocabulary.
+    Returns (root plan, per-block plan).
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in TP_ARCHITECTURES:
+        raise ValueError(f"actor.tp_size: no tensor-parallel plan for model type {model_type!r} "
+                         f"(have {', '.join(TP_ARCHITECTURES)})")
+    root = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    block = {
+        "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+    }
+    return root, block
+
+
+TP_ARCHITECTURES = ("llama", "qwen2")
+
+
+def check_tp_divisibility(config, tp: int) -> None:
+    """Heads, KV heads, MLP width and vocabulary must split evenly over the TP ranks."""
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        value = getattr(config, key, None)
+        if value is not None and value % tp:
+            raise ValueError(f"actor.tp_size: {key}={value} of the model is not divisible by tp_size={tp}")
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    if tp_mesh.size() == 1:
+        return
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    check_tp_divisibility(model.config, tp_mesh.size())
+    root, block = tp_plan(model)
+    # A value model has the backbone's embedding but no LM head.
+    has_head = hasattr(model, "lm_head")
+    tied = has_head and model.config.tie_word_embeddings
+    for layer in transformer_blocks(model):
+        parallelize_module(layer, tp_mesh, block)
+    parallelize_module(model, tp_mesh, {"model.embed_tokens": root["model.embed_tokens"]})
+    if tied:
+        # Both plans shard the shared [vocab, hidden] weight on dim 0; hand the head the embedding's
+        # DTensor so the tie survives, then re-tie after the head's plan re-registers it.
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if has_head:
+        parallelize_module(model, tp_mesh, {"lm_head": root["lm_head"]})
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    log.info("Applied tensor parallel to %d blocks (tp=%d)", len(transformer_blocks(model)), tp_mesh.size())
+
+
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: str, compute_dtype: str) -> None:
     """FSDP2: every block is its own all-gather unit, the root holds embeddings, norm and head."""
     if dp_mesh.size() == 1:
@@ -84,9 +145,9 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, dp_mode: str, activation_checkpointing: bool,
                 param_dtype: str, compute_dtype: str) -> nn.Module:
     """TP -> activation checkpointing -> FSDP/DDP. Returns the module to run forward/backward through."""
-    if mesh["tp"].size() > 1 or mesh["pp"].size() > 1:
-        raise ValueError("actor.tp_size / actor.pp_size > 1: tensor and pipeline parallel are not implemented "
-                         "yet (use dp_size)")
+    if mesh["pp"].size() > 1:
+        raise ValueError("actor.pp_size > 1: pipeline parallel is not implemented yet (use tp_size / dp_size)")
+    apply_tp(model, mesh["tp"])
     apply_activation_checkpointing(model, activation_checkpointing)
     if dp_mode == "fsdp":
         apply_fsdp(model, mesh["dp"], param_dtype=param_dtype, compute_dtype=compute_dtype)

@@ -1,8 +1,9 @@
-"""Data parallel on CPU: `torchrun --nproc_per_node=2 -m services.trainer` (gloo) against one process.
+"""Parallel trainers on CPU: `torchrun --nproc_per_node=N -m services.trainer` (gloo) against one process.
 
-Rank 0 serves gRPC and fans every command out to both ranks; each rank trains on its half of every
-mini-batch. One TrainActor step must give the loss and updated weights of a single-process run of
-the same batch (fp32, within 1e-5), and a checkpoint saved on the 2-rank mesh must resume on one rank.
+Rank 0 serves gRPC and fans every command out to all ranks; DP ranks train on their share of every
+mini-batch, TP ranks on column/row shards of every block. One TrainActor step must give the loss and
+updated weights of a single-process run of the same batch (fp32, within 1e-5), and a checkpoint saved
+on the multi-rank mesh must resume on one rank.
 """
 
 from __future__ import annotations
@@ -83,14 +84,13 @@ def _sequences(samples):
         for i, s in enumerate(samples)], temperature=1.0)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dp_mode", ["fsdp", "ddp"])
-def test_two_rank_data_parallel_step_matches_a_single_process_run(tmp_path, dp_mode):
+def check_against_single_process(tmp_path, *, dp_mode: str, dp: int, tp: int):
     model = make_tiny_model(tmp_path / "model")
     actor = {"lr": 1e-4, "seed": 3}
     config = tmp_path / "trainer.yaml"
-    config.write_text(f"model:\n  path: {model}\nactor:\n  lr: 1.0e-4\n  seed: 3\n  dp_size: 2\n  dp_mode: {dp_mode}\n")
-    launched = Launched(config, tmp_path / "torchrun.log")
+    config.write_text(f"model:\n  path: {model}\nactor:\n  lr: 1.0e-4\n  seed: 3\n  dp_size: {dp}\n  tp_size: {tp}\n"
+                      f"  dp_mode: {dp_mode}\n")
+    launched = Launched(config, tmp_path / "torchrun.log", nproc=dp * tp)
     try:
         # The single-process run works while the two ranks start.
         single = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": model}, "actor": actor}))
@@ -118,10 +118,12 @@ def test_two_rank_data_parallel_step_matches_a_single_process_run(tmp_path, dp_m
     finally:
         launched.stop()
 
-    assert (info.details["dp"], info.details["world_size"], info.details["devices"]) == ("2", "2", "cpu,cpu")
-    assert info.details["dp_mode"] == dp_mode
+    world = dp * tp
+    assert (info.details["dp"], info.details["tp"], info.details["world_size"]) == (str(dp), str(tp), str(world))
+    assert info.details["devices"] == ",".join(["cpu"] * world) and info.details["dp_mode"] == dp_mode
     log = (tmp_path / "torchrun.log").read_text()
-    assert "Rank 0: actor loaded on cpu (tp=1 pp=1 dp=2)" in log and "Rank 1: actor loaded on cpu (tp=1 pp=1 dp=2)" in log
+    for rank in range(world):
+        assert f"Rank {rank}: actor loaded on cpu (tp={tp} pp=1 dp={dp})" in log
 
     for got, want in zip(lp.results, expected_lp):
         assert list(got.logprobs) == pytest.approx(want, abs=1e-6)
@@ -145,3 +147,15 @@ def test_two_rank_data_parallel_step_matches_a_single_process_run(tmp_path, dp_m
     assert resumed.actor.step == 4 and resumed.weight_version == 2
     for k, v in named_weights(resumed.actor.module).items():
         assert torch.allclose(v, named_weights(single.actor.module)[k], atol=1e-5), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp_mode,dp,tp", [("fsdp", 2, 1), ("ddp", 2, 1), ("fsdp", 1, 2)],
+                         ids=["fsdp-dp2", "ddp-dp2", "tp2"])
+def test_a_two_rank_step_matches_a_single_process_run(tmp_path, dp_mode, dp, tp):
+    check_against_single_process(tmp_path, dp_mode=dp_mode, dp=dp, tp=tp)
+
+
+@pytest.mark.slow
+def test_a_four_rank_fsdp_by_tp_step_matches_a_single_process_run(tmp_path):
+    check_against_single_process(tmp_path, dp_mode="fsdp", dp=2, tp=2)
