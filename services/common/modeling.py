@@ -30,8 +30,23 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu", tr
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    """The tokenizer of a local model folder, loaded as it was saved.
 
+    transformers 5 builds the model type's own class for some types (Qwen2Tokenizer for a qwen2
+    folder) even when tokenizer_config.json names the generic TokenizersBackend, and that class
+    rebuilds the pipeline from the vocabulary: a custom tokenizer.json (the tiny models this project
+    trains) would lose its pre-tokenizer. Generic ones are loaded as saved.
+    """
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = Path(path)
+    config_file = folder / "tokenizer_config.json"
+    tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    if tokenizer_class in ("TokenizersBackend", "PreTrainedTokenizerFast") and (folder / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 

@@ -80,21 +80,10 @@ def default_embedding_path() -> str:
 
 
 def load_tokenizer(path: str):
-    """The tokenizer of a local model folder, loaded as it was saved.
+    """See services.common.modeling.load_tokenizer (loads custom tokenizer.json files as saved)."""
+    from services.common.modeling import load_tokenizer as load
 
-    transformers 5 builds the model type's own class for some types (Qwen2Tokenizer for a qwen2
-    folder) even when tokenizer_config.json names the generic TokenizersBackend, and that class
-    rebuilds the pipeline from the vocabulary: a custom tokenizer.json (the tiny models this project
-    trains) loses its pre-tokenizer and every text maps to a few ids. Generic ones load as saved.
-    """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    folder = Path(path)
-    config_file = folder / "tokenizer_config.json"
-    tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
-    if tokenizer_class in ("TokenizersBackend", "PreTrainedTokenizerFast") and (folder / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return load(path)
 
 
 def _dtype(name: str):

@@ -1,0 +1,64 @@
+"""Datasets: verl's Parquet row schema, plain rows, seeded epochs and a resumable position."""
+
+import json
+
+import pytest
+
+from coordinator.data import PromptStream, load_problems, read_rows, row_to_problem
+from coordinator.pools import split_round_robin
+
+
+def test_plain_prompt_answer_rows_are_read(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+2=", "answer": "3"}\n\n{"prompt": "2+2=", "answer": "4", "data_source": "x"}\n')
+    problems = load_problems([str(path)])
+    assert [(p.prompt, p.ground_truth, p.data_source) for p in problems] == [("1+2=", "3", ""), ("2+2=", "4", "x")]
+
+
+def test_verl_rows_with_chat_messages_use_the_chat_template():
+    class Tok:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "<user>" + messages[0]["content"] + "<assistant>"
+
+    row = {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "1+1="}], "ability": "math",
+           "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": 7}}
+    p = row_to_problem(row, 0, prompt_key="prompt", answer_key="answer", tokenizer=Tok())
+    assert (p.prompt, p.ground_truth, p.data_source, p.id) == ("<user>1+1=<assistant>", "2", "gsm8k", "7")
+
+
+def test_malformed_jsonl_names_the_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": oops}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl' line 2: invalid JSON"):
+        read_rows(str(path))
+
+
+def test_missing_prompt_key_is_named(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match="missing key 'prompt' \\(data.prompt_key\\)"):
+        load_problems([str(path)])
+
+
+def test_prompt_stream_is_seeded_and_resumes_at_its_position():
+    from coordinator.data import Problem
+
+    problems = [Problem(str(i), f"{i}+0=", str(i), "") for i in range(10)]
+    a = PromptStream(problems, seed=3)
+    first = a.take(4)
+    a.advance(4)
+    second = a.take(8)            # crosses into epoch 1
+    resumed = PromptStream(problems, seed=3, position=4)
+    assert resumed.take(8) == second
+    assert PromptStream(problems, seed=3).take(4) == first
+    assert PromptStream(problems, seed=4).take(10) != PromptStream(problems, seed=3).take(10)
+    # each epoch is a permutation
+    assert sorted(p.id for p in a.take(10)[6:] + a.take(6)) != []
+    assert sorted(p.id for p in PromptStream(problems, seed=3, position=10).take(10)) == sorted(str(i)
+                                                                                             for i in range(10))
+
+
+def test_split_round_robin_keeps_contiguous_groups_and_loses_nothing():
+    chunks = split_round_robin(list(range(7)), 3)
+    assert chunks == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split_round_robin([1], 3) == [[1]]
