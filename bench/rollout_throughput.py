@@ -3,7 +3,8 @@
 Both sides do the same work on the same prompts: n samples per prompt, the same temperature and
 top_p (top_k off), eos stops a row, and per-token log-probs of the sampled tokens (for generate:
 `output_logits=True`, then log_softmax + gather, included in its time). Tokens counted are the
-generated ones up to and including eos. Each number is the best of `--repeats` runs.
+generated ones up to and including eos. Each number is the best of `--repeats` runs, the two
+sides interleaved.
 
     OMP_NUM_THREADS=1 python bench/rollout_throughput.py [--repeats 3] [--out bench/results/rollout_throughput.json]
 
@@ -64,13 +65,15 @@ def arith_prompts(count: int, seed: int = 0) -> list[str]:
     return [f"{rng.randint(0, 99)}{rng.choice('+-')}{rng.randint(0, 99)}=" for _ in range(count)]
 
 
-def best_time(fn, repeats: int) -> tuple[float, object]:
-    best, out = float("inf"), None
+def best_times(fns, repeats: int) -> list[tuple[float, object]]:
+    """Fastest of `repeats` runs of each fn, interleaved so that load from other processes hits both alike."""
+    best = [(float("inf"), None)] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            out = fn()
+            best[i] = min(best[i], (time.perf_counter() - t0, out), key=lambda x: x[0])
+    return best
 
 
 def engine_run(engine: TorchEngine, prompts: list[str], n: int, max_tokens: int, temperature: float, top_p: float):
@@ -123,8 +126,7 @@ def main(argv=None) -> None:
             ours = engine_run(engine, prompts, n, max_tokens, temperature, top_p)
             theirs = hf_generate_run(model, tokenizer, prompts, n, max_tokens, temperature, top_p)
             ours(), theirs()                                     # warm-up
-            t_ours, tok_ours = best_time(ours, args.repeats)
-            t_hf, tok_hf = best_time(theirs, args.repeats)
+            (t_ours, tok_ours), (t_hf, tok_hf) = best_times([ours, theirs], args.repeats)
             row = {"workload": name, "prompts": num_prompts, "n": n, "max_tokens": max_tokens,
                    "temperature": temperature, "top_p": top_p,
                    "engine_tokens": tok_ours, "engine_seconds": round(t_ours, 4),
