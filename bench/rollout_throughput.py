@@ -81,8 +81,7 @@ def engine_run(engine: TorchEngine, prompts: list[str], n: int, max_tokens: int,
                           SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens))
 
     def run():
-        ids = engine.resolve_prompts(batch.prompts)
-        results = engine._generate_sync(batch, ids)   # the worker-thread body of generate(), minus asyncio
+        results = engine.generate_sync(batch)   # the worker-thread body of generate(), minus asyncio
         return sum(len(s.response_ids) for r in results for s in r.samples)
 
     return run
@@ -139,9 +138,8 @@ def main(argv=None) -> None:
                   f"{row['hf_generate_tokens_per_s']:9.1f} tok/s   x{row['speedup']}", flush=True)
         # Greedy outputs must agree token for token: the speed is not bought with different results.
         prompts = arith_prompts(32, seed=1)
-        ours = engine._generate_sync(GenerateBatch([PromptInput(text=p) for p in prompts],
-                                                   SamplingParams(temperature=0, max_tokens=6)),
-                                     engine.resolve_prompts([PromptInput(text=p) for p in prompts]))
+        ours = engine.generate_sync(GenerateBatch([PromptInput(text=p) for p in prompts],
+                                                  SamplingParams(temperature=0, max_tokens=6)))
         enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
         hf = model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=0,
                             eos_token_id=tokenizer.eos_token_id)[:, enc["input_ids"].shape[1]:].tolist()

@@ -188,24 +188,32 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
 
 
-def sample_tokens(logits: torch.Tensor, *, temperature: float, top_p: float,
-                  generators: Sequence[torch.Generator] | None) -> torch.Tensor:
-    """Next token per row from fp32 logits [B, V] -> [B].
+def sample_tokens(logits: torch.Tensor, *, temperature: float | torch.Tensor, top_p: float | torch.Tensor,
+                  generators: Sequence[torch.Generator | None] | None) -> torch.Tensor:
+    """Next token per row from fp32 logits [B, V] -> [B]; temperature, top_p and generator may differ per row.
 
-    Sampling is the exponential race argmax(p / Exp(1)) (what vLLM does): it draws exactly from p,
-    and with one generator per row a seeded sample does not depend on what else is in the batch.
+    Rows with temperature 0 are greedy. Sampling is the exponential race argmax(p / Exp(1)) (what
+    vLLM does): it draws exactly from p, and with one generator per row a seeded sample does not
+    depend on what else is in the batch.
     """
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = F.softmax(logits / temperature, dim=-1)
-    if top_p < 1:
-        probs = top_p_filter(probs, top_p)
-    if generators is None:
-        q = torch.empty_like(probs).exponential_()
-    else:
-        q = torch.stack([torch.empty(probs.size(-1), dtype=probs.dtype).exponential_(generator=g)
-                         for g in generators]).to(probs.device)
-    return (probs / q).argmax(-1)
+    B, V = logits.shape
+    temperature = torch.as_tensor(temperature, dtype=logits.dtype, device=logits.device).expand(B)
+    top_p = torch.as_tensor(top_p, dtype=logits.dtype, device=logits.device).expand(B)
+    greedy = logits.argmax(-1)
+    sampled = temperature > 0
+    if not bool(sampled.any()):
+        return greedy
+    probs = F.softmax(logits / torch.where(sampled, temperature, 1.0).unsqueeze(-1), dim=-1)
+    if bool((top_p < 1).any()):
+        probs = top_p_filter(probs, top_p.unsqueeze(-1))
+    gens = list(generators) if generators is not None else [None] * B
+    q = torch.empty_like(probs)
+    if any(g is None for g in gens):
+        q.exponential_()
+    for row, g in enumerate(gens):
+        if g is not None and bool(sampled[row]):
+            q[row] = torch.empty(V, dtype=probs.dtype).exponential_(generator=g).to(probs.device)
+    return torch.where(sampled, (probs / q).argmax(-1), greedy)
 
 
 def row_generator(seed: int, prompt_ids: Sequence[int], sample_index: int) -> torch.Generator:
@@ -226,15 +234,26 @@ def row_generator(seed: int, prompt_ids: Sequence[int], sample_index: int) -> to
 
 @dataclass
 class _Row:
-    """Decode state of one (prompt, sample) row."""
+    """Decode state of one (prompt, sample) row, with its request's sampling settings."""
 
     prompt: list[int]
     budget: int                                   # new tokens this row may produce
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     text: str | None = None                       # set when a stop string cut it
     top: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class _Job:
+    """One queued Generate request: its validated prompts and the future its caller awaits."""
+
+    batch: GenerateBatch
+    prompt_ids: list[list[int]]
+    future: asyncio.Future | None
 
 
 class TorchEngine(RolloutEngine):
@@ -262,6 +281,8 @@ class TorchEngine(RolloutEngine):
         self.weight_version = 0
         # One torch job at a time (generation, scoring, weight swap): a swap never lands mid-generation.
         self._lock = asyncio.Lock()
+        self._pending: list[_Job] = []
+        self.stats = {"requests": 0, "decode_batches": 0, "samples": 0, "generated_tokens": 0}
         log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer=%s",
                  self.model_path, self.device, self.dtype, self.max_model_len, r.max_batch_size,
                  "yes" if self.tokenizer is not None else "none")
@@ -271,20 +292,47 @@ class TorchEngine(RolloutEngine):
     def info(self) -> dict:
         return {"engine": "torch", "max_model_len": self.max_model_len, "max_batch_size": self.config.max_batch_size,
                 "device": self.device, "dtype": self.dtype, "vocab_size": self.vocab_size,
-                "tokenizer": self.tokenizer is not None}
+                "tokenizer": self.tokenizer is not None, **self.stats}
 
     async def generate(self, batch: GenerateBatch) -> list[PromptResult]:
         prompt_ids = self.resolve_prompts(batch.prompts)   # validate before queueing behind the lock
         validate_sampling(batch.sampling)
         self._check_stop_support(batch.sampling)
-        async with self._lock:
-            return await asyncio.to_thread(self._generate_sync, batch, prompt_ids)
+        job = _Job(batch, prompt_ids, asyncio.get_running_loop().create_future())
+        self._pending.append(job)
+        try:
+            async with self._lock:
+                # Requests that queued while the previous batch ran are decoded together with this one,
+                # each row with its own sampling settings; a request already served by such a batch skips.
+                if not job.future.done():
+                    jobs, self._pending = [j for j in self._pending if not j.future.done()], []
+                    try:
+                        results = await self._run_locked(self._generate_jobs, jobs)
+                    except BaseException as e:
+                        for j in jobs:
+                            if not j.future.done():
+                                j.future.set_exception(e if isinstance(e, Exception) else RuntimeError("cancelled"))
+                        raise
+                    for j, r in zip(jobs, results):
+                        if not j.future.done():
+                            j.future.set_result(r)
+        finally:
+            if job in self._pending:
+                self._pending.remove(job)
+        return await job.future
+
+    def generate_sync(self, batch: GenerateBatch) -> list[PromptResult]:
+        """generate() for scripts and benchmarks: same checks and decode, in this thread, without the lock."""
+        prompt_ids = self.resolve_prompts(batch.prompts)
+        validate_sampling(batch.sampling)
+        self._check_stop_support(batch.sampling)
+        return self._generate_jobs([_Job(batch, prompt_ids, None)])[0]
 
     async def logprobs(self, prompts, responses, temperature: float = 1.0):
         validate_sequences(prompts, responses, vocab_size=self.vocab_size, max_len=self.max_model_len)
         async with self._lock:
-            out = await asyncio.to_thread(batched_logprobs, self.model, prompts, responses, pad_id=self.pad_id,
-                                          temperature=temperature, token_budget=self.config.logprobs_token_budget)
+            out = await self._run_locked(batched_logprobs, self.model, prompts, responses, pad_id=self.pad_id,
+                                         temperature=temperature, token_budget=self.config.logprobs_token_budget)
             return out, self.weight_version
 
     async def update_weights(self, manifest: Manifest, buckets: AsyncIterable[tuple[bytes, int]]) -> dict:
@@ -299,12 +347,27 @@ class TorchEngine(RolloutEngine):
         tensors = assembler.finish()
         check_against(tensors, named_weights(self.model))
         async with self._lock:
-            await asyncio.to_thread(apply_weights, self.model, tensors)
+            await self._run_locked(apply_weights, self.model, tensors)
             self.weight_version = manifest.version
         seconds = time.perf_counter() - start
         log.info("weights version %d applied: %d tensors, %.1f MiB in %.2fs", manifest.version, len(tensors),
                  num_bytes / 2**20, seconds)
         return {"weight_version": self.weight_version, "num_bytes": num_bytes, "seconds": seconds}
+
+    async def _run_locked(self, fn, *args, **kwargs):
+        """Runs fn in a worker thread; call with the lock held. A thread cannot be interrupted, so when the
+        caller is cancelled (a client went away) this still waits for it: the lock is never released
+        while torch work runs, and a weight swap never overlaps a generation."""
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+        cancelled = False
+        while not work.done():
+            try:
+                await asyncio.wait({work})
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+        return work.result()
 
     # ---- input checks
 
@@ -352,30 +415,40 @@ class TorchEngine(RolloutEngine):
 
     # ---- generation (runs in a worker thread under the lock)
 
-    def _generate_sync(self, batch: GenerateBatch, prompt_ids: list[list[int]]) -> list[PromptResult]:
-        p = batch.sampling
-        n = p.n
-        rows = [_Row(prompt=ids, budget=min(p.max_tokens, self.max_model_len - len(ids)))
-                for ids in prompt_ids for _ in range(n)]          # prompt-major: row = prompt * n + sample
-        gens = ([row_generator(p.seed, ids, j) for ids in prompt_ids for j in range(n)]
-                if p.seed is not None else None)
+    def _generate_jobs(self, jobs: list[_Job]) -> list[list[PromptResult]]:
+        """Decodes the rows of several requests together (chunks of max_batch_size rows)."""
+        rows: list[_Row] = []
+        for job in jobs:
+            p = job.batch.sampling
+            for ids in job.prompt_ids:     # prompt-major: row = prompt * n + sample
+                for j in range(p.n):
+                    rows.append(_Row(prompt=ids, budget=min(p.max_tokens, self.max_model_len - len(ids)), sampling=p,
+                                     generator=row_generator(p.seed, ids, j) if p.seed is not None else None))
         chunk = self.config.max_batch_size
         for start in range(0, len(rows), chunk):
-            self._decode(rows[start:start + chunk], p, gens[start:start + chunk] if gens else None)
+            self._decode(rows[start:start + chunk])
         version = self.weight_version
-        results = []
-        for i, (prompt, ids) in enumerate(zip(batch.prompts, prompt_ids)):
-            samples = []
-            for row in rows[i * n:(i + 1) * n]:
-                text = row.text if row.text is not None else self.decode(row.tokens)
-                samples.append(SampleResult(response_ids=row.tokens, logprobs=row.logprobs, text=text,
-                                            finish_reason=row.finish_reason or "length", weight_version=version,
-                                            top_logprobs=row.top))
-            results.append(PromptResult(prompt_id=prompt.id, prompt_ids=ids, samples=samples))
-        return results
+        out, it = [], iter(rows)
+        for job in jobs:
+            results = []
+            for prompt, ids in zip(job.batch.prompts, job.prompt_ids):
+                samples = []
+                for _ in range(job.batch.sampling.n):
+                    row = next(it)
+                    text = row.text if row.text is not None else self.decode(row.tokens)
+                    samples.append(SampleResult(response_ids=row.tokens, logprobs=row.logprobs, text=text,
+                                                finish_reason=row.finish_reason or "length", weight_version=version,
+                                                top_logprobs=row.top))
+                results.append(PromptResult(prompt_id=prompt.id, prompt_ids=ids, samples=samples))
+            out.append(results)
+        self.stats["requests"] += len(jobs)
+        self.stats["decode_batches"] += 1
+        self.stats["samples"] += len(rows)
+        self.stats["generated_tokens"] += sum(len(r.tokens) for r in rows)
+        return out
 
     @torch.inference_mode()
-    def _decode(self, rows: list[_Row], p: SamplingParams, gens: list[torch.Generator] | None) -> None:
+    def _decode(self, rows: list[_Row]) -> None:
         """Decodes rows together: left-padded prefill, then one token per step for the rows still running.
 
         Rows that finish are dropped from the batch (and the KV cache), so long tails do not pay for
@@ -410,7 +483,7 @@ class TorchEngine(RolloutEngine):
         R, T = len(rows), max(r.budget for r in rows)
         out_tok = torch.zeros((R, T), dtype=torch.long, device=dev)
         out_lp = torch.zeros((R, T), dtype=torch.float32, device=dev)
-        k_top = min(p.top_logprobs, self.vocab_size)
+        k_top = min(max(r.sampling.top_logprobs for r in rows), self.vocab_size)
         if k_top:
             out_top_i = torch.zeros((R, T, k_top), dtype=torch.long, device=dev)
             out_top_v = torch.zeros((R, T, k_top), dtype=torch.float32, device=dev)
@@ -418,22 +491,27 @@ class TorchEngine(RolloutEngine):
         stopped = torch.zeros(R, dtype=torch.bool, device=dev)             # eos or a stop string
         budget = torch.tensor([r.budget for r in rows], dtype=torch.long, device=dev)
         eos = torch.tensor(sorted(self.eos_ids) or [-1], dtype=torch.long, device=dev)
+        temperature = torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=dev)
+        top_p = torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32, device=dev)
+        gens = [r.generator for r in rows]
+        with_stops = [a for a, r in enumerate(rows) if r.sampling.stop]
         active = torch.arange(R, device=dev)                               # row index of each batch row
         step = 0
         while True:
             logp = F.log_softmax(logits, dim=-1)                              # raw distribution, fp32
-            tok = sample_tokens(logits, temperature=p.temperature, top_p=p.top_p,
-                                generators=[gens[a] for a in active.tolist()] if gens else None)
+            act = active.tolist()
+            tok = sample_tokens(logits, temperature=temperature[active], top_p=top_p[active],
+                                generators=[gens[a] for a in act])
             out_tok[active, step] = tok
             out_lp[active, step] = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
             if k_top:
                 top_v, top_i = logp.topk(k_top, dim=-1)
                 out_top_i[active, step], out_top_v[active, step] = top_i, top_v
             hit = torch.isin(tok, eos)
-            if p.stop:
+            if with_stops:
                 for b in (~hit).nonzero().flatten().tolist():
-                    a = int(active[b])
-                    if self._hit_stop(rows[a], out_tok[a, :step + 1].tolist(), p.stop):
+                    row = rows[act[b]]
+                    if row.sampling.stop and self._hit_stop(row, out_tok[act[b], :step + 1].tolist(), row.sampling.stop):
                         hit[b] = True
             done = hit | (step + 1 >= budget[active])
             stopped[active[hit]] = True
@@ -458,8 +536,9 @@ class TorchEngine(RolloutEngine):
             L = len_l[a]
             row.tokens, row.logprobs = tok_l[a][:L], lp_l[a][:L]
             row.finish_reason = "stop" if stop_l[a] else "length"
-            if k_top:
-                row.top = [list(zip(ti_l[a][t], tv_l[a][t])) for t in range(L)]
+            k = row.sampling.top_logprobs
+            if k:
+                row.top = [list(zip(ti_l[a][t][:k], tv_l[a][t][:k])) for t in range(L)]
 
     def _hit_stop(self, row: _Row, tokens: list[int], stops: Sequence[str]) -> bool:
         """True when the decoded response contains a stop string; the text is cut before it (as in vLLM)."""

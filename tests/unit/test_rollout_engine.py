@@ -268,3 +268,69 @@ def test_a_truncated_payload_is_rejected(model_dir):
     with pytest.raises(ValueError, match="truncated"):
         asyncio.run(eng.update_weights(build_manifest(new, 1), _aiter(buckets)))
     assert eng.weight_version == 0
+
+
+def test_requests_that_queue_behind_a_running_one_are_decoded_together_with_their_own_settings(model_dir):
+    eng = make_engine(model_dir)
+    batches = [GenerateBatch([PromptInput(id="a", prompt_ids=PROMPTS[0])],
+                             SamplingParams(n=2, temperature=1.0, max_tokens=20, seed=1)),
+               GenerateBatch([PromptInput(id="b", prompt_ids=PROMPTS[1])], SamplingParams(temperature=0, max_tokens=3)),
+               GenerateBatch([PromptInput(id="c", prompt_ids=PROMPTS[2]), PromptInput(id="d", prompt_ids=PROMPTS[0])],
+                             SamplingParams(n=3, temperature=0.7, top_p=0.5, max_tokens=9, seed=2, top_logprobs=2))]
+    solo = [eng.generate_sync(b) for b in batches]
+    before = dict(eng.stats)
+
+    async def together():
+        return await asyncio.gather(*(eng.generate(b) for b in batches))
+
+    coalesced = asyncio.run(together())
+    assert eng.stats["requests"] - before["requests"] == 3
+    assert eng.stats["decode_batches"] - before["decode_batches"] == 2    # the first alone, then b and c at once
+    for got, want in zip(coalesced, solo):
+        assert [r.prompt_id for r in got] == [r.prompt_id for r in want]
+        assert [[s.response_ids for s in r.samples] for r in got] == [[s.response_ids for s in r.samples] for r in want]
+    assert all(len(s.response_ids) == 3 for s in coalesced[1][0].samples)
+    assert all(len(step) == 2 for s in flat(coalesced[2]) for step in s.top_logprobs)
+    assert flat(coalesced[0])[0].top_logprobs is None
+    samples = flat(coalesced[2])
+    prompts = [r.prompt_ids for r in coalesced[2] for _ in r.samples]
+    lp, _ = response_logprobs(eng.model, prompts, [s.response_ids for s in samples], pad_id=0)
+    for i, s in enumerate(samples):
+        assert torch.allclose(torch.tensor(s.logprobs), lp[i, :len(s.logprobs)], atol=1e-4, rtol=0)
+
+
+def test_a_cancelled_generation_holds_the_lock_until_its_thread_ends(model_dir, monkeypatch):
+    import time as _time
+
+    import services.rollout.engine as engine_module
+
+    eng = make_engine(model_dir, max_batch_size=1)
+    marks = {}
+    real_jobs, real_apply = eng._generate_jobs, engine_module.apply_weights
+
+    def slow_jobs(jobs):
+        out = real_jobs(jobs)
+        _time.sleep(0.3)
+        marks["generation_done"] = _time.perf_counter()
+        return out
+
+    def apply(model, tensors):
+        marks["apply_started"] = _time.perf_counter()
+        return real_apply(model, tensors)
+
+    monkeypatch.setattr(eng, "_generate_jobs", slow_jobs)
+    monkeypatch.setattr(engine_module, "apply_weights", apply)
+    new = random_state_like(eng.model, seed=9)
+
+    async def main():
+        task = asyncio.create_task(eng.generate(GenerateBatch([PromptInput(prompt_ids=PROMPTS[0])],
+                                                              SamplingParams(n=4, max_tokens=10))))
+        await asyncio.sleep(0.05)
+        task.cancel()          # what grpc does when the client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await eng.update_weights(build_manifest(new, 1), _aiter(iter_buckets(new)))
+
+    asyncio.run(main())
+    assert marks["apply_started"] >= marks["generation_done"]
+    assert eng.weight_version == 1
