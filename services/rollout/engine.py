@@ -280,12 +280,22 @@ class TorchEngine(RolloutEngine):
                              f"max_position_embeddings ({model_len})")
         self.weight_version = 0
         # One torch job at a time (generation, scoring, weight swap): a swap never lands mid-generation.
-        self._lock = asyncio.Lock()
+        self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
         self._pending: list[_Job] = []
         self.stats = {"requests": 0, "decode_batches": 0, "samples": 0, "generated_tokens": 0}
         log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer=%s",
                  self.model_path, self.device, self.dtype, self.max_model_len, r.max_batch_size,
                  "yes" if self.tokenizer is not None else "none")
+
+    @property
+    def _lock(self) -> asyncio.Lock:
+        """The engine lock of the running event loop (a server has one loop; scripts may run several in turn)."""
+        loop = asyncio.get_running_loop()
+        lock = self._locks.get(loop)
+        if lock is None:
+            self._locks = {lp: lk for lp, lk in self._locks.items() if not lp.is_closed()}
+            lock = self._locks[loop] = asyncio.Lock()
+        return lock
 
     # ---- RolloutEngine
 
@@ -306,16 +316,7 @@ class TorchEngine(RolloutEngine):
                 # each row with its own sampling settings; a request already served by such a batch skips.
                 if not job.future.done():
                     jobs, self._pending = [j for j in self._pending if not j.future.done()], []
-                    try:
-                        results = await self._run_locked(self._generate_jobs, jobs)
-                    except BaseException as e:
-                        for j in jobs:
-                            if not j.future.done():
-                                j.future.set_exception(e if isinstance(e, Exception) else RuntimeError("cancelled"))
-                        raise
-                    for j, r in zip(jobs, results):
-                        if not j.future.done():
-                            j.future.set_result(r)
+                    await self._run_locked(self._generate_jobs, jobs, on_done=lambda work: _deliver(jobs, work))
         finally:
             if job in self._pending:
                 self._pending.remove(job)
@@ -354,10 +355,11 @@ class TorchEngine(RolloutEngine):
                  num_bytes / 2**20, seconds)
         return {"weight_version": self.weight_version, "num_bytes": num_bytes, "seconds": seconds}
 
-    async def _run_locked(self, fn, *args, **kwargs):
+    async def _run_locked(self, fn, *args, on_done=None, **kwargs):
         """Runs fn in a worker thread; call with the lock held. A thread cannot be interrupted, so when the
         caller is cancelled (a client went away) this still waits for it: the lock is never released
-        while torch work runs, and a weight swap never overlaps a generation."""
+        while torch work runs, and a weight swap never overlaps a generation. on_done(work) runs either way
+        (so requests coalesced into a cancelled caller's batch still get their results)."""
         work = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
         cancelled = False
         while not work.done():
@@ -365,6 +367,8 @@ class TorchEngine(RolloutEngine):
                 await asyncio.wait({work})
             except asyncio.CancelledError:
                 cancelled = True
+        if on_done is not None:
+            on_done(work)
         if cancelled:
             raise asyncio.CancelledError
         return work.result()
@@ -551,6 +555,18 @@ class TorchEngine(RolloutEngine):
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _deliver(jobs: list[_Job], work: asyncio.Future) -> None:
+    """Hands each coalesced request its results, or the batch's error."""
+    error = work.exception()
+    for i, j in enumerate(jobs):
+        if j.future.done():
+            continue
+        if error is not None:
+            j.future.set_exception(error)
+        else:
+            j.future.set_result(work.result()[i])
 
 
 def _try_tokenizer(path: str):
