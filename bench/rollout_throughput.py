@@ -97,14 +97,16 @@ def hf_generate_run(model, tokenizer, prompts: list[str], n: int, max_tokens: in
                 dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0))
 
     def run():
-        out = model.generate(**enc, max_new_tokens=max_tokens, num_return_sequences=n, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=eos, output_logits=True, return_dict_in_generate=True, **sampling)
+        out = model.generate(**enc, max_new_tokens=max_tokens, num_return_sequences=n,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, output_logits=True,
+                             return_dict_in_generate=True, **sampling)
         new = out.sequences[:, enc["input_ids"].shape[1]:]                           # [B*n, T]
         logits = torch.stack(out.logits, dim=1).float()                              # [B*n, T, V]
-        logp = F.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # noqa: F841 - the work counts
+        logp = F.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)   # the work the engine does too
         # Tokens up to and including the first eos of each row.
         is_eos = (new == eos).int()
         after = (is_eos.cumsum(-1) - is_eos) > 0
+        assert logp.shape == new.shape
         return int((~after).sum())
 
     return run

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, SecretStr, field_validator
 
-from services.common.config import MeshSettings, ModelConfig, PoolConfig, Section, ServerConfig
+from services.common.config import MeshSettings, ModelConfig, PoolConfig, ServerConfig
 from services.common.modeling import batched_logprobs, load_causal_lm, load_tokenizer, set_threads, \
     validate_sequences
 from services.common.weights import Manifest, PayloadAssembler, apply_weights, check_against, named_weights
@@ -515,7 +515,8 @@ class TorchEngine(RolloutEngine):
             if with_stops:
                 for b in (~hit).nonzero().flatten().tolist():
                     row = rows[act[b]]
-                    if row.sampling.stop and self._hit_stop(row, out_tok[act[b], :step + 1].tolist(), row.sampling.stop):
+                    stops = row.sampling.stop
+                    if stops and self._hit_stop(row, out_tok[act[b], :step + 1].tolist(), stops):
                         hit[b] = True
             done = hit | (step + 1 >= budget[active])
             stopped[active[hit]] = True

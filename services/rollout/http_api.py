@@ -95,8 +95,8 @@ class OpenAIApi:
             body = dict(body, max_tokens=body["max_completion_tokens"])
         sampling = self._sampling(body, default_max_tokens=getattr(self.engine, "max_model_len", None)
                                   or self.defaults.max_tokens, top_logprobs=k)
-        results = await self.engine.generate(GenerateBatch([PromptInput(id="chat", text=text, add_special_tokens=False)],
-                                                           sampling))
+        prompt = PromptInput(id="chat", text=text, add_special_tokens=False)   # the template holds the bos
+        results = await self.engine.generate(GenerateBatch([prompt], sampling))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         choices = []
         for j, s in enumerate(results[0].samples):
