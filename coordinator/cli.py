@@ -92,6 +92,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., exists=True, dir_o
                 console.print(f"run {run_id} started")
                 _follow(client, run_id, cfg.run.num_steps)
                 status = client.get_run(run_id)
+            _report(status.run_dir)
         except KeyboardInterrupt:
             console.print("[yellow]interrupted: stopping every service[/yellow]")
             raise typer.Exit(130)
@@ -116,12 +117,43 @@ def _with_addresses(raw: dict, overrides: dict[str, str], addresses: dict[str, l
 
 
 def _follow(client, run_id: str, num_steps: int) -> None:
-    for m in client.stream_metrics(run_id):
-        if "reward_mean" in m:
-            console.print(step_line(m, num_steps), highlight=False)
-        elif "heldout_accuracy" in m:
-            label = "after" if m.get("final") else ("before" if m["step"] == 0 else f"at step {m['step']}")
-            console.print(f"held-out accuracy {label}: {m['heldout_accuracy']:.1%}", highlight=False)
+    """One line per step above a live progress bar (reward, KL, throughput)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[stats]}"), console=console, transient=True) as progress:
+        task = progress.add_task("run", total=num_steps, stats="")
+        for m in client.stream_metrics(run_id):
+            if "reward_mean" in m:
+                progress.console.print(step_line(m, num_steps), highlight=False)
+                progress.update(task, completed=int(m["step"]),
+                                stats=f"reward {_fmt(m.get('reward_mean'))} kl {_fmt(m.get('kl'), '.4f')} "
+                                      f"{_fmt(m.get('samples_per_s'), '.1f')} samples/s")
+            elif "heldout_accuracy" in m:
+                label = "after" if m.get("final") else ("before" if m["step"] == 0 else f"at step {m['step']}")
+                progress.console.print(f"held-out accuracy {label}: {m['heldout_accuracy']:.1%}", highlight=False)
+
+
+def _report(run_dir: str) -> None:
+    """report.png beside summary.json, and a short summary table."""
+    from rich.table import Table
+
+    from coordinator.report import plot_run
+
+    path = Path(run_dir)
+    if not (path / "metrics.jsonl").exists():
+        return
+    image = plot_run(path)
+    summary_file = path / "summary.json"
+    if summary_file.exists():
+        summary = json.loads(summary_file.read_text())
+        table = Table("steps", "seconds", "held-out before", "held-out after", "top phases")
+        shares = sorted(summary["phase_time_shares"].items(), key=lambda kv: -kv[1])[:3]
+        table.add_row(str(summary["steps"]), f"{summary['seconds']:.0f}",
+                      f"{summary['heldout_accuracy_before']:.1%}", f"{summary['heldout_accuracy_after']:.1%}",
+                      ", ".join(f"{k} {v:.0%}" for k, v in shares))
+        console.print(table)
+    console.print(f"report: {image}")
 
 
 def _print_result(status) -> None:

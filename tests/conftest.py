@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-ARITH_MODEL = REPO / "examples" / "arith" / "model"
+ARITH_MODEL = Path(os.environ.get("MESHRL_TEST_MODEL", REPO / "examples" / "arith" / "model"))
 
 
 @pytest.fixture(scope="session")
