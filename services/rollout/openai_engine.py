@@ -89,15 +89,20 @@ class OpenAIEngine(RolloutEngine):
 
     async def _complete(self, i: int, p: PromptInput, s: SamplingParams, model: str) -> PromptResult:
         extra = {"return_token_ids": True, "return_tokens_as_token_ids": True} if self.config.request_token_ids else {}
+        prompt: list[int] | str = list(p.prompt_ids) if p.prompt_ids else p.text
+        if not p.prompt_ids and not p.add_special_tokens and self.tokenizer is not None:
+            # A rendered chat template already has its bos; the upstream would add another to text.
+            prompt = list(self.tokenizer(p.text, add_special_tokens=False)["input_ids"])
         resp = await self._call(f"prompts[{i}]", self.client.completions.create(
-            model=model, prompt=list(p.prompt_ids) if p.prompt_ids else p.text, n=s.n, temperature=s.temperature,
+            model=model, prompt=prompt, n=s.n, temperature=s.temperature,
             top_p=s.top_p, max_tokens=s.max_tokens, stop=s.stop or None, seed=s.seed,
             logprobs=max(1, s.top_logprobs), extra_body=extra or None))
         choices = sorted(resp.choices, key=lambda c: c.index)
         if len(choices) != s.n:
             raise Unavailable(f"prompts[{i}]: {self.server_url} answered {len(choices)} choices for n={s.n}")
         samples = [self._sample(i, c, s) for c in choices]
-        prompt_ids = (choices[0].model_extra or {}).get("prompt_token_ids") or list(p.prompt_ids)
+        prompt_ids = (choices[0].model_extra or {}).get("prompt_token_ids") or (prompt if isinstance(prompt, list)
+                                                                                 else [])
         if not prompt_ids and self.tokenizer is not None:
             prompt_ids = list(self.tokenizer(p.text, add_special_tokens=p.add_special_tokens)["input_ids"])
         return PromptResult(prompt_id=p.id, prompt_ids=list(prompt_ids), samples=samples)

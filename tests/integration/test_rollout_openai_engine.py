@@ -140,3 +140,25 @@ def test_the_openai_engine_needs_a_server_url(model_dir):
     from services.rollout.engine import build_engine
     with pytest.raises(ValueError, match="rollout.server_url"):
         build_engine(RolloutSettings(model={"path": model_dir}, rollout={"engine": "openai"}))
+
+
+def test_chat_through_a_proxy_replica_sends_the_templated_prompt_with_one_bos(model_dir):
+    openai = pytest.importorskip("openai")
+
+    async def main():
+        upstream = RolloutSettings(model={"path": model_dir}, rollout={"http_port": 0})
+        async with grpc_replica(upstream) as (_, up):
+            proxy = RolloutSettings(model={"path": model_dir}, rollout=dict(
+                engine="openai", server_url=f"http://127.0.0.1:{up.http_port}/v1", http_port=0))
+            async with grpc_replica(proxy) as (_, px):
+                client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{px.http_port}/v1", api_key="none")
+                resp = await client.chat.completions.create(
+                    model=model_dir, messages=[{"role": "user", "content": "1+1="}], max_tokens=3, temperature=0,
+                    extra_body={"return_token_ids": True})
+                await client.close()
+                return resp
+
+    resp = asyncio.run(main())
+    ids = resp.choices[0].model_extra["prompt_token_ids"]
+    assert ids[0] == 1 and ids.count(1) == 1          # <s>u:1+1=\na: with a single bos
+    assert len(resp.choices[0].model_extra["token_ids"]) <= 3
