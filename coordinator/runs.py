@@ -78,11 +78,17 @@ class RunManager:
             ctx.step, ctx.weight_version = record.step, record.weight_version
             info = await remote.info(ctx.trainer)
             if info.weight_version != record.weight_version:
-                if record.checkpoint_path:
-                    await remote.load_checkpoint(ctx.trainer, record.checkpoint_path)
+                # The trainer restarted (behind) or trained a step that was never recorded (ahead).
+                if record.checkpoint_path and info.weight_version < record.weight_version:
+                    restored = await remote.load_checkpoint(ctx.trainer, record.checkpoint_path)
+                    log.info("run %s: trainer restored from %s (weight version %d)", record.run_id,
+                             record.checkpoint_path, restored.weight_version)
+                    ctx.weight_version = restored.weight_version
                 else:
-                    log.warning("run %s: trainer is at weight version %d, run state at %d and no checkpoint",
-                                record.run_id, info.weight_version, record.weight_version)
+                    log.warning("run %s: trainer is at weight version %d, run state at %d and there is no "
+                                "checkpoint; continuing from the trainer's weights", record.run_id,
+                                info.weight_version, record.weight_version)
+                    ctx.weight_version = info.weight_version
             log.info("resuming run %s at step %d (data position %d)", record.run_id, record.step,
                      record.data_position)
             self._launch(record, ctx)
@@ -149,8 +155,7 @@ class RunManager:
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["timestamp"] = time.time()
         record.last_metrics = {**record.last_metrics, **{k: v for k, v in metrics.items() if math.isfinite(v)}}
-        await self.store.append_metrics(record.run_id, metrics)
-        await self.store.put(record)
+        await self.store.commit(record, metrics)
         ctx = self.contexts.get(record.run_id)
         if ctx is not None:
             phases.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)

@@ -24,6 +24,8 @@ class CoordinatorRunSection(Section):
 
     model_config = Section.model_config | {"extra": "ignore"}
     redis_url: str = ""
+    # Key prefix of this coordinator's run state in Redis (separate deployments can share a server).
+    redis_prefix: str = "meshrl"
     resume: bool = Field(True, description="resume unfinished runs found in the store at start-up")
 
 
@@ -133,7 +135,7 @@ async def start(settings: CoordinatorSettings, address: str | None = None
         from coordinator.registry import Registry
 
         registry = Registry(settings.run.redis_url)
-    manager = RunManager(open_store(settings.run.redis_url), registry=registry)
+    manager = RunManager(open_store(settings.run.redis_url, settings.run.redis_prefix), registry=registry)
     mesh, port = await create_server([(coordinator_pb2_grpc.add_CoordinatorServicer_to_server,
                                        CoordinatorServicer(manager))], [SERVICE_NAME], address=address,
                                      config=settings.server)

@@ -45,6 +45,7 @@ class RunStore(Protocol):
     async def get(self, run_id: str) -> RunRecord | None: ...
     async def list(self) -> list[RunRecord]: ...
     async def append_metrics(self, run_id: str, record: dict) -> None: ...
+    async def commit(self, record: RunRecord, metrics: dict) -> None: ...
     async def metrics(self, run_id: str, from_step: int = 0) -> list[dict]: ...
     async def close(self) -> None: ...
 
@@ -70,6 +71,10 @@ class MemoryStore:
 
     async def append_metrics(self, run_id: str, record: dict) -> None:
         self._metrics.setdefault(run_id, []).append(record)
+
+    async def commit(self, record: RunRecord, metrics: dict) -> None:
+        await self.append_metrics(record.run_id, metrics)
+        await self.put(record)
 
     async def metrics(self, run_id: str, from_step: int = 0) -> list[dict]:
         return [m for m in self._metrics.get(run_id, []) if m["step"] >= from_step]
@@ -116,6 +121,16 @@ class RedisStore:
     async def append_metrics(self, run_id: str, record: dict) -> None:
         await self._redis.rpush(self._key("run", run_id, "metrics"), json.dumps(record))
 
+    async def commit(self, record: RunRecord, metrics: dict) -> None:
+        """A step's metrics and the run state that counts it land together (MULTI/EXEC), so a
+        coordinator killed in between leaves neither a gap nor a repeated step."""
+        record.updated_at = time.time()
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.rpush(self._key("run", record.run_id, "metrics"), json.dumps(metrics))
+            pipe.set(self._key("run", record.run_id), record.to_json())
+            pipe.sadd(self._key("runs"), record.run_id)
+            await pipe.execute()
+
     async def metrics(self, run_id: str, from_step: int = 0) -> list[dict]:
         items = await self._redis.lrange(self._key("run", run_id, "metrics"), 0, -1)
         return [m for m in map(json.loads, items) if m["step"] >= from_step]
@@ -124,5 +139,5 @@ class RedisStore:
         await self._redis.aclose()
 
 
-def open_store(url: str) -> RunStore:
-    return RedisStore(url) if url else MemoryStore()
+def open_store(url: str, prefix: str = "meshrl") -> RunStore:
+    return RedisStore(url, prefix=prefix) if url else MemoryStore()
