@@ -70,8 +70,13 @@ def load(path: str, models: Sequence, *, rank: int) -> int:
     # Loading into fresh optimizer state needs the initialised structure that _state just undid.
     for m in models:
         state[m.name]["optim"] = get_state_dict(m.module, m.optimizer)[1]
+    own_params = {m.name: [list(g["params"]) for g in state[m.name]["optim"]["param_groups"]] for m in models}
     dcp.load(state, checkpoint_id=str(root / "dcp"))
     for m in models:
+        # Param groups are plain objects saved once (by one rank): on another mesh their FQN lists can be
+        # another stage's. Keep the loaded hyper-parameters, but this rank's parameters.
+        for group, params in zip(state[m.name]["optim"]["param_groups"], own_params[m.name]):
+            group["params"] = params
         set_state_dict(m.module, m.optimizer, model_state_dict=state[m.name]["model"],
                        optim_state_dict=state[m.name]["optim"])
         saved = meta["models"][m.name]

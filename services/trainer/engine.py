@@ -37,6 +37,7 @@ from services.trainer.losses import aggregate, clipped_policy_loss, clipped_valu
 from services.trainer.parallel import (CommandChannel, ParallelDims, all_reduce_sum, gather_to_rank0,
                                        init_distributed, launched_world_size, local_device)
 from services.trainer.parallelize import parallelize
+from services.trainer.pipeline import build_schedule, tied_embedding
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -81,6 +82,9 @@ class ActorConfig(OptimSection):
     pp_size: int = Field(1, ge=1)
     dp_size: int = Field(1, ge=1)
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    # Pipeline parallel: micro-batches per mini-batch and DP rank (default pp_size), and their schedule.
+    num_microbatches: int | None = Field(None, ge=1)
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     activation_checkpointing: bool = False
     # Master weights and optimizer state; defaults to model.dtype.
     param_dtype: DType | None = None
@@ -174,19 +178,56 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float, *, pp_group=None,
+                   skip: nn.Parameter | None = None) -> float:
     """Global L2 norm of the gradients, clipped to max_norm (0 = report only); as torch's
-    clip_grad_norm_, but for any mix of DTensor (TP/FSDP shards) and plain gradients.
+    clip_grad_norm_, but for any mix of DTensor (TP/FSDP shards) and plain gradients, summed over
+    pipeline stages; `skip` is a second copy of a tied weight, counted once.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None and p is not skip]
     # Each DTensor norm is reduced over its mesh by full_tensor(): a collective, in the same order on every rank.
-    total = math.sqrt(sum(float(_full(torch.linalg.vector_norm(g, dtype=torch.float32))) ** 2 for g in grads))
+    local = sum(float(_full(torch.linalg.vector_norm(g, dtype=torch.float32))) ** 2 for g in grads)
+    total = math.sqrt(all_reduce_sum([local], group=pp_group)[0])
     if max_norm > 0 and math.isfinite(total):
         coef = max_norm / (total + 1e-6)
         if coef < 1:
-            for g in grads:
-                g.mul_(coef)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
     return total
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float):
+    """modeling.response_logprobs' math on logits already taken at the response positions [B, R, V]."""
+    logits = logits.float()
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = torch.gather(logp_all, 2, targets.unsqueeze(-1)).squeeze(-1) * mask
+    entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
+    return logp, entropy
+
+
+STAT_KEYS = ("pg_loss", "kl_loss", "entropy_loss", "loss", "clipped", "approx_kl", "entropy", "tokens")
+
+
+def actor_loss(logp, mask, entropy, old, adv, ref, loss: ActorLoss, denom: float):
+    """Loss of one micro-batch (normalised by the whole mini-batch's `denom`) and its stats [8]."""
+    pg, clipped = clipped_policy_loss(logp, old, adv, clip_low=loss.clip_low, clip_high=loss.clip_high,
+                                      dual_clip=loss.dual_clip)
+    pg_loss = aggregate(pg, mask, loss.loss_agg_mode, denom=denom)
+    ent_loss = aggregate(entropy, mask, loss.loss_agg_mode, denom=denom)
+    total = pg_loss - loss.entropy_coef * ent_loss
+    kl_loss = torch.zeros((), device=logp.device)
+    if ref is not None:
+        kl_loss = aggregate(kl_penalty(logp, ref, loss.kl_type), mask, loss.loss_agg_mode, denom=denom)
+        total = total + loss.kl_coef * kl_loss
+    with torch.no_grad():
+        m = mask.float()
+        stats = torch.tensor([pg_loss.item(), kl_loss.item(), ent_loss.item(), total.item(),
+                              (clipped * m).sum().item(), ((old - logp) * m).sum().item(),
+                              (entropy * m).sum().item(), m.sum().item()], dtype=torch.float64)
+    return total, stats
 
 
 class TrainerEngine:
@@ -196,6 +237,11 @@ class TrainerEngine:
         a, m = settings.actor, settings.model
         # The mesh is checked before anything heavy happens, so a bad launch fails in a second.
         self.dims = ParallelDims(dp=a.dp_size, pp=a.pp_size, tp=a.tp_size, world_size=launched_world_size())
+        if a.pp_size > 1 and a.tp_size > 1:
+            # Stage boundaries under TP trip a send/recv size mismatch in torch.distributed.pipelining here.
+            raise ValueError("actor: pp_size > 1 together with tp_size > 1 is not supported yet (combine PP with DP)")
+        if settings.critic is not None and a.pp_size > 1:
+            raise ValueError("critic: a critic with actor.pp_size > 1 is not implemented yet")
         self.settings = settings
         self.cfg = a
         self.model_path = a.model_path or m.path
@@ -212,6 +258,12 @@ class TrainerEngine:
         self.dp_mesh = self.mesh["dp"]
         self.dp_rank = self.dp_mesh.get_local_rank()
         self.dp_group = self.dp_mesh.get_group()
+        self.pp_mesh = self.mesh["pp"]
+        self.pp_group = self.pp_mesh.get_group()
+        self.pp_rank = self.pp_mesh.get_local_rank()
+        self.tp_rank = self.mesh["tp"].get_local_rank()
+        self.is_last_stage = self.pp_rank == self.dims.pp - 1
+        self.num_microbatches = a.num_microbatches or self.dims.pp
         self.channel = CommandChannel()
         # FSDP/DDP already mix in the compute dtype; autocast covers the unsharded case.
         self._autocast = self.compute_dtype != self.param_dtype and not (a.dp_mode == "fsdp" and self.dims.dp > 1)
@@ -226,6 +278,9 @@ class TrainerEngine:
         self.vocab_size = module.config.vocab_size
         self.max_len = getattr(module.config, "max_position_embeddings", None)
         self.actor = _build_trained("actor", module, self.mesh, a, a, self.param_dtype, self.compute_dtype)
+        # First and last pipeline stages each hold a tied embedding; their gradients are summed.
+        self.tied = tied_embedding(module, self.pp_mesh)
+        self.tied_group = self._build_tied_group()
         self.critic: Trained | None = None
         if settings.critic is not None:
             self.critic = _build_trained("critic", self._load_value_model(settings.critic), self.mesh,
@@ -380,6 +435,8 @@ class TrainerEngine:
     def _local_compute_logprobs(self, prompts, responses, temperature: float):
         # Same packing and forward as services.common.modeling.batched_logprobs, so a one-rank trainer
         # and the reference service agree bit for bit on the same weights.
+        if self.dims.pp > 1:
+            return self._merge_on_rank0(self._pp_logprobs(prompts, responses, temperature), len(prompts))
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         out: dict[int, list[float]] = {}
         for group in self._local_groups(range(len(prompts)), lengths, self.cfg.micro_batch_token_budget):
@@ -426,7 +483,8 @@ class TrainerEngine:
     def _optimizer_step(self, trained: Trained) -> tuple[float, float, bool]:
         """Clips, steps and schedules; a non-finite gradient norm skips the step (weights stay)."""
         params = [p for p in trained.module.parameters() if p.requires_grad]
-        norm = clip_grad_norm(params, trained.cfg.grad_clip)
+        skip = self.tied if (self.tied is not None and self.pp_rank != 0) else None
+        norm = clip_grad_norm(params, trained.cfg.grad_clip, pp_group=self.pp_group, skip=skip)
         lr = trained.optimizer.param_groups[0]["lr"]
         if not math.isfinite(norm):
             trained.optimizer.zero_grad(set_to_none=True)
@@ -476,40 +534,125 @@ class TrainerEngine:
     def _actor_mini_batch(self, samples, idx, lengths, loss: ActorLoss, use_kl: bool) -> dict[str, float]:
         """Forward/backward of one mini-batch over this rank's micro-batches; returns DP-summed stats."""
         denom = (sum(len(samples[i].response_ids) for i in idx) if loss.loss_agg_mode == "token-mean" else len(idx))
-        stats = torch.zeros(8, dtype=torch.float64)
-        for group in self._local_groups(idx, lengths, self.cfg.micro_batch_token_budget):
-            rows = [samples[i] for i in group] if group else [TrainSample([self.pad_id], [self.pad_id], [0.0], [0.0],
-                                                                            [0.0])]
-            width = max(len(s.response_ids) for s in rows)
-            with self._amp():
-                logp, mask, entropy = response_logprobs(self.actor.forward, [s.prompt_ids for s in rows],
-                                                        [s.response_ids for s in rows], pad_id=self.pad_id,
-                                                        temperature=loss.temperature, with_entropy=True)
-            old = self._padded([s.old_logprobs for s in rows], width)
-            adv = self._padded([s.advantages for s in rows], width)
-            pg, clipped = clipped_policy_loss(logp, old, adv, clip_low=loss.clip_low, clip_high=loss.clip_high,
-                                              dual_clip=loss.dual_clip)
-            pg_loss = aggregate(pg, mask, loss.loss_agg_mode, denom=denom)
-            ent_loss = aggregate(entropy, mask, loss.loss_agg_mode, denom=denom)
-            total = pg_loss - loss.entropy_coef * ent_loss
-            kl_loss = torch.zeros(())
-            if use_kl:
-                ref = self._padded([s.ref_logprobs for s in rows], width)
-                kl_loss = aggregate(kl_penalty(logp, ref, loss.kl_type), mask, loss.loss_agg_mode, denom=denom)
-                total = total + loss.kl_coef * kl_loss
-            weight = 1.0 if group else 0.0
-            # FSDP and DDP average gradients over DP ranks; scaling by dp turns that into the sum over
-            # the mini-batch, whose normaliser (denom) already counts every rank's tokens.
-            (total * (weight * self.dims.dp)).backward()
-            with torch.no_grad():
-                m = mask.float()
-                stats += weight * torch.tensor([
-                    pg_loss.item(), kl_loss.item(), ent_loss.item(), total.item(),
-                    (clipped * m).sum().item(), ((old - logp) * m).sum().item(), (entropy * m).sum().item(),
-                    m.sum().item()], dtype=torch.float64)
-        summed = all_reduce_sum(stats.tolist(), group=self.dp_group, device=self.device)
-        return dict(zip(("pg_loss", "kl_loss", "entropy_loss", "loss", "clipped", "approx_kl", "entropy", "tokens"),
-                        summed))
+        # FSDP and DDP average gradients over DP ranks; scaling by dp turns that into the sum over the
+        # mini-batch, whose normaliser (denom) already counts every rank's tokens.
+        scale = float(self.dims.dp)
+        if self.dims.pp > 1:
+            stats = self._actor_pipeline(samples, idx, loss, use_kl, denom, scale)
+        else:
+            stats = torch.zeros(8, dtype=torch.float64)
+            for group in self._local_groups(idx, lengths, self.cfg.micro_batch_token_budget):
+                rows = [samples[i] for i in group] if group else [self._dummy_sample()]
+                width = max(len(s.response_ids) for s in rows)
+                with self._amp():
+                    logp, mask, entropy = response_logprobs(self.actor.forward, [s.prompt_ids for s in rows],
+                                                            [s.response_ids for s in rows], pad_id=self.pad_id,
+                                                            temperature=loss.temperature, with_entropy=True)
+                ref = self._padded([s.ref_logprobs for s in rows], width) if use_kl else None
+                total, st = actor_loss(logp, mask, entropy, self._padded([s.old_logprobs for s in rows], width),
+                                       self._padded([s.advantages for s in rows], width), ref, loss, denom)
+                weight = 1.0 if group else 0.0
+                (total * (weight * scale)).backward()
+                stats += weight * st
+        self._sync_tied_grads()
+        summed = all_reduce_sum(all_reduce_sum(stats.tolist(), group=self.pp_group), group=self.dp_group)
+        return dict(zip(STAT_KEYS, summed))
+
+    def _dummy_sample(self) -> TrainSample:
+        return TrainSample([self.pad_id], [self.pad_id], [0.0], [0.0], [0.0])
+
+    def _sync_tied_grads(self) -> None:
+        """Sums the tied embedding's gradient over the first and last pipeline stages (no-op otherwise)."""
+        if self.tied is None or self.tied.grad is None:
+            return
+        g = self.tied.grad
+        dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=self.tied_group)
+
+    def _build_tied_group(self):
+        """A group of the first and last stage at each (dp, tp) coordinate; both shard the weight alike."""
+        if self.dims.pp == 1 or not self.hf_config.tie_word_embeddings:
+            return None
+        ranks = self.mesh.mesh                                                     # [pp, dp, tp]
+        mine = None
+        for d in range(self.dims.dp):
+            for t in range(self.dims.tp):
+                pair = [int(ranks[0, d, t]), int(ranks[-1, d, t])]
+                group = dist.new_group(pair)                      # every rank creates every group, in order
+                if self.rank in pair:
+                    mine = group
+        return mine
+
+    def _pp_rows(self, idx: Sequence[int]) -> list[int | None]:
+        """This DP rank's rows of a pipelined batch, padded with None to a multiple of num_microbatches."""
+        shard = list(idx[self.dp_rank::self.dims.dp])
+        longest = max(len(idx[r::self.dims.dp]) for r in range(self.dims.dp))
+        n = self.num_microbatches
+        size = max(1, -(-longest // n)) * n          # same row count on every DP rank, divisible by n
+        return shard + [None] * (size - len(shard))
+
+    def _pp_inputs(self, rows: list[int | None], prompts, responses):
+        ps = [prompts[i] if i is not None else [self.pad_id] for i in rows]
+        rs = [responses[i] if i is not None else [self.pad_id] for i in rows]
+        input_ids, _, positions, mask, targets = pad_batch(ps, rs, pad_id=self.pad_id, device=self.device)
+        real = torch.tensor([i is not None for i in rows], device=self.device).unsqueeze(1)
+        return input_ids, positions, mask & real, targets
+
+    def _pp_run(self, schedule, input_ids, target=None, train=True):
+        """Runs a schedule on this stage: the first feeds ids, the last gets the target; returns last outputs."""
+        args = (input_ids,) if self.pp_rank == 0 else ()
+        kwargs = {"target": target} if (self.is_last_stage and target is not None) else {}
+        if train:
+            return schedule.step(*args, **kwargs)
+        return schedule.eval(*args, **kwargs)
+
+    def _actor_pipeline(self, samples, idx, loss: ActorLoss, use_kl: bool, denom: float, scale: float):
+        """One mini-batch through the pipeline schedule; the last stage computes the loss per micro-batch."""
+        rows = self._pp_rows(idx)
+        input_ids, positions, mask, targets = self._pp_inputs(
+            rows, [s.prompt_ids for s in samples], [s.response_ids for s in samples])
+        width = positions.shape[1]
+        pick = lambda attr: self._padded([getattr(samples[i], attr) if i is not None else [0.0] for i in rows],  # noqa
+                                         width)
+        # Everything the loss needs per token rides in one target tensor, split into micro-batches with the ids.
+        target = torch.stack([positions.float(), targets.float(), mask.float(), pick("old_logprobs"),
+                              pick("advantages"), pick("ref_logprobs") if use_kl else torch.zeros_like(mask.float())],
+                             dim=-1)                                                            # [B, R, 6]
+        calls: list[torch.Tensor] = []
+
+        def loss_fn(logits, tgt):
+            pos, tok, m = tgt[..., 0].long(), tgt[..., 1].long(), tgt[..., 2] > 0
+            at = torch.gather(logits, 1, pos.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
+            logp, entropy = logprobs_from_logits(at, tok, m, loss.temperature)
+            total, st = actor_loss(logp, m, entropy, tgt[..., 3], tgt[..., 4], tgt[..., 5] if use_kl else None,
+                                   loss, denom)
+            calls.append(st)
+            return total * scale
+
+        schedule = build_schedule(self.actor.forward, self.pp_mesh, self.device,
+                                  num_microbatches=self.num_microbatches, schedule=self.cfg.pipeline_schedule,
+                                  loss_fn=loss_fn)
+        with self._amp():
+            self._pp_run(schedule, input_ids, target, train=True)
+        # A new stage first calls loss_fn once more to infer gradient shapes; the real calls come last.
+        real = calls[-self.num_microbatches:] if self.is_last_stage else []
+        return sum(real, torch.zeros(8, dtype=torch.float64))
+
+    @torch.no_grad()
+    def _pp_logprobs(self, prompts, responses, temperature: float) -> dict[int, list[float]]:
+        rows = self._pp_rows(list(range(len(prompts))))
+        input_ids, positions, mask, targets = self._pp_inputs(rows, prompts, responses)
+        schedule = build_schedule(self.actor.forward, self.pp_mesh, self.device,
+                                  num_microbatches=self.num_microbatches, schedule=self.cfg.pipeline_schedule)
+        with self._amp():
+            logits = self._pp_run(schedule, input_ids, train=False)
+        out: dict[int, list[float]] = {}
+        if self.is_last_stage:
+            at = torch.gather(logits, 1, positions.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
+            logp, _ = logprobs_from_logits(at, targets, mask, temperature)
+            for row, i in enumerate(rows):
+                if i is not None:
+                    out[i] = logp[row, :len(responses[i])].cpu().tolist()
+        return out
 
     def _local_train_critic(self, samples: list[CriticSample], loss: CriticLoss) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -553,11 +696,30 @@ class TrainerEngine:
                 "num_optimizer_steps": float(num_steps), "seconds": time.perf_counter() - t0}
 
     @torch.no_grad()
-    def _local_state_for_sync(self) -> dict[str, torch.Tensor] | None:
+    def _full_weights(self) -> dict[str, torch.Tensor] | None:
+        """Every actor weight, full and on CPU, on rank 0 (None elsewhere): HF names, tied weights once.
+
+        TP/FSDP shards are gathered by full_tensor() on every rank; pipeline stages then send their
+        part to rank 0 (one sender per stage: the rank at dp = tp = 0).
+        """
         dtype = DTYPES[self.cfg.weight_sync_dtype or self.param_dtype]
-        state = {name: _full(t).detach().to("cpu", dtype=dtype, copy=True)
-                 for name, t in named_weights(self.actor.module).items()}
-        return state if self.rank == 0 else None
+        mine = {name: _full(t).detach().to("cpu", dtype=dtype, copy=True)
+                for name, t in named_weights(self.actor.module).items()}
+        if self.dims.world_size == 1:
+            return mine
+        sender = self.rank != 0 and self.dp_rank == 0 and self.tp_rank == 0
+        parts = gather_to_rank0(mine if sender else None, self.channel.group)
+        if parts is None:
+            return None
+        merged = dict(mine)
+        for part in parts:
+            merged.update(part or {})
+        if self.hf_config.tie_word_embeddings:
+            merged.pop("lm_head.weight", None)      # the last stage's copy of the tied embedding
+        return merged
+
+    def _local_state_for_sync(self) -> dict[str, torch.Tensor] | None:
+        return self._full_weights()
 
     def _models(self) -> list[Trained]:
         return [self.actor] + ([self.critic] if self.critic else [])
@@ -570,20 +732,20 @@ class TrainerEngine:
         self.weight_version = checkpoint.load(path, self._models(), rank=self.rank)
 
     def _local_export_hf(self, path: str) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from safetensors.torch import save_file
 
-        state = get_model_state_dict(self.actor.module, options=StateDictOptions(full_state_dict=True,
-                                                                                   cpu_offload=True))
+        state = self._full_weights()
         if self.rank != 0:
             return
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        self.actor.module.save_pretrained(out, state_dict=state)
-        # save_pretrained names the class it was called on; FSDP renames it (FSDPQwen2ForCausalLM).
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        # The config of the HF class as loaded (FSDP and pipeline stages change the live module, not it).
         self.hf_config.save_pretrained(out)
         for f in Path(self.model_path).iterdir():
-            # Tokenizer, chat template, custom code: everything but weights and the configs just written.
+            # Tokenizer, chat template, generation config, custom code: everything but weights and config.
             if f.is_file() and not (f.suffix in (".safetensors", ".bin", ".pt") or f.name.endswith(".index.json")
-                                    or f.name in ("config.json", "generation_config.json")):
+                                    or f.name == "config.json"):
                 shutil.copy2(f, out / f.name)
         log.info("exported actor (step %d) to %s", self.actor.step, out)

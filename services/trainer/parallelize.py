@@ -16,32 +16,7 @@ from services.common.codec import DTYPES
 log = logging.getLogger("meshrl.trainer")
 
 
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated decoder layers of a HF causal LM (or of a value model wrapping its backbone)."""
-    for path in ("model.layers", "model.model.layers", "layers"):
-        node = model
-        try:
-            for part in path.split("."):
-                node = getattr(node, part)
-        except AttributeError:
-            continue
-        return list(node)
-    raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.layers)")
-
-
-def apply_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
-    if not enabled:
-        return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    blocks = transformer_blocks(model)
-    parent = _blocks_parent(model)
-    for i, block in enumerate(blocks):
-        parent[i] = checkpoint_wrapper(block)
-    log.info("Applied activation checkpointing to %d blocks", len(blocks))
-
-
-def _blocks_parent(model: nn.Module) -> nn.ModuleList:
+def _blocks_container(model: nn.Module) -> nn.Module:
     for path in ("model.layers", "model.model.layers", "layers"):
         node = model
         try:
@@ -50,7 +25,25 @@ def _blocks_parent(model: nn.Module) -> nn.ModuleList:
         except AttributeError:
             continue
         return node
-    raise ValueError("no decoder layers")
+    raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.layers)")
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder layers of a HF causal LM, a value model, or a pipeline stage (a ModuleDict)."""
+    node = _blocks_container(model)
+    return list(node.values()) if isinstance(node, nn.ModuleDict) else list(node)
+
+
+def apply_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
+    if not enabled:
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    parent = _blocks_container(model)
+    keys = list(parent.keys()) if isinstance(parent, nn.ModuleDict) else range(len(parent))
+    for k in keys:
+        parent[k] = checkpoint_wrapper(parent[k])
+    log.info("Applied activation checkpointing to %d blocks", len(keys))
 
 
 def tp_plan(model: nn.Module) -> tuple[dict, dict]:
@@ -102,7 +95,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     tied = has_head and model.config.tie_word_embeddings
     for layer in transformer_blocks(model):
         parallelize_module(layer, tp_mesh, block)
-    parallelize_module(model, tp_mesh, {"model.embed_tokens": root["model.embed_tokens"]})
+    if model.model.embed_tokens is not None:      # None on later pipeline stages
+        parallelize_module(model, tp_mesh, {"model.embed_tokens": root["model.embed_tokens"]})
+    has_head = has_head and model.lm_head is not None
+    tied = tied and has_head and model.model.embed_tokens is not None
     if tied:
         # Both plans shard the shared [vocab, hidden] weight on dim 0; hand the head the embedding's
         # DTensor so the tie survives, then re-tie after the head's plan re-registers it.
@@ -144,9 +140,11 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, dp_mode: str, activation_checkpointing: bool,
                 param_dtype: str, compute_dtype: str) -> nn.Module:
-    """TP -> activation checkpointing -> FSDP/DDP. Returns the module to run forward/backward through."""
-    if mesh["pp"].size() > 1:
-        raise ValueError("actor.pp_size > 1: pipeline parallel is not implemented yet (use tp_size / dp_size)")
+    """PP stage split -> TP -> activation checkpointing -> FSDP/DDP. Returns the module to run
+    forward/backward through."""
+    from services.trainer.pipeline import split_stage
+
+    split_stage(model, mesh["pp"])
     apply_tp(model, mesh["tp"])
     apply_activation_checkpointing(model, activation_checkpointing)
     if dp_mode == "fsdp":

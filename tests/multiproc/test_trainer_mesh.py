@@ -84,13 +84,15 @@ def _sequences(samples):
         for i, s in enumerate(samples)], temperature=1.0)
 
 
-def check_against_single_process(tmp_path, *, dp_mode: str, dp: int, tp: int):
-    model = make_tiny_model(tmp_path / "model")
+def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1, tp: int = 1, pp: int = 1,
+                                 schedule: str = "1f1b"):
+    model = make_tiny_model(tmp_path / "model", num_hidden_layers=4)
     actor = {"lr": 1e-4, "seed": 3}
     config = tmp_path / "trainer.yaml"
     config.write_text(f"model:\n  path: {model}\nactor:\n  lr: 1.0e-4\n  seed: 3\n  dp_size: {dp}\n  tp_size: {tp}\n"
+                      f"  pp_size: {pp}\n  pipeline_schedule: {schedule}\n  num_microbatches: 2\n"
                       f"  dp_mode: {dp_mode}\n")
-    launched = Launched(config, tmp_path / "torchrun.log", nproc=dp * tp)
+    launched = Launched(config, tmp_path / "torchrun.log", nproc=dp * tp * pp)
     try:
         # The single-process run works while the two ranks start.
         single = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": model}, "actor": actor}))
@@ -118,12 +120,13 @@ def check_against_single_process(tmp_path, *, dp_mode: str, dp: int, tp: int):
     finally:
         launched.stop()
 
-    world = dp * tp
-    assert (info.details["dp"], info.details["tp"], info.details["world_size"]) == (str(dp), str(tp), str(world))
+    world = dp * tp * pp
+    assert (info.details["dp"], info.details["tp"], info.details["pp"], info.details["world_size"]) == (
+        str(dp), str(tp), str(pp), str(world))
     assert info.details["devices"] == ",".join(["cpu"] * world) and info.details["dp_mode"] == dp_mode
     log = (tmp_path / "torchrun.log").read_text()
     for rank in range(world):
-        assert f"Rank {rank}: actor loaded on cpu (tp={tp} pp=1 dp={dp})" in log
+        assert f"Rank {rank}: actor loaded on cpu (tp={tp} pp={pp} dp={dp})" in log
 
     for got, want in zip(lp.results, expected_lp):
         assert list(got.logprobs) == pytest.approx(want, abs=1e-6)
@@ -150,12 +153,13 @@ def check_against_single_process(tmp_path, *, dp_mode: str, dp: int, tp: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp_mode,dp,tp", [("fsdp", 2, 1), ("ddp", 2, 1), ("fsdp", 1, 2)],
-                         ids=["fsdp-dp2", "ddp-dp2", "tp2"])
-def test_a_two_rank_step_matches_a_single_process_run(tmp_path, dp_mode, dp, tp):
-    check_against_single_process(tmp_path, dp_mode=dp_mode, dp=dp, tp=tp)
+@pytest.mark.parametrize("mesh", [dict(dp=2), dict(dp=2, dp_mode="ddp"), dict(tp=2), dict(pp=2, schedule="1f1b")],
+                         ids=["fsdp-dp2", "ddp-dp2", "tp2", "pp2-1f1b"])
+def test_a_two_rank_step_matches_a_single_process_run(tmp_path, mesh):
+    check_against_single_process(tmp_path, **mesh)
 
 
 @pytest.mark.slow
-def test_a_four_rank_fsdp_by_tp_step_matches_a_single_process_run(tmp_path):
-    check_against_single_process(tmp_path, dp_mode="fsdp", dp=2, tp=2)
+@pytest.mark.parametrize("mesh", [dict(dp=2, tp=2), dict(dp=2, pp=2, schedule="gpipe")], ids=["fsdp2-tp2", "fsdp2-pp2-gpipe"])
+def test_a_four_rank_2d_mesh_step_matches_a_single_process_run(tmp_path, mesh):
+    check_against_single_process(tmp_path, **mesh)
