@@ -28,7 +28,10 @@ class OpenAIEngine(RolloutEngine):
     """Forwards Generate to `rollout.server_url`; no weights and no gRPC here."""
 
     def __init__(self, settings: RolloutSettings):
-        import openai
+        try:
+            import openai
+        except ImportError:
+            raise ValueError("rollout.engine: 'openai' needs the openai package (pip install openai)") from None
 
         r = settings.rollout
         if not r.server_url:

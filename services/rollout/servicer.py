@@ -79,7 +79,10 @@ async def start(settings: RolloutSettings, address: str | None = None, *,
     replica = RolloutReplica(engine)
     r = settings.rollout
     if r.http_port is not None:
-        from services.rollout.http_api import start_http
+        try:
+            from services.rollout.http_api import start_http
+        except ImportError as e:
+            raise ValueError(f"rollout.http_port: the HTTP API needs aiohttp (pip install aiohttp): {e}") from None
         token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None
         replica._http_runner, replica.http_port = await start_http(
             engine, host=settings.server.host, port=r.http_port, model_name=r.served_model_name or engine.model_path,
