@@ -13,8 +13,9 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 def service_config(*, max_attempts: int = 4, round_robin: bool = True) -> str:
     """gRPC service config: transparent retries of UNAVAILABLE with backoff; round_robin must be asked for."""
-    cfg: dict[str, Any] = {
-        "methodConfig": [{
+    cfg: dict[str, Any] = {}
+    if max_attempts >= 2:  # gRPC rejects a retry policy with fewer than 2 attempts
+        cfg["methodConfig"] = [{
             "name": [{}],
             "retryPolicy": {
                 "maxAttempts": max_attempts,
@@ -23,8 +24,7 @@ def service_config(*, max_attempts: int = 4, round_robin: bool = True) -> str:
                 "backoffMultiplier": 2,
                 "retryableStatusCodes": ["UNAVAILABLE"],
             },
-        }],
-    }
+        }]
     if round_robin:
         cfg["loadBalancingConfig"] = [{"round_robin": {}}]
     return json.dumps(cfg)

@@ -1,0 +1,71 @@
+"""The `meshrl` command: `up` runs a whole mesh of processes and leaves none behind; `plot` writes a PNG."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _meshrl(*args, timeout=600, env=None):
+    return subprocess.run([sys.executable, "-m", "coordinator.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def _service_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "--config" in line and str(REPO) not in line
+            and ("-m services." in line or "-m coordinator --config" in line)]
+
+
+@pytest.mark.slow
+def test_meshrl_up_runs_every_service_as_a_process_and_prints_accuracy_before_and_after(arith_model_path,
+                                                                                       tmp_path):
+    before = set(_service_processes())
+    result = _meshrl("up", "examples/arith/grpo.yaml", "--run-dir", str(tmp_path), "--model.path", arith_model_path,
+                     "--run.num_steps", "2", "--data.heldout_size", "16", "--data.rollout_batch_size", "4")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert any(line.startswith("step   1/2") for line in lines)
+    assert any(line.startswith("step   2/2") for line in lines)
+    assert "held-out accuracy before" in lines[-1] and "-> after" in lines[-1]
+    run_dirs = [p for p in tmp_path.iterdir() if p.name.startswith("arith-grpo")]
+    assert len(run_dirs) == 1
+    records = [json.loads(line) for line in (run_dirs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward_mean" in r] == [1, 2]
+    summary = json.loads((run_dirs[0] / "summary.json").read_text())
+    assert summary["steps"] == 2
+    assert (run_dirs[0] / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # every child process is gone
+    assert set(_service_processes()) - before == set()
+
+
+def test_meshrl_up_rejects_a_bad_config_before_starting_anything(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: {n: 0}\n")
+    result = _meshrl("up", str(bad), timeout=120)
+    assert result.returncode == 2
+    assert "rollout.n" in result.stdout
+
+
+def test_meshrl_plot_writes_a_valid_png_of_non_trivial_size(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with (run_dir / "metrics.jsonl").open("w") as f:
+        f.write(json.dumps({"step": 0, "heldout_accuracy": 0.3}) + "\n")
+        for step in range(1, 6):
+            f.write(json.dumps({"step": step, "reward_mean": 0.1 * step, "accuracy": 0.1 * step, "kl": 0.01 * step,
+                                "actor/entropy": 1.0 - 0.1 * step, "response_length_mean": 3.0,
+                                "time/generate": 0.2, "time/train": 0.1, "time/weight_sync": 0.01}) + "\n")
+    out = tmp_path / "plot.png"
+    result = _meshrl("plot", str(run_dir), "--out", str(out), timeout=120)
+    assert result.returncode == 0, result.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    import struct
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= 800 and height >= 500
