@@ -235,13 +235,13 @@ class TrainerEngine:
 
     def __init__(self, settings: TrainerSettings):
         a, m = settings.actor, settings.model
-        # The mesh is checked before anything heavy happens, so a bad launch fails in a second.
-        self.dims = ParallelDims(dp=a.dp_size, pp=a.pp_size, tp=a.tp_size, world_size=launched_world_size())
         if a.pp_size > 1 and a.tp_size > 1:
             # Stage boundaries under TP trip a send/recv size mismatch in torch.distributed.pipelining here.
             raise ValueError("actor: pp_size > 1 together with tp_size > 1 is not supported yet (combine PP with DP)")
         if settings.critic is not None and a.pp_size > 1:
             raise ValueError("critic: a critic with actor.pp_size > 1 is not implemented yet")
+        # The mesh is checked before anything heavy happens, so a bad launch fails in a second.
+        self.dims = ParallelDims(dp=a.dp_size, pp=a.pp_size, tp=a.tp_size, world_size=launched_world_size())
         self.settings = settings
         self.cfg = a
         self.model_path = a.model_path or m.path
@@ -366,10 +366,16 @@ class TrainerEngine:
         self._run("export_hf", path)
         return {"path": path, "step": self.actor.step, "weight_version": self.weight_version}
 
+    def bubble_fraction(self) -> float:
+        """Idle share of a pipeline step under GPipe/1F1B: (pp - 1) / (microbatches + pp - 1); 0 without PP."""
+        pp = self.dims.pp
+        return (pp - 1) / (self.num_microbatches + pp - 1)
+
     def info(self) -> dict:
         return {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "world_size": self.dims.world_size,
                 "devices": self.devices, "step": self.actor.step, "dtype": self.compute_dtype,
                 "param_dtype": self.param_dtype, "dp_mode": self.cfg.dp_mode,
+                "pipeline_schedule": self.cfg.pipeline_schedule, "num_microbatches": self.num_microbatches,
                 "critic": self.critic is not None, "critic_step": self.critic.step if self.critic else 0,
                 "micro_batch_token_budget": self.cfg.micro_batch_token_budget, "max_model_len": self.max_len}
 
@@ -528,7 +534,7 @@ class TrainerEngine:
             "num_tokens": float(sum(len(s.response_ids) for s in samples)),
             "tokens_per_s": loss.ppo_epochs * sum(lengths) / max(seconds, 1e-9),
             "num_optimizer_steps": float(num_steps), "num_skipped_steps": float(skipped),
-            "seconds": seconds,
+            "seconds": seconds, "pipeline_bubble_fraction": self.bubble_fraction(),
         }
 
     def _actor_mini_batch(self, samples, idx, lengths, loss: ActorLoss, use_kl: bool) -> dict[str, float]:

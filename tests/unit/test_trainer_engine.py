@@ -261,3 +261,22 @@ def test_value_clipping_bounds_how_far_one_step_moves_from_old_values(model_path
     assert metrics["vf_loss"] > 0 and 0.0 <= metrics["vf_clip_frac"] <= 1.0
     with pytest.raises(ValueError, match=r"samples\[0\]\.old_values"):
         e.train_critic([CriticSample(prompts[0], responses[0], far[0], [])], CriticLoss(clip_value=0.2))
+
+
+@pytest.mark.parametrize("actor,critic,pattern", [
+    (dict(pp_size=2, tp_size=2), None, "pp_size > 1 together with tp_size > 1"),
+    (dict(pp_size=2), {}, "critic: a critic with actor.pp_size > 1"),
+    (dict(dp_size=0), None, "actor.dp_size"),
+])
+def test_unsupported_or_invalid_mesh_settings_fail_before_the_model_loads(tmp_path, actor, critic, pattern):
+    data = {"model": {"path": str(tmp_path / "missing")}, "actor": actor}
+    if critic is not None:
+        data["critic"] = critic
+    with pytest.raises(ValueError, match=pattern):
+        TrainerEngine(load_config(TrainerSettings, data=data))
+
+
+def test_a_single_process_reports_no_pipeline_bubble_and_its_mesh(shared_engine):
+    info = shared_engine.info()
+    assert (info["tp"], info["pp"], info["dp"], info["world_size"], info["devices"]) == (1, 1, 1, 1, "cpu")
+    assert shared_engine.bubble_fraction() == 0.0
