@@ -159,3 +159,37 @@ class CheckpointResponse(_message.Message):
     step: int
     weight_version: int
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class PreferencePair(_message.Message):
+    __slots__ = ("prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logprob", "ref_rejected_logprob")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_IDS_FIELD_NUMBER: _ClassVar[int]
+    REF_CHOSEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    REF_REJECTED_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    chosen_ids: _containers.RepeatedScalarFieldContainer[int]
+    rejected_ids: _containers.RepeatedScalarFieldContainer[int]
+    ref_chosen_logprob: float
+    ref_rejected_logprob: float
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., chosen_ids: _Optional[_Iterable[int]] = ..., rejected_ids: _Optional[_Iterable[int]] = ..., ref_chosen_logprob: _Optional[float] = ..., ref_rejected_logprob: _Optional[float] = ...) -> None: ...
+
+class DPOLoss(_message.Message):
+    __slots__ = ("loss_type", "beta", "label_smoothing", "mini_batch_size")
+    LOSS_TYPE_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    LABEL_SMOOTHING_FIELD_NUMBER: _ClassVar[int]
+    MINI_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    loss_type: str
+    beta: float
+    label_smoothing: float
+    mini_batch_size: int
+    def __init__(self, loss_type: _Optional[str] = ..., beta: _Optional[float] = ..., label_smoothing: _Optional[float] = ..., mini_batch_size: _Optional[int] = ...) -> None: ...
+
+class TrainDPORequest(_message.Message):
+    __slots__ = ("pairs", "loss")
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    pairs: _containers.RepeatedCompositeFieldContainer[PreferencePair]
+    loss: DPOLoss
+    def __init__(self, pairs: _Optional[_Iterable[_Union[PreferencePair, _Mapping]]] = ..., loss: _Optional[_Union[DPOLoss, _Mapping]] = ...) -> None: ...

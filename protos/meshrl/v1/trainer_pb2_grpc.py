@@ -55,6 +55,11 @@ class TrainerStub:
                 request_serializer=meshrl_dot_v1_dot_trainer__pb2.TrainCriticRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_trainer__pb2.TrainResponse.FromString,
                 _registered_method=True)
+        self.TrainDPO = channel.unary_unary(
+                '/meshrl.v1.Trainer/TrainDPO',
+                request_serializer=meshrl_dot_v1_dot_trainer__pb2.TrainDPORequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_trainer__pb2.TrainResponse.FromString,
+                _registered_method=True)
         self.PushWeights = channel.unary_unary(
                 '/meshrl.v1.Trainer/PushWeights',
                 request_serializer=meshrl_dot_v1_dot_trainer__pb2.PushWeightsRequest.SerializeToString,
@@ -108,6 +113,13 @@ class TrainerServicer:
 
     def TrainCritic(self, request, context):
         """One critic update on a batch of samples with returns (PPO).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TrainDPO(self, request, context):
+        """One preference-optimisation update (DPO, IPO or conservative DPO) on a batch of pairs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -169,6 +181,11 @@ def add_TrainerServicer_to_server(servicer, server):
             'TrainCritic': grpc.unary_unary_rpc_method_handler(
                     servicer.TrainCritic,
                     request_deserializer=meshrl_dot_v1_dot_trainer__pb2.TrainCriticRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_trainer__pb2.TrainResponse.SerializeToString,
+            ),
+            'TrainDPO': grpc.unary_unary_rpc_method_handler(
+                    servicer.TrainDPO,
+                    request_deserializer=meshrl_dot_v1_dot_trainer__pb2.TrainDPORequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_trainer__pb2.TrainResponse.SerializeToString,
             ),
             'PushWeights': grpc.unary_unary_rpc_method_handler(
@@ -304,6 +321,33 @@ class Trainer:
             target,
             '/meshrl.v1.Trainer/TrainCritic',
             meshrl_dot_v1_dot_trainer__pb2.TrainCriticRequest.SerializeToString,
+            meshrl_dot_v1_dot_trainer__pb2.TrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TrainDPO(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Trainer/TrainDPO',
+            meshrl_dot_v1_dot_trainer__pb2.TrainDPORequest.SerializeToString,
             meshrl_dot_v1_dot_trainer__pb2.TrainResponse.FromString,
             options,
             channel_credentials,
