@@ -30,3 +30,14 @@ def test_every_rpc_and_field_has_a_comment():
         for i, line in enumerate(lines):
             if line.strip().startswith("rpc "):
                 assert lines[i - 1].strip().startswith("//"), f"{proto.name}:{i + 1} rpc without a comment"
+
+
+def test_every_field_has_a_comment():
+    import re
+
+    field = re.compile(r"^(repeated |optional |map<)?[\w.<>, ]+ \w+ = \d+;")
+    for proto in (PROTOS / "meshrl" / "v1").glob("*.proto"):
+        lines = proto.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if field.match(line.strip()):
+                assert lines[i - 1].strip().startswith("//"), f"{proto.name}:{i + 1} field without a comment"
