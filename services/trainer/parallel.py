@@ -63,7 +63,8 @@ def init_distributed(device_type: str) -> None:
     """Joins the torchrun world, or starts a one-rank group when there is none (idempotent)."""
     if dist.is_initialized():
         return
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    # CPU tensors (metrics, pickled objects) go over gloo, GPU tensors over NCCL, in one group.
+    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
         dist.init_process_group(backend=backend, init_method="env://")
     else:
