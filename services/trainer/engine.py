@@ -547,22 +547,31 @@ class TrainerEngine:
             stats = self._actor_pipeline(samples, idx, loss, use_kl, denom, scale)
         else:
             stats = torch.zeros(8, dtype=torch.float64)
-            for group in self._local_groups(idx, lengths, self.cfg.micro_batch_token_budget):
+            groups = self._local_groups(idx, lengths, self.cfg.micro_batch_token_budget)
+            for g, group in enumerate(groups):
                 rows = [samples[i] for i in group] if group else [self._dummy_sample()]
                 width = max(len(s.response_ids) for s in rows)
-                with self._amp():
-                    logp, mask, entropy = response_logprobs(self.actor.forward, [s.prompt_ids for s in rows],
-                                                            [s.response_ids for s in rows], pad_id=self.pad_id,
-                                                            temperature=loss.temperature, with_entropy=True)
-                ref = self._padded([s.ref_logprobs for s in rows], width) if use_kl else None
-                total, st = actor_loss(logp, mask, entropy, self._padded([s.old_logprobs for s in rows], width),
-                                       self._padded([s.advantages for s in rows], width), ref, loss, denom)
-                weight = 1.0 if group else 0.0
-                (total * (weight * scale)).backward()
+                with self._grad_sync(self.actor, last=g == len(groups) - 1):
+                    with self._amp():
+                        logp, mask, entropy = response_logprobs(
+                            self.actor.forward, [s.prompt_ids for s in rows], [s.response_ids for s in rows],
+                            pad_id=self.pad_id, temperature=loss.temperature, with_entropy=True)
+                    ref = self._padded([s.ref_logprobs for s in rows], width) if use_kl else None
+                    total, st = actor_loss(logp, mask, entropy, self._padded([s.old_logprobs for s in rows], width),
+                                           self._padded([s.advantages for s in rows], width), ref, loss, denom)
+                    weight = 1.0 if group else 0.0
+                    (total * (weight * scale)).backward()
                 stats += weight * st
         self._sync_tied_grads()
         summed = all_reduce_sum(all_reduce_sum(stats.tolist(), group=self.pp_group), group=self.dp_group)
         return dict(zip(STAT_KEYS, summed))
+
+    @staticmethod
+    def _grad_sync(trained: Trained, *, last: bool):
+        """DDP all-reduces once per optimizer step, on the last micro-batch (FSDP reduce-scatters each one
+        to keep gradients sharded); a no-op without DDP."""
+        no_sync = getattr(trained.forward, "no_sync", None)
+        return nullcontext() if last or no_sync is None else no_sync()
 
     def _dummy_sample(self) -> TrainSample:
         return TrainSample([self.pad_id], [self.pad_id], [0.0], [0.0], [0.0])
@@ -672,18 +681,21 @@ class TrainerEngine:
                 idx = [order[j] for j in mb]
                 denom = sum(len(samples[i].response_ids) for i in idx)
                 stats = torch.zeros(4, dtype=torch.float64)
-                for group in self._local_groups(idx, lengths, critic.cfg.micro_batch_token_budget):
+                groups = self._local_groups(idx, lengths, critic.cfg.micro_batch_token_budget)
+                for g, group in enumerate(groups):
                     rows = [samples[i] for i in group] if group else [CriticSample([self.pad_id], [self.pad_id], [0.0],
                                                                                    [0.0])]
                     width = max(len(s.response_ids) for s in rows)
-                    values, mask = self._values(critic.forward, [s.prompt_ids for s in rows],
-                                                [s.response_ids for s in rows])
-                    returns = self._padded([s.returns for s in rows], width)
-                    old = self._padded([s.old_values for s in rows], width) if loss.clip_value > 0 else values.detach()
-                    vf, clipped = clipped_value_loss(values, old, returns, clip_value=loss.clip_value)
-                    vf_loss = aggregate(vf, mask, "token-mean", denom=denom)
-                    weight = 1.0 if group else 0.0
-                    (vf_loss * (weight * self.dims.dp)).backward()
+                    with self._grad_sync(critic, last=g == len(groups) - 1):
+                        values, mask = self._values(critic.forward, [s.prompt_ids for s in rows],
+                                                    [s.response_ids for s in rows])
+                        returns = self._padded([s.returns for s in rows], width)
+                        old = (self._padded([s.old_values for s in rows], width) if loss.clip_value > 0
+                               else values.detach())
+                        vf, clipped = clipped_value_loss(values, old, returns, clip_value=loss.clip_value)
+                        vf_loss = aggregate(vf, mask, "token-mean", denom=denom)
+                        weight = 1.0 if group else 0.0
+                        (vf_loss * (weight * self.dims.dp)).backward()
                     m = mask.float()
                     stats += weight * torch.tensor([vf_loss.item(), (clipped * m).sum().item(),
                                                     (values.detach() * m).sum().item(), m.sum().item()],
