@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import grpc
 import torch
 
 from coordinator import advantages as adv_fns
@@ -20,8 +21,39 @@ from coordinator.config import RunConfig
 from coordinator.data import Problem, PromptStream, load_problems
 from coordinator.pools import ReplicaPool, split_round_robin
 from services.common.channel import create_channel
+from services.common.errors import Unavailable
 
 log = logging.getLogger("meshrl.coordinator")
+
+
+class TrainerUnavailable(Exception):
+    """The trainer cannot be reached (it died or is restarting): the run pauses instead of failing."""
+
+
+class GuardedTrainer:
+    """The trainer stub, with UNAVAILABLE raised as TrainerUnavailable.
+
+    So the run manager can tell a lost trainer (pause, resume from a checkpoint) from a lost replica
+    (the pools retry elsewhere) or a bad request (the run fails).
+    """
+
+    def __init__(self, stub, address: str):
+        self._stub = stub
+        self._address = address
+
+    def __getattr__(self, name: str):
+        method = getattr(self._stub, name)
+
+        async def call(*args, **kwargs):
+            try:
+                return await method(*args, **kwargs)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise TrainerUnavailable(f"trainer {self._address} unavailable during {name}: "
+                                             f"{e.details()}") from None
+                raise
+
+        return call
 
 
 class PhaseTimer:
@@ -68,8 +100,13 @@ class RunContext:
     @property
     def sampling(self) -> remote.Sampling:
         r = self.cfg.rollout
+        # With rollout.seed set, each step has its own seed, so a run (and a step retried on another
+        # replica) is reproducible; 0 leaves the replicas unseeded.
+        seed = 0
+        if r.seed is not None:
+            seed = ((r.seed * 1_000_003 + self.step + 1) & (2**63 - 1)) or 1
         return remote.Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                               stop=list(r.stop), seed=0)
+                               stop=list(r.stop), seed=seed)
 
     async def close(self) -> None:
         if self.prefetched:
@@ -111,7 +148,7 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
     run_dir = Path(cfg.run.run_dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     ctx = RunContext(run_id, cfg, run_dir, rollout, reward, reference, trainer_channel,
-                     remote.trainer_stub(trainer_channel), PromptStream(problems, seed=d.seed, shuffle=d.shuffle,
+                     GuardedTrainer(remote.trainer_stub(trainer_channel), cfg.trainer.address), PromptStream(problems, seed=d.seed, shuffle=d.shuffle,
                                                                         position=position), heldout)
     a = cfg.algorithm
     ctx.kl_coef = a.kl_coef
@@ -136,7 +173,9 @@ async def generate(ctx: RunContext, problems: Sequence[Problem], sampling: remot
     """
     sampling = sampling or ctx.sampling
     await bring_new_replicas_up_to_date(ctx)
-    replicas = ctx.rollout.healthy()
+    replicas = ctx.rollout.healthy() or await ctx.rollout.refresh()
+    if not replicas:
+        raise Unavailable(f"rollout pool: no healthy replica (known: {sorted(ctx.rollout.replicas) or 'none'})")
     groups = list(range(len(problems)))
     chunks = split_round_robin(list(zip(problems, groups)), len(replicas))
 
@@ -149,15 +188,25 @@ async def generate(ctx: RunContext, problems: Sequence[Problem], sampling: remot
 
 
 async def bring_new_replicas_up_to_date(ctx: RunContext) -> None:
-    """A replica that joined (or restarted) gets the current weights before it serves."""
+    """A replica that joined (or restarted) gets the current weights before it serves.
+
+    Each replica is asked itself (a pool call could answer from another one); version 0 is pushed too,
+    since a replica that served another run holds other weights under a higher version.
+    """
     stale = []
     for rep in ctx.rollout.healthy():
         if rep.weight_version != ctx.weight_version:
-            info = await ctx.rollout.call(remote.info, prefer=rep)
+            try:
+                info = await remote.info(rep.stub)
+            except grpc.aio.AioRpcError as e:
+                log.warning("rollout pool: %s did not answer GetInfo (%s); leaving it out", rep.address,
+                            e.code().name)
+                rep.healthy = False
+                continue
             rep.weight_version = info.weight_version
             if rep.weight_version != ctx.weight_version:
                 stale.append(rep.address)
-    if stale and ctx.weight_version > 0:
+    if stale:
         log.info("pushing weights v%d to %s", ctx.weight_version, stale)
         outcome = await remote.push_weights(ctx.trainer, stale)
         for address in stale:
@@ -166,6 +215,11 @@ async def bring_new_replicas_up_to_date(ctx: RunContext) -> None:
                 rep.healthy = False
             else:
                 rep.weight_version = outcome.version
+
+
+async def refresh_pools(ctx: RunContext) -> None:
+    """Re-discovers every pool's replicas and re-checks their health (restarted replicas rejoin)."""
+    await asyncio.gather(*(pool.refresh() for pool in (ctx.rollout, ctx.reward, ctx.reference) if pool is not None))
 
 
 # --- score, reference, old log-probs, values (concurrently) ---------------------------------------------

@@ -85,7 +85,12 @@ class ReplicaPool:
 
     async def refresh(self) -> list[Replica]:
         """Re-discovers replicas and health-checks each; returns the healthy ones."""
-        wanted = await self.discover()
+        try:
+            wanted = await self.discover()
+        except Exception as e:  # noqa: BLE001 - Redis or DNS down: keep the replicas we know, re-check their health
+            log.warning("%s pool: discovery failed (%s: %s); keeping %d known replicas", self.role,
+                        type(e).__name__, e, len(self.replicas))
+            wanted = sorted(self.replicas)
         for address in wanted:
             if address not in self.replicas:
                 self._add(address)
@@ -106,6 +111,9 @@ class ReplicaPool:
             ok = False
         if ok != rep.healthy:
             log.warning("%s pool: replica %s is %s", self.role, rep.address, "healthy again" if ok else "unhealthy")
+            if ok:
+                # It may have restarted in between (a new process serves the initial weights): ask again.
+                rep.weight_version = -1
         rep.healthy = ok
 
     def healthy(self) -> list[Replica]:

@@ -15,7 +15,7 @@ from coordinator import loop, phases, remote
 from coordinator.config import RunConfig
 from coordinator.store import UNFINISHED, RunRecord, RunStore
 from services.common.config import load_config
-from services.common.errors import FailedPrecondition, NotFound
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
 
 log = logging.getLogger("meshrl.runs")
 
@@ -72,10 +72,22 @@ class RunManager:
         for record in await self.store.list():
             if record.state not in UNFINISHED or record.run_id in self.tasks:
                 continue
-            cfg = parse_run_config(record.config)
-            ctx = await phases.open_context(record.run_id, cfg, registry=self.registry,
-                                            position=record.data_position)
-            ctx.step, ctx.weight_version = record.step, record.weight_version
+            try:
+                ctx = await self._reopen(record)
+            except phases.TrainerUnavailable as e:
+                record.state, record.message = "PAUSED", f"{e}; restart the trainer, then ResumeRun"
+                await self.store.put(record)
+                continue
+            self._launch(record, ctx)
+            resumed.append(record.run_id)
+        return resumed
+
+    async def _reopen(self, record: RunRecord) -> phases.RunContext:
+        """Reconnects a run at its last completed step; a trainer that restarted gets the last checkpoint."""
+        cfg = parse_run_config(record.config)
+        ctx = await phases.open_context(record.run_id, cfg, registry=self.registry, position=record.data_position)
+        ctx.step, ctx.weight_version = record.step, record.weight_version
+        try:
             info = await remote.info(ctx.trainer)
             if info.weight_version != record.weight_version:
                 # The trainer restarted (behind) or trained a step that was never recorded (ahead).
@@ -89,17 +101,27 @@ class RunManager:
                                 "checkpoint; continuing from the trainer's weights", record.run_id,
                                 info.weight_version, record.weight_version)
                     ctx.weight_version = info.weight_version
-            log.info("resuming run %s at step %d (data position %d)", record.run_id, record.step,
-                     record.data_position)
-            self._launch(record, ctx)
-            resumed.append(record.run_id)
-        return resumed
+        except BaseException:
+            await ctx.close()
+            raise
+        # Replicas are asked for their version before they serve; those that differ get the trainer's weights.
+        log.info("resuming run %s at step %d (data position %d)", record.run_id, record.step, record.data_position)
+        return ctx
 
     async def _drive(self, run_id: str, ctx: phases.RunContext) -> None:
         try:
             await self._drive_steps(run_id, ctx)
         except asyncio.CancelledError:
             raise
+        except phases.TrainerUnavailable as e:
+            # The step in flight is dropped (nothing of it was committed); ResumeRun continues once the
+            # trainer is back, from the last checkpoint when the restarted trainer lost the weights.
+            log.warning("run %s paused: %s", run_id, e)
+            self._detach(run_id, ctx)   # before it reads PAUSED, so ResumeRun reconnects
+            record = await self.store.get(run_id)
+            record.state, record.command = "PAUSED", ""
+            record.message = f"{e}; restart the trainer, then ResumeRun continues from step {record.step}"
+            await self.store.put(record)
         except Exception as e:  # noqa: BLE001 - the run fails with its reason, the coordinator keeps serving
             log.exception("run %s failed", run_id)
             record = await self.store.get(run_id)
@@ -107,14 +129,20 @@ class RunManager:
             await self.store.put(record)
         finally:
             await ctx.close()
-            self.contexts.pop(run_id, None)
-            self.tasks.pop(run_id, None)
+            self._detach(run_id, ctx)
             await self._notify(run_id)
+
+    def _detach(self, run_id: str, ctx: phases.RunContext) -> None:
+        # A ResumeRun may already have launched the run's next task: leave that one in place.
+        if self.contexts.get(run_id) is ctx:
+            self.contexts.pop(run_id)
+            self.tasks.pop(run_id, None)
 
     async def _drive_steps(self, run_id: str, ctx: phases.RunContext) -> None:
         cfg = ctx.cfg
         record = await self.store.get(run_id)
         started = time.time()
+        refreshed = time.monotonic()
         if record.step == 0 and "heldout_accuracy_before" not in record.last_metrics:
             acc = await phases.evaluate(ctx)
             record.last_metrics = {"heldout_accuracy_before": acc}
@@ -132,6 +160,10 @@ class RunManager:
                     await self._notify(run_id)
                 await asyncio.sleep(0.2)
                 continue
+            if time.monotonic() - refreshed >= cfg.run.refresh_interval_s:
+                # Replicas that restarted or joined come back into the pools between steps.
+                await phases.refresh_pools(ctx)
+                refreshed = time.monotonic()
             metrics = await loop.rl_step(ctx)
             if cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0 and ctx.step < cfg.run.num_steps:
                 metrics["heldout_accuracy"] = await phases.evaluate(ctx)
@@ -174,6 +206,18 @@ class RunManager:
         if command == "resume":
             if record.state != "PAUSED" and record.command != "pause":
                 raise FailedPrecondition(f"run {run_id!r} is not paused")
+            if run_id not in self.tasks:
+                # Paused because the trainer went away: reconnect (restoring the checkpoint) before running.
+                try:
+                    ctx = await self._reopen(record)
+                except phases.TrainerUnavailable as e:
+                    raise Unavailable(f"run {run_id!r} stays paused: {e}") from None
+                record = await self.store.get(run_id)
+                record.command, record.state, record.message = "", "RUNNING", ""
+                await self.store.put(record)
+                self._launch(record, ctx)
+                await self._notify(run_id)
+                return record
             record.command, record.state = "", "RUNNING"
         else:
             record.command = command

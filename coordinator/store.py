@@ -83,16 +83,38 @@ class MemoryStore:
         pass
 
 
+# One step's commit: metrics appended and the record set in one atomic script. A commit retried after
+# a lost reply (Redis restarted between applying it and answering) finds its metrics already last in the
+# list and does not append them twice.
+_COMMIT = """
+if redis.call('LINDEX', KEYS[1], -1) ~= ARGV[1] then redis.call('RPUSH', KEYS[1], ARGV[1]) end
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('SADD', KEYS[3], ARGV[3])
+return 1
+"""
+
+
 class RedisStore:
     """Run state in Redis: a JSON record per run and a list of per-step metric records.
 
-    Durability is Redis's own: with AOF or RDB persistence on, state survives a Redis restart.
+    Durability is Redis's own: with AOF persistence (`appendfsync always`) every committed step
+    survives a Redis crash. While Redis is away (a restart), calls retry for about `outage_s`
+    seconds, so a run waits instead of failing.
     """
 
-    def __init__(self, url: str, prefix: str = "meshrl"):
+    def __init__(self, url: str, prefix: str = "meshrl", *, outage_s: float = 60.0):
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
+        from redis.exceptions import ConnectionError, TimeoutError
 
-        self._redis = aioredis.from_url(url, decode_responses=True)
+        # Backoff capped at 1 s: about one retry a second once Redis has been gone for a while.
+        retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=max(1, int(outage_s)) + 5,
+                      supported_errors=(ConnectionError, TimeoutError, ConnectionResetError, OSError))
+        self._redis = aioredis.from_url(url, decode_responses=True, retry=retry,
+                                        retry_on_error=[ConnectionError, TimeoutError, ConnectionResetError,
+                                                        OSError])
+        self._commit = self._redis.register_script(_COMMIT)
         self._prefix = prefix
 
     def _key(self, *parts: str) -> str:
@@ -125,11 +147,9 @@ class RedisStore:
         """A step's metrics and the run state that counts it land together (MULTI/EXEC), so a
         coordinator killed in between leaves neither a gap nor a repeated step."""
         record.updated_at = time.time()
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.rpush(self._key("run", record.run_id, "metrics"), json.dumps(metrics))
-            pipe.set(self._key("run", record.run_id), record.to_json())
-            pipe.sadd(self._key("runs"), record.run_id)
-            await pipe.execute()
+        await self._commit(keys=[self._key("run", record.run_id, "metrics"), self._key("run", record.run_id),
+                                 self._key("runs")],
+                           args=[json.dumps(metrics), record.to_json(), record.run_id])
 
     async def metrics(self, run_id: str, from_step: int = 0) -> list[dict]:
         items = await self._redis.lrange(self._key("run", run_id, "metrics"), 0, -1)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 _YAML_DATA: contextvars.ContextVar[dict | None] = contextvars.ContextVar("meshrl_yaml_data", default=None)
@@ -42,6 +42,28 @@ class ServerConfig(Section):
     registry_url: str = ""
     # Host others reach this replica at (default: host, or this machine's hostname when host is 0.0.0.0).
     advertise_host: str | None = None
+    # TLS, as paths to PEM files. tls_cert + tls_key: this server speaks TLS only. tls_client_ca as well:
+    # mutual TLS, every client must present a certificate signed by that CA.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    # Calls this service makes (coordinator to pools and trainer, trainer to rollout): TLS when tls_ca is
+    # set, verifying servers against it; presenting tls_client_cert/key (default tls_cert/key under mutual TLS).
+    tls_ca: str | None = None
+    tls_client_cert: str | None = None
+    tls_client_key: str | None = None
+    # Name the servers' certificates carry when it differs from the host dialled.
+    tls_server_name: str | None = None
+
+    @model_validator(mode="after")
+    def _tls_pairs(self):
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key: set both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca: mutual TLS needs tls_cert and tls_key as well")
+        if bool(self.tls_client_cert) != bool(self.tls_client_key):
+            raise ValueError("tls_client_cert and tls_client_key: set both or neither")
+        return self
 
 
 class ModelConfig(Section):

@@ -1,4 +1,4 @@
-"""gRPC server plumbing shared by every service: factory, health, reflection, errors, auth, shutdown."""
+"""gRPC server plumbing shared by every service: factory, health, reflection, errors, auth, TLS, shutdown."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.channel import ClientTLS, read_pem, set_default_tls
 from services.common.config import ServerConfig
 from services.common.errors import MeshError
 
@@ -52,11 +53,9 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method.startswith(OPEN_METHOD_PREFIXES):
-            return handler
-        if not self._authorized(details):
-            return _wrap(handler, _deny)
-        return _wrap(handler, None)
+        if handler is None:
+            return None
+        return _wrap(handler, None if self._authorized(details) else _deny)
 
 
 async def _deny(context):
@@ -70,18 +69,43 @@ async def _abort_for(exc: Exception, context, method: str):
     await context.abort(code, message)
 
 
+class MalformedRequest(ValueError):
+    """Request bytes that do not parse as the method's message (INVALID_ARGUMENT, not grpc's UNKNOWN)."""
+
+
+def _parser(deserializer):
+    """The handler's deserializer, run inside the handler so a parse error gets a status we choose."""
+    if deserializer is None:
+        return lambda raw: raw
+    owner = getattr(deserializer, "__self__", None)
+    name = getattr(getattr(owner, "DESCRIPTOR", None), "full_name", "request")
+
+    def parse(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError, and other errors on odd input
+            raise MalformedRequest(f"request: not a valid {name} message ({type(e).__name__}: {e})") from None
+
+    return parse
+
+
+async def _parsed(raw_iterator, parse):
+    async for raw in raw_iterator:
+        yield parse(raw)
+
+
 def _wrap(handler: grpc.RpcMethodHandler, deny) -> grpc.RpcMethodHandler:
-    """Re-builds a method handler whose behaviour denies (auth) or maps errors."""
-    kwargs = dict(request_deserializer=handler.request_deserializer,
-                  response_serializer=handler.response_serializer)
+    """Re-builds a method handler whose behaviour denies (auth) or maps errors, malformed requests included."""
+    parse = _parser(handler.request_deserializer)
+    kwargs = dict(request_deserializer=None, response_serializer=handler.response_serializer)
     if handler.unary_unary:
         inner = handler.unary_unary
 
-        async def unary_unary(request, context):
+        async def unary_unary(raw, context):
             if deny:
                 return await deny(context)
             try:
-                return await inner(request, context)
+                return await inner(parse(raw), context)
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
             except Exception as e:  # noqa: BLE001 - mapped to a status, never swallowed
@@ -95,7 +119,7 @@ def _wrap(handler: grpc.RpcMethodHandler, deny) -> grpc.RpcMethodHandler:
             if deny:
                 return await deny(context)
             try:
-                return await inner_su(request_iterator, context)
+                return await inner_su(_parsed(request_iterator, parse), context)
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
             except Exception as e:  # noqa: BLE001
@@ -105,12 +129,12 @@ def _wrap(handler: grpc.RpcMethodHandler, deny) -> grpc.RpcMethodHandler:
     if handler.unary_stream:
         inner_us = handler.unary_stream
 
-        async def unary_stream(request, context):
+        async def unary_stream(raw, context):
             if deny:
                 await deny(context)
                 return
             try:
-                async for item in inner_us(request, context):
+                async for item in inner_us(parse(raw), context):
                     yield item
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
@@ -125,7 +149,7 @@ def _wrap(handler: grpc.RpcMethodHandler, deny) -> grpc.RpcMethodHandler:
             await deny(context)
             return
         try:
-            async for item in inner_ss(request_iterator, context):
+            async for item in inner_ss(_parsed(request_iterator, parse), context):
                 yield item
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
@@ -174,6 +198,9 @@ async def create_server(servicers: Iterable[tuple[Callable[[Any, grpc.aio.Server
     config = config or ServerConfig()
     address = address or f"{config.host}:{config.port}"
     token = config.auth_token.get_secret_value() if config.auth_token else None
+    credentials = server_credentials(config)
+    # The calls this service makes use the TLS settings of the same `server:` section.
+    set_default_tls(ClientTLS.from_server_config(config))
     server = grpc.aio.server(interceptors=[ServiceInterceptor(token)], options=server_options(config))
     for add, servicer in servicers:
         add(servicer, server)
@@ -182,13 +209,23 @@ async def create_server(servicers: Iterable[tuple[Callable[[Any, grpc.aio.Server
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     await server.start()
     mesh = MeshServer(server, health_servicer, service_names, port)
     await mesh.set_serving(True)
     return mesh, port
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from server.tls_cert/tls_key (and tls_client_ca for mutual TLS); None = plaintext."""
+    if not config.tls_cert:
+        return None
+    cert, key = read_pem(config.tls_cert, "server.tls_cert"), read_pem(config.tls_key, "server.tls_key")
+    client_ca = read_pem(config.tls_client_ca, "server.tls_client_ca")
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
 
 
 def announce(role: str, host: str, port: int) -> None:
