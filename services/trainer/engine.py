@@ -235,9 +235,6 @@ class TrainerEngine:
 
     def __init__(self, settings: TrainerSettings):
         a, m = settings.actor, settings.model
-        if a.pp_size > 1 and a.tp_size > 1:
-            # Stage boundaries under TP trip a send/recv size mismatch in torch.distributed.pipelining here.
-            raise ValueError("actor: pp_size > 1 together with tp_size > 1 is not supported yet (combine PP with DP)")
         if settings.critic is not None and a.pp_size > 1:
             raise ValueError("critic: a critic with actor.pp_size > 1 is not implemented yet")
         # The mesh is checked before anything heavy happens, so a bad launch fails in a second.
@@ -581,6 +578,10 @@ class TrainerEngine:
         if self.tied is None or self.tied.grad is None:
             return
         g = self.tied.grad
+        if hasattr(g, "placements") and g.placements != self.tied.placements:
+            # The vocab-parallel embedding's gradient can come back replicated; match the head's shards.
+            g = g.redistribute(g.device_mesh, self.tied.placements)
+            self.tied.grad = g
         dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=self.tied_group)
 
     def _build_tied_group(self):

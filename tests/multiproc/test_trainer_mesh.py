@@ -161,6 +161,7 @@ def test_a_two_rank_step_matches_a_single_process_run(tmp_path, mesh):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [dict(dp=2, tp=2), dict(dp=2, pp=2, schedule="gpipe")], ids=["fsdp2-tp2", "fsdp2-pp2-gpipe"])
+@pytest.mark.parametrize("mesh", [dict(dp=2, tp=2), dict(dp=2, pp=2, schedule="gpipe"), dict(pp=2, tp=2)],
+                         ids=["fsdp2-tp2", "fsdp2-pp2-gpipe", "pp2-tp2"])
 def test_a_four_rank_2d_mesh_step_matches_a_single_process_run(tmp_path, mesh):
     check_against_single_process(tmp_path, **mesh)

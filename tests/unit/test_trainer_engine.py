@@ -264,7 +264,6 @@ def test_value_clipping_bounds_how_far_one_step_moves_from_old_values(model_path
 
 
 @pytest.mark.parametrize("actor,critic,pattern", [
-    (dict(pp_size=2, tp_size=2), None, "pp_size > 1 together with tp_size > 1"),
     (dict(pp_size=2), {}, "critic: a critic with actor.pp_size > 1"),
     (dict(dp_size=0), None, "actor.dp_size"),
 ])
