@@ -62,6 +62,9 @@ class RolloutConfig(PoolConfig):
     # engine "openai": ask for token ids with vLLM's return_token_ids / return_tokens_as_token_ids
     # (turn off for servers that reject unknown fields; the local tokenizer then maps tokens to ids).
     request_token_ids: bool = True
+    # engine "torch" on CUDA: decode unseeded requests without stop strings or top-logprobs with one captured
+    # CUDA graph per step over a static KV cache (services/rollout/cuda_decode.py); others use the eager loop.
+    cuda_graphs: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -283,6 +286,13 @@ class TorchEngine(RolloutEngine):
         self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
         self._pending: list[_Job] = []
         self.stats = {"requests": 0, "decode_batches": 0, "samples": 0, "generated_tokens": 0}
+        self._graph_decoder = None
+        if r.cuda_graphs:
+            if not str(self.device).startswith("cuda"):
+                raise ValueError(f"rollout.cuda_graphs: needs a CUDA device, model.device is {self.device!r}")
+            from services.rollout.cuda_decode import GraphDecoder
+            self._graph_decoder = GraphDecoder(self.model, pad_id=self.pad_id, eos_ids=sorted(self.eos_ids),
+                                               max_batch_size=r.max_batch_size)
         log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer=%s",
                  self.model_path, self.device, self.dtype, self.max_model_len, r.max_batch_size,
                  "yes" if self.tokenizer is not None else "none")
@@ -460,6 +470,10 @@ class TorchEngine(RolloutEngine):
         """
         from transformers import DynamicCache
 
+        if self._graph_decoder is not None and all(
+                self._graph_decoder.can_decode(seeded=r.generator is not None, has_stops=bool(r.sampling.stop),
+                                               top_logprobs=r.sampling.top_logprobs) for r in rows):
+            return self._graph_decode(rows)
         dev = self.device
         # Prefill each distinct prompt once, then fan the KV cache out to its samples.
         uniq: dict[tuple[int, ...], int] = {}
@@ -544,6 +558,14 @@ class TorchEngine(RolloutEngine):
             k = row.sampling.top_logprobs
             if k:
                 row.top = [list(zip(ti_l[a][t][:k], tv_l[a][t][:k])) for t in range(L)]
+
+    def _graph_decode(self, rows: list[_Row]) -> None:
+        """The same decode as _decode, each step one CUDA graph replay (rows stay in the batch until all end)."""
+        tokens, logprobs, stopped = self._graph_decoder.decode(
+            [r.prompt for r in rows], [r.budget for r in rows], [r.sampling.temperature for r in rows],
+            [r.sampling.top_p for r in rows])
+        for row, t, lp, s in zip(rows, tokens, logprobs, stopped):
+            row.tokens, row.logprobs, row.finish_reason = t, lp, "stop" if s else "length"
 
     def _hit_stop(self, row: _Row, tokens: list[int], stops: Sequence[str]) -> bool:
         """True when the decoded response contains a stop string; the text is cut before it (as in vLLM)."""

@@ -1,0 +1,308 @@
+"""CUDA-graph decoding for the rollout torch engine: a static KV cache and one captured graph per step.
+
+`TorchEngine`'s own loop launches ~25 kernels per layer from Python for every token, so on a GPU it
+is bound by launch overhead, not by the GPU. Here a whole decode step -- sample the next token from
+the last logits (temperature, top_p, greedy rows), record its raw fp32 log-prob, mark rows that hit
+eos or their budget, then run the model on that token against a preallocated KV cache -- is one
+CUDA graph, replayed once per token with no host sync; the host looks at the `done` flags every
+`sync_every` steps only.
+
+The prefill is the engine's own (the transformers model with a DynamicCache, left padding, each
+distinct prompt once); its KV is copied into the static cache. The decode forward reuses the
+model's own modules (embedding, RMSNorms, projections, MLPs, rotary embedding) and only replaces
+attention: the query of one token against every cache slot, slots outside [pad, current] masked.
+So the log-probs are the raw model's, as in the eager loop, up to bf16 kernel-order rounding.
+
+Graphs, and the cache they write, are keyed on (batch bucket, length bucket, sampling mode);
+rows are padded up to the batch bucket with dummy rows that are done from the start. Seeded rows
+(per-row CPU generators), stop strings and top-logprobs stay on the eager loop (`can_decode`).
+Weight swaps copy into the parameters in place, so captured graphs stay valid across them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from services.rollout.engine import top_p_filter
+
+log = logging.getLogger("meshrl.rollout")
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why this model cannot use the graph decoder (None when it can)."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return f"model type {getattr(cfg, 'model_type', None)!r} (have {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["full_attention"])):
+        return "sliding-window layers"
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope != "default":
+        return f"rope type {rope!r} (only 'default' is static)"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        return "no model.layers / lm_head"
+    attn = inner.layers[0].self_attn
+    if hasattr(attn, "q_norm") or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "attention with q/k norms or fused projections"
+    return None
+
+
+def _bucket_batch(n: int, cap: int) -> int:
+    b = 8
+    while b < n:
+        b *= 2
+    return max(n, min(b, cap))
+
+
+def _bucket_len(n: int, step: int = 256) -> int:
+    return -(-n // step) * step
+
+
+@dataclass
+class _State:
+    """Static buffers of one (batch, length) bucket; every captured graph of it reads and writes these."""
+
+    B: int
+    S: int
+    k: list[torch.Tensor]                 # per layer [B, kv_heads, S, head_dim]
+    v: list[torch.Tensor]
+    logits: torch.Tensor                  # [B, V] fp32: the logits the next step samples from
+    pos: torch.Tensor                     # [B] rope position of the token being fed
+    slot: torch.Tensor                    # [1] cache slot of the token being fed (same for every row)
+    step: torch.Tensor                    # [1] index of the token being sampled
+    pad: torch.Tensor                     # [B] first valid cache slot (left padding)
+    budget: torch.Tensor                  # [B] new tokens a row may produce
+    temperature: torch.Tensor             # [B]
+    top_p: torch.Tensor                   # [B]
+    out_tok: torch.Tensor                 # [B, S]
+    out_lp: torch.Tensor                  # [B, S] fp32 raw log-probs
+    length: torch.Tensor                  # [B] tokens produced when done
+    stopped: torch.Tensor                 # [B] ended by eos
+    done: torch.Tensor                    # [B]
+    slots: torch.Tensor                   # [S] arange
+    graphs: dict = field(default_factory=dict)
+
+
+class GraphDecoder:
+    """Decodes batches of rows with a captured CUDA graph per step (or the same step eagerly: use_graphs=False)."""
+
+    def __init__(self, model, *, pad_id: int, eos_ids: Sequence[int], max_batch_size: int, use_graphs: bool = True,
+                 sync_every: int = 16, max_states: int = 4):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"rollout.cuda_graphs: this model cannot be decoded with CUDA graphs ({reason})")
+        self.model = model
+        self.pad_id = pad_id
+        self.max_batch_size = max_batch_size
+        self.use_graphs = use_graphs
+        self.sync_every = max(1, sync_every)
+        self.max_states = max_states
+        cfg = model.config
+        attn = model.model.layers[0].self_attn
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv = cfg.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.vocab_size = int(cfg.vocab_size)
+        # The model module's own rotary helper (Llama and Qwen2 share the formula).
+        self._apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self._eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
+        self._states: OrderedDict[tuple[int, int], _State] = OrderedDict()
+        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.stats = {"graphs_captured": 0, "replays": 0}
+
+    # ---- public
+
+    @staticmethod
+    def can_decode(*, seeded: bool, has_stops: bool, top_logprobs: int) -> bool:
+        """Rows the graph path serves: unseeded, no stop strings, no top-logprobs."""
+        return not seeded and not has_stops and top_logprobs == 0
+
+    @torch.inference_mode()
+    def decode(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], temperatures: Sequence[float],
+               top_ps: Sequence[float]) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        """Tokens, raw log-probs and ended-by-eos flags of each row (rows of one request share nothing)."""
+        R = len(prompts)
+        assert 0 < R <= self.max_batch_size
+        uniq: dict[tuple[int, ...], int] = {}
+        fan = [uniq.setdefault(tuple(q), len(uniq)) for q in prompts]
+        L = max(len(q) for q in uniq)
+        T = max(budgets)
+        st = self._state(_bucket_batch(R, self.max_batch_size), _bucket_len(L + T))
+        mode = self._mode(temperatures, top_ps)
+        graph = self._graph(st, mode) if self.use_graphs else None
+        self._prefill(st, list(uniq), fan, L, budgets, temperatures, top_ps)
+        for i in range(T):
+            if graph is not None:
+                graph.replay()
+            else:
+                self._step(st, mode)
+            if (i + 1) % self.sync_every == 0 and i + 1 < T and bool(st.done.all()):
+                break
+        self.stats["replays"] += i + 1
+        lengths, stopped = st.length[:R].tolist(), st.stopped[:R].tolist()
+        tok, lp = st.out_tok[:R, :T].tolist(), st.out_lp[:R, :T].tolist()
+        return ([t[:n] for t, n in zip(tok, lengths)], [x[:n] for x, n in zip(lp, lengths)], stopped)
+
+    def reset(self) -> None:
+        """Drops every captured graph and its cache (the next decode captures again)."""
+        self._states.clear()
+
+    # ---- buckets and graphs
+
+    def _state(self, B: int, S: int) -> _State:
+        key = (B, S)
+        if key in self._states:
+            self._states.move_to_end(key)
+            return self._states[key]
+        while len(self._states) >= self.max_states:
+            self._states.popitem(last=False)
+        d, kw = self.device, dict(device=self.device)
+        n_layers = len(self.model.model.layers)
+        shape = (B, self.num_kv, S, self.head_dim)
+        st = _State(
+            B=B, S=S,
+            k=[torch.zeros(shape, dtype=self.dtype, device=d) for _ in range(n_layers)],
+            v=[torch.zeros(shape, dtype=self.dtype, device=d) for _ in range(n_layers)],
+            logits=torch.zeros((B, self.vocab_size), dtype=torch.float32, **kw),
+            pos=torch.zeros(B, dtype=torch.long, **kw), slot=torch.zeros(1, dtype=torch.long, **kw),
+            step=torch.zeros(1, dtype=torch.long, **kw), pad=torch.zeros(B, dtype=torch.long, **kw),
+            budget=torch.ones(B, dtype=torch.long, **kw), temperature=torch.ones(B, dtype=torch.float32, **kw),
+            top_p=torch.ones(B, dtype=torch.float32, **kw), out_tok=torch.zeros((B, S), dtype=torch.long, **kw),
+            out_lp=torch.zeros((B, S), dtype=torch.float32, **kw), length=torch.zeros(B, dtype=torch.long, **kw),
+            stopped=torch.zeros(B, dtype=torch.bool, **kw), done=torch.zeros(B, dtype=torch.bool, **kw),
+            slots=torch.arange(S, **kw))
+        self._states[key] = st
+        log.info("cuda graph decoder: cache bucket batch=%d len=%d (%.2f GiB KV)", B, S,
+                 2 * n_layers * st.k[0].numel() * st.k[0].element_size() / 2**30)
+        return st
+
+    @staticmethod
+    def _mode(temperatures: Sequence[float], top_ps: Sequence[float]) -> str:
+        if all(t == 0 for t in temperatures):
+            return "greedy"
+        return "top_p" if any(p < 1 for p in top_ps) else "sample"
+
+    def _graph(self, st: _State, mode: str):
+        g = st.graphs.get(mode)
+        if g is not None:
+            return g
+        # Warm-up on a side stream (cuBLAS handles, allocator) before capture, as torch.cuda.graphs asks.
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                st.step.zero_()
+                st.slot.zero_()
+                self._step(st, mode)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        st.step.zero_()
+        st.slot.zero_()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            self._step(st, mode)
+        st.graphs[mode] = g
+        self.stats["graphs_captured"] += 1
+        log.info("cuda graph decoder: captured %s step for batch=%d len=%d", mode, st.B, st.S)
+        return g
+
+    # ---- prefill and one step
+
+    def _prefill(self, st: _State, prompts: list[tuple[int, ...]], fan: list[int], L: int, budgets, temperatures,
+                 top_ps) -> None:
+        """The engine's prefill (left padding, one forward per distinct prompt), copied into the static cache."""
+        from transformers import DynamicCache
+
+        dev, R = self.device, len(fan)
+        lens = [len(q) for q in prompts]
+        ids = torch.full((len(prompts), L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), L), dtype=torch.long)
+        for i, q in enumerate(prompts):
+            ids[i, L - len(q):] = torch.tensor(q, dtype=torch.long)
+            mask[i, L - len(q):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        fan_t = torch.tensor(fan, dtype=torch.long, device=dev)
+        st.logits[:R].copy_(out.logits[:, -1, :].float().index_select(0, fan_t))
+        st.logits[R:].zero_()
+        for layer, (k, v) in enumerate(zip(st.k, st.v)):
+            k[:R, :, :L].copy_(cache.layers[layer].keys.index_select(0, fan_t))
+            v[:R, :, :L].copy_(cache.layers[layer].values.index_select(0, fan_t))
+        row_len = torch.tensor([lens[f] for f in fan] + [0] * (st.B - R), dtype=torch.long)
+        st.pos.copy_(row_len)
+        st.pad.copy_(torch.where(torch.arange(st.B) < R, L - row_len, L))   # dummy rows see only their own slot
+        st.slot.fill_(L)
+        st.step.zero_()
+        pad_rows = st.B - R
+        st.budget.copy_(torch.tensor(list(budgets) + [1] * pad_rows, dtype=torch.long))
+        st.temperature.copy_(torch.tensor(list(temperatures) + [0.0] * pad_rows, dtype=torch.float32))
+        st.top_p.copy_(torch.tensor(list(top_ps) + [1.0] * pad_rows, dtype=torch.float32))
+        st.length.zero_()
+        st.stopped.zero_()
+        st.done.copy_(torch.arange(st.B) >= R)
+
+    def _step(self, st: _State, mode: str) -> None:
+        """Samples token `step` from st.logits, records it, then feeds it through the model (graph-safe: no syncs)."""
+        logits = st.logits
+        if mode == "greedy":
+            tok = logits.argmax(-1)
+        else:
+            sampled = st.temperature > 0
+            scaled = logits / torch.where(sampled, st.temperature, 1.0).unsqueeze(-1)
+            if mode == "top_p":
+                probs = top_p_filter(torch.softmax(scaled, -1), st.top_p.unsqueeze(-1))
+                scaled = probs.log()                                  # -inf outside the nucleus
+            # Exponential race (Gumbel-max): argmax(log p - log E), E ~ Exp(1), draws exactly from p.
+            race = scaled - torch.empty_like(scaled).exponential_().log()
+            tok = torch.where(sampled, race.argmax(-1), logits.argmax(-1))
+        lp = logits.gather(1, tok.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)   # raw log-prob
+        st.out_tok.index_copy_(1, st.step, tok.unsqueeze(-1))
+        st.out_lp.index_copy_(1, st.step, lp.unsqueeze(-1))
+        hit = (tok.unsqueeze(-1) == self._eos).any(-1)
+        newly = ~st.done & (hit | (st.step + 1 >= st.budget))
+        st.length.copy_(torch.where(newly, st.step + 1, st.length))
+        st.stopped.logical_or_(newly & hit)
+        st.done.logical_or_(newly)
+        st.logits.copy_(self._forward(st, tok))
+        st.step.add_(1)
+        st.slot.add_(1)
+        st.pos.add_(1)
+
+    def _forward(self, st: _State, tok: torch.Tensor) -> torch.Tensor:
+        """One token per row through the model against the static cache -> fp32 logits [B, V]."""
+        m = self.model.model
+        B, H, KV, hd = st.B, self.num_heads, self.num_kv, self.head_dim
+        x = m.embed_tokens(tok.unsqueeze(-1))                                     # [B, 1, d]
+        cos, sin = m.rotary_emb(x, st.pos.unsqueeze(-1))
+        valid = (st.slots >= st.pad.unsqueeze(-1)) & (st.slots <= st.slot)     # [B, S]
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill_(~valid, float("-inf"))
+        bias = bias[:, None, None, :]                                           # [B, 1, 1, S]
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(B, 1, H, hd).transpose(1, 2)                    # [B, H, 1, hd]
+            k = a.k_proj(h).view(B, 1, KV, hd).transpose(1, 2)
+            v = a.v_proj(h).view(B, 1, KV, hd).transpose(1, 2)
+            q, k = self._apply_rope(q, k, cos, sin)
+            st.k[i].index_copy_(2, st.slot, k)
+            st.v[i].index_copy_(2, st.slot, v)
+            # Grouped query heads against their kv head: [B, KV, G, hd] x [B, KV, hd, S].
+            scores = torch.matmul(q.reshape(B, KV, H // KV, hd), st.k[i].transpose(-1, -2)).float()
+            probs = torch.softmax(scores * self.scaling + bias, dim=-1).to(x.dtype)
+            o = torch.matmul(probs, st.v[i]).reshape(B, 1, H * hd)
+            x = x + a.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = m.norm(x)
+        return self.model.lm_head(x[:, 0]).float()

@@ -1,0 +1,144 @@
+"""GPU tests of the rollout engine's CUDA-graph decode (services/rollout/cuda_decode.py); skipped without CUDA."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from services.common.modeling import response_logprobs
+from services.common.weights import build_manifest, iter_buckets
+from services.rollout.engine import GenerateBatch, PromptInput, RolloutSettings, SamplingParams, TorchEngine
+from services.rollout.testing import make_tiny_model, random_state_like
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PROMPTS = [[4, 5, 13, 6, 15], [7, 3, 9, 12, 8, 10, 11, 14, 16, 4, 4, 5], [20]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("cuda_decode_model"), max_position_embeddings=512)
+
+
+def make_engine(path: str, *, graphs: bool, dtype: str = "float32", **rollout) -> TorchEngine:
+    return TorchEngine(RolloutSettings(model={"path": path, "device": "cuda", "dtype": dtype},
+                                       rollout={"cuda_graphs": graphs, **rollout}))
+
+
+@pytest.fixture(scope="module")
+def graph_engine(model_dir) -> TorchEngine:
+    return make_engine(model_dir, graphs=True, max_batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def eager_engine(model_dir) -> TorchEngine:
+    return make_engine(model_dir, graphs=False, max_batch_size=16)
+
+
+def gen(engine, prompts=PROMPTS, **sampling):
+    batch = GenerateBatch([PromptInput(id=f"p{i}", prompt_ids=list(p)) for i, p in enumerate(prompts)],
+                          SamplingParams(**sampling))
+    return asyncio.run(engine.generate(batch))
+
+
+def flat(results):
+    return [s for r in results for s in r.samples]
+
+
+def _aiter(items):
+    async def gen_():
+        for x in items:
+            yield x
+    return gen_()
+
+
+def test_greedy_graph_decode_gives_the_eager_loops_tokens_and_logprobs(graph_engine, eager_engine):
+    a = flat(gen(graph_engine, n=2, temperature=0, max_tokens=40))
+    b = flat(gen(eager_engine, n=2, temperature=0, max_tokens=40))
+    assert graph_engine._graph_decoder.stats["replays"] > 0
+    for x, y in zip(a, b):
+        assert x.response_ids == y.response_ids
+        assert x.finish_reason == y.finish_reason
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("sampling", [dict(n=4, temperature=1.0), dict(n=3, temperature=0.7, top_p=0.8),
+                                      dict(n=2, temperature=1.3, top_p=0.5)])
+def test_sampled_logprobs_equal_a_full_forward_pass(graph_engine, sampling):
+    results = gen(graph_engine, max_tokens=48, **sampling)
+    prompts = [r.prompt_ids for r in results for _ in r.samples]
+    samples = flat(results)
+    lp, _ = response_logprobs(graph_engine.model, prompts, [s.response_ids for s in samples], pad_id=0)
+    for i, s in enumerate(samples):
+        assert len(s.logprobs) == len(s.response_ids) >= 1
+        assert torch.allclose(torch.tensor(s.logprobs), lp[i, :len(s.logprobs)].cpu(), atol=1e-4, rtol=0), i
+
+
+def test_eos_ends_a_row_with_stop_and_only_at_its_end(model_dir):
+    eng = make_engine(make_tiny_model(model_dir + "_eos", eos_logit_zero=False, init_scale=1.0,
+                                      max_position_embeddings=512), graphs=True)
+    samples = flat(gen(eng, n=16, temperature=1.0, max_tokens=200))
+    eos = 2
+    assert any(s.finish_reason == "stop" for s in samples)
+    for s in samples:
+        assert eos not in s.response_ids[:-1]
+        assert (s.finish_reason == "stop") == (s.response_ids[-1] == eos)
+        assert s.finish_reason == "stop" or len(s.response_ids) == 200
+
+
+def test_rows_finish_at_their_own_budget_near_max_model_len(model_dir):
+    eng = make_engine(model_dir, graphs=True, max_model_len=20)
+    samples = flat(gen(eng, temperature=0, max_tokens=100))
+    assert [len(s.response_ids) for s in samples] == [20 - len(p) for p in PROMPTS]
+
+
+def test_sampling_follows_the_tempered_distribution(model_dir):
+    """The in-graph Gumbel race draws from softmax(logits / T): first-token frequencies against the model's."""
+    eng = make_engine(make_tiny_model(model_dir + "_flat", init_scale=1.0, max_position_embeddings=512),
+                      graphs=True, max_batch_size=1024)
+    prompt, T, n = [4, 5, 6], 0.8, 1024
+    counts = torch.zeros(eng.vocab_size)
+    for _ in range(4):
+        for s in flat(gen(eng, prompts=[prompt], n=n, temperature=T, max_tokens=1)):
+            counts[s.response_ids[0]] += 1
+    with torch.no_grad():
+        logits = eng.model(input_ids=torch.tensor([prompt], device="cuda")).logits[0, -1].float().cpu()
+    expected = torch.softmax(logits / T, -1)
+    assert (counts / counts.sum() - expected).abs().max() < 0.03
+
+
+def test_graphs_are_captured_once_and_survive_a_weight_update(model_dir):
+    eng = make_engine(model_dir, graphs=True)
+    eager = make_engine(model_dir, graphs=False)
+    gen(eng, temperature=0, max_tokens=10)
+    captured = eng._graph_decoder.stats["graphs_captured"]
+    gen(eng, temperature=0, max_tokens=12)
+    assert eng._graph_decoder.stats["graphs_captured"] == captured
+    new = random_state_like(eng.model, seed=3)
+    for e in (eng, eager):
+        asyncio.run(e.update_weights(build_manifest(new, 1), _aiter(iter_buckets(new, 4096))))
+    a, b = flat(gen(eng, temperature=0, max_tokens=30)), flat(gen(eager, temperature=0, max_tokens=30))
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert eng._graph_decoder.stats["graphs_captured"] == captured
+
+
+def test_seeded_and_stop_requests_use_the_eager_loop(graph_engine, eager_engine):
+    before = graph_engine._graph_decoder.stats["replays"]
+    a = flat(gen(graph_engine, n=2, temperature=1.0, max_tokens=16, seed=7))
+    b = flat(gen(eager_engine, n=2, temperature=1.0, max_tokens=16, seed=7))
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert graph_engine._graph_decoder.stats["replays"] == before
+
+
+def test_bf16_sampled_logprobs_stay_close_to_a_full_forward_pass(model_dir):
+    eng = make_engine(model_dir, graphs=True, dtype="bfloat16")
+    results = gen(eng, n=4, temperature=1.0, max_tokens=64)
+    prompts = [r.prompt_ids for r in results for _ in r.samples]
+    samples = flat(results)
+    lp, _ = response_logprobs(eng.model, prompts, [s.response_ids for s in samples], pad_id=0)
+    worst = max(float((torch.tensor(s.logprobs) - lp[i, :len(s.logprobs)].float().cpu()).abs().max())
+                for i, s in enumerate(samples))
+    assert worst < 0.1, worst
