@@ -1,0 +1,137 @@
+"""Helpers of the fault tests: service processes that can be killed with SIGKILL and restarted on their port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from coordinator.launcher import Child, Launcher
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = str(REPO / "examples" / "arith" / "data" / "train.jsonl")
+HELDOUT = str(REPO / "examples" / "arith" / "data" / "heldout.jsonl")
+# Keys whose values differ between two runs of the same seed (clocks, throughput).
+TIMING_KEYS = ("time/", "timestamp", "samples_per_s", "tokens_per_s", "seconds", "gb_per_s")
+
+
+def run_config(model_path: str, run_dir: Path, **sections: dict) -> dict:
+    """A small seeded GRPO run: 4 prompts x 4 samples a step, replicas re-checked every 0.2 s."""
+    cfg: dict[str, Any] = {
+        "model": {"path": model_path},
+        "rollout": {"n": 4, "temperature": 1.0, "max_tokens": 6, "seed": 1234},
+        "actor": {"lr": 1e-4},
+        "reward": {},
+        "reference": {},
+        "algorithm": {"adv_estimator": "grpo"},
+        "data": {"train_files": [TRAIN], "heldout_files": [HELDOUT], "heldout_size": 4, "rollout_batch_size": 4},
+        "run": {"num_steps": 4, "run_dir": str(run_dir), "refresh_interval_s": 0.2},
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    return cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def with_addresses(cfg: dict, addresses: dict[str, list[str]]) -> dict:
+    """The run config with the started processes' addresses filled in."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
+    for role in ("rollout", "reward", "reference"):
+        if addresses.get(role):
+            out[role] = {**out.get(role, {}), "servers": list(addresses[role])}
+    out["trainer"] = {**out.get("trainer", {}), "address": addresses["trainer"][0]}
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Service processes of one test. Every process is killed at close(), whatever happened."""
+
+    def __init__(self, config_path: Path, log_dir: Path, overrides: dict[str, str] | None = None):
+        self.launcher = Launcher(str(config_path), log_dir=log_dir, overrides=overrides or {})
+        self._index = 0
+
+    def start(self, role: str, *, port: int = 0, args: list[str] | None = None, wait: bool = True) -> Child:
+        self._index += 1
+        child = self.launcher.start(role, self._index, extra_args=["--port", str(port), *(args or [])])
+        child.args = list(args or [])          # kept for restart()
+        if wait:
+            self.wait(child)
+        return child
+
+    def start_all(self, specs: list[tuple[str, list[str]]]) -> list[Child]:
+        """Starts every (role, args) at once and waits for all: start-up overlaps."""
+        children = [self.start(role, args=args, wait=False) for role, args in specs]
+        for c in children:
+            self.wait(c)
+        return children
+
+    def wait(self, child: Child, timeout: float = 240.0) -> str:
+        return self.launcher.wait_ready(child, timeout=timeout)
+
+    @staticmethod
+    def kill9(child: Child) -> None:
+        os.kill(child.proc.pid, signal.SIGKILL)
+        child.proc.wait(timeout=30)
+
+    def restart(self, child: Child, *, wait: bool = True) -> Child:
+        """The same role on the same port (static server lists keep naming it)."""
+        port = int(child.address.rsplit(":", 1)[1])
+        for _ in range(50):                    # the old socket may linger a moment after SIGKILL
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                time.sleep(0.1)
+        return self.start(child.role, port=port, args=getattr(child, "args", []), wait=wait)
+
+    @staticmethod
+    def log(child: Child) -> str:
+        return child.log_path.read_text() if child.log_path.exists() else ""
+
+    def close(self) -> None:
+        for c in self.launcher.children:
+            if c.proc.poll() is None:
+                c.proc.kill()
+        for c in self.launcher.children:
+            try:
+                c.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def comparable(metrics: dict) -> dict:
+    """A step's metrics without the ones that measure time."""
+    return {k: v for k, v in metrics.items() if not any(t in k for t in TIMING_KEYS)}
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
