@@ -16,6 +16,8 @@ from services.trainer.engine import ActorConfig, CriticConfig
 class AlgorithmConfig(Section):
     """`algorithm:` advantage estimator, KL handling and PPO loss settings (verl's names)."""
 
+    # rl: GRPO/PPO/RLOO/REINFORCE++ with rollouts; dpo: offline preference optimisation (`dpo:` section).
+    kind: Literal["rl", "dpo"] = "rl"
     adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = "grpo"
     # False gives Dr. GRPO's mean-centred advantages.
     norm_adv_by_std: bool = True
@@ -50,6 +52,24 @@ class AlgorithmConfig(Section):
         if self.clip_ratio_c and self.clip_ratio_c <= 1:
             raise ValueError("clip_ratio_c must be > 1 (or 0 to turn dual clip off)")
         return self
+
+
+class DPOConfig(Section):
+    """`dpo:` preference optimisation settings (used when algorithm.kind is dpo)."""
+
+    loss_type: Literal["sigmoid", "ipo", "cdpo"] = "sigmoid"
+    beta: float = Field(0.1, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    # Pairs per step; each step is one TrainDPO call.
+    batch_size: int = Field(16, ge=1)
+    mini_batch_size: int = Field(0, ge=0)
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    # Reference log-probs already in the dataset (summed over the response), else from the reference pool.
+    ref_chosen_key: str = "ref_chosen_logprob"
+    ref_rejected_key: str = "ref_rejected_logprob"
+    # Held-out preference pairs for preference accuracy (default: data.heldout_files when they hold pairs).
+    heldout_files: list[str] = Field(default_factory=list)
 
 
 class DataConfig(Section):
@@ -114,6 +134,7 @@ class RunConfig(MeshSettings):
     actor: ActorConfig = ActorConfig()
     critic: CriticConfig | None = None
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    dpo: DPOConfig = DPOConfig()
     data: DataConfig = DataConfig()
     run: RunSection = RunSection()
     trainer: TrainerSection = TrainerSection()

@@ -10,6 +10,28 @@ from coordinator import phases
 from coordinator.phases import PhaseTimer, RunContext
 
 
+async def run_step(ctx: RunContext) -> dict[str, float]:
+    """One step of the configured family: RL (below) or DPO (coordinator/dpo.py)."""
+    if ctx.dpo is not None:
+        from coordinator import dpo
+
+        return await dpo.dpo_step(ctx)
+    return await rl_step(ctx)
+
+
+async def evaluate(ctx: RunContext) -> dict[str, float]:
+    """Held-out metrics: greedy task accuracy (and preference accuracy for DPO)."""
+    if ctx.dpo is not None:
+        from coordinator import dpo
+
+        return await dpo.evaluate(ctx)
+    return {"heldout_accuracy": await phases.evaluate(ctx)}
+
+
+def data_position(ctx: RunContext) -> int:
+    return ctx.dpo.train.position if ctx.dpo is not None else ctx.data.position
+
+
 async def rl_step(ctx: RunContext) -> dict[str, float]:
     """One on-policy (or, in async mode, bounded-staleness) step; returns its metrics."""
     timer = PhaseTimer()

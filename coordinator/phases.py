@@ -94,6 +94,8 @@ class RunContext:
     kl_coef: float = 0.0
     kl_controller: adv_fns.AdaptiveKLController | None = None
     prefetched: asyncio.Task | None = None
+    # DPO runs: pairs, reference cache (coordinator/dpo.py DPOState).
+    dpo: object = None
     # The last step's samples, for tests and debugging.
     last_samples: list = field(default_factory=list)
 
@@ -123,6 +125,10 @@ def _pool(role: str, section, stub_factory, token: str | None, registry=None) ->
                        timeout_s=section.timeout_s, token=token)
 
 
+def _configured(section) -> bool:
+    return bool(section.servers or section.dns or section.registry)
+
+
 async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: int = 0) -> RunContext:
     """Connects to every pool and the trainer, loads the data; fails early when a pool is empty."""
     token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None
@@ -130,8 +136,11 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
 
     tokenizer = load_tokenizer(cfg.model.path)
     d = cfg.data
-    problems = load_problems(d.train_files, prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer,
-                             apply_chat_template=d.apply_chat_template, max_prompt_tokens=d.max_prompt_length)
+    is_dpo = cfg.algorithm.kind == "dpo"
+    # DPO reads preference pairs (coordinator/dpo.py); RL reads prompts with answers.
+    problems = [] if is_dpo else load_problems(
+        d.train_files, prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer,
+        apply_chat_template=d.apply_chat_template, max_prompt_tokens=d.max_prompt_length)
     heldout = load_problems(d.heldout_files, prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer,
                             apply_chat_template=d.apply_chat_template) if d.heldout_files else []
     if d.heldout_size:
@@ -154,6 +163,18 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
     ctx.kl_coef = a.kl_coef
     if a.use_kl_in_reward and a.kl_ctrl == "adaptive":
         ctx.kl_controller = adv_fns.AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon)
+    if is_dpo:
+        from coordinator import dpo
+
+        ctx.dpo = dpo.open_state(cfg, tokenizer, position=position)
+        if reference is None and not ctx.dpo.has_precomputed_reference:
+            await ctx.close()
+            raise ValueError("reference.servers: DPO needs a reference pool unless the dataset carries "
+                             "ref_chosen_logprob / ref_rejected_logprob")
+        # Rollout and reward pools are optional for DPO (held-out task accuracy uses them).
+        rollout = rollout if _configured(cfg.rollout) else None
+        reward = reward if _configured(cfg.reward) else None
+        ctx.rollout, ctx.reward = rollout, reward
     for pool in (rollout, reward, reference):
         if pool is not None and not await pool.refresh():
             await ctx.close()
@@ -394,7 +415,7 @@ def write_jsonl(path: Path, record: dict) -> None:
 
 async def evaluate(ctx: RunContext) -> float:
     """Held-out accuracy with greedy decoding through the rollout and reward pools."""
-    if not ctx.heldout:
+    if not ctx.heldout or ctx.rollout is None or ctx.reward is None:
         return float("nan")
     greedy = remote.Sampling(n=1, temperature=0.0, top_p=1.0, max_tokens=ctx.cfg.rollout.max_tokens,
                              stop=list(ctx.cfg.rollout.stop))

@@ -153,3 +153,23 @@ async def save_checkpoint(stub, path: str) -> trainer_pb2.CheckpointResponse:
 
 async def load_checkpoint(stub, path: str) -> trainer_pb2.CheckpointResponse:
     return await stub.LoadCheckpoint(trainer_pb2.CheckpointRequest(path=path))
+
+
+async def train_dpo(stub, pairs, loss: dict) -> tuple[int, dict[str, float]]:
+    """pairs: objects with prompt_ids, chosen_ids, rejected_ids, ref_chosen, ref_rejected."""
+    request = trainer_pb2.TrainDPORequest(
+        pairs=[trainer_pb2.PreferencePair(prompt_ids=p.prompt_ids, chosen_ids=p.chosen_ids,
+                                          rejected_ids=p.rejected_ids, ref_chosen_logprob=p.ref_chosen,
+                                          ref_rejected_logprob=p.ref_rejected) for p in pairs],
+        loss=trainer_pb2.DPOLoss(**loss))
+    response = await stub.TrainDPO(request)
+    return response.step, dict(response.metrics)
+
+
+async def sequence_logprob_sums(stub, prompts, responses) -> list[float]:
+    """Summed response log-probs of (prompt_ids, response_ids) pairs under a trainer or reference."""
+    request = common_pb2.LogProbsRequest(
+        sequences=[common_pb2.TokenSequence(id=str(i), prompt_ids=p, response_ids=r)
+                   for i, (p, r) in enumerate(zip(prompts, responses))], temperature=1.0)
+    response = await stub.ComputeLogProbs(request)
+    return [sum(r.logprobs) for r in response.results]

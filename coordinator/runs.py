@@ -144,9 +144,9 @@ class RunManager:
         started = time.time()
         refreshed = time.monotonic()
         if record.step == 0 and "heldout_accuracy_before" not in record.last_metrics:
-            acc = await phases.evaluate(ctx)
-            record.last_metrics = {"heldout_accuracy_before": acc}
-            await self._record(record, {"step": 0, "heldout_accuracy": acc})
+            evals = await loop.evaluate(ctx)
+            record.last_metrics = {"heldout_accuracy_before": evals["heldout_accuracy"]}
+            await self._record(record, {"step": 0, **evals})
         while ctx.step < cfg.run.num_steps:
             record = await self.store.get(run_id)
             if record.command == "stop":
@@ -164,24 +164,25 @@ class RunManager:
                 # Replicas that restarted or joined come back into the pools between steps.
                 await phases.refresh_pools(ctx)
                 refreshed = time.monotonic()
-            metrics = await loop.rl_step(ctx)
+            metrics = await loop.run_step(ctx)
             if cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0 and ctx.step < cfg.run.num_steps:
-                metrics["heldout_accuracy"] = await phases.evaluate(ctx)
+                metrics.update(await loop.evaluate(ctx))
             record = await self.store.get(run_id)
             if cfg.run.checkpoint_every and ctx.step % cfg.run.checkpoint_every == 0:
                 path = str(ctx.run_dir / "checkpoints" / f"step_{ctx.step}")
                 await remote.save_checkpoint(ctx.trainer, path)
                 record.checkpoint_path = path
             record.step, record.weight_version, record.data_position = ctx.step, ctx.weight_version, \
-                ctx.data.position
+                loop.data_position(ctx)
             await self._record(record, {"step": ctx.step, **metrics})
         record = await self.store.get(run_id)
-        acc = await phases.evaluate(ctx)
-        summary = write_summary(ctx, record, acc, time.time() - started)
+        evals = await loop.evaluate(ctx)
+        acc = evals["heldout_accuracy"]
+        summary = write_summary(ctx, record, acc, time.time() - started, evals)
         record.state = "COMPLETED"
         record.last_metrics = {**record.last_metrics, "heldout_accuracy_after": acc,
                                "heldout_accuracy_before": summary["heldout_accuracy_before"]}
-        await self._record(record, {"step": ctx.step, "heldout_accuracy": acc, "final": 1.0})
+        await self._record(record, {"step": ctx.step, **evals, "final": 1.0})
 
     async def _record(self, record: RunRecord, metrics: dict) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}
@@ -248,7 +249,8 @@ class RunManager:
         await self.store.close()
 
 
-def write_summary(ctx: phases.RunContext, record: RunRecord, accuracy_after: float, seconds: float) -> dict:
+def write_summary(ctx: phases.RunContext, record: RunRecord, accuracy_after: float, seconds: float,
+                  final_evals: dict | None = None) -> dict:
     history = []
     path = ctx.run_dir / "metrics.jsonl"
     if path.exists():
@@ -268,5 +270,11 @@ def write_summary(ctx: phases.RunContext, record: RunRecord, accuracy_after: flo
         "reward_curve": [m["reward_mean"] for m in steps],
         "phase_time_shares": {k: v / total for k, v in sorted(phase_totals.items())},
     }
+    if ctx.dpo is not None:
+        summary["algorithm"] = "dpo"
+        summary["heldout_preference_accuracy_before"] = next(
+            (m.get("heldout_preference_accuracy") for m in history if m["step"] == 0), float("nan"))
+        summary["heldout_preference_accuracy_after"] = (final_evals or {}).get("heldout_preference_accuracy")
+        summary["reward_curve"] = [m.get("dpo/rewards/margins") for m in steps]
     (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -1,0 +1,137 @@
+"""DPO through the mesh: preference pairs, reference log-probs (cached per pair), TrainDPO, preference accuracy."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+
+from coordinator import phases, remote
+from coordinator.data import PromptStream, read_rows, _lookup
+
+
+@dataclass
+class Pair:
+    """One tokenized preference pair; reference sums are filled from the dataset or the reference pool."""
+
+    id: str
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    ref_chosen: float | None = None
+    ref_rejected: float | None = None
+
+
+@dataclass
+class DPOState:
+    train: PromptStream
+    heldout: list[Pair]
+    has_precomputed_reference: bool
+    # Reference sums per pair id: computed once, reused in later epochs.
+    ref_cache: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def _response_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        ids = ids + [tokenizer.eos_token_id]
+    return ids
+
+
+def load_pairs(files: list[str], cfg, tokenizer, *, source: str) -> list[Pair]:
+    d, p = cfg.data, cfg.dpo
+    pairs: list[Pair] = []
+    for f in files:
+        for i, row in enumerate(read_rows(f)):
+            prompt, chosen, rejected = (_lookup(row, d.prompt_key), _lookup(row, p.chosen_key),
+                                        _lookup(row, p.rejected_key))
+            for key, value in ((d.prompt_key, prompt), (p.chosen_key, chosen), (p.rejected_key, rejected)):
+                if value is None:
+                    raise ValueError(f"{source} file {f!r} row {i}: missing key {key!r}")
+            if isinstance(prompt, list):
+                prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            for key, value in ((p.chosen_key, chosen), (p.rejected_key, rejected)):
+                if not isinstance(value, str):
+                    raise ValueError(f"{source} file {f!r} row {i}: {key!r} must be a string")
+            rc, rr = _lookup(row, p.ref_chosen_key), _lookup(row, p.ref_rejected_key)
+            pairs.append(Pair(id=f"{f}:{i}", prompt_ids=tokenizer(prompt)["input_ids"],
+                              chosen_ids=_response_ids(tokenizer, chosen), rejected_ids=_response_ids(tokenizer, rejected),
+                              ref_chosen=float(rc) if rc is not None else None,
+                              ref_rejected=float(rr) if rr is not None else None))
+    if not pairs:
+        raise ValueError(f"{source}: no preference pairs in {files}")
+    return pairs
+
+
+def open_state(cfg, tokenizer, *, position: int = 0) -> DPOState:
+    train = load_pairs(cfg.data.train_files, cfg, tokenizer, source="data.train_files")
+    heldout_files = cfg.dpo.heldout_files or cfg.data.heldout_files
+    heldout = load_pairs(heldout_files, cfg, tokenizer, source="dpo.heldout_files") if heldout_files else []
+    precomputed = all(p.ref_chosen is not None and p.ref_rejected is not None for p in train + heldout)
+    return DPOState(PromptStream(train, seed=cfg.data.seed, shuffle=cfg.data.shuffle, position=position), heldout,
+                    precomputed)
+
+
+async def fill_reference(ctx: phases.RunContext, pairs: list[Pair]) -> None:
+    """Reference sums for pairs that lack them, from the reference pool, cached by pair id."""
+    state: DPOState = ctx.dpo
+    missing = [p for p in pairs if (p.ref_chosen is None or p.ref_rejected is None) and p.id not in state.ref_cache]
+    if missing:
+        prompts = [p.prompt_ids for p in missing] * 2
+        responses = [p.chosen_ids for p in missing] + [p.rejected_ids for p in missing]
+        sums = await ctx.reference.call(lambda stub: remote.sequence_logprob_sums(stub, prompts, responses))
+        for i, p in enumerate(missing):
+            state.ref_cache[p.id] = (sums[i], sums[len(missing) + i])
+    for p in pairs:
+        if p.ref_chosen is None or p.ref_rejected is None:
+            p.ref_chosen, p.ref_rejected = state.ref_cache[p.id]
+
+
+async def preference_accuracy(ctx: phases.RunContext, pairs: list[Pair]) -> float:
+    """Share of pairs whose implicit reward ranks chosen above rejected under the current policy."""
+    if not pairs:
+        return float("nan")
+    await fill_reference(ctx, pairs)
+    prompts = [p.prompt_ids for p in pairs] * 2
+    responses = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
+    sums = await remote.sequence_logprob_sums(ctx.trainer, prompts, responses)
+    n = len(pairs)
+    wins = sum(1 for i, p in enumerate(pairs) if (sums[i] - p.ref_chosen) > (sums[n + i] - p.ref_rejected))
+    return wins / n
+
+
+async def dpo_step(ctx: phases.RunContext) -> dict[str, float]:
+    """take pairs -> reference log-probs (cached) -> TrainDPO -> (sync weights when rollouts exist) -> metrics."""
+    timer = phases.PhaseTimer()
+    start = time.perf_counter()
+    state: DPOState = ctx.dpo
+    d = ctx.cfg.dpo
+    pairs = state.train.take(d.batch_size)
+    with timer("reference"):
+        await fill_reference(ctx, pairs)
+    with timer("train"):
+        _, metrics = await remote.train_dpo(ctx.trainer, pairs, dict(
+            loss_type=d.loss_type, beta=d.beta, label_smoothing=d.label_smoothing,
+            mini_batch_size=d.mini_batch_size))
+    out = {f"dpo/{k}": v for k, v in metrics.items()}
+    if ctx.rollout is not None:
+        with timer("weight_sync"):
+            out.update(await phases.sync_weights(ctx))
+    else:
+        ctx.weight_version += 1
+    state.train.advance(d.batch_size)
+    ctx.step += 1
+    seconds = time.perf_counter() - start
+    # The RL-shaped keys let the same CLI lines, plots and summaries show DPO runs.
+    out.update({"reward_mean": out.get("dpo/rewards/margins", math.nan),
+                "accuracy": out.get("dpo/rewards/accuracy", math.nan),
+                **{f"time/{k}": v for k, v in timer.seconds.items()}, "time/step": seconds,
+                "pairs_per_s": len(pairs) / seconds, "data_position": float(state.train.position),
+                "epoch": float(state.train.epoch)})
+    return out
+
+
+async def evaluate(ctx: phases.RunContext) -> dict[str, float]:
+    pref, task = await asyncio.gather(preference_accuracy(ctx, ctx.dpo.heldout), phases.evaluate(ctx))
+    return {"heldout_preference_accuracy": pref, "heldout_accuracy": task}
