@@ -62,17 +62,34 @@ def save(path: str, models: Sequence, *, weight_version: int, rank: int, world_s
     log.info("saved checkpoint to %s (step %d, version %d)", root, models[0].step, weight_version)
 
 
-def load(path: str, models: Sequence, *, rank: int) -> int:
-    """Collective: restores every model in place and returns the saved weight version."""
+def load(path: str, models: Sequence, *, rank: int, aliases: dict[str, str] | None = None) -> int:
+    """Collective: restores every model in place and returns the saved weight version.
+
+    `aliases` maps a parameter name to another name of the same (tied) tensor: a pipeline's last stage
+    keys the tied embedding's optimizer state as lm_head.weight, a one-stage run as model.embed_tokens.weight.
+    """
     root = Path(path)
     meta = read_meta(path)
+    saved_keys = set(dcp.FileSystemReader(str(root / "dcp")).read_metadata().state_dict_metadata)
     state = _state(models)
     # Loading into fresh optimizer state needs the initialised structure that _state just undid.
     for m in models:
         state[m.name]["optim"] = get_state_dict(m.module, m.optimizer)[1]
     own_params = {m.name: [list(g["params"]) for g in state[m.name]["optim"]["param_groups"]] for m in models}
+    renamed: dict[str, dict[str, str]] = {m.name: {} for m in models}
+    for m in models:
+        optim_state = state[m.name]["optim"]["state"]
+        for fqn in list(optim_state):
+            alias = (aliases or {}).get(fqn)
+            if alias and not any(k.startswith(f"{m.name}.optim.state.{fqn}.") for k in saved_keys) \
+                    and alias not in optim_state:
+                optim_state[alias] = optim_state.pop(fqn)
+                renamed[m.name][alias] = fqn
     dcp.load(state, checkpoint_id=str(root / "dcp"))
     for m in models:
+        optim_state = state[m.name]["optim"]["state"]
+        for alias, fqn in renamed[m.name].items():
+            optim_state[fqn] = optim_state.pop(alias)
         # Param groups are plain objects saved once (by one rank): on another mesh their FQN lists can be
         # another stage's. Keep the loaded hyper-parameters, but this rank's parameters.
         for group, params in zip(state[m.name]["optim"]["param_groups"], own_params[m.name]):

@@ -748,7 +748,8 @@ class TrainerEngine:
                         world_size=self.dims.world_size, mesh=self.dims.describe())
 
     def _local_load_checkpoint(self, path: str) -> None:
-        self.weight_version = checkpoint.load(path, self._models(), rank=self.rank)
+        aliases = {"lm_head.weight": "model.embed_tokens.weight"} if self.hf_config.tie_word_embeddings else {}
+        self.weight_version = checkpoint.load(path, self._models(), rank=self.rank, aliases=aliases)
 
     def _local_export_hf(self, path: str) -> None:
         from safetensors.torch import save_file

@@ -165,3 +165,43 @@ def test_a_two_rank_step_matches_a_single_process_run(tmp_path, mesh):
                          ids=["fsdp2-tp2", "fsdp2-pp2-gpipe", "pp2-tp2"])
 def test_a_four_rank_2d_mesh_step_matches_a_single_process_run(tmp_path, mesh):
     check_against_single_process(tmp_path, **mesh)
+
+
+@pytest.mark.slow
+def test_a_single_process_checkpoint_resumes_on_a_two_stage_pipeline(tmp_path):
+    # The other direction of the resharding above; the last stage finds the tied embedding's optimizer
+    # state under the embedding's name.
+    model = make_tiny_model(tmp_path / "model", num_hidden_layers=4)
+    actor = {"lr": 1e-4, "seed": 3}
+    config = tmp_path / "trainer.yaml"
+    config.write_text(f"model:\n  path: {model}\nactor:\n  lr: 1.0e-4\n  seed: 3\n  pp_size: 2\n")
+    launched = Launched(config, tmp_path / "torchrun.log", nproc=2)
+    try:
+        single = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": model}, "actor": actor}))
+        single.train_actor(_samples(1, single), LOSS)
+        single.save_checkpoint(str(tmp_path / "ck"))
+        second = _samples(2, single)
+        expected = single.train_actor(second, LOSS)
+        port = launched.wait_ready()
+
+        async def drive():
+            async with create_channel(f"127.0.0.1:{port}") as channel:
+                stub = trainer_pb2_grpc.TrainerStub(channel)
+                loaded = await stub.LoadCheckpoint(trainer_pb2.CheckpointRequest(path=str(tmp_path / "ck")))
+                trained = await stub.TrainActor(convert.train_actor_to_pb(second, LOSS))
+                await stub.ExportHF(trainer_pb2.CheckpointRequest(path=str(tmp_path / "hf")))
+                return loaded, trained
+
+        loaded, trained = asyncio.run(drive())
+    finally:
+        launched.stop()
+    assert (loaded.step, loaded.weight_version) == (2, 1)
+    assert trained.step == 4
+    for key in ("pg_loss", "kl_loss", "grad_norm"):
+        assert trained.metrics[key] == pytest.approx(expected[key], abs=1e-5), key
+    from safetensors.torch import load_file
+
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    want = named_weights(single.actor.module)
+    assert set(exported) == set(want)
+    assert max((exported[k] - want[k]).abs().max().item() for k in want) < 1e-5
