@@ -118,6 +118,14 @@ def test_every_meshrl_service_runs_its_role_with_a_grpc_health_check_and_a_resta
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
 
 
+def test_one_service_builds_the_image_every_meshrl_service_runs():
+    services = compose_model(COMPOSE)["services"]
+    builders = [name for name, svc in services.items() if "build" in svc]
+    assert builders == ["trainer"]
+    assert services["trainer"]["build"] == {"context": str(REPO), "dockerfile": "deploy/docker/Dockerfile"}
+    assert {services[r]["image"] for r in MESHRL_ROLES} == {"meshrl:cpu"}
+
+
 def test_rollout_scales_without_fixed_names_and_registers_where_the_coordinator_looks():
     services = compose_model(COMPOSE)["services"]
     rollout, coordinator = services["rollout"], services["coordinator"]
@@ -142,7 +150,8 @@ def test_the_gpu_override_reserves_the_documented_devices_and_runs_the_trainer_u
     assert trainer["environment"]["MESHRL_ACTOR__DP_SIZE"] == "4"
     # the override keeps the base file's settings
     assert trainer["environment"]["MESHRL_SERVER__HOST"] == "0.0.0.0"
-    assert all(services[r]["build"]["dockerfile"] == "deploy/docker/Dockerfile.cuda" for r in MESHRL_ROLES)
+    assert {services[r]["image"] for r in MESHRL_ROLES} == {"meshrl:cuda"}
+    assert services["trainer"]["build"]["dockerfile"] == "deploy/docker/Dockerfile.cuda"
     assert "deploy" not in compose_model(COMPOSE)["services"]["trainer"]
 
 
