@@ -125,6 +125,14 @@ def check_plan(model: torch.nn.Module, targets: Mapping[str, Target],
             problems.append(f"weights: the parts of vLLM's {key!r} ({', '.join(t.parts)}) have shapes "
                             f"{[list(s) for s in part_shapes]} that do not stack along dim 0")
             continue
+        sizes = getattr(module, "output_sizes", None)     # vLLM's fused linears know each part's rows
+        if len(t.parts) > 1 and sizes is not None and len(sizes) == len(t.parts) and param.dim() <= 2:
+            bad = [(p, s[0], int(n)) for p, s, n in zip(t.parts, part_shapes, sizes) if s[0] != int(n)]
+            if bad:
+                name, rows, want_rows = bad[0]
+                problems.append(f"weights: tensor {name!r} has {rows} rows, vLLM's fused {key!r} expects "
+                                f"{want_rows} from it")
+                continue
         got = (sum(s[0] for s in part_shapes), *part_shapes[0][1:])
         padded_ok = _is_vocab_padded(module) and got[0] <= want[0] and got[1:] == want[1:]
         if got != want and not padded_ok:
