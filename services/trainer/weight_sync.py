@@ -67,8 +67,7 @@ class GrpcSender:
             # so a stream is never applied twice; a stream that failed later is re-sent whole by the caller.
             async with create_channel(target, token=self.token, timeout=self.timeout) as channel:
                 stub = rollout_pb2_grpc.RolloutStub(channel)
-                # Explicit metadata and deadline: grpc.aio registers a channel interceptor for the first
-                # call kind it subclasses only (unary-unary), so create_channel's defaults skip streams.
+                # Token and deadline set on the call itself, so the push never depends on channel defaults.
                 metadata = (("authorization", f"Bearer {self.token}"),) if self.token else None
                 reply = await stub.UpdateWeights(_messages(state, version, bucket_bytes), metadata=metadata,
                                                  timeout=self.timeout)
