@@ -31,7 +31,7 @@ import threading
 import time
 import types
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterable, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -507,13 +507,22 @@ class VLLMEngine(RolloutEngine):
     # ---- inside the engine loop
 
     async def _generate(self, batch: GenerateBatch, prompt_ids: list[list[int]]) -> list[PromptResult]:
+        from vllm.exceptions import VLLMClientError
+
         p = batch.sampling
-        async with self._gate.shared():
-            version = self.weight_version
-            outs = await asyncio.gather(*(self._request(ids, self._sampling(p, ids)) for ids in prompt_ids))
+        try:
+            params = [self._sampling(p, ids) for ids in prompt_ids]
+            async with self._gate.shared():
+                version = self.weight_version
+                outs = await asyncio.gather(*(self._request(ids, sp) for ids, sp in zip(prompt_ids, params)))
+        except VLLMClientError as e:
+            raise ValueError(f"sampling: vLLM rejected the request: {e}") from None
         results = []
         for prompt, ids, out in zip(batch.prompts, prompt_ids, outs):
             samples = [self._sample(c, p, version) for c in sorted(out.outputs, key=lambda c: c.index)]
+            # vLLM takes n = 1 for greedy requests; the n greedy samples are one sample n times.
+            samples += [replace(samples[0], response_ids=list(samples[0].response_ids),
+                                logprobs=list(samples[0].logprobs)) for _ in range(p.n - len(samples))]
             results.append(PromptResult(prompt_id=prompt.id, prompt_ids=ids, samples=samples))
         self.stats["requests"] += 1
         self.stats["samples"] += sum(len(r.samples) for r in results)
@@ -524,7 +533,7 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return VSamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=0,
+        return VSamplingParams(n=p.n if p.temperature > 0 else 1, temperature=p.temperature, top_p=p.top_p, top_k=0,
                                max_tokens=min(p.max_tokens, self.max_model_len - len(ids)),
                                stop=list(p.stop) or None, stop_token_ids=sorted(self.eos_ids) or None,
                                seed=prompt_seed(p.seed, ids) if p.seed is not None else None,

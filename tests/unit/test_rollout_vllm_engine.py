@@ -1,0 +1,58 @@
+"""Parts of the vllm rollout engine that need no vLLM: the start error without it, seeds, the swap gate."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from services.rollout.engine import RolloutSettings, build_engine
+from services.rollout.vllm_engine import _SwapGate, prompt_seed
+
+
+def test_engine_vllm_without_vllm_installed_fails_at_start_naming_the_key(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)          # `import vllm` now raises ImportError
+    with pytest.raises(ValueError, match=r"rollout.engine: 'vllm' needs vLLM .*meshrl\[vllm\]"):
+        build_engine(RolloutSettings(rollout={"engine": "vllm"}))
+
+
+def test_vllm_config_keys_are_validated():
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        RolloutSettings(rollout={"engine": "vllm", "gpu_memory_utilization": 1.5})
+    r = RolloutSettings(rollout={"engine": "vllm", "vllm_engine_args": {"enforce_eager": False}}).rollout
+    assert r.vllm_engine_args == {"enforce_eager": False} and r.gpu_memory_utilization is None
+
+
+def test_prompt_seed_depends_on_the_seed_and_the_prompt_only():
+    assert prompt_seed(3, [1, 2, 3]) == prompt_seed(3, [1, 2, 3])
+    assert prompt_seed(3, [1, 2, 3]) != prompt_seed(4, [1, 2, 3]) != prompt_seed(3, [1, 2, 4])
+    assert 0 <= prompt_seed(2**40, list(range(100))) < 2**62        # vLLM adds the sample index to it
+
+
+def test_swap_gate_waits_for_running_generations_and_holds_new_ones_back():
+    async def main():
+        gate, order = _SwapGate(), []
+        first_in = asyncio.Event()
+
+        async def generation(name, hold):
+            async with gate.shared():
+                order.append(f"{name} start")
+                first_in.set()
+                await asyncio.sleep(hold)
+                order.append(f"{name} end")
+
+        async def swap():
+            await first_in.wait()
+            async with gate.exclusive():
+                order.append("swap")
+
+        async def late_generation():
+            await first_in.wait()
+            await asyncio.sleep(0.01)                   # arrives while the swap waits
+            await generation("late", 0)
+
+        await asyncio.gather(generation("early", 0.05), swap(), late_generation())
+        return order
+
+    assert asyncio.run(main()) == ["early start", "early end", "swap", "late start", "late end"]
