@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from services.common.modeling import validate_sequences
+from services.trainer.dpo import DPO_LOSS_TYPES
 from services.trainer.losses import AGG_MODES, KL_ALIASES, KL_TYPES
 
 
@@ -56,6 +57,30 @@ class CriticLoss:
     # Value clip range; 0 turns clipping off (old_values are then optional).
     clip_value: float = 0.0
     ppo_epochs: int = 1
+    mini_batch_size: int = 0
+
+
+@dataclass
+class PreferencePair:
+    """One preference pair of a DPO update: a prompt, a preferred and a dispreferred response, and the
+    reference policy's summed log-probs of both responses (given the prompt)."""
+
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    ref_chosen_logprob: float
+    ref_rejected_logprob: float
+
+
+@dataclass
+class DPOLoss:
+    """Settings of one TrainDPO call (the DPOLoss message, with proto zeros read as defaults)."""
+
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    # cdpo only: probability that a preference label is flipped.
+    label_smoothing: float = 0.0
+    # Pairs per optimizer step; 0 = the whole batch.
     mini_batch_size: int = 0
 
 
@@ -125,6 +150,40 @@ def validate_critic_batch(samples: Sequence[CriticSample], loss: CriticLoss, *, 
         _check_aligned(i, "returns", s.returns, n)
         if loss.clip_value > 0:
             _check_aligned(i, "old_values", s.old_values, n)
+
+
+def validate_dpo_batch(pairs: Sequence[PreferencePair], loss: DPOLoss, *, vocab_size: int, max_len: int | None,
+                       dp_size: int = 1) -> None:
+    """Raises ValueError naming the field (and pair index) of the first bad input."""
+    if len(pairs) == 0:
+        raise ValueError("pairs: empty batch")
+    if loss.loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"loss.loss_type: unknown {loss.loss_type!r} (expected one of {', '.join(DPO_LOSS_TYPES)})")
+    if not (math.isfinite(loss.beta) and loss.beta > 0):
+        raise ValueError(f"loss.beta: must be > 0, got {loss.beta}")
+    if not 0 <= loss.label_smoothing < 0.5:
+        raise ValueError(f"loss.label_smoothing: must be in [0, 0.5), got {loss.label_smoothing}")
+    if loss.label_smoothing and loss.loss_type != "cdpo":
+        raise ValueError(f"loss.label_smoothing: only loss_type cdpo uses it (got {loss.label_smoothing} with "
+                         f"loss_type {loss.loss_type!r})")
+    _check_schedule(1, loss.mini_batch_size, len(pairs), dp_size, "loss")
+    for i, p in enumerate(pairs):
+        for name in ("prompt_ids", "chosen_ids", "rejected_ids"):
+            ids = getattr(p, name)
+            if len(ids) == 0:
+                raise ValueError(f"pairs[{i}].{name}: empty")
+            bad = [t for t in ids if t < 0 or t >= vocab_size]
+            if bad:
+                raise ValueError(f"pairs[{i}].{name}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        for name in ("chosen_ids", "rejected_ids"):
+            n = len(p.prompt_ids) + len(getattr(p, name))
+            if max_len is not None and n > max_len:
+                raise ValueError(f"pairs[{i}].{name}: prompt + response are {n} tokens, over the model's limit "
+                                 f"of {max_len}")
+        for name in ("ref_chosen_logprob", "ref_rejected_logprob"):
+            v = getattr(p, name)
+            if not math.isfinite(v):
+                raise ValueError(f"pairs[{i}].{name}: not finite ({v})")
 
 
 def mini_batches(num_samples: int, mini_batch_size: int) -> list[list[int]]:

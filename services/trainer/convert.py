@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from meshrl.v1 import common_pb2, trainer_pb2
 from services.common.weights import Manifest
-from services.trainer.batch import ActorLoss, CriticLoss, CriticSample, TrainSample
+from services.trainer.batch import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample
 
 
 def actor_loss_from_pb(pb: trainer_pb2.ActorLoss) -> ActorLoss:
@@ -51,6 +51,30 @@ def train_critic_to_pb(samples: list[CriticSample], loss: CriticLoss) -> trainer
         samples=[trainer_pb2.CriticSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, returns=s.returns,
                                           old_values=s.old_values) for s in samples],
         clip_value=loss.clip_value, ppo_epochs=loss.ppo_epochs, mini_batch_size=loss.mini_batch_size)
+
+
+def dpo_loss_from_pb(pb: trainer_pb2.DPOLoss) -> DPOLoss:
+    """Unset (zero) loss_type and beta take DPOLoss's defaults (sigmoid, 0.1); a negative beta stays and fails
+    validation."""
+    d = DPOLoss()
+    return DPOLoss(loss_type=pb.loss_type or d.loss_type, beta=pb.beta or d.beta, label_smoothing=pb.label_smoothing,
+                   mini_batch_size=pb.mini_batch_size)
+
+
+def train_dpo_from_pb(request: trainer_pb2.TrainDPORequest) -> tuple[list[PreferencePair], DPOLoss]:
+    pairs = [PreferencePair(prompt_ids=list(p.prompt_ids), chosen_ids=list(p.chosen_ids),
+                            rejected_ids=list(p.rejected_ids), ref_chosen_logprob=p.ref_chosen_logprob,
+                            ref_rejected_logprob=p.ref_rejected_logprob) for p in request.pairs]
+    return pairs, dpo_loss_from_pb(request.loss)
+
+
+def train_dpo_to_pb(pairs: list[PreferencePair], loss: DPOLoss) -> trainer_pb2.TrainDPORequest:
+    return trainer_pb2.TrainDPORequest(
+        pairs=[trainer_pb2.PreferencePair(prompt_ids=p.prompt_ids, chosen_ids=p.chosen_ids,
+                                          rejected_ids=p.rejected_ids, ref_chosen_logprob=p.ref_chosen_logprob,
+                                          ref_rejected_logprob=p.ref_rejected_logprob) for p in pairs],
+        loss=trainer_pb2.DPOLoss(loss_type=loss.loss_type, beta=loss.beta, label_smoothing=loss.label_smoothing,
+                                 mini_batch_size=loss.mini_batch_size))
 
 
 def train_response_to_pb(step: int, metrics: dict[str, float]) -> trainer_pb2.TrainResponse:

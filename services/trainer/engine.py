@@ -31,8 +31,9 @@ from services.common.modeling import (load_causal_lm, pack_by_token_budget, pad_
                                       set_threads, validate_sequences)
 from services.common.weights import DEFAULT_BUCKET_BYTES, named_weights
 from services.trainer import checkpoint
-from services.trainer.batch import (ActorLoss, CriticLoss, CriticSample, TrainSample, mini_batches,
-                                    validate_actor_batch, validate_critic_batch)
+from services.trainer.batch import (ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample,
+                                    mini_batches, validate_actor_batch, validate_critic_batch, validate_dpo_batch)
+from services.trainer.dpo import dpo_loss
 from services.trainer.losses import aggregate, clipped_policy_loss, clipped_value_loss, kl_penalty
 from services.trainer.parallel import (CommandChannel, ParallelDims, all_reduce_sum, gather_to_rank0,
                                        init_distributed, launched_world_size, local_device)
@@ -230,6 +231,22 @@ def actor_loss(logp, mask, entropy, old, adv, ref, loss: ActorLoss, denom: float
     return total, stats
 
 
+DPO_STAT_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy", "logps/chosen",
+                 "logps/rejected", "pairs", "tokens")
+
+
+def dpo_pairs_loss(chosen, rejected, ref_chosen, ref_rejected, real, loss: DPOLoss, denom: float, num_tokens: float):
+    """Loss of one micro-batch of pairs (summed log-probs [k]; `real` is 0 for padding pairs), normalised by
+    the whole mini-batch's pair count `denom`, and its summed stats [9] (DPO_STAT_KEYS)."""
+    per_pair, m = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=loss.beta, loss_type=loss.loss_type,
+                           label_smoothing=loss.label_smoothing)                               # [k]
+    total = (per_pair * real).sum() / denom
+    with torch.no_grad():
+        sums = [float((m[k] * real).sum()) for k in DPO_STAT_KEYS[1:7]]
+        stats = torch.tensor([total.item(), *sums, float(real.sum()), num_tokens], dtype=torch.float64)
+    return total, stats
+
+
 class TrainerEngine:
     """The trainer on one rank. Public methods are called on rank 0 and run on every rank."""
 
@@ -327,6 +344,13 @@ class TrainerEngine:
             raise ValueError(f"samples: {len(samples)} exceed actor.max_batch_size={self.cfg.max_batch_size}")
         validate_actor_batch(samples, loss, vocab_size=self.vocab_size, max_len=self.max_len, dp_size=self.dims.dp)
         return self._run("train_actor", list(samples), loss)
+
+    def train_dpo(self, pairs: Sequence[PreferencePair], loss: DPOLoss) -> dict[str, float]:
+        """One preference update (DPO / IPO / cDPO) over mini-batches of pairs; bumps the weight version."""
+        if len(pairs) > self.cfg.max_batch_size:
+            raise ValueError(f"pairs: {len(pairs)} exceed actor.max_batch_size={self.cfg.max_batch_size}")
+        validate_dpo_batch(pairs, loss, vocab_size=self.vocab_size, max_len=self.max_len, dp_size=self.dims.dp)
+        return self._run("train_dpo", list(pairs), loss)
 
     def train_critic(self, samples: Sequence[CriticSample], loss: CriticLoss) -> dict[str, float]:
         self._require_critic()
@@ -669,6 +693,113 @@ class TrainerEngine:
                 if i is not None:
                     out[i] = logp[row, :len(responses[i])].cpu().tolist()
         return out
+
+    def _local_train_dpo(self, pairs: list[PreferencePair], loss: DPOLoss) -> dict[str, float]:
+        t0 = time.perf_counter()
+        # A pair's chosen and rejected rows share a micro-batch (the loss needs both), so a pair costs two
+        # rows of its longer sequence against the token budget.
+        lengths = [2 * (len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))) for p in pairs]
+        totals = torch.zeros(len(DPO_STAT_KEYS), dtype=torch.float64)
+        norms, lrs, num_steps, num_mini = [], [], 0, 0
+        order = self._order(len(pairs), 0, self.actor)
+        for mb in mini_batches(len(pairs), loss.mini_batch_size):
+            idx = [order[j] for j in mb]
+            totals += self._dpo_mini_batch(pairs, idx, lengths, loss)
+            norm, lr, ok = self._optimizer_step(self.actor)
+            norms.append(norm)
+            lrs.append(lr)
+            num_steps += ok
+            num_mini += 1
+        self.weight_version += 1
+        seconds = time.perf_counter() - t0
+        t = dict(zip(DPO_STAT_KEYS, totals.tolist()))
+        n = max(t["pairs"], 1.0)
+        tokens = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+        return {"loss": t["loss"] / num_mini,
+                **{k: t[k] / n for k in DPO_STAT_KEYS[1:7]},
+                "grad_norm": sum(norms) / len(norms), "lr": lrs[-1], "num_pairs": float(len(pairs)),
+                "num_tokens": t["tokens"], "tokens_per_s": tokens / max(seconds, 1e-9),
+                "num_optimizer_steps": float(num_steps), "num_skipped_steps": float(num_mini - num_steps),
+                "seconds": seconds, "pipeline_bubble_fraction": self.bubble_fraction()}
+
+    def _dpo_mini_batch(self, pairs: list[PreferencePair], idx: list[int], lengths: list[int],
+                        loss: DPOLoss) -> torch.Tensor:
+        """Forward/backward of one mini-batch of pairs over this rank's micro-batches; DP-summed stats [9].
+
+        The DPO loss is not linear in the log-probs, but it is a sum over pairs; each micro-batch holds
+        whole pairs and divides by the mini-batch's pair count, so micro-batches (and DP ranks, with the
+        dp scale as in TrainActor) add up to exactly the mini-batch gradient.
+        """
+        denom, scale = float(len(idx)), float(self.dims.dp)
+        if self.dims.pp > 1:
+            stats = self._dpo_pipeline(pairs, idx, loss, denom, scale)
+        else:
+            stats = torch.zeros(len(DPO_STAT_KEYS), dtype=torch.float64)
+            groups = self._local_groups(idx, lengths, self.cfg.micro_batch_token_budget)
+            for g, group in enumerate(groups):
+                rows = [pairs[i] for i in group] if group else [self._dummy_pair()]
+                k = len(rows)
+                with self._grad_sync(self.actor, last=g == len(groups) - 1):
+                    with self._amp():
+                        # Chosen and rejected go through one forward: rows [0, k) and [k, 2k).
+                        logp, mask = response_logprobs(
+                            self.actor.forward, [p.prompt_ids for p in rows] * 2,
+                            [p.chosen_ids for p in rows] + [p.rejected_ids for p in rows], pad_id=self.pad_id)
+                    sums = logp.sum(-1)                                                         # [2k]
+                    ref = torch.tensor([p.ref_chosen_logprob for p in rows] + [p.ref_rejected_logprob for p in rows],
+                                       dtype=torch.float32, device=self.device)
+                    real = torch.full((k,), 1.0 if group else 0.0, device=self.device)
+                    total, st = dpo_pairs_loss(sums[:k], sums[k:], ref[:k], ref[k:], real, loss, denom,
+                                               float(mask.sum()) if group else 0.0)
+                    (total * scale).backward()
+                stats += st
+        self._sync_tied_grads()
+        summed = all_reduce_sum(all_reduce_sum(stats.tolist(), group=self.pp_group), group=self.dp_group)
+        return torch.tensor(summed, dtype=torch.float64)
+
+    def _dummy_pair(self) -> PreferencePair:
+        return PreferencePair([self.pad_id], [self.pad_id], [self.pad_id], 0.0, 0.0)
+
+    def _dpo_pipeline(self, pairs: list[PreferencePair], idx: list[int], loss: DPOLoss, denom: float,
+                      scale: float) -> torch.Tensor:
+        """One mini-batch of pairs through the pipeline schedule. Rows are interleaved (chosen, rejected)
+        and each DP rank's pair count is a multiple of num_microbatches, so every pipeline micro-batch
+        (an equal split along the rows) holds whole pairs and the last stage computes their loss."""
+        shard = self._pp_rows(idx)                                   # pairs, padded with None
+        prompts, responses = [], []
+        for i in shard:
+            p = pairs[i] if i is not None else self._dummy_pair()
+            prompts += [p.prompt_ids, p.prompt_ids]
+            responses += [p.chosen_ids, p.rejected_ids]
+        input_ids, _, positions, mask, targets = pad_batch(prompts, responses, pad_id=self.pad_id, device=self.device)
+        real = torch.tensor([i is not None for i in shard for _ in range(2)], device=self.device)     # [2P]
+        mask = mask & real.unsqueeze(1)
+        ref = torch.tensor([v for i in shard for v in ((pairs[i].ref_chosen_logprob, pairs[i].ref_rejected_logprob)
+                                                        if i is not None else (0.0, 0.0))], device=self.device)
+        width = positions.shape[1]
+        per_row = lambda x: x.float().unsqueeze(1).expand(-1, width)  # noqa: E731
+        target = torch.stack([positions.float(), targets.float(), mask.float(), per_row(ref), per_row(real)],
+                             dim=-1)                                                                   # [2P, R, 5]
+        calls: list[torch.Tensor] = []
+
+        def loss_fn(logits, tgt):
+            pos, tok, m = tgt[..., 0].long(), tgt[..., 1].long(), tgt[..., 2] > 0
+            at = torch.gather(logits, 1, pos.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
+            logp, _ = logprobs_from_logits(at, tok, m, 1.0)
+            sums = logp.sum(-1).view(-1, 2)                                                   # [k, (chosen, rejected)]
+            refs, reals = tgt[:, 0, 3].view(-1, 2), tgt[:, 0, 4].view(-1, 2)[:, 0]
+            total, st = dpo_pairs_loss(sums[:, 0], sums[:, 1], refs[:, 0], refs[:, 1], reals, loss, denom,
+                                       float(m.sum()))
+            calls.append(st)
+            return total * scale
+
+        schedule = build_schedule(self.actor.forward, self.pp_mesh, self.device,
+                                  num_microbatches=self.num_microbatches, schedule=self.cfg.pipeline_schedule,
+                                  loss_fn=loss_fn)
+        with self._amp():
+            self._pp_run(schedule, input_ids, target, train=True)
+        real_calls = calls[-self.num_microbatches:] if self.is_last_stage else []
+        return sum(real_calls, torch.zeros(len(DPO_STAT_KEYS), dtype=torch.float64))
 
     def _local_train_critic(self, samples: list[CriticSample], loss: CriticLoss) -> dict[str, float]:
         t0 = time.perf_counter()

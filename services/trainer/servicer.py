@@ -39,6 +39,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         metrics = await asyncio.to_thread(self.engine.train_critic, samples, loss)
         return convert.train_response_to_pb(self.engine.critic.step, metrics)
 
+    async def TrainDPO(self, request, context):
+        pairs, loss = convert.train_dpo_from_pb(request)
+        metrics = await asyncio.to_thread(self.engine.train_dpo, pairs, loss)
+        return convert.train_response_to_pb(self.engine.actor.step, metrics)
+
     async def PushWeights(self, request, context):
         targets = list(request.targets)
         if not targets:
