@@ -400,6 +400,13 @@ class VLLMEngine(RolloutEngine):
         from vllm.platforms import current_platform
         self.device = str(current_platform.device_type)
         on_cpu = self.device == "cpu"
+        if on_cpu:
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            supported = _cpu_head_sizes()
+            if supported and head_dim not in supported:
+                # vLLM would load it and then die on the first request ("Unsupported CPU attention configuration").
+                raise ValueError(f"model.path: {m.path} has head_dim {head_dim}; vLLM's CPU attention supports "
+                                 f"{supported} only (use engine 'torch' for this model)")
         mem = r.gpu_memory_utilization or (CPU_MEMORY_UTILIZATION if on_cpu else GPU_MEMORY_UTILIZATION)
         args = dict(model=m.path, tokenizer=m.path, dtype=m.dtype, max_model_len=self.max_model_len,
                     max_num_seqs=r.max_batch_size, gpu_memory_utilization=mem, enable_prefix_caching=True,
@@ -601,6 +608,14 @@ async def _make_gate() -> _SwapGate:
 
 async def _shutdown(llm) -> None:
     llm.shutdown()
+
+
+def _cpu_head_sizes() -> list[int] | None:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        return list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):
+        return None
 
 
 def _generation_config(path: str):

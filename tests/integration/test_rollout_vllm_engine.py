@@ -44,8 +44,8 @@ def served(tmp_path_factory):
         import vllm  # noqa: F401
     except Exception as e:  # noqa: BLE001 - a broken vLLM install (e.g. torchvision beside it) skips too
         pytest.skip(f"vLLM is not importable: {type(e).__name__}: {e}")
-    # hidden 128 / 4 heads = head_dim 32: vLLM's CPU attention supports head sizes 32, 64, 80, ... only,
-    # so the default tiny model (head_dim 16) does not load.
+    # hidden 128 / 4 heads = head_dim 32: vLLM's CPU attention supports head sizes 32, 64, 80, ... only;
+    # the default tiny model's 16 loads but kills the engine on the first request.
     model_dir = make_tiny_model(tmp_path_factory.mktemp("vllm_model"), hidden_size=128, max_position_embeddings=256)
     start = time.perf_counter()
     engine = VLLMEngine(RolloutSettings(model={"path": model_dir},
@@ -171,18 +171,23 @@ def test_vllm_rejects_a_bad_update_naming_the_tensor_and_keeps_weights_and_versi
     assert [r.samples[0].logprobs for r in after] == [r.samples[0].logprobs for r in before]
 
 
-def test_vllm_replica_over_grpc_reports_its_engine_and_takes_pushed_weights(served):
+def test_vllm_replica_serves_grpc_and_http_and_takes_pushed_weights(served):
+    import openai
+
     from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
     from services.common.channel import create_channel
     from services.rollout.servicer import start
     from services.rollout.weights_client import push_weights
 
-    settings = RolloutSettings(model={"path": served.model_dir}, rollout={"engine": "vllm"})
+    settings = RolloutSettings(model={"path": served.model_dir},
+                               rollout={"engine": "vllm", "http_port": 0, "served_model_name": "tiny"})
     new = random_state_like(served.hf, seed=4)
 
     async def main():
-        mesh, port, _ = await start(settings, "127.0.0.1:0", engine=served.engine)
+        mesh, port, replica = await start(settings, "127.0.0.1:0", engine=served.engine)
         channel = create_channel(f"127.0.0.1:{port}", timeout=120)
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{replica.http_port}/v1", api_key="none",
+                                    max_retries=0, timeout=120)
         try:
             stub = rollout_pb2_grpc.RolloutStub(channel)
             info = await stub.GetInfo(common_pb2.GetInfoRequest())
@@ -190,18 +195,42 @@ def test_vllm_replica_over_grpc_reports_its_engine_and_takes_pushed_weights(serv
             resp = await stub.Generate(rollout_pb2.GenerateRequest(
                 prompts=[rollout_pb2.Prompt(id="q", prompt_ids=PROMPT)],
                 sampling=rollout_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=1)))
-            return info, pushed, resp
+            http = await client.completions.create(model="tiny", prompt="12+3=", n=2, temperature=1.0, max_tokens=6,
+                                                   logprobs=2, seed=3, extra_body={"return_token_ids": True})
+            return info, pushed, resp, http
         finally:
+            await client.close()
             await channel.close()
-            await mesh.stop(0)            # the module's engine stays up; the fixture closes it
+            await mesh.stop(0)
+            await replica._http_runner.cleanup()     # not replica.close(): the module's engine stays up
 
-    info, pushed, resp = asyncio.run(main())
+    info, pushed, resp, http = asyncio.run(main())
     apply_weights(served.hf, new)
     details = dict(info.details)
-    assert details["engine"] == "vllm" and details["max_model_len"] == "256" and details["logprobs_mode"] == "raw_logprobs"
-    assert pushed.weight_version == 9 and info.weight_version in (0, 7)
+    assert details["engine"] == "vllm" and details["max_model_len"] == "256"
+    assert details["logprobs_mode"] == "raw_logprobs" and details["weight_updates"] == "in place"
+    assert pushed.weight_version == 9
     samples = resp.responses[0].samples
     assert len(samples) == 2 and all(s.weight_version == 9 for s in samples)
     lp, _ = response_logprobs(served.hf, [PROMPT] * 2, [list(s.response_ids) for s in samples], pad_id=0)
     for i, s in enumerate(samples):
         assert torch.allclose(torch.tensor(list(s.logprobs)), lp[i, :len(s.response_ids)], atol=ATOL, rtol=0)
+    # The OpenAI-compatible API over the same engine: top logprobs, raw sampled logprobs, new weights.
+    prompt_ids = served.engine.encode("12+3=")
+    for c in http.choices:
+        ids = c.model_extra["token_ids"]
+        assert c.model_extra["weight_version"] == 9
+        assert all(len(top) == 2 for top in c.logprobs.top_logprobs)
+        assert all(lp <= max(top.values()) + 1e-6 for lp, top in zip(c.logprobs.token_logprobs,
+                                                                      c.logprobs.top_logprobs))
+        ref, _ = response_logprobs(served.hf, [prompt_ids], [ids], pad_id=0)
+        assert max(abs(a - b) for a, b in zip(c.logprobs.token_logprobs, ref[0].tolist())) < ATOL
+
+
+def test_vllm_refuses_at_start_a_head_size_its_cpu_attention_lacks(tmp_path, served):
+    from services.rollout.vllm_engine import VLLMEngine
+    if served.engine.device != "cpu":
+        pytest.skip("CPU attention only")
+    path = make_tiny_model(tmp_path / "head16")         # hidden 64 / 4 heads = 16
+    with pytest.raises(ValueError, match=r"model.path: .* has head_dim 16; vLLM's CPU attention supports \[32, 64"):
+        VLLMEngine(RolloutSettings(model={"path": path}, rollout={"engine": "vllm"}))
