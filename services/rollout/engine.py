@@ -15,16 +15,18 @@ import os
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterable, Literal, Sequence
+from typing import Any, AsyncIterable, Literal, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field, SecretStr, field_validator
 
 from services.common.config import MeshSettings, ModelConfig, PoolConfig, ServerConfig
+from services.common.errors import FailedPrecondition
 from services.common.modeling import batched_logprobs, load_causal_lm, load_tokenizer, set_threads, \
     validate_sequences
-from services.common.weights import Manifest, PayloadAssembler, apply_weights, check_against, named_weights
+from services.common.weight_transport import receive_host
+from services.common.weights import Manifest, apply_weights, check_against, named_weights
 
 log = logging.getLogger("meshrl.rollout")
 
@@ -71,6 +73,8 @@ class RolloutConfig(PoolConfig):
     # engine "torch" on CUDA: decode unseeded requests without stop strings or top-logprobs with one captured
     # CUDA graph per step over a static KV cache (services/rollout/cuda_decode.py); others use the eager loop.
     cuda_graphs: bool = False
+    # With cuda_graphs: torch.compile the decode step's layers first (fewer, fused kernels; compiles at first use).
+    cuda_graph_compile: bool = True
 
     @field_validator("stop")
     @classmethod
@@ -180,6 +184,12 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     async def update_weights(self, manifest: Manifest, buckets: AsyncIterable[tuple[bytes, int]]) -> dict:
         """Applies a whole update or nothing; returns {weight_version, num_bytes, seconds}."""
+
+    async def apply_update(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Swaps in tensors that arrived whole and checked out (device transports), or raises with the old
+        weights kept. Engines that take weights only as a gRPC stream keep this default."""
+        raise FailedPrecondition(f"UpdateWeights: the {self.info().get('engine', '?')} engine takes weights over "
+                                 "transport grpc only")
 
     async def close(self) -> None:
         return None
@@ -298,7 +308,7 @@ class TorchEngine(RolloutEngine):
                 raise ValueError(f"rollout.cuda_graphs: needs a CUDA device, model.device is {self.device!r}")
             from services.rollout.cuda_decode import GraphDecoder
             self._graph_decoder = GraphDecoder(self.model, pad_id=self.pad_id, eos_ids=sorted(self.eos_ids),
-                                               max_batch_size=r.max_batch_size)
+                                               max_batch_size=r.max_batch_size, compile=r.cuda_graph_compile)
         log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer=%s",
                  self.model_path, self.device, self.dtype, self.max_model_len, r.max_batch_size,
                  "yes" if self.tokenizer is not None else "none")
@@ -356,20 +366,21 @@ class TorchEngine(RolloutEngine):
         start = time.perf_counter()
         if manifest.version < 0:
             raise ValueError(f"manifest.version: must be >= 0, got {manifest.version}")
-        assembler = PayloadAssembler(manifest)   # validates the manifest itself
-        num_bytes = 0
-        async for data, crc in buckets:
-            assembler.add(data, crc)
-            num_bytes += len(data)
-        tensors = assembler.finish()
-        check_against(tensors, named_weights(self.model))
-        async with self._lock:
-            await self._run_locked(apply_weights, self.model, tensors)
-            self.weight_version = manifest.version
+        # Every bucket lands CRC-checked in one preallocated buffer (off the event loop) before any weight moves.
+        tensors, num_bytes = await receive_host(manifest, buckets)
+        await self.apply_update(manifest.version, tensors)
         seconds = time.perf_counter() - start
         log.info("weights version %d applied: %d tensors, %.1f MiB in %.2fs", manifest.version, len(tensors),
                  num_bytes / 2**20, seconds)
         return {"weight_version": self.weight_version, "num_bytes": num_bytes, "seconds": seconds}
+
+    async def apply_update(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        if version < 0:
+            raise ValueError(f"manifest.version: must be >= 0, got {version}")
+        check_against(tensors, named_weights(self.model))
+        async with self._lock:
+            await self._run_locked(_apply_and_sync, self.model, tensors)
+            self.weight_version = version
 
     async def _run_locked(self, fn, *args, on_done=None, **kwargs):
         """Runs fn in a worker thread; call with the lock held. A thread cannot be interrupted, so when the
@@ -584,6 +595,13 @@ class TorchEngine(RolloutEngine):
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _apply_and_sync(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    apply_weights(model, tensors)
+    device = next(iter(model.parameters())).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)     # the swap is done, and the staging buffer free, before the version moves
 
 
 def _deliver(jobs: list[_Job], work: asyncio.Future) -> None:

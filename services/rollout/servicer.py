@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
+
+import grpc
 
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common import convert as common_convert
 from services.common.server import MeshServer, create_server
+from services.common.weight_transport import decode_bucket
 from services.rollout import convert
 from services.rollout.engine import RolloutEngine, RolloutSettings, build_engine
+from services.rollout.weight_receivers import DeviceBucketSpec, DeviceReceivers, IpcHandle
 
 log = logging.getLogger("meshrl.rollout")
 
@@ -19,6 +24,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, engine: RolloutEngine, settings: RolloutSettings):
         self.engine = engine
         self.defaults = settings.rollout
+        # ipc / nccl receivers, made on first use on the engine's device.
+        self.receivers = DeviceReceivers(getattr(engine, "device", "cpu"))
 
     async def Generate(self, request, context):
         results = await self.engine.generate(convert.request_from_pb(request, self.defaults))
@@ -30,8 +37,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return common_convert.logprobs_to_pb(batch.ids, logprobs, weight_version=version)
 
     async def GetInfo(self, request, context):
-        return common_convert.info_to_pb("rollout", self.engine.model_path, self.engine.weight_version,
-                                         self.engine.info())
+        details = {**self.engine.info(), "weight_transports": ",".join(self.receivers.available())}
+        return common_convert.info_to_pb("rollout", self.engine.model_path, self.engine.weight_version, details)
 
     async def UpdateWeights(self, request_iterator, context):
         first = None
@@ -40,8 +47,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if first is None or not first.HasField("manifest"):
             raise ValueError("UpdateWeights: the first message must carry the manifest")
         manifest = convert.manifest_from_pb(first.manifest)
-        done = await self.engine.update_weights(manifest, _buckets(request_iterator))
-        return common_pb2.UpdateWeightsResponse(**done)
+        transport = first.manifest.transport or "grpc"
+        if transport == "grpc":
+            done = await self.engine.update_weights(manifest, _buckets(request_iterator))
+            return common_pb2.UpdateWeightsResponse(**done)
+        start = time.perf_counter()
+        receiver = self.receivers.get(transport)
+        tensors, num_bytes = await receiver.receive(manifest, _device_buckets(request_iterator),
+                                                    group_id=first.manifest.group_id)
+        await self.engine.apply_update(manifest.version, tensors)
+        seconds = time.perf_counter() - start
+        log.info("weights version %d applied over %s: %d tensors, %.1f MiB in %.3fs", manifest.version, transport,
+                 len(tensors), num_bytes / 2**20, seconds)
+        return common_pb2.UpdateWeightsResponse(weight_version=self.engine.weight_version, num_bytes=num_bytes,
+                                                seconds=seconds)
+
+    async def JoinWeightGroup(self, request, context):
+        receiver = self.receivers.get("nccl")
+        uuid = await receiver.join(request.group_id, request.unique_id, request.rank, request.world_size,
+                                   request.timeout_s)
+        return common_pb2.WeightGroupResponse(group_id=request.group_id, device_uuid=uuid)
 
 
 async def _buckets(request_iterator) -> AsyncIterator[tuple[bytes, int]]:
@@ -50,7 +75,51 @@ async def _buckets(request_iterator) -> AsyncIterator[tuple[bytes, int]]:
         i += 1
         if msg.HasField("manifest"):
             raise ValueError(f"UpdateWeights: message {i} carries a second manifest")
+        if msg.HasField("device"):
+            raise ValueError(f"UpdateWeights: message {i} is a device bucket in a grpc update")
         yield msg.data, msg.crc32
+
+
+async def _device_buckets(request_iterator) -> AsyncIterator[DeviceBucketSpec]:
+    i = 0
+    async for msg in request_iterator:
+        i += 1
+        if msg.HasField("manifest"):
+            raise ValueError(f"UpdateWeights: message {i} carries a second manifest")
+        if not msg.HasField("device"):
+            raise ValueError(f"UpdateWeights: message {i} of a device update carries no device bucket")
+        d = msg.device
+        ipc = None
+        if d.HasField("ipc"):
+            h = d.ipc
+            ipc = IpcHandle(h.device_uuid, h.handle, h.storage_bytes, h.storage_offset, h.ref_counter_handle,
+                            h.ref_counter_offset, h.event_handle, h.event_sync_required, h.buffer_id)
+        yield DeviceBucketSpec(d.offset, d.nbytes, d.checksum, ipc)
+
+
+def add_rollout_servicer(servicer: RolloutServicer, server) -> None:
+    """add_RolloutServicer_to_server, except that UpdateWeights reads payload buckets as views of the received
+    bytes (decode_bucket) instead of copying them through protobuf."""
+    capture = _HandlerCapture()
+    rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, capture)
+    handlers = dict(capture.handlers)
+    handlers["UpdateWeights"] = grpc.stream_unary_rpc_method_handler(
+        servicer.UpdateWeights, request_deserializer=decode_bucket,
+        response_serializer=common_pb2.UpdateWeightsResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.name, handlers),))
+    server.add_registered_method_handlers(capture.name, handlers)
+
+
+class _HandlerCapture:
+    """Stands in for a server to read the generated method handlers."""
+
+    name, handlers = "", {}
+
+    def add_generic_rpc_handlers(self, generic_handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, name, handlers) -> None:
+        self.name, self.handlers = name, handlers
 
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
@@ -63,11 +132,14 @@ class RolloutReplica:
     engine: RolloutEngine
     http_port: int | None = None
     _http_runner: Any = None
+    receivers: DeviceReceivers | None = None
 
     async def close(self) -> None:
         if self._http_runner is not None:
             await self._http_runner.cleanup()
             self._http_runner = None
+        if self.receivers is not None:
+            self.receivers.close()
         await self.engine.close()
 
 
@@ -88,8 +160,9 @@ async def start(settings: RolloutSettings, address: str | None = None, *,
             engine, host=settings.server.host, port=r.http_port, model_name=r.served_model_name or engine.model_path,
             defaults=r, auth_token=token)
     try:
-        mesh, port = await create_server([(rollout_pb2_grpc.add_RolloutServicer_to_server,
-                                           RolloutServicer(engine, settings))], [SERVICE_NAME], address=address,
+        servicer = RolloutServicer(engine, settings)
+        replica.receivers = servicer.receivers
+        mesh, port = await create_server([(add_rollout_servicer, servicer)], [SERVICE_NAME], address=address,
                                          config=settings.server)
     except BaseException:
         await replica.close()

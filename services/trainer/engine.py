@@ -109,9 +109,24 @@ class CriticConfig(OptimSection):
     model_path: str | None = None
 
 
+class WeightSyncConfig(Section):
+    """`weight_sync:` section: how PushWeights moves the actor's weights to rollout replicas."""
+
+    # grpc: a CRC-checked stream, any host and engine. ipc: CUDA IPC handles, trainer and replicas on one GPU.
+    # nccl: one NCCL communicator of rank 0 and every replica's GPU (needs CuPy), broadcast.
+    transport: Literal["grpc", "ipc", "nccl"] = "grpc"
+    # Bucket size of ipc / nccl (device staging); grpc uses actor.weight_bucket_bytes. PushWeights'
+    # bucket_bytes overrides both when set.
+    device_bucket_bytes: int = Field(128 * 1024 * 1024, ge=1024 * 1024)
+    # nccl: seconds for a group to form and for each update's broadcasts; past it the group is aborted, the
+    # push fails and replicas keep their old version.
+    collective_timeout_s: float = Field(120.0, gt=0)
+
+
 class TrainerSettings(MeshSettings):
     model: ModelConfig = ModelConfig()
     actor: ActorConfig = ActorConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
     # No critic unless the section is present (GRPO needs none).
     critic: CriticConfig | None = None
     server: ServerConfig = ServerConfig()
@@ -359,9 +374,13 @@ class TrainerEngine:
         validate_critic_batch(samples, loss, vocab_size=self.vocab_size, max_len=self.max_len, dp_size=self.dims.dp)
         return self._run("train_critic", list(samples), loss)
 
-    def state_for_sync(self) -> tuple[dict[str, torch.Tensor], int]:
-        """Full CPU copies of the actor's weights (HF names, no tied duplicates) and their version."""
-        return self._run("state_for_sync"), self.weight_version
+    def state_for_sync(self, on_device: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+        """Full copies of the actor's weights (HF names, no tied duplicates) and their version: on CPU, or on
+        rank 0's device for the device transports (ipc, nccl)."""
+        if on_device and self.device.type != "cuda":
+            raise FailedPrecondition(f"weight_sync.transport: ipc and nccl need the trainer on a CUDA device, "
+                                     f"it runs on {self.device}")
+        return self._run("state_for_sync", on_device), self.weight_version
 
     def save_checkpoint(self, path: str) -> dict:
         if not path:
@@ -846,14 +865,17 @@ class TrainerEngine:
                 "num_optimizer_steps": float(num_steps), "seconds": time.perf_counter() - t0}
 
     @torch.no_grad()
-    def _full_weights(self) -> dict[str, torch.Tensor] | None:
-        """Every actor weight, full and on CPU, on rank 0 (None elsewhere): HF names, tied weights once.
+    def _full_weights(self, on_device: bool = False) -> dict[str, torch.Tensor] | None:
+        """Every actor weight, full and on CPU (on_device: on rank 0's device), on rank 0 (None elsewhere):
+        HF names, tied weights once.
 
         TP/FSDP shards are gathered by full_tensor() on every rank; pipeline stages then send their
         part to rank 0 (one sender per stage: the rank at dp = tp = 0).
         """
         dtype = DTYPES[self.cfg.weight_sync_dtype or self.param_dtype]
-        mine = {name: _full(t).detach().to("cpu", dtype=dtype, copy=True)
+        # Pipeline stages meet on rank 0 through a CPU gather, so only a one-stage mesh stays on the device.
+        where = self.device if on_device and self.dims.pp == 1 else "cpu"
+        mine = {name: _full(t).detach().to(where, dtype=dtype, copy=True)
                 for name, t in named_weights(self.actor.module).items()}
         if self.dims.world_size == 1:
             return mine
@@ -866,10 +888,12 @@ class TrainerEngine:
             merged.update(part or {})
         if self.hf_config.tie_word_embeddings:
             merged.pop("lm_head.weight", None)      # the last stage's copy of the tied embedding
+        if on_device:
+            merged = {name: t.to(self.device) for name, t in merged.items()}
         return merged
 
-    def _local_state_for_sync(self) -> dict[str, torch.Tensor] | None:
-        return self._full_weights()
+    def _local_state_for_sync(self, on_device: bool = False) -> dict[str, torch.Tensor] | None:
+        return self._full_weights(on_device)
 
     def _models(self) -> list[Trained]:
         return [self.actor] + ([self.critic] if self.critic else [])

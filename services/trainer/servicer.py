@@ -10,7 +10,7 @@ from services.common import convert as common_convert
 from services.common.server import MeshServer, create_server
 from services.trainer import convert
 from services.trainer.engine import TrainerEngine, TrainerSettings
-from services.trainer.weight_sync import GrpcSender, WeightSender
+from services.trainer.weight_sync import WeightSender, build_sender
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -53,9 +53,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if request.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes: must be >= 0, got {request.bucket_bytes}")
         t0 = time.perf_counter()
-        state, version = await asyncio.to_thread(self.engine.state_for_sync)
-        outcomes = await self.sender.push(state, version, targets,
-                                          bucket_bytes=request.bucket_bytes or self.engine.cfg.weight_bucket_bytes)
+        state, version = await asyncio.to_thread(self.engine.state_for_sync, self.sender.on_device)
+        default = self.engine.cfg.weight_bucket_bytes if self.sender.transport == "grpc" else \
+            self.engine.settings.weight_sync.device_bucket_bytes
+        outcomes = await self.sender.push(state, version, targets, bucket_bytes=request.bucket_bytes or default)
         return trainer_pb2.PushWeightsResponse(
             weight_version=version, num_bytes=sum(t.numel() * t.element_size() for t in state.values()),
             seconds=time.perf_counter() - t0,
@@ -73,7 +74,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def GetInfo(self, request, context):
         return common_convert.info_to_pb("trainer", self.engine.model_path, self.engine.weight_version,
-                                         self.engine.info())
+                                         {**self.engine.info(), "weight_transport": self.sender.transport})
 
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
@@ -85,7 +86,9 @@ async def start(settings: TrainerSettings, address: str | None = None, *,
     # Built on the loop's thread: torch.cuda.set_device and process-group start-up belong to it.
     engine = engine or TrainerEngine(settings)
     token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None
-    sender = GrpcSender(token=token, timeout=settings.server.call_timeout_s)
+    ws = settings.weight_sync
+    sender = build_sender(ws.transport, token=token, timeout=settings.server.call_timeout_s,
+                          collective_timeout=ws.collective_timeout_s)
     mesh, port = await create_server([(trainer_pb2_grpc.add_TrainerServicer_to_server,
                                        TrainerServicer(engine, sender))], [SERVICE_NAME], address=address,
                                      config=settings.server)

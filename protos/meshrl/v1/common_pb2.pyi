@@ -65,24 +65,64 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes")
+    __slots__ = ("version", "tensors", "total_bytes", "transport", "group_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    transport: str
+    group_id: str
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., group_id: _Optional[str] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device_uuid", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "buffer_id")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    buffer_id: str
+    def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., buffer_id: _Optional[str] = ...) -> None: ...
+
+class DeviceBucket(_message.Message):
+    __slots__ = ("offset", "nbytes", "checksum", "ipc")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    IPC_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    nbytes: int
+    checksum: int
+    ipc: CudaIpcHandle
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ..., ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("manifest", "data", "crc32")
+    __slots__ = ("manifest", "data", "crc32", "device")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     manifest: WeightManifest
     data: bytes
     crc32: int
-    def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    device: DeviceBucket
+    def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., device: _Optional[_Union[DeviceBucket, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("weight_version", "num_bytes", "seconds")
@@ -93,6 +133,28 @@ class UpdateWeightsResponse(_message.Message):
     num_bytes: int
     seconds: float
     def __init__(self, weight_version: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class WeightGroupRequest(_message.Message):
+    __slots__ = ("group_id", "unique_id", "rank", "world_size", "timeout_s")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    unique_id: bytes
+    rank: int
+    world_size: int
+    timeout_s: float
+    def __init__(self, group_id: _Optional[str] = ..., unique_id: _Optional[bytes] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WeightGroupResponse(_message.Message):
+    __slots__ = ("group_id", "device_uuid")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    device_uuid: str
+    def __init__(self, group_id: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

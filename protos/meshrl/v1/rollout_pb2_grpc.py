@@ -55,6 +55,11 @@ class RolloutStub:
                 request_serializer=meshrl_dot_v1_dot_common__pb2.WeightBucket.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_common__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.JoinWeightGroup = channel.unary_unary(
+                '/meshrl.v1.Rollout/JoinWeightGroup',
+                request_serializer=meshrl_dot_v1_dot_common__pb2.WeightGroupRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_common__pb2.WeightGroupResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -88,6 +93,13 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinWeightGroup(self, request, context):
+        """Joins a new NCCL communicator with the trainer for nccl weight updates; answers once every member joined.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +122,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=meshrl_dot_v1_dot_common__pb2.WeightBucket.FromString,
                     response_serializer=meshrl_dot_v1_dot_common__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'JoinWeightGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinWeightGroup,
+                    request_deserializer=meshrl_dot_v1_dot_common__pb2.WeightGroupRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_common__pb2.WeightGroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +237,33 @@ class Rollout:
             '/meshrl.v1.Rollout/UpdateWeights',
             meshrl_dot_v1_dot_common__pb2.WeightBucket.SerializeToString,
             meshrl_dot_v1_dot_common__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinWeightGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Rollout/JoinWeightGroup',
+            meshrl_dot_v1_dot_common__pb2.WeightGroupRequest.SerializeToString,
+            meshrl_dot_v1_dot_common__pb2.WeightGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
