@@ -4,8 +4,10 @@ A Qwen2.5-0.5B-shaped model with random weights in bf16; random prompts of --pro
 --new-tokens new tokens per row (temperature 1, top_p 1, top_k off); one sample per prompt.
 Measured in one process, on the same prompts:
 
-  engine_cuda_graphs   TorchEngine with rollout.cuda_graphs (services/rollout/cuda_decode.py), median
-                       of --repeats calls after a first call that captures the graphs (reported apart)
+  engine_cuda_graphs   TorchEngine with rollout.cuda_graphs (services/rollout/cuda_decode.py: decode step
+                       compiled, then captured), median of --repeats calls after a first call that
+                       compiles and captures (reported apart)
+  engine_cuda_graphs_nocompile   the same with rollout.cuda_graph_compile off (eager kernels captured)
   engine_eager         TorchEngine's own DynamicCache loop (one call after a short warm-up)
   generate             model.generate(do_sample=True) with the default DynamicCache
   generate_static      model.generate(cache_implementation="static"), which transformers compiles;
@@ -136,6 +138,9 @@ def main(argv=None) -> None:
     parser.add_argument("--skip", default="", help="comma list of methods to leave out")
     parser.add_argument("--parity-rows", type=int, default=16)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "rollout_throughput_gpu.json"))
+    parser.add_argument("--merge", action="store_true", help="keep methods already in --out that this run skips")
+    parser.add_argument("--static-batches", type=lambda v: [int(b) for b in v.split(",")], default=None,
+                        help="batch sizes that run generate_static (default: all; each one compiles)")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     dev = args.device
@@ -144,12 +149,14 @@ def main(argv=None) -> None:
     model = build_model(shape, dev, dtype)
     pad_id = model.config.pad_token_id
     batches = [int(b) for b in args.batches.split(",")]
-    settings = lambda graphs: RolloutSettings(  # noqa: E731
+    settings = lambda graphs, compile=True: RolloutSettings(  # noqa: E731
         model={"path": "random-init", "device": dev, "dtype": "bfloat16" if dtype == torch.bfloat16 else "float32"},
-        rollout={"max_batch_size": max(batches), "cuda_graphs": graphs})
+        rollout={"max_batch_size": max(batches), "cuda_graphs": graphs, "cuda_graph_compile": compile})
     engines = {"engine_eager": TorchEngine(settings(False), model=model, tokenizer=None)}
     if dev.startswith("cuda") and "engine_cuda_graphs" not in skip:
         engines["engine_cuda_graphs"] = TorchEngine(settings(True), model=model, tokenizer=None)
+    if dev.startswith("cuda") and "engine_cuda_graphs_nocompile" not in skip:
+        engines["engine_cuda_graphs_nocompile"] = TorchEngine(settings(True, False), model=model, tokenizer=None)
     elif args.tiny and "engine_cuda_graphs" not in skip:
         # CPU smoke test of the graph decoder's step, run eagerly (no graphs on CPU).
         from services.rollout.cuda_decode import GraphDecoder
@@ -158,25 +165,37 @@ def main(argv=None) -> None:
                                         use_graphs=False)
     g = torch.Generator().manual_seed(1)
     vocab = shape["vocab_size"] - 2 if shape["vocab_size"] < PAD else PAD
-    rows, parity = [], {}
+    out_path = Path(args.out)
+    previous = json.loads(out_path.read_text()) if args.merge and out_path.exists() else {}
+    old_rows = {r["batch"]: r for r in previous.get("workloads", [])}
+    parity = previous.get("logprob_parity_vs_full_forward", {})
+    rows = []
+
+    def write(rows_now, parity_now) -> None:
+        keep = [r for b, r in old_rows.items() if b not in {x["batch"] for x in rows_now}]
+        result = _result(args, shape, dtype, model, dev, engines, parity_now, sorted(keep + rows_now,
+                                                                                  key=lambda r: r["batch"]))
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=2) + "\n")
+
     for B in batches:
         prompts = torch.randint(0, vocab, (B, args.prompt_len), generator=g).tolist()
         ids = torch.tensor(prompts, device=dev)
-        row = {"batch": B, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
-        if "engine_cuda_graphs" in engines:
-            run = engine_fn(engines["engine_cuda_graphs"], prompts, args.new_tokens)
+        row = dict(old_rows.get(B, {}), batch=B, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+        for name in ("engine_cuda_graphs", "engine_cuda_graphs_nocompile"):
+            if name not in engines:
+                continue
+            run = engine_fn(engines[name], prompts, args.new_tokens)
             first, samples = timed(run, dev)
             times = []
             for _ in range(args.repeats):
                 t, samples = timed(run, dev)
                 times.append(t)
             t = statistics.median(times)
-            row["engine_cuda_graphs"] = {"tokens": count(samples), "seconds": round(t, 4),
-                                         "tokens_per_s": round(count(samples) / t, 1),
-                                         "first_call_seconds": round(first, 3),
-                                         "all_seconds": [round(x, 4) for x in times]}
-            parity[f"engine_cuda_graphs_batch{B}"] = logprob_parity(model, pad_id, prompts, samples,
-                                                                    min(args.parity_rows, B))
+            row[name] = {"tokens": count(samples), "seconds": round(t, 4), "tokens_per_s": round(count(samples) / t, 1),
+                         "first_call_seconds": round(first, 3), "all_seconds": [round(x, 4) for x in times]}
+            parity[f"{name}_batch{B}"] = logprob_parity(model, pad_id, prompts, samples, min(args.parity_rows, B))
+            write(rows + [row], parity)
         if "engine_eager" not in skip:
             engine_fn(engines["engine_eager"], prompts, 4)()                 # warm-up
             t, samples = timed(engine_fn(engines["engine_eager"], prompts, args.new_tokens), dev)
@@ -189,23 +208,29 @@ def main(argv=None) -> None:
             generate_fn(model, ids, 4)()                                       # warm-up
             t, n = timed(generate_fn(model, ids, args.new_tokens), dev)
             row["generate"] = {"tokens": n, "seconds": round(t, 3), "tokens_per_s": round(n / t, 1)}
-        if "generate_static" not in skip and dev.startswith("cuda"):
+        if "generate_static" not in skip and dev.startswith("cuda") and (not args.static_batches
+                                                                         or B in args.static_batches):
             fn = generate_fn(model, ids, args.new_tokens, cache_implementation="static")
             first, _ = timed(fn, dev)                                           # compiles
             t, n = timed(fn, dev)
             row["generate_static"] = {"tokens": n, "seconds": round(t, 3), "tokens_per_s": round(n / t, 1),
                                       "first_call_seconds": round(first, 2)}
-        for base in ("generate", "generate_static", "engine_eager"):
+        for base in ("generate", "generate_static", "engine_eager", "engine_cuda_graphs_nocompile"):
             if base in row and "engine_cuda_graphs" in row:
                 row[f"cuda_graphs_vs_{base}"] = round(row["engine_cuda_graphs"]["tokens_per_s"]
                                                       / row[base]["tokens_per_s"], 2)
         rows.append(row)
+        write(rows, parity)
         print(json.dumps(row), flush=True)
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
+    print(json.dumps(parity))
+    print(f"wrote {args.out}")
 
+
+def _result(args, shape, dtype, model, dev, engines, parity, rows) -> dict:
     gd = getattr(engines.get("engine_cuda_graphs"), "_graph_decoder", None)
-    result = {
+    return {
         "benchmark": "rollout_throughput_gpu",
         "model": "Qwen2.5-0.5B shape (random init)" if not args.tiny else "tiny random Qwen2",
         "shape": shape, "dtype": str(dtype), "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -218,10 +243,6 @@ def main(argv=None) -> None:
         "logprob_parity_vs_full_forward": parity,
         "workloads": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(parity))
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

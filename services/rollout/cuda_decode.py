@@ -95,7 +95,7 @@ class GraphDecoder:
     """Decodes batches of rows with a captured CUDA graph per step (or the same step eagerly: use_graphs=False)."""
 
     def __init__(self, model, *, pad_id: int, eos_ids: Sequence[int], max_batch_size: int, use_graphs: bool = True,
-                 sync_every: int = 16, max_states: int = 4):
+                 compile: bool = True, sync_every: int = 16, max_states: int = 4):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"rollout.cuda_graphs: this model cannot be decoded with CUDA graphs ({reason})")
@@ -119,6 +119,12 @@ class GraphDecoder:
         self._eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
         self._states: OrderedDict[tuple[int, int], _State] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        # torch.compile fuses the ~40 small kernels of each layer (norms, rope, softmax, SiLU, casts) into a few;
+        # in a graph every launch still costs a few microseconds, and at decode sizes launches are the time.
+        # One layer is compiled and reused by all (regional compilation: seconds, not minutes); default mode,
+        # no inductor cudagraphs: _graph below captures the whole step. After the first change of bucket the
+        # sizes are compiled dynamic.
+        self._layer_fn = torch.compile(self._layer, fullgraph=True) if compile else self._layer
         self.stats = {"graphs_captured": 0, "replays": 0}
 
     # ---- public
@@ -283,26 +289,30 @@ class GraphDecoder:
     def _forward(self, st: _State, tok: torch.Tensor) -> torch.Tensor:
         """One token per row through the model against the static cache -> fp32 logits [B, V]."""
         m = self.model.model
-        B, H, KV, hd = st.B, self.num_heads, self.num_kv, self.head_dim
         x = m.embed_tokens(tok.unsqueeze(-1))                                     # [B, 1, d]
         cos, sin = m.rotary_emb(x, st.pos.unsqueeze(-1))
         valid = (st.slots >= st.pad.unsqueeze(-1)) & (st.slots <= st.slot)     # [B, S]
         bias = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill_(~valid, float("-inf"))
         bias = bias[:, None, None, :]                                           # [B, 1, 1, S]
         for i, layer in enumerate(m.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(B, 1, H, hd).transpose(1, 2)                    # [B, H, 1, hd]
-            k = a.k_proj(h).view(B, 1, KV, hd).transpose(1, 2)
-            v = a.v_proj(h).view(B, 1, KV, hd).transpose(1, 2)
-            q, k = self._apply_rope(q, k, cos, sin)
-            st.k[i].index_copy_(2, st.slot, k)
-            st.v[i].index_copy_(2, st.slot, v)
-            # Grouped query heads against their kv head: [B, KV, G, hd] x [B, KV, hd, S].
-            scores = torch.matmul(q.reshape(B, KV, H // KV, hd), st.k[i].transpose(-1, -2)).float()
-            probs = torch.softmax(scores * self.scaling + bias, dim=-1).to(x.dtype)
-            o = torch.matmul(probs, st.v[i]).reshape(B, 1, H * hd)
-            x = x + a.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = self._layer_fn(layer, x, cos, sin, bias, st.k[i], st.v[i], st.slot)
         x = m.norm(x)
         return self.model.lm_head(x[:, 0]).float()
+
+    def _layer(self, layer, x, cos, sin, bias, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """One decoder layer for one token per row; writes its k/v at `slot` of the layer's cache."""
+        B, H, KV, hd = x.shape[0], self.num_heads, self.num_kv, self.head_dim
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = a.q_proj(h).view(B, 1, H, hd).transpose(1, 2)                        # [B, H, 1, hd]
+        k = a.k_proj(h).view(B, 1, KV, hd).transpose(1, 2)
+        v = a.v_proj(h).view(B, 1, KV, hd).transpose(1, 2)
+        q, k = self._apply_rope(q, k, cos, sin)
+        kc.index_copy_(2, slot, k)
+        vc.index_copy_(2, slot, v)
+        # Grouped query heads against their kv head: [B, KV, G, hd] x [B, KV, hd, S].
+        scores = torch.matmul(q.reshape(B, KV, H // KV, hd), kc.transpose(-1, -2)).float()
+        probs = torch.softmax(scores * self.scaling + bias, dim=-1).to(x.dtype)
+        o = torch.matmul(probs, vc).reshape(B, 1, H * hd)
+        x = x + a.o_proj(o)
+        return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -23,9 +23,10 @@ def model_dir(tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("cuda_decode_model"), max_position_embeddings=512)
 
 
-def make_engine(path: str, *, graphs: bool, dtype: str = "float32", **rollout) -> TorchEngine:
+def make_engine(path: str, *, graphs: bool, dtype: str = "float32", compile: bool = False, **rollout) -> TorchEngine:
+    # Most tests decode eagerly-built graphs; compiling costs seconds per bucket (one test compiles).
     return TorchEngine(RolloutSettings(model={"path": path, "device": "cuda", "dtype": dtype},
-                                       rollout={"cuda_graphs": graphs, **rollout}))
+                                       rollout={"cuda_graphs": graphs, "cuda_graph_compile": compile, **rollout}))
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +134,9 @@ def test_seeded_and_stop_requests_use_the_eager_loop(graph_engine, eager_engine)
     assert graph_engine._graph_decoder.stats["replays"] == before
 
 
-def test_bf16_sampled_logprobs_stay_close_to_a_full_forward_pass(model_dir):
-    eng = make_engine(model_dir, graphs=True, dtype="bfloat16")
+@pytest.mark.parametrize("compile", [False, True])
+def test_bf16_sampled_logprobs_stay_close_to_a_full_forward_pass(model_dir, compile):
+    eng = make_engine(model_dir, graphs=True, dtype="bfloat16", compile=compile)
     results = gen(eng, n=4, temperature=1.0, max_tokens=64)
     prompts = [r.prompt_ids for r in results for _ in r.samples]
     samples = flat(results)
@@ -142,3 +144,11 @@ def test_bf16_sampled_logprobs_stay_close_to_a_full_forward_pass(model_dir):
     worst = max(float((torch.tensor(s.logprobs) - lp[i, :len(s.logprobs)].float().cpu()).abs().max())
                 for i, s in enumerate(samples))
     assert worst < 0.1, worst
+
+
+def test_compiled_graph_decode_gives_the_eager_loops_greedy_tokens(model_dir, eager_engine):
+    eng = make_engine(model_dir, graphs=True, compile=True, max_batch_size=16)
+    a = flat(gen(eng, n=2, temperature=0, max_tokens=40))
+    b = flat(gen(eager_engine, n=2, temperature=0, max_tokens=40))
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
