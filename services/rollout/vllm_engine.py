@@ -411,8 +411,8 @@ class VLLMEngine(RolloutEngine):
         args = dict(model=m.path, tokenizer=m.path, dtype=m.dtype, max_model_len=self.max_model_len,
                     max_num_seqs=r.max_batch_size, gpu_memory_utilization=mem, enable_prefix_caching=True,
                     logprobs_mode="raw_logprobs", generation_config="vllm", worker_extension_cls=EXTENSION,
-                    # one worker runs inside the engine-core process (no second process polling a queue);
-                    # on CPU eager mode starts in seconds and needs no C compiler for inductor
+                    # on GPUs one worker runs inside the engine-core process (vLLM's CPU platform always
+                    # starts a worker process); on CPU eager mode starts in seconds and needs no C compiler
                     distributed_executor_backend="uni", enforce_eager=on_cpu, disable_log_stats=True,
                     skip_tokenizer_init=self.tokenizer is None)
         args.update(r.vllm_engine_args)
