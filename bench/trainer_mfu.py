@@ -328,7 +328,7 @@ def build_engine(path: str, dev: str, *, amp: bool, dtype: str, budget: int):
 
 
 def run_engine(path: str, samples, dev: str, warmup: int, steps: int, *, amp: bool, tuned: bool, compile: bool,
-               dtype: str, budget: int, parity: bool) -> dict:
+               dtype: str, budget: int, parity: bool, profile: bool = False) -> dict:
     ctx = tuned_trainer() if tuned else contextlib.nullcontext()
     with ctx:
         engine = build_engine(path, dev, amp=amp, dtype=dtype, budget=budget)
@@ -346,11 +346,46 @@ def run_engine(path: str, samples, dev: str, warmup: int, steps: int, *, amp: bo
             metrics.append(engine.train_actor(samples, loss))
 
         times = time_steps(step, warmup, steps, dev)
+        if profile:
+            extra["profile"] = profile_step(step, dev)
         engine.close()
     internal = [m["seconds"] for m in metrics[-steps:]]
     del engine
     return {"times": times, "engine_reported_seconds": internal, "last_metrics": {
         k: metrics[-1][k] for k in ("loss", "grad_norm", "entropy", "num_optimizer_steps")}, **extra}
+
+
+KERNEL_KINDS = (("lm_head_logprob_triton", ("_head_fwd", "_head_bwd")), ("flash_attention", ("flash", "fmha", "attention")),
+                ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90")),
+                ("optimizer", ("adam", "multi_tensor")), ("compiled_elementwise", ("triton_",)),
+                ("embedding", ("embedding",)), ("reduce_norm", ("reduce", "norm")))
+
+
+def profile_step(step, dev: str) -> dict:
+    """Device time of one step by kernel kind (torch.profiler), against its wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        sync(dev)
+        wall = time.perf_counter() - t0
+    kinds: dict[str, float] = {}
+    top = []
+    for item in prof.key_averages():
+        us = getattr(item, "self_device_time_total", 0) or 0
+        if us <= 0 or getattr(item, "device_type", None) is None or "CUDA" not in str(item.device_type):
+            continue
+        name = item.key.lower()
+        kind = next((k for k, pats in KERNEL_KINDS if any(p in name for p in pats)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
+        top.append((us / 1e3, item.count, item.key[:90]))
+    top.sort(reverse=True)
+    busy = sum(kinds.values())
+    return {"wall_ms": round(wall * 1e3, 1), "gpu_busy_ms": round(busy, 1),
+            "by_kind_ms": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top_kernels": [{"ms": round(ms, 2), "calls": n, "name": k} for ms, n, k in top[:25]]}
 
 
 def head_parity(engine, samples, dev: str) -> dict:
@@ -425,6 +460,8 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=int, default=16384, help="actor.micro_batch_token_budget")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "trainer_mfu.json"))
     parser.add_argument("--merge", action="store_true", help="add to the variants already in --out")
+    parser.add_argument("--profile", type=lambda v: v.split(","), default=[],
+                        help="variants to profile one extra step of (device time by kernel kind)")
     args = parser.parse_args(argv)
     dev = args.device
     sizes = ["tiny"] if args.tiny else args.sizes.split(",")
@@ -478,7 +515,7 @@ def main(argv=None) -> None:
                     else:
                         r = run_engine(str(path), samples, dev, args.warmup, args.steps, amp=amp, tuned=tuned,
                                        compile=comp, dtype=dtype_name, budget=args.budget,
-                                       parity=(name == "engine_tuned"))
+                                       parity=(name == "engine_tuned"), profile=name in args.profile)
                 except Exception as e:  # noqa: BLE001 - an OOM in one variant must not lose the others
                     traceback.print_exc()
                     r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
