@@ -488,13 +488,23 @@ class VLLMEngine(RolloutEngine):
                  num_bytes / 2**20, seconds)
         return {"weight_version": self.weight_version, "num_bytes": num_bytes, "seconds": seconds}
 
+    async def apply_update(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Tensors that arrived whole over a device transport (ipc / nccl): checked, then swapped in as a gRPC
+        update is (they reach vLLM's worker through its RPC as host bytes)."""
+        await self._loop.run(self._swap(self._checked(version, tensors), version))
+
     def update_weights_sync(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Applies an in-memory HF state dict (scripts, tests, a trainer in the same process)."""
+        self._loop.call(self._swap(self._checked(version, state), version))
+
+    def _checked(self, version: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.update_problem:
             raise FailedPrecondition(f"UpdateWeights: {self.update_problem}")
-        tensors = {n: t.detach().cpu().contiguous() for n, t in state.items()}
-        check_against(tensors, self.reference)
-        self._loop.call(self._swap(tensors, version))
+        if version < 0:
+            raise ValueError(f"manifest.version: must be >= 0, got {version}")
+        host = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+        check_against(host, self.reference)
+        return host
 
     def vllm_state(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """vLLM's own tensors by vLLM name (tests and debugging)."""

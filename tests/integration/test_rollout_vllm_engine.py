@@ -171,6 +171,16 @@ def test_vllm_rejects_a_bad_update_naming_the_tensor_and_keeps_weights_and_versi
     assert [r.samples[0].logprobs for r in after] == [r.samples[0].logprobs for r in before]
 
 
+def test_vllm_apply_update_takes_tensors_a_device_transport_delivered(served):
+    new = random_state_like(served.hf, seed=5)
+    asyncio.run(served.engine.apply_update(8, new))
+    apply_weights(served.hf, new)
+    results = generate(served.engine, [PROMPT, LONG_PROMPT], n=2, temperature=1.0, max_tokens=6, seed=4)
+    assert served.engine.weight_version == 8 and all(s.weight_version == 8 for r in results for s in r.samples)
+    assert max_logprob_gap(served.hf, results) < ATOL
+    with pytest.raises(ValueError, match="manifest.version: must be >= 0"):
+        asyncio.run(served.engine.apply_update(-1, new))
+
 def test_vllm_replica_serves_grpc_and_http_and_takes_pushed_weights(served):
     import openai
 
