@@ -16,7 +16,8 @@ So the log-probs are the raw model's, as in the eager loop, up to bf16 kernel-or
 Graphs, and the cache they write, are keyed on (batch bucket, length bucket, sampling mode);
 rows are padded up to the batch bucket with dummy rows that are done from the start. Seeded rows
 (per-row CPU generators), stop strings and top-logprobs stay on the eager loop (`can_decode`).
-Weight swaps copy into the parameters in place, so captured graphs stay valid across them.
+Weight swaps that copy into the parameters in place keep the captured graphs valid; when parameters
+move (swapped by reference), the next decode captures again.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class GraphDecoder:
         self.device, self.dtype = p.device, p.dtype
         self._eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
         self._states: OrderedDict[tuple[int, int], _State] = OrderedDict()
+        self._param_ptrs = self._weights_signature()
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         # torch.compile fuses the ~40 small kernels of each layer (norms, rope, softmax, SiLU, casts) into a few;
         # in a graph every launch still costs a few microseconds, and at decode sizes launches are the time.
@@ -140,6 +142,11 @@ class GraphDecoder:
         """Tokens, raw log-probs and ended-by-eos flags of each row (rows of one request share nothing)."""
         R = len(prompts)
         assert 0 < R <= self.max_batch_size
+        if self.use_graphs and self._weights_signature() != self._param_ptrs:
+            # Graphs read parameters by address: weights swapped by reference (not copied in place) need new ones.
+            log.info("cuda graph decoder: parameters moved; capturing again")
+            self.reset()
+            self._param_ptrs = self._weights_signature()
         uniq: dict[tuple[int, ...], int] = {}
         fan = [uniq.setdefault(tuple(q), len(uniq)) for q in prompts]
         L = max(len(q) for q in uniq)
@@ -159,6 +166,9 @@ class GraphDecoder:
         lengths, stopped = st.length[:R].tolist(), st.stopped[:R].tolist()
         tok, lp = st.out_tok[:R, :T].tolist(), st.out_lp[:R, :T].tolist()
         return ([t[:n] for t, n in zip(tok, lengths)], [x[:n] for x, n in zip(lp, lengths)], stopped)
+
+    def _weights_signature(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in self.model.parameters()) + tuple(b.data_ptr() for b in self.model.buffers())
 
     def reset(self) -> None:
         """Drops every captured graph and its cache (the next decode captures again)."""

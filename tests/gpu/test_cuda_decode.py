@@ -152,3 +152,19 @@ def test_compiled_graph_decode_gives_the_eager_loops_greedy_tokens(model_dir, ea
     b = flat(gen(eager_engine, n=2, temperature=0, max_tokens=40))
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
     assert max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+
+
+def test_weights_swapped_by_reference_are_recaptured(model_dir):
+    eng = make_engine(model_dir, graphs=True)
+    eager = make_engine(model_dir, graphs=False)
+    gen(eng, temperature=0, max_tokens=10)
+    captured = eng._graph_decoder.stats["graphs_captured"]
+    new = random_state_like(eng.model, seed=5)
+    with torch.no_grad():
+        for e in (eng, eager):
+            for name, p in e.model.named_parameters():
+                if name in new:
+                    p.data = new[name].to(p.device, p.dtype)        # new storage, old address gone
+    a, b = flat(gen(eng, temperature=0, max_tokens=30)), flat(gen(eager, temperature=0, max_tokens=30))
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert eng._graph_decoder.stats["graphs_captured"] > captured
