@@ -13,7 +13,7 @@ from pydantic import SecretStr
 
 from coordinator.config import RunConfig
 from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.common.channel import MAX_MESSAGE_BYTES, service_config
+from services.common.channel import MAX_MESSAGE_BYTES, ClientTLS, service_config
 
 STATE_NAMES = {v: k[len("RUN_STATE_"):] for k, v in coordinator_pb2.RunState.items()}
 
@@ -74,10 +74,16 @@ def config_text(config: RunConfig | dict | str | Path) -> str:
 class Client:
     """Blocking client of the Coordinator service."""
 
-    def __init__(self, address: str, *, token: str | None = None, timeout: float = 600.0):
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.enable_retries", 1), ("grpc.service_config", service_config(round_robin=False))])
+    def __init__(self, address: str, *, token: str | None = None, timeout: float = 600.0,
+                 tls: ClientTLS | None = None):
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.enable_retries", 1), ("grpc.service_config", service_config(round_robin=False))]
+        if tls is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self._channel = grpc.secure_channel(address, tls.credentials(), options=options)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._timeout = timeout

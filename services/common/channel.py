@@ -53,6 +53,12 @@ class ClientTLS:
     server_name: str | None = None
 
     @classmethod
+    def from_files(cls, ca: str, cert: str | None = None, key: str | None = None,
+                   server_name: str | None = None) -> "ClientTLS":
+        """For scripts: `Client(address, tls=ClientTLS.from_files("ca.pem", "me.pem", "me.key"))`."""
+        return cls(read_pem(ca, "ca"), read_pem(key, "key"), read_pem(cert, "cert"), server_name)
+
+    @classmethod
     def from_server_config(cls, cfg) -> "ClientTLS | None":
         """A service calls others with the TLS of its `server:` section: tls_ca, tls_client_cert/key
         (default tls_cert/tls_key when the server itself does mutual TLS). None when tls_ca is unset."""
