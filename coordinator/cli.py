@@ -16,7 +16,7 @@ import yaml
 from rich.console import Console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="meshrl: RL post-training (PPO, GRPO, RLOO, REINFORCE++) as a mesh of gRPC services.")
+                  help="meshrl: RL post-training (PPO, GRPO, RLOO, REINFORCE++, DPO) as a mesh of gRPC services.")
 console = Console()
 
 ROLES = {"coordinator": "coordinator.__main__", "trainer": "services.trainer.__main__",
@@ -45,6 +45,11 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 
 def step_line(m: dict, num_steps: int) -> str:
+    if "dpo/loss" in m:
+        return (f"step {int(m['step']):>3}/{num_steps}  dpo loss {_fmt(m.get('dpo/loss'))}  "
+                f"margin {_fmt(m.get('dpo/rewards/margins'))}  pref acc {_fmt(m.get('dpo/rewards/accuracy'))}  "
+                f"logp chosen {_fmt(m.get('dpo/logps/chosen'), '.2f')} rejected {_fmt(m.get('dpo/logps/rejected'), '.2f')}  "
+                f"{_fmt(m.get('time/step'), '.2f')}s")
     return (f"step {int(m['step']):>3}/{num_steps}  reward {_fmt(m.get('reward_mean'))}  "
             f"acc {_fmt(m.get('accuracy'))}  kl {_fmt(m.get('kl'), '.4f')}  "
             f"entropy {_fmt(m.get('actor/entropy'))}  len {_fmt(m.get('response_length_mean'), '.1f')}  "
@@ -90,7 +95,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., exists=True, dir_o
             with Client(addresses["coordinator"][0], token=token) as client:
                 run_id = client.start_run(yaml.safe_dump(data, sort_keys=False))
                 console.print(f"run {run_id} started")
-                _follow(client, run_id, cfg.run.num_steps)
+                _follow_while_alive(launcher, client, run_id, cfg.run.num_steps)
                 status = client.get_run(run_id)
             _report(status.run_dir)
         except KeyboardInterrupt:
@@ -126,12 +131,46 @@ def _follow(client, run_id: str, num_steps: int) -> None:
         for m in client.stream_metrics(run_id):
             if "reward_mean" in m:
                 progress.console.print(step_line(m, num_steps), highlight=False)
-                progress.update(task, completed=int(m["step"]),
-                                stats=f"reward {_fmt(m.get('reward_mean'))} kl {_fmt(m.get('kl'), '.4f')} "
-                                      f"{_fmt(m.get('samples_per_s'), '.1f')} samples/s")
+                stats = (f"margin {_fmt(m.get('reward_mean'))} {_fmt(m.get('pairs_per_s'), '.1f')} pairs/s"
+                         if "dpo/loss" in m else
+                         f"reward {_fmt(m.get('reward_mean'))} kl {_fmt(m.get('kl'), '.4f')} "
+                         f"{_fmt(m.get('samples_per_s'), '.1f')} samples/s")
+                progress.update(task, completed=int(m["step"]), stats=stats)
             elif "heldout_accuracy" in m:
                 label = "after" if m.get("final") else ("before" if m["step"] == 0 else f"at step {m['step']}")
-                progress.console.print(f"held-out accuracy {label}: {m['heldout_accuracy']:.1%}", highlight=False)
+                line = f"held-out accuracy {label}: {m['heldout_accuracy']:.1%}"
+                if "heldout_preference_accuracy" in m:
+                    line += (f"  preference accuracy {m['heldout_preference_accuracy']:.1%}  "
+                             f"margin {_fmt(m.get('heldout_reward_margin'))}")
+                progress.console.print(line, highlight=False)
+
+
+def _follow_while_alive(launcher, client, run_id: str, num_steps: int) -> None:
+    """Follows the run; a service process that dies ends `meshrl up` with its log instead of a hang."""
+    import threading
+
+    from coordinator.launcher import tail
+
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def follow():
+        try:
+            _follow(client, run_id, num_steps)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=follow, daemon=True).start()
+    while not done.wait(1.0):
+        dead = [c for c in launcher.children if c.proc.poll() is not None]
+        if dead:
+            c = dead[0]
+            raise RuntimeError(f"{c.role}-{c.index} exited with code {c.proc.returncode} during the run; "
+                               f"see {c.log_path}:\n{tail(c.log_path)}")
+    if errors:
+        raise errors[0]
 
 
 def _report(run_dir: str) -> None:
@@ -153,6 +192,9 @@ def _report(run_dir: str) -> None:
                       f"{summary['heldout_accuracy_before']:.1%}", f"{summary['heldout_accuracy_after']:.1%}",
                       ", ".join(f"{k} {v:.0%}" for k, v in shares))
         console.print(table)
+        if summary.get("algorithm") == "dpo":
+            console.print(f"held-out preference accuracy {_fmt(summary.get('heldout_preference_accuracy_before'), '.1%')}"
+                          f" -> {_fmt(summary.get('heldout_preference_accuracy_after'), '.1%')}", highlight=False)
     console.print(f"report: {image}")
 
 

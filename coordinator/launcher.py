@@ -62,7 +62,7 @@ class Launcher:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
         else:
             cmd = [sys.executable, *args]
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.num_threads), PYTHONUNBUFFERED="1",
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.num_threads), PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
                    TOKENIZERS_PARALLELISM="false")
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices
