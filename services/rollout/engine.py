@@ -185,7 +185,8 @@ class RolloutEngine(abc.ABC):
     async def update_weights(self, manifest: Manifest, buckets: AsyncIterable[tuple[bytes, int]]) -> dict:
         """Applies a whole update or nothing; returns {weight_version, num_bytes, seconds}."""
 
-    async def apply_update(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    async def apply_update(self, version: int, tensors: Mapping[str, torch.Tensor], *,
+                           flat: torch.Tensor | None = None) -> None:
         """Swaps in tensors that arrived whole and checked out (device transports), or raises with the old
         weights kept. Engines that take weights only as a gRPC stream keep this default."""
         raise FailedPrecondition(f"UpdateWeights: the {self.info().get('engine', '?')} engine takes weights over "
@@ -298,6 +299,9 @@ class TorchEngine(RolloutEngine):
             raise ValueError(f"rollout.max_model_len: {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({model_len})")
         self.weight_version = 0
+        # CPU models: the buffer the served weights are views of (after a grpc update), and the one before it.
+        self._weights_buffer: torch.Tensor | None = None
+        self._spare_buffer: torch.Tensor | None = None
         # One torch job at a time (generation, scoring, weight swap): a swap never lands mid-generation.
         self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
         self._pending: list[_Job] = []
@@ -366,20 +370,35 @@ class TorchEngine(RolloutEngine):
         start = time.perf_counter()
         if manifest.version < 0:
             raise ValueError(f"manifest.version: must be >= 0, got {manifest.version}")
-        # Every bucket lands CRC-checked in one preallocated buffer (off the event loop) before any weight moves.
-        tensors, num_bytes = await receive_host(manifest, buckets)
-        await self.apply_update(manifest.version, tensors)
+        # Every bucket lands CRC-checked in one preallocated buffer (off the event loop) before any weight moves;
+        # the buffer the weights lived in before the last swap is that buffer when its size fits. Taken, not
+        # shared: an update that runs alongside gets its own.
+        spare, self._spare_buffer = self._spare_buffer, None
+        try:
+            received = await receive_host(manifest, buckets, buffer=spare)
+        except BaseException:
+            self._spare_buffer = spare
+            raise
+        await self.apply_update(manifest.version, received.tensors, flat=received.buffer)
         seconds = time.perf_counter() - start
-        log.info("weights version %d applied: %d tensors, %.1f MiB in %.2fs", manifest.version, len(tensors),
-                 num_bytes / 2**20, seconds)
-        return {"weight_version": self.weight_version, "num_bytes": num_bytes, "seconds": seconds}
+        log.info("weights version %d applied: %d tensors, %.1f MiB in %.2fs", manifest.version,
+                 len(received.tensors), received.num_bytes / 2**20, seconds)
+        return {"weight_version": self.weight_version, "num_bytes": received.num_bytes, "seconds": seconds}
 
-    async def apply_update(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    async def apply_update(self, version: int, tensors: Mapping[str, torch.Tensor], *,
+                           flat: torch.Tensor | None = None) -> None:
+        """flat: the CPU buffer every tensor is a view of, which this engine may keep: a CPU model then takes
+        the tensors themselves as its weights (no copy) and the buffer of its old weights becomes the spare."""
         if version < 0:
             raise ValueError(f"manifest.version: must be >= 0, got {version}")
-        check_against(tensors, named_weights(self.model))
+        params = named_weights(self.model)
+        check_against(tensors, params)
+        adopt = flat is not None and flat.device.type == "cpu" and self._graph_decoder is None and all(
+            p.device.type == "cpu" for p in params.values())
         async with self._lock:
-            await self._run_locked(_apply_and_sync, self.model, tensors)
+            await self._run_locked(swap_in, self.model, tensors, adopt=adopt)
+            if adopt:
+                self._spare_buffer, self._weights_buffer = self._weights_buffer, flat
             self.weight_version = version
 
     async def _run_locked(self, fn, *args, on_done=None, **kwargs):
@@ -597,7 +616,15 @@ class TorchEngine(RolloutEngine):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-def _apply_and_sync(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+@torch.no_grad()
+def swap_in(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, adopt: bool = False) -> None:
+    """The weight swap (call with the engine lock held): copies checked tensors into the parameters, or with
+    adopt makes them the parameters' data (CPU models: no copy; they are views of the received buffer)."""
+    if adopt:
+        params = named_weights(model)
+        for name, t in tensors.items():
+            params[name].data = t
+        return
     apply_weights(model, tensors)
     device = next(iter(model.parameters())).device
     if device.type == "cuda":

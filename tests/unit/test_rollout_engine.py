@@ -306,7 +306,7 @@ def test_a_cancelled_generation_holds_the_lock_until_its_thread_ends(model_dir, 
 
     eng = make_engine(model_dir, max_batch_size=1)
     marks = {}
-    real_jobs, real_apply = eng._generate_jobs, engine_module.apply_weights
+    real_jobs, real_apply = eng._generate_jobs, engine_module.swap_in
 
     def slow_jobs(jobs):
         out = real_jobs(jobs)
@@ -314,12 +314,12 @@ def test_a_cancelled_generation_holds_the_lock_until_its_thread_ends(model_dir, 
         marks["generation_done"] = _time.perf_counter()
         return out
 
-    def apply(model, tensors):
+    def apply(model, tensors, **kwargs):
         marks["apply_started"] = _time.perf_counter()
-        return real_apply(model, tensors)
+        return real_apply(model, tensors, **kwargs)
 
     monkeypatch.setattr(eng, "_generate_jobs", slow_jobs)
-    monkeypatch.setattr(engine_module, "apply_weights", apply)
+    monkeypatch.setattr(engine_module, "swap_in", apply)
     new = random_state_like(eng.model, seed=9)
 
     async def main():

@@ -1,0 +1,194 @@
+"""GPU tests of the device weight transports: a trainer server in this process, rollout replicas as processes.
+
+ipc: trainer and replica share cuda:0; after each push the replica serves the trainer's version and
+log-probs, and a push takes milliseconds. nccl (two GPUs or more): the replica on cuda:1 joins the
+trainer's group; a replica that stops answering fails the push and keeps its version, and the next push
+forms a new group. Skipped without CUDA (nccl: without two GPUs or CuPy).
+
+    PYTHONPATH=.:protos python -m pytest -q tests/gpu/test_weight_sync.py -s
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from meshrl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.common.channel import create_channel
+from services.common.config import load_config
+from services.trainer import convert
+from services.trainer.batch import ActorLoss
+from services.trainer.testing import random_samples
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from services.rollout.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("weight_sync_gpu_model"), hidden_size=256, num_hidden_layers=4)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def replica_process(model_dir: str, device: str, tmp_path: Path):
+    """`python -m services.rollout` on `device`, serving once GetInfo answers."""
+    import grpc
+
+    port = _free_port()
+    cfg = tmp_path / f"rollout-{port}.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"path": model_dir, "device": device}}))
+    log = open(tmp_path / f"rollout-{port}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "services.rollout", "--config", str(cfg), "--port", str(port)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'protos'}"})
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with grpc.insecure_channel(address) as ch:
+                    rollout_pb2_grpc.RolloutStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=2)
+                break
+            except grpc.RpcError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"replica on {device} did not start: {(tmp_path / log.name).read_text()}")
+                time.sleep(0.5)
+        yield proc, address
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait()
+        log.close()
+
+
+@contextlib.asynccontextmanager
+async def trainer(model_dir: str, transport: str, **weight_sync):
+    from services.trainer.engine import TrainerSettings
+    from services.trainer.servicer import start
+
+    settings = load_config(TrainerSettings, data={"model": {"path": model_dir, "device": "cuda"}, "actor": {"lr": 1e-3},
+                                                   "weight_sync": {"transport": transport, **weight_sync}})
+    mesh, port, engine = await start(settings, "127.0.0.1:0")
+    channel = create_channel(f"127.0.0.1:{port}")
+    try:
+        yield trainer_pb2_grpc.TrainerStub(channel), engine
+    finally:
+        await channel.close()
+        await mesh.stop(0)
+        engine.close()
+
+
+def sequences_pb(samples):
+    return common_pb2.LogProbsRequest(sequences=[
+        common_pb2.TokenSequence(id=f"s{i}", prompt_ids=s.prompt_ids, response_ids=s.response_ids)
+        for i, s in enumerate(samples)], temperature=1.0)
+
+
+async def train_and_push(stub, samples, targets):
+    lp = await stub.ComputeLogProbs(sequences_pb(samples))
+    for s, r in zip(samples, lp.results):
+        s.old_logprobs = list(r.logprobs)
+    await stub.TrainActor(convert.train_actor_to_pb(samples, ActorLoss()))
+    pushed = await stub.PushWeights(trainer_pb2.PushWeightsRequest(targets=targets))
+    want = [list(r.logprobs) for r in (await stub.ComputeLogProbs(sequences_pb(samples))).results]
+    return pushed, want
+
+
+async def served(target: str, samples):
+    async with create_channel(target) as ch:
+        stub = rollout_pb2_grpc.RolloutStub(ch)
+        info = await stub.GetInfo(common_pb2.GetInfoRequest())
+        lp = await stub.ComputeLogProbs(sequences_pb(samples))
+        return info, [list(r.logprobs) for r in lp.results]
+
+
+def assert_parity(got, want, tol=1e-4):
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, abs=tol)
+
+
+def test_ipc_pushes_land_in_a_replica_process_on_the_same_gpu_with_the_trainers_logprobs(model_dir, tmp_path):
+    samples = random_samples(4, vocab_size=32)
+    with replica_process(model_dir, "cuda:0", tmp_path) as (_, target):
+        async def main():
+            rounds = []
+            async with trainer(model_dir, "ipc") as (stub, _):
+                for _ in range(3):
+                    pushed, want = await train_and_push(stub, samples, [target])
+                    rounds.append((pushed, want, await served(target, samples)))
+            return rounds
+
+        rounds = asyncio.run(main())
+    for version, (pushed, want, (info, logprobs)) in enumerate(rounds, start=1):
+        assert [r.ok for r in pushed.results] == [True], pushed.results[0].error
+        assert pushed.weight_version == version and info.weight_version == version
+        assert_parity(logprobs, want)
+        print(f"ipc push {version}: {pushed.num_bytes} bytes, {pushed.results[0].seconds * 1e3:.1f} ms")
+    assert "ipc" in rounds[0][2][0].details["weight_transports"]
+    # Handles are opened on the first push; later ones only copy on the device.
+    assert rounds[-1][0].results[0].seconds < 1.0
+
+
+def _two_gpus_and_cupy() -> str:
+    if torch.cuda.device_count() < 2:
+        return "needs two GPUs"
+    try:
+        import cupy.cuda.nccl  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"needs CuPy with NCCL ({e})"
+    return ""
+
+
+@pytest.mark.skipif(bool(_two_gpus_and_cupy()), reason=_two_gpus_and_cupy() or "ok")
+def test_nccl_broadcast_reaches_a_replica_on_another_gpu_and_a_stalled_one_keeps_its_version(model_dir, tmp_path):
+    samples = random_samples(4, vocab_size=32)
+    with replica_process(model_dir, "cuda:1", tmp_path) as (proc, target):
+        async def main():
+            async with trainer(model_dir, "nccl", collective_timeout_s=20) as (stub, _):
+                first, want1 = await train_and_push(stub, samples, [target])
+                served1 = await served(target, samples)
+                second, want2 = await train_and_push(stub, samples, [target])   # the same group, no re-forming
+                os.kill(proc.pid, signal.SIGSTOP)                                # the replica stops answering
+                t0 = time.perf_counter()
+                stalled, _ = await train_and_push(stub, samples, [target])
+                stalled_seconds = time.perf_counter() - t0
+                os.kill(proc.pid, signal.SIGCONT)
+                kept = await served(target, samples)
+                again, want4 = await train_and_push(stub, samples, [target])     # a new group forms
+                return (first, want1, served1, second, stalled, stalled_seconds, kept, want2, again, want4,
+                        await served(target, samples))
+
+        (first, want1, served1, second, stalled, stalled_seconds, kept, want2, again, want4,
+         served4) = asyncio.run(main())
+    assert first.results[0].ok, first.results[0].error
+    assert served1[0].weight_version == 1
+    assert_parity(served1[1], want1)
+    assert second.results[0].ok and second.weight_version == 2
+    assert not stalled.results[0].ok and stalled.results[0].error
+    assert stalled_seconds < 60                       # bounded by the probe and collective deadlines
+    assert kept[0].weight_version == 2                # the failed version 3 never landed
+    assert_parity(kept[1], want2)
+    assert again.results[0].ok, again.results[0].error
+    assert served4[0].weight_version == 4
+    assert_parity(served4[1], want4)
