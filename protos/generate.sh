@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerates the Python stubs next to the .proto files (grpcio-tools 1.84.x; see pyproject.toml).
+# Regenerates the Python stubs next to the .proto files with grpcio-tools 1.84.0 (pinned in pyproject.toml:
+# generated stubs refuse a grpcio older than the tools that made them, and the GPU image has 1.84.0).
 set -euo pipefail
 cd "$(dirname "$0")"
 out="${1:-.}"

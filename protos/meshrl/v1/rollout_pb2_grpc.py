@@ -6,7 +6,7 @@ import warnings
 from meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_common__pb2
 from meshrl.v1 import rollout_pb2 as meshrl_dot_v1_dot_rollout__pb2
 
-GRPC_GENERATED_VERSION = '1.84.2'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
