@@ -9,16 +9,31 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, processors
+
+if __package__ in (None, ""):  # run as a file (python examples/arith/sft.py): make `examples` importable
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from examples.arith.task import DEFAULT_DIR, has_carry, no_carry_answer, read_jsonl, reward
 
 MODEL_DIR = Path(__file__).resolve().parent / "model"
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # pad must be id 0 (spec); bos 1, eos 2
-# Letters are not used by the task; they exist so ad-hoc strings in tests/demos
-# tokenize to something other than <unk>.
-CHARS = list("0123456789+-= ") + list("abcdefghijklmnopqrstuvwxyz")
+# One token per character. The space is spelled "\u0120" (GPT-2 byte-level "Ġ")
+# because AutoTokenizer, seeing model_type "qwen2", always rebuilds the tokenizer as
+# Qwen2Tokenizer: vocab from tokenizer.json, but its own NFC + regex + ByteLevel
+# pre-tokenizer and ByteLevel decoder. A plain " " token would then be silently
+# dropped. Building with exactly that pipeline makes every loader agree. Letters
+# are unused by the task; they let ad-hoc strings in tests/demos survive. Other
+# characters are dropped (Qwen2Tokenizer's BPE has no unk), which the task never hits.
+CHARS = list("0123456789+-=") + ["\u0120"] + list("abcdefghijklmnopqrstuvwxyz")
+# Qwen2Tokenizer's pre-tokenizer split (transformers.models.qwen2.tokenization_qwen2).
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 MAX_LEN = 64
 # Concatenate contents and nothing else, but start with bos so that
 # apply_chat_template(tokenize=True) yields exactly tokenizer(prompt)["input_ids"]:
@@ -31,13 +46,18 @@ MAX_NEW_TOKENS = 6
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Character-level HF tokenizer: one token per character, bos prepended, lossless decode."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
-    # BPE with no merges == pure per-character split, and it keeps spaces as
-    # ordinary tokens (no pre-tokenizer is needed that would drop them).
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    # BPE with no merges == a pure per-character split.
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False,
+                              continuing_subword_prefix="", end_of_word_suffix=""))
+    tk.normalizer = normalizers.NFC()
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    # ByteLevel decoding concatenates tokens (no " " joiner) and maps "Ġ" back to
+    # " ", so decode(encode(x)) == x.
+    tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(SPECIAL_TOKENS)
-    # Without a decoder, tokenizers joins tokens with " "; Fuse concatenates them
-    # so decode(encode(x)) == x.
-    tk.decoder = decoders.Fuse()
     tk.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
     )
@@ -133,16 +153,17 @@ def evaluate(model, tokenizer, rows: list[dict], *, greedy: bool = True, tempera
 
 
 def teacher_target(row: dict, rng: random.Random, carry_drop: float) -> str:
-    """The SFT label: the true answer, except carry/borrow problems get the
-    carry-ignoring answer with probability ``carry_drop``.
+    """The SFT label: the true answer, except that on carry problems the
+    carry-ignoring answer (``37+45=`` -> ``72``) is used with probability ``carry_drop``.
 
-    Why a deliberately sloppy teacher: a cleanly trained model is either at ~100%
-    or, if stopped early, in a fragile half-learned state where RL noise destroys
-    it. Imitating a teacher that "forgets carries" 60% of the time gives a
-    converged, stable policy whose greedy answer is wrong on every carry problem
-    (~60% of problems) yet which samples the right answer ~40% of the time there:
-    partial greedy accuracy, high pass@8, and a single behaviour for RL to fix.
-    Re-drawn on every visit so the model learns the mixture, not per-row labels.
+    Why a deliberately sloppy teacher: a cleanly trained model is either ~100%
+    right or, if stopped early, in a fragile half-learned state that GRPO noise
+    wrecks rather than improves (tried: it collapses). Imitating a teacher that
+    forgets carries 70% of the time instead gives a converged, stable policy that
+    is greedily wrong on every carry problem (~70% of a+b) yet samples the right
+    answer ~30% of the time there: partial greedy accuracy, pass@8 near 1, and a
+    single behaviour ("carry") that RL can reinforce. Re-drawn on every visit so
+    the model learns the mixture, not per-row labels.
     """
     if carry_drop > 0 and has_carry(row["prompt"]) and rng.random() < carry_drop:
         return no_carry_answer(row["prompt"])
@@ -182,14 +203,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=str(MODEL_DIR))
     p.add_argument("--data", default=str(DEFAULT_DIR), help="dir with train.jsonl / heldout.jsonl")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=2500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--carry-drop", type=float, default=0.6,
-                   help="probability the SFT teacher ignores carries on carry/borrow problems")
+    p.add_argument("--carry-drop", type=float, default=0.7,
+                   help="probability the SFT teacher ignores carries on problems that have one")
     p.add_argument("--eval-every", type=int, default=0)
     args = p.parse_args()
 
@@ -207,7 +228,9 @@ def main() -> None:
     print(f"sft_seconds {time.time() - t0:.1f}")
 
     model.save_pretrained(args.out)
-    tok.save_pretrained(args.out)
+    # A fresh instance: calls with padding=True mutate the backend's padding state,
+    # which save_pretrained would otherwise bake into tokenizer.json.
+    build_tokenizer().save_pretrained(args.out)
     torch.manual_seed(args.seed)  # sampling-based metrics are reproducible too
     print(f"heldout_greedy {evaluate(model, tok, heldout):.3f}")
     print(f"train_greedy {evaluate(model, tok, train_rows[:500]):.3f}")
