@@ -19,7 +19,8 @@ Correctness: after the last push the replica's fp64 sum of every tensor equals t
     PYTHONPATH=.:protos python bench/weight_sync.py --transport ipc --device cuda:0
     PYTHONPATH=.:protos python bench/weight_sync.py --transport nccl --device cuda:0 --replica-device cuda:1
 
-Results are merged into --out (bench/results/weight_sync.json) by (transport, size).
+Results are merged into --out (bench/results/weight_sync.json) by (transport, size, CRC-32 implementation);
+MESHRL_WEIGHT_CRC32=zlib measures the grpc transport without ISA-L.
 """
 
 from __future__ import annotations
@@ -242,8 +243,10 @@ def bench_size(size: str, transport: str, *, repeats: int, device: str, replica_
     state = trainer_state(size, device if on_device else "cpu")
     num_bytes = sum(t.numel() * t.element_size() for t in state.values())
     bucket_bytes = bucket_mib * MIB
-    row = {"transport": transport, "size": size, "num_tensors": len(state), "num_bytes": num_bytes,
-           "bucket_mib": bucket_mib, "repeats": repeats}
+    from services.common.weight_transport import CRC32_IMPL
+
+    row = {"transport": transport, "size": size, "crc32": CRC32_IMPL, "num_tensors": len(state),
+           "num_bytes": num_bytes, "bucket_mib": bucket_mib, "repeats": repeats}
     if transport == "grpc":
         raw = raw_grpc_seconds(state, bucket_bytes, repeats)
         row.update(raw_grpc_seconds=[round(x, 3) for x in raw],
@@ -298,12 +301,11 @@ def main(argv=None) -> None:
         print(json.dumps(row), flush=True)
     out_path = Path(args.out)
     old = json.loads(out_path.read_text()) if out_path.exists() else {}
-    keep = [r for r in old.get("results", []) if (r["transport"], r["size"]) not in
-            {(r2["transport"], r2["size"]) for r2 in rows}]
-    from services.common.weight_transport import CRC32_IMPL
+    def key(r):
+        return r["transport"], r["size"], r.get("crc32", "isal")
 
-    env = {"cpu_count": os.cpu_count(), "machine": platform.machine(), "torch": torch.__version__,
-           "crc32": CRC32_IMPL}
+    keep = [r for r in old.get("results", []) if key(r) not in {key(r2) for r2 in rows}]
+    env = {"cpu_count": os.cpu_count(), "machine": platform.machine(), "torch": torch.__version__}
     if args.transport != "grpc":
         env["device"] = torch.cuda.get_device_name(torch.device(args.device))
     out = {"benchmark": "weight_sync", "dtype": "bfloat16",

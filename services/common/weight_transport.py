@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Mapping, Sequence
 import torch
 
 try:                        # ISA-L's CRC-32 (zlib's polynomial, same values) runs ~6x faster than zlib's here
+    if os.environ.get("MESHRL_WEIGHT_CRC32") == "zlib":      # benchmarks measure the fallback with this
+        raise ImportError
     from isal.isal_zlib import crc32 as _crc32
     CRC32_IMPL = "isal"
 except ImportError:         # pragma: no cover - depends on the environment
