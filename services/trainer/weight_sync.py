@@ -425,6 +425,8 @@ class NcclSender(_RpcSender):
                                         time.perf_counter() - t0)
             live = [t for t in live if t not in dead]
         results.update(failed)
+        if any(not o.ok for o in results.values()):
+            self._drop_group()          # whoever failed may have left the group: the next push forms a fresh one
         return self._report(version, [results[t] for t in targets])
 
     def close(self) -> None:
