@@ -95,6 +95,7 @@ class Procs:
         for _ in range(50):                    # the old socket may linger a moment after SIGKILL
             try:
                 with socket.socket() as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)    # as grpc binds
                     s.bind(("127.0.0.1", port))
                 break
             except OSError:

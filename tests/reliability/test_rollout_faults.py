@@ -30,7 +30,7 @@ async def _logprobs(address: str, prompt_ids, response_ids) -> tuple[list[float]
 
 def test_killing_one_of_three_rollout_replicas_mid_generation_loses_no_sample_and_it_rejoins_current(
         arith_model_path, tmp_path, redis_url, monkeypatch):
-    cfg = run_config(arith_model_path, tmp_path / "runs", run={"num_steps": 40},
+    cfg = run_config(arith_model_path, tmp_path / "runs", run={"num_steps": 10_000},
                      data={"rollout_batch_size": 6}, rollout={"n": 4, "max_tokens": 8})
     path = write_config(tmp_path / "run.yaml", cfg)
 
@@ -88,9 +88,10 @@ def test_killing_one_of_three_rollout_replicas_mid_generation_loses_no_sample_an
 
                 await asyncio.to_thread(procs.restart, slow)
                 for _ in range(1200):
-                    rep = ctx.rollout.replicas[slow.address]
-                    if rep.healthy and rep.weight_version == ctx.weight_version and ctx.weight_version > 1:
+                    rep = ctx.rollout.replicas.get(slow.address)
+                    if rep and rep.healthy and rep.weight_version == ctx.weight_version and ctx.weight_version > 1:
                         break
+                    assert run_id in engine.manager.tasks, (await engine.manager.get(run_id)).message
                     await asyncio.sleep(0.05)
                 else:
                     raise AssertionError("the restarted replica did not rejoin with the current weights")
