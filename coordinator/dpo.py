@@ -68,6 +68,8 @@ def open_state(cfg, tokenizer, *, position: int = 0) -> DPOState:
     train = load_pairs(cfg.data.train_files, cfg, tokenizer, source="data.train_files")
     heldout_files = cfg.dpo.heldout_files or cfg.data.heldout_files
     heldout = load_pairs(heldout_files, cfg, tokenizer, source="dpo.heldout_files") if heldout_files else []
+    if cfg.data.heldout_size:
+        heldout = heldout[:cfg.data.heldout_size]
     precomputed = all(p.ref_chosen is not None and p.ref_rejected is not None for p in train + heldout)
     return DPOState(PromptStream(train, seed=cfg.data.seed, shuffle=cfg.data.shuffle, position=position), heldout,
                     precomputed)
@@ -88,21 +90,30 @@ async def fill_reference(ctx: phases.RunContext, pairs: list[Pair]) -> None:
             p.ref_chosen, p.ref_rejected = state.ref_cache[p.id]
 
 
-async def preference_accuracy(ctx: phases.RunContext, pairs: list[Pair]) -> float:
-    """Share of pairs whose implicit reward ranks chosen above rejected under the current policy."""
+async def preference_metrics(ctx: phases.RunContext, pairs: list[Pair]) -> dict[str, float]:
+    """How the current policy ranks held-out pairs.
+
+    preference_accuracy: share of pairs whose implicit reward (policy minus reference log-prob) ranks
+    chosen above rejected, as the trainer's rewards/accuracy; it is 0 while policy = reference (all ties).
+    logp_accuracy: share of pairs where the policy itself gives chosen the higher log-prob (meaningful
+    before training too). reward_margin: mean beta * ((pi_c - ref_c) - (pi_r - ref_r)).
+    """
     if not pairs:
-        return float("nan")
+        return {}
     await fill_reference(ctx, pairs)
     prompts = [p.prompt_ids for p in pairs] * 2
     responses = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
     sums = await remote.sequence_logprob_sums(ctx.trainer, prompts, responses)
     n = len(pairs)
-    wins = sum(1 for i, p in enumerate(pairs) if (sums[i] - p.ref_chosen) > (sums[n + i] - p.ref_rejected))
-    return wins / n
+    margins = [(sums[i] - p.ref_chosen) - (sums[n + i] - p.ref_rejected) for i, p in enumerate(pairs)]
+    return {"heldout_preference_accuracy": sum(1 for h in margins if h > 0) / n,
+            "heldout_logp_accuracy": sum(1 for i in range(n) if sums[i] > sums[n + i]) / n,
+            "heldout_reward_margin": ctx.cfg.dpo.beta * sum(margins) / n,
+            "heldout_logps/chosen": sum(sums[:n]) / n, "heldout_logps/rejected": sum(sums[n:]) / n}
 
 
 async def dpo_step(ctx: phases.RunContext) -> dict[str, float]:
-    """take pairs -> reference log-probs (cached) -> TrainDPO -> (sync weights when rollouts exist) -> metrics."""
+    """take pairs -> reference log-probs (cached) -> TrainDPO -> metrics (replicas are synced lazily, see below)."""
     timer = phases.PhaseTimer()
     start = time.perf_counter()
     state: DPOState = ctx.dpo
@@ -115,11 +126,10 @@ async def dpo_step(ctx: phases.RunContext) -> dict[str, float]:
             loss_type=d.loss_type, beta=d.beta, label_smoothing=d.label_smoothing,
             mini_batch_size=d.mini_batch_size))
     out = {f"dpo/{k}": v for k, v in metrics.items()}
-    if ctx.rollout is not None:
-        with timer("weight_sync"):
-            out.update(await phases.sync_weights(ctx))
-    else:
-        ctx.weight_version += 1
+    # TrainDPO bumps the trainer's weight version. Rollout replicas only serve held-out evaluation here, so
+    # they are not pushed every step: phases.generate brings them to this version before they generate.
+    ctx.weight_version += 1
+    out["weight_version"] = float(ctx.weight_version)
     state.train.advance(d.batch_size)
     ctx.step += 1
     seconds = time.perf_counter() - start
@@ -133,5 +143,6 @@ async def dpo_step(ctx: phases.RunContext) -> dict[str, float]:
 
 
 async def evaluate(ctx: phases.RunContext) -> dict[str, float]:
-    pref, task = await asyncio.gather(preference_accuracy(ctx, ctx.dpo.heldout), phases.evaluate(ctx))
-    return {"heldout_preference_accuracy": pref, "heldout_accuracy": task}
+    """Held-out preference metrics (trainer vs reference log-probs) and greedy task accuracy (rollout + reward)."""
+    pref, task = await asyncio.gather(preference_metrics(ctx, ctx.dpo.heldout), phases.evaluate(ctx))
+    return {"heldout_preference_accuracy": float("nan"), **pref, "heldout_accuracy": task}

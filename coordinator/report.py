@@ -1,4 +1,5 @@
-"""report.png from a run's metrics.jsonl: reward/accuracy, KL, entropy, response length, step-time breakdown."""
+"""report.png from a run's metrics.jsonl: reward/accuracy, KL, entropy, response length (DPO: loss, implicit rewards,
+log-probs, preference accuracy), step-time breakdown."""
 
 from __future__ import annotations
 
@@ -26,18 +27,33 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     evals = [m for m in records if "heldout_accuracy" in m]
     x = [m["step"] for m in steps]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    dpo = any("dpo/loss" in m for m in steps)
     ax = axes[0, 0]
-    ax.plot(x, [m["reward_mean"] for m in steps], label="train reward (mean)")
-    ax.plot(x, [m.get("accuracy", float("nan")) for m in steps], label="train accuracy", alpha=0.7)
+    ax.plot(x, [m["reward_mean"] for m in steps], label="train reward margin" if dpo else "train reward (mean)")
+    ax.plot(x, [m.get("accuracy", float("nan")) for m in steps],
+            label="train preference accuracy" if dpo else "train accuracy", alpha=0.7)
     if evals:
         ax.plot([m["step"] for m in evals], [m["heldout_accuracy"] for m in evals], "o-", label="held-out accuracy")
     ax.set_title("reward and accuracy")
     ax.legend()
-    for ax, key, title in ((axes[0, 1], "kl", "KL(actor || reference)"),
-                           (axes[0, 2], "actor/entropy", "entropy"),
-                           (axes[1, 0], "response_length_mean", "response length (tokens)"),
-                           (axes[1, 1], "rollout_vs_trainer/logprob_abs_diff", "rollout vs trainer |dlogp|")):
-        ax.plot(x, [m.get(key, float("nan")) for m in steps])
+    if dpo:
+        # DPO has no rollouts in its steps: loss, implicit rewards, log-probs and held-out preference accuracy.
+        panels = ((axes[0, 1], ("dpo/loss",), "DPO loss"),
+                  (axes[0, 2], ("dpo/rewards/chosen", "dpo/rewards/rejected", "dpo/rewards/margins"), "implicit rewards"),
+                  (axes[1, 0], ("dpo/logps/chosen", "dpo/logps/rejected"), "policy log-prob (summed)"),
+                  (axes[1, 1], ("heldout_preference_accuracy", "heldout_logp_accuracy"), "held-out preference accuracy"))
+    else:
+        panels = ((axes[0, 1], ("kl",), "KL(actor || reference)"),
+                  (axes[0, 2], ("actor/entropy",), "entropy"),
+                  (axes[1, 0], ("response_length_mean",), "response length (tokens)"),
+                  (axes[1, 1], ("rollout_vs_trainer/logprob_abs_diff",), "rollout vs trainer |dlogp|"))
+    for ax, keys, title in panels:
+        for key in keys:
+            rows = evals if key.startswith("heldout_") else steps
+            ax.plot([m["step"] for m in rows], [m.get(key, float("nan")) for m in rows],
+                    "o-" if rows is evals else "-", label=key.split("/")[-1] if len(keys) > 1 else None)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
         ax.set_title(title)
     ax = axes[1, 2]
     bottom = [0.0] * len(steps)
