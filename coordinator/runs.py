@@ -220,6 +220,10 @@ class RunManager:
                 await self._notify(run_id)
                 return record
             record.command, record.state = "", "RUNNING"
+        elif run_id not in self.tasks and record.state == "PAUSED":
+            # Paused with no task (the trainer went away): nothing would read the command.
+            if command == "stop":
+                record.state, record.command = "STOPPED", ""
         else:
             record.command = command
         await self.store.put(record)

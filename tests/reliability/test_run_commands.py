@@ -1,0 +1,35 @@
+"""Run commands on a run that is paused with no task driving it (its trainer went away)."""
+
+import asyncio
+
+import pytest
+
+from coordinator.runs import RunManager
+from coordinator.store import MemoryStore, RunRecord
+from services.common.errors import FailedPrecondition
+
+
+def test_stopping_a_run_paused_for_a_lost_trainer_stops_it_at_once():
+    async def main():
+        manager = RunManager(MemoryStore())
+        await manager.store.put(RunRecord(run_id="r", config="", state="PAUSED", step=3,
+                                          message="trainer 127.0.0.1:1 unavailable during TrainActor"))
+        assert (await manager.command("r", "pause")).state == "PAUSED"
+        assert (await manager.command("r", "stop")).state == "STOPPED"
+        assert (await manager.get("r")).step == 3
+        with pytest.raises(FailedPrecondition):
+            await manager.command("r", "resume")
+
+    asyncio.run(main())
+
+
+def test_resuming_a_run_paused_for_a_lost_trainer_reconnects_and_reports_what_fails():
+    async def main():
+        manager = RunManager(MemoryStore())
+        # A config that cannot connect: the reason comes back, and the run stays paused.
+        await manager.store.put(RunRecord(run_id="r", config="trainer: {address: ''}\n", state="PAUSED", step=3))
+        with pytest.raises(ValueError, match="trainer.address"):
+            await manager.command("r", "resume")
+        assert (await manager.get("r")).state == "PAUSED" and "r" not in manager.tasks
+
+    asyncio.run(main())
