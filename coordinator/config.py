@@ -71,6 +71,12 @@ class DPOConfig(Section):
     # Held-out preference pairs for preference accuracy (default: data.heldout_files when they hold pairs).
     heldout_files: list[str] = Field(default_factory=list)
 
+    @model_validator(mode="after")
+    def _smoothing_needs_cdpo(self):
+        if self.label_smoothing and self.loss_type != "cdpo":
+            raise ValueError(f"label_smoothing: only used by loss_type cdpo (got {self.loss_type!r})")
+        return self
+
 
 class DataConfig(Section):
     """`data:` where prompts come from and how many per step."""
