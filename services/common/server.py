@@ -33,7 +33,18 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return getattr(grpc.StatusCode, exc.status), str(exc)
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    if _out_of_memory(exc):
+        # The request asked for more memory than the service has; the next one may well fit.
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory serving this request ({type(exc).__name__})"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """MemoryError, torch's OutOfMemoryError (CUDA) and the allocator's RuntimeErrors (CPU), without importing torch."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("bad_alloc", "can't allocate memory",
+                                                                        "CUDA out of memory"))
 
 
 class ServiceInterceptor(grpc.aio.ServerInterceptor):

@@ -362,15 +362,25 @@ def _valid_train_sample():
                                    old_logprobs=[-1.0, -1.0])
 
 
-@pytest.mark.xfail(strict=True, reason="rollout: SamplingParams.n has no upper bound; n=2**31-1 builds 2**31 "
-                                       "decode rows until memory runs out (see docs/reliability.md)")
-def test_limits_a_generate_with_an_absurd_sample_count_is_refused_quickly(mesh):
+def _peak_rss(service: Service) -> int:
+    for line in Path(f"/proc/{service.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.xfail(strict=True, reason="rollout: SamplingParams.n has no upper bound; n=2**31-1 builds decode "
+                                       "rows until memory runs out (see docs/reliability.md)")
+def test_limits_a_generate_with_an_absurd_sample_count_is_refused_before_it_takes_the_memory(mesh):
+    rollout = mesh["services"]["rollout"]
+    peak = _peak_rss(rollout)
     request = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(id="p", prompt_ids=[1, 5, 14, 6, 16])],
                                           sampling=rollout_pb2.SamplingParams(n=2**31 - 1, max_tokens=4))
     code, details = _call(mesh["channels"]["rollout"], "rollout", "Generate", request.SerializeToString(),
                           timeout=30)
     assert _serving(mesh["channels"]["rollout"])
     assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), (code, details)
+    assert _peak_rss(rollout) - peak < 256 * 2**20          # refused by a limit, not by running out
 
 
 @pytest.mark.xfail(strict=True, reason="trainer: ActorLoss.ppo_epochs has no upper bound; a request with "
