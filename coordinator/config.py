@@ -118,6 +118,10 @@ class RunSection(Section):
     max_staleness: int = Field(1, ge=0)
     # Run state store; empty = in memory (lost with the coordinator).
     redis_url: str = ""
+    # TensorBoard event files in <run_dir>/tensorboard (needs the tensorboard package).
+    tensorboard: bool = True
+    # Log metrics to this Weights & Biases project when wandb is installed ("" = off).
+    wandb_project: str = ""
     # Seconds between replica re-discovery / health checks.
     refresh_interval_s: float = Field(5.0, gt=0)
 

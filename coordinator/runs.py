@@ -40,6 +40,7 @@ class RunManager:
         self.tasks: dict[str, asyncio.Task] = {}
         self.contexts: dict[str, phases.RunContext] = {}
         self._changed: dict[str, asyncio.Condition] = {}
+        self.sinks: dict = {}
 
     def _cond(self, run_id: str) -> asyncio.Condition:
         return self._changed.setdefault(run_id, asyncio.Condition())
@@ -129,6 +130,9 @@ class RunManager:
             await self.store.put(record)
         finally:
             await ctx.close()
+            sinks = self.sinks.pop(run_id, None)
+            if sinks is not None:
+                sinks.close()
             self._detach(run_id, ctx)
             await self._notify(run_id)
 
@@ -192,7 +196,18 @@ class RunManager:
         ctx = self.contexts.get(record.run_id)
         if ctx is not None:
             phases.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)
+            self._sinks(ctx).write(int(metrics["step"]), metrics)
         await self._notify(record.run_id)
+
+    def _sinks(self, ctx: phases.RunContext):
+        from coordinator.sinks import MetricSinks
+
+        sinks = self.sinks.get(ctx.run_id)
+        if sinks is None:
+            r = ctx.cfg.run
+            sinks = self.sinks[ctx.run_id] = MetricSinks(ctx.run_dir, tensorboard=r.tensorboard,
+                                                         wandb_project=r.wandb_project, run_name=ctx.run_id)
+        return sinks
 
     async def get(self, run_id: str) -> RunRecord:
         record = await self.store.get(run_id)

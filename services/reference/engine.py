@@ -47,10 +47,11 @@ class ReferenceEngine:
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
         # One forward at a time: torch CPU work is not faster when interleaved, and memory stays bounded.
         self._lock = asyncio.Lock()
+        self.num_calls = 0
         log.info("reference model %s loaded on %s (%s)", self.model_path, self.device, self.dtype)
 
     def info(self) -> dict:
-        return {"dtype": self.dtype, "device": self.device, "micro_batch_token_budget":
+        return {"dtype": self.dtype, "device": self.device, "num_calls": self.num_calls, "micro_batch_token_budget":
                 self.config.micro_batch_token_budget, "max_model_len": self.max_len}
 
     def logprobs_sync(self, prompts, responses, temperature: float = 1.0) -> list[list[float]]:
@@ -61,5 +62,6 @@ class ReferenceEngine:
                                 token_budget=self.config.micro_batch_token_budget)
 
     async def logprobs(self, prompts, responses, temperature: float = 1.0) -> list[list[float]]:
+        self.num_calls += 1
         async with self._lock:
             return await asyncio.to_thread(self.logprobs_sync, prompts, responses, temperature)

@@ -62,3 +62,21 @@ def test_split_round_robin_keeps_contiguous_groups_and_loses_nothing():
     chunks = split_round_robin(list(range(7)), 3)
     assert chunks == [[0, 1, 2], [3, 4], [5, 6]]
     assert split_round_robin([1], 3) == [[1]]
+
+
+def test_verl_parquet_rows_load_unchanged(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    class Tok:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return messages[-1]["content"]
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{i}+1="}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(i + 1)}, "extra_info": {"split": "train", "index": i}}
+            for i in range(3)]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    problems = load_problems([str(path)], tokenizer=Tok())
+    assert [(p.prompt, p.ground_truth, p.data_source, p.id) for p in problems] == [
+        ("0+1=", "1", "openai/gsm8k", "0"), ("1+1=", "2", "openai/gsm8k", "1"), ("2+1=", "3", "openai/gsm8k", "2")]
