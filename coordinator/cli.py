@@ -289,6 +289,33 @@ def plot(run_dir: Path = typer.Argument(..., exists=True, file_okay=False),
     console.print(str(path))
 
 
+@app.command("profile-model")
+def profile_model_cmd(model_path: str = typer.Argument(..., help="local Hugging Face model folder"),
+                      seq_len: int = typer.Option(2048, help="sequence length for attention FLOPs"),
+                      pp_size: int = typer.Option(1, help="pipeline stages to balance"),
+                      as_json: bool = typer.Option(False, "--json", help="print JSON")):
+    """Per-layer parameters and FLOPs, and a balanced pipeline stage split."""
+    from rich.table import Table
+
+    from services.trainer.profile_model import profile_model
+
+    try:
+        prof = profile_model(model_path, seq_len=seq_len, pp_size=pp_size)
+    except (OSError, ValueError) as e:
+        console.print(f"[red]meshrl profile-model: {e}[/red]")
+        raise typer.Exit(2)
+    if as_json:
+        print(json.dumps(prof, indent=2))
+        return
+    table = Table("stage", "layers", "params", "train FLOPs share")
+    for s in prof["stages"]:
+        span = s["layers"][0] if len(s["layers"]) == 1 else f"{s['layers'][0]} .. {s['layers'][-1]}"
+        table.add_row(str(s["stage"]), span, f"{s['params']:,}", f"{s['flops_share']:.1%}")
+    console.print(table)
+    console.print(f"{prof['total_params']:,} parameters; {prof['train_flops_per_token']:.3g} training FLOPs per "
+                  f"token at seq_len {seq_len}", highlight=False)
+
+
 def main() -> None:  # pragma: no cover
     app()
 
