@@ -145,10 +145,16 @@ class PromptResult:
     samples: list[SampleResult]
 
 
+MAX_SAMPLES_PER_PROMPT = 1024
+
+
 def validate_sampling(p: SamplingParams) -> None:
     """Bad sampling settings are ValueErrors naming the field."""
     if p.n < 1:
         raise ValueError(f"sampling.n: must be >= 1, got {p.n}")
+    if p.n > MAX_SAMPLES_PER_PROMPT:
+        # Bounded so one request cannot build decode rows until memory runs out.
+        raise ValueError(f"sampling.n: at most {MAX_SAMPLES_PER_PROMPT}, got {p.n}")
     if not p.temperature >= 0:  # also catches NaN
         raise ValueError(f"sampling.temperature: must be >= 0, got {p.temperature}")
     if not 0 < p.top_p <= 1:
@@ -395,11 +401,16 @@ class TorchEngine(RolloutEngine):
         check_against(tensors, params)
         adopt = flat is not None and flat.device.type == "cpu" and self._graph_decoder is None and all(
             p.device.type == "cpu" for p in params.values())
-        async with self._lock:
-            await self._run_locked(swap_in, self.model, tensors, adopt=adopt)
+        def swap_and_tag():
+            # Weights and version change in the same worker thread, so a caller cancelled while the swap
+            # runs cannot leave new weights under the old version.
+            swap_in(self.model, tensors, adopt=adopt)
             if adopt:
                 self._spare_buffer, self._weights_buffer = self._weights_buffer, flat
             self.weight_version = version
+
+        async with self._lock:
+            await self._run_locked(swap_and_tag)
 
     async def _run_locked(self, fn, *args, on_done=None, **kwargs):
         """Runs fn in a worker thread; call with the lock held. A thread cannot be interrupted, so when the

@@ -92,9 +92,15 @@ def _check_aligned(i: int, name: str, values: Sequence[float], n: int, *, where:
             raise ValueError(f"{where}[{i}].{name}[{t}]: not finite ({v})")
 
 
+MAX_PPO_EPOCHS = 64
+
+
 def _check_schedule(ppo_epochs: int, mini_batch_size: int, num_samples: int, dp_size: int, where: str) -> None:
     if ppo_epochs < 1:
         raise ValueError(f"{where}.ppo_epochs: must be >= 1, got {ppo_epochs}")
+    if ppo_epochs > MAX_PPO_EPOCHS:
+        # One request must not hold the trainer for ever.
+        raise ValueError(f"{where}.ppo_epochs: at most {MAX_PPO_EPOCHS}, got {ppo_epochs}")
     if mini_batch_size < 0:
         raise ValueError(f"{where}.mini_batch_size: must be >= 0, got {mini_batch_size}")
     # Every DP rank needs at least one sample of every mini-batch, the last (shorter) one included.

@@ -369,8 +369,6 @@ def _peak_rss(service: Service) -> int:
     return 0
 
 
-@pytest.mark.xfail(strict=True, reason="rollout: SamplingParams.n has no upper bound; n=2**31-1 builds decode "
-                                       "rows until memory runs out (see docs/reliability.md)")
 def test_limits_a_generate_with_an_absurd_sample_count_is_refused_before_it_takes_the_memory(mesh):
     rollout = mesh["services"]["rollout"]
     peak = _peak_rss(rollout)
@@ -383,8 +381,6 @@ def test_limits_a_generate_with_an_absurd_sample_count_is_refused_before_it_take
     assert _peak_rss(rollout) - peak < 256 * 2**20          # refused by a limit, not by running out
 
 
-@pytest.mark.xfail(strict=True, reason="trainer: ActorLoss.ppo_epochs has no upper bound; a request with "
-                                       "ppo_epochs=2**31-1 holds the trainer for ever (see docs/reliability.md)")
 def test_limits_a_train_actor_with_an_absurd_epoch_count_is_refused_quickly(mesh):
     # Last of the module: when it is not refused, the trainer stays busy until the fixture kills it.
     request = trainer_pb2.TrainActorRequest(samples=[_valid_train_sample()],

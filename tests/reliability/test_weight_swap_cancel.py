@@ -14,9 +14,6 @@ from services.rollout.engine import RolloutSettings, TorchEngine
 PROMPT, RESPONSE = [1, 5, 14, 6, 16], [7, 2]
 
 
-@pytest.mark.xfail(strict=True, reason="rollout: TorchEngine.apply_update skips `weight_version = version` when "
-                                       "its caller is cancelled while swap_in runs in the worker thread "
-                                       "(_run_locked re-raises after the swap); see docs/reliability.md")
 def test_a_swap_cancelled_midway_leaves_the_replica_on_one_version_with_its_own_weights(arith_model_path,
                                                                                       monkeypatch):
     engine = TorchEngine(load_config(RolloutSettings, data={"model": {"path": arith_model_path}}))
