@@ -7,14 +7,13 @@ one optimizer step per call (mini_batch_size 0, ppo_epochs 1). Variants, all mea
 
   plain              AutoModelForCausalLM in bf16, model(ids, labels=ids).loss, backward,
                      clip_grad_norm_, torch.optim.AdamW (default foreach), zero_grad
-  engine             TrainerEngine.train_actor as shipped (model.dtype bf16: bf16 params and AdamW state)
-  engine_amp         as shipped with fp32 master weights (actor.param_dtype float32, actor.dtype bfloat16)
-  engine_tuned       TrainerEngine.train_actor with three changes patched in from here (what the trainer
-                     would need, see `tuned_trainer`): the LM head and log-prob/entropy fused (no fp32
-                     [tokens, vocab] tensors: bf16 logits + two Triton row kernels), AdamW(fused=True),
-                     a foreach grad-norm with one host sync instead of one per parameter
-  engine_tuned_amp   the same with fp32 master weights
-  *_compile          the same plus torch.compile of each decoder block (regional compilation)
+  engine             TrainerEngine.train_actor as shipped, CUDA defaults (model.dtype bf16: bf16 params and
+                     AdamW state): actor.fused_logprobs (LM head + log-prob/entropy in Triton kernels, no fp32
+                     [tokens, vocab] tensors), actor.compile (torch.compile of each decoder block), fused
+                     AdamW, a grad norm with one host sync, loss stats kept on the device
+  engine_amp         the same with fp32 master weights (actor.param_dtype float32, actor.dtype bfloat16)
+  engine_eager       the same with actor.compile false
+  engine_unfused     actor.compile false and actor.fused_logprobs false (fused AdamW, one-sync norm remain)
 
 MFU = model FLOPs / step time / peak, model FLOPs = 6 * N * tokens + 12 * layers * hidden * seq * tokens
 (torchtitan's count: N = parameters with the tied embedding once, attention not halved for the causal
@@ -23,12 +22,12 @@ mask); peak = 989 TFLOP/s, the H200 SXM datasheet's dense bf16 rate. The run als
 
     PYTHONPATH=.:protos python bench/trainer_mfu.py [--sizes 0.5b,1.5b] [--out bench/results/trainer_mfu.json]
     PYTHONPATH=.:protos python bench/trainer_mfu.py --device cpu --tiny      # smoke test of the script
+    PYTHONPATH=.:protos python bench/trainer_mfu.py --device cpu --tiny --actor '{"fused_logprobs": true}'
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
@@ -49,9 +48,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-import services.trainer.engine as trainer_engine  # noqa: E402
 from services.common.config import load_config  # noqa: E402
-from services.common.modeling import pad_batch, response_logprobs  # noqa: E402
+from services.common.modeling import response_logprobs  # noqa: E402
+from services.trainer import fused  # noqa: E402
 from services.trainer.batch import ActorLoss, TrainSample, validate_actor_batch  # noqa: E402
 
 PEAK_BF16 = 989e12
@@ -63,188 +62,6 @@ SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=1000, tie_word_embeddings=True),
 }
-
-# --------------------------------------------------------------------------------------------------
-# The fused LM head + log-prob + entropy (the change proposed for services/common/modeling.py)
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU machines: the eager fallback below
-    triton = None
-
-if triton is not None:
-    @triton.jit
-    def _head_fwd_kernel(logits_ptr, target_ptr, logp_ptr, ent_ptr, lse_ptr, stride, V, temperature,
-                         BLOCK: tl.constexpr):
-        """One row: log-softmax of logits / T at the target and the entropy, in one pass (online softmax)."""
-        row = tl.program_id(0).to(tl.int64)
-        base = logits_ptr + row * stride
-        offs = tl.arange(0, BLOCK)
-        m = tl.full([BLOCK], -float("inf"), tl.float32)
-        s = tl.zeros([BLOCK], tl.float32)
-        w = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):
-            idx = start + offs
-            z = tl.load(base + idx, mask=idx < V, other=-float("inf")).to(tl.float32) / temperature
-            m_new = tl.maximum(m, z)
-            live = m_new > -float("inf")
-            alpha = tl.where(live, tl.exp(m - m_new), 0.0)
-            e = tl.where(live, tl.exp(z - m_new), 0.0)
-            s = s * alpha + e
-            w = w * alpha + tl.where(e > 0, e * z, 0.0)
-            m = m_new
-        big = tl.max(m, 0)
-        scale = tl.where(m > -float("inf"), tl.exp(m - big), 0.0)
-        total = tl.sum(s * scale, 0)
-        lse = big + tl.log(total)
-        t = tl.load(target_ptr + row)
-        zt = tl.load(base + t).to(tl.float32) / temperature
-        tl.store(logp_ptr + row, zt - lse)
-        tl.store(ent_ptr + row, lse - tl.sum(w * scale, 0) / total)
-        tl.store(lse_ptr + row, lse)
-
-    @triton.jit
-    def _head_bwd_kernel(logits_ptr, target_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr, stride, V, temperature,
-                         BLOCK: tl.constexpr):
-        """d(g_logp * logp + g_ent * H)/d logits, written over the logits (bf16) in place."""
-        row = tl.program_id(0).to(tl.int64)
-        base = logits_ptr + row * stride
-        offs = tl.arange(0, BLOCK)
-        lse = tl.load(lse_ptr + row)
-        h = tl.load(ent_ptr + row)
-        gl = tl.load(glogp_ptr + row)
-        ge = tl.load(gent_ptr + row)
-        t = tl.load(target_ptr + row)
-        for start in range(0, V, BLOCK):
-            idx = start + offs
-            mask = idx < V
-            u = tl.load(base + idx, mask=mask, other=0.0).to(tl.float32) / temperature
-            logp = u - lse
-            p = tl.exp(logp)
-            du = -gl * p - ge * p * (logp + h) + tl.where(idx == t, gl, 0.0)
-            tl.store(base + idx, (du / temperature).to(logits_ptr.dtype.element_ty), mask=mask)
-
-
-def _rows_fwd(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """(logp, entropy, lse) [N] of each row of bf16 logits [N, V] at temperature."""
-    N, V = logits.shape
-    if triton is not None and logits.is_cuda:
-        out = torch.empty((3, N), dtype=torch.float32, device=logits.device)
-        _head_fwd_kernel[(N,)](logits, targets, out[0], out[1], out[2], logits.stride(0), V, float(temperature),
-                               BLOCK=4096, num_warps=8)
-        return out[0], out[1], out[2]
-    logp, ent, lse = [], [], []
-    for z, t in zip(logits.split(1024), targets.split(1024)):
-        z = z.float() / temperature
-        c = torch.logsumexp(z, -1)
-        p = torch.exp(z - c.unsqueeze(-1))
-        logp.append(z.gather(1, t.unsqueeze(-1)).squeeze(-1) - c)
-        ent.append(c - (p * z).sum(-1))
-        lse.append(c)
-    return torch.cat(logp), torch.cat(ent), torch.cat(lse)
-
-
-def _rows_bwd_(logits, targets, lse, ent, g_logp, g_ent, temperature: float) -> torch.Tensor:
-    """Overwrites logits [N, V] with the gradient of sum(g_logp * logp + g_ent * entropy)."""
-    N, V = logits.shape
-    if triton is not None and logits.is_cuda:
-        _head_bwd_kernel[(N,)](logits, targets, lse, ent, g_logp.contiguous(), g_ent.contiguous(), logits.stride(0),
-                               V, float(temperature), BLOCK=4096, num_warps=8)
-        return logits
-    for rows in torch.arange(N, device=logits.device).split(1024):
-        u = logits[rows].float() / temperature
-        logp = u - lse[rows].unsqueeze(-1)
-        p = logp.exp()
-        du = -g_logp[rows].unsqueeze(-1) * p - g_ent[rows].unsqueeze(-1) * p * (logp + ent[rows].unsqueeze(-1))
-        du.scatter_add_(1, targets[rows].unsqueeze(-1), g_logp[rows].unsqueeze(-1))
-        logits[rows] = (du / temperature).to(logits.dtype)
-    return logits
-
-
-class _HeadLogprobs(torch.autograd.Function):
-    """logp and entropy of hidden [N, d] @ weight [V, d]^T: keeps only the bf16 logits for backward."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature):
-        logits = hidden @ weight.t()                                           # [N, V], compute dtype
-        logp, ent, lse = _rows_fwd(logits, targets, temperature)
-        ctx.save_for_backward(hidden, weight, targets, logits, lse, ent)
-        ctx.temperature = temperature
-        return logp, ent
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g_logp, g_ent):
-        hidden, weight, targets, logits, lse, ent = ctx.saved_tensors
-        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.float()
-        g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float()
-        dlogits = _rows_bwd_(logits, targets, lse, ent, g_logp, g_ent, ctx.temperature)
-        return dlogits @ weight, dlogits.t() @ hidden, None, None
-
-
-def fused_response_logprobs(model, prompts, responses, *, pad_id: int, temperature: float = 1.0,
-                            with_entropy: bool = False):
-    """services.common.modeling.response_logprobs with the same outputs, without [B, R, V] fp32 tensors.
-
-    The backbone's hidden states are taken at the response positions first, then the LM head and the
-    log-softmax run fused (logits stay in the compute dtype, as the model's own lm_head produces
-    them; the softmax math is fp32 inside the kernels).
-    """
-    device = next(model.parameters()).device
-    input_ids, attention_mask, positions, mask, targets = pad_batch(prompts, responses, pad_id=pad_id, device=device)
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    B, R = positions.shape
-    h = torch.gather(hidden, 1, positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))          # [B, R, d]
-    head = model.lm_head
-    assert getattr(head, "bias", None) is None
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else head.weight.dtype
-    logp, ent = _HeadLogprobs.apply(h.reshape(B * R, -1).to(dtype), head.weight.to(dtype), targets.reshape(-1),
-                                    float(temperature or 1.0))
-    logp = logp.view(B, R) * mask
-    if not with_entropy:
-        return logp, mask
-    return logp, mask, ent.view(B, R) * mask
-
-
-@torch.no_grad()
-def foreach_clip_grad_norm(params, max_norm: float, *, pp_group=None, skip=None) -> float:
-    """trainer_engine.clip_grad_norm for one rank without DTensors: one foreach norm, one host sync."""
-    assert pp_group is None or torch.distributed.get_world_size(pp_group) == 1
-    grads = [p.grad for p in params if p.grad is not None and p is not skip]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, norm, foreach=True)
-    return float(norm)
-
-
-@contextlib.contextmanager
-def tuned_trainer():
-    """Patches the trainer module's log-prob function and grad clipping (restored on exit)."""
-    saved = trainer_engine.response_logprobs, trainer_engine.clip_grad_norm
-    trainer_engine.response_logprobs = fused_response_logprobs
-    trainer_engine.clip_grad_norm = foreach_clip_grad_norm
-    try:
-        yield
-    finally:
-        trainer_engine.response_logprobs, trainer_engine.clip_grad_norm = saved
-
-
-def use_fused_adamw(engine) -> None:
-    a = engine.actor
-    fused = a.module.parameters().__next__().is_cuda
-    opt = torch.optim.AdamW(a.module.parameters(), lr=a.cfg.lr, betas=tuple(a.cfg.betas), eps=a.cfg.eps,
-                            weight_decay=a.cfg.weight_decay, fused=fused or None)
-    a.optimizer = opt
-    a.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, trainer_engine.lr_lambda(a.cfg))
-
-
-def compile_blocks(module) -> None:
-    from services.trainer.parallelize import transformer_blocks
-
-    for block in transformer_blocks(module):
-        block.compile()
-
 
 # --------------------------------------------------------------------------------------------------
 # Measurement
@@ -317,38 +134,34 @@ def run_plain(path: str, samples, dev: str, warmup: int, steps: int, dtype) -> d
     return {"times": times}
 
 
-def build_engine(path: str, dev: str, *, amp: bool, dtype: str, budget: int):
+def build_engine(path: str, dev: str, *, amp: bool, dtype: str, budget: int, overrides: dict):
     from services.trainer.engine import TrainerEngine, TrainerSettings
 
-    actor = {"lr": 1e-6, "micro_batch_token_budget": budget}
+    actor = {"lr": 1e-6, "micro_batch_token_budget": budget, **overrides}
     if amp:
         actor.update(param_dtype="float32", dtype="bfloat16")
     return TrainerEngine(load_config(TrainerSettings, data={"model": {"path": path, "dtype": dtype, "device": dev},
                                                             "actor": actor}))
 
 
-def run_engine(path: str, samples, dev: str, warmup: int, steps: int, *, amp: bool, tuned: bool, compile: bool,
+def run_engine(path: str, samples, dev: str, warmup: int, steps: int, *, amp: bool, overrides: dict,
                dtype: str, budget: int, parity: bool, profile: bool = False) -> dict:
-    ctx = tuned_trainer() if tuned else contextlib.nullcontext()
-    with ctx:
-        engine = build_engine(path, dev, amp=amp, dtype=dtype, budget=budget)
-        if tuned:
-            use_fused_adamw(engine)
-        if compile:
-            compile_blocks(engine.actor.module)
-        extra = {}
-        if parity:
-            extra["fused_head_parity"] = head_parity(engine, samples, dev)
-        loss = ActorLoss()
-        metrics = []
+    engine = build_engine(path, dev, amp=amp, dtype=dtype, budget=budget, overrides=overrides)
+    extra = {"fused_logprobs": engine.fused_logprobs,
+             "adamw": "fused" if engine.actor.optimizer.defaults.get("fused") else
+                      "foreach" if engine.actor.optimizer.defaults.get("foreach") else "for-loop"}
+    if parity and engine.fused_logprobs:
+        extra["fused_head_parity"] = head_parity(engine, samples, dev)
+    loss = ActorLoss()
+    metrics = []
 
-        def step():
-            metrics.append(engine.train_actor(samples, loss))
+    def step():
+        metrics.append(engine.train_actor(samples, loss))
 
-        times = time_steps(step, warmup, steps, dev)
-        if profile:
-            extra["profile"] = profile_step(step, dev)
-        engine.close()
+    times = time_steps(step, warmup, steps, dev)
+    if profile:
+        extra["profile"] = profile_step(step, dev)
+    engine.close()
     internal = [m["seconds"] for m in metrics[-steps:]]
     del engine
     return {"times": times, "engine_reported_seconds": internal, "last_metrics": {
@@ -389,18 +202,21 @@ def profile_step(step, dev: str) -> dict:
 
 
 def head_parity(engine, samples, dev: str) -> dict:
-    """fused_response_logprobs vs response_logprobs on 2 x 512 tokens: values and gradients."""
+    """The trainer's fused head vs services.common.modeling.response_logprobs on 2 x 512 tokens: values and
+    gradients (run on a variant without compile: the 512-token shape would compile again)."""
     model = engine.actor.module
     n = min(511, len(samples[0].response_ids))
     ps = [s.prompt_ids for s in samples[:2]]
     rs = [s.response_ids[:n] for s in samples[:2]]
     adv = torch.randn(2, n, generator=torch.Generator().manual_seed(3)).to(dev)
     watch = {"lm_head": model.lm_head.weight, "layer0_down_proj": model.model.layers[0].mlp.down_proj.weight}
+    paths = {"reference": lambda: response_logprobs(model, ps, rs, pad_id=engine.pad_id, with_entropy=True),
+             "fused": lambda: fused.fused_response_logprobs(model, ps, rs, pad_id=engine.pad_id, device=engine.device)}
     out = {}
-    for name, fn in (("reference", response_logprobs), ("fused", fused_response_logprobs)):
+    for name, fn in paths.items():
         model.zero_grad(set_to_none=True)
         with engine._amp():
-            logp, mask, ent = fn(model, ps, rs, pad_id=engine.pad_id, temperature=1.0, with_entropy=True)
+            logp, mask, ent = fn()
         ((logp * adv).sum() + 0.1 * ent.sum()).backward()
         out[name] = (logp.detach().float(), ent.detach().float(), {k: w.grad.detach().float().clone()
                                                                    for k, w in watch.items()})
@@ -436,14 +252,12 @@ def free(dev: str) -> None:
 
 
 VARIANTS = {
-    # name: (kind, amp, tuned, compile)
-    "plain": ("plain", False, False, False),
-    "engine": ("engine", False, False, False),
-    "engine_amp": ("engine", True, False, False),
-    "engine_tuned": ("engine", False, True, False),
-    "engine_tuned_amp": ("engine", True, True, False),
-    "engine_tuned_compile": ("engine", False, True, True),
-    "engine_tuned_amp_compile": ("engine", True, True, True),
+    # name: (kind, amp, actor overrides); no override = the trainer's defaults for the device
+    "plain": ("plain", False, {}),
+    "engine": ("engine", False, {}),
+    "engine_amp": ("engine", True, {}),
+    "engine_eager": ("engine", False, {"compile": False}),
+    "engine_unfused": ("engine", False, {"compile": False, "fused_logprobs": False}),
 }
 
 
@@ -452,7 +266,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny model, short sequences (CPU smoke test)")
     parser.add_argument("--sizes", default="0.5b,1.5b")
-    parser.add_argument("--variants", default="plain,engine,engine_amp,engine_tuned,engine_tuned_amp")
+    parser.add_argument("--variants", default="plain,engine,engine_amp,engine_eager,engine_unfused")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=2)
@@ -460,6 +274,8 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=int, default=16384, help="actor.micro_batch_token_budget")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "trainer_mfu.json"))
     parser.add_argument("--merge", action="store_true", help="add to the variants already in --out")
+    parser.add_argument("--actor", type=json.loads, default={},
+                        help='actor settings for every engine variant, under its own (JSON, e.g. \'{"fused_logprobs": true}\')')
     parser.add_argument("--profile", type=lambda v: v.split(","), default=[],
                         help="variants to profile one extra step of (device time by kernel kind)")
     args = parser.parse_args(argv)
@@ -477,7 +293,7 @@ def main(argv=None) -> None:
            "peak_flops_bf16": PEAK_BF16, "measured_bf16_matmul_flops": ceiling,
            "flops_formula": "6*N*tokens + 12*layers*hidden*seq*tokens (N with the tied embedding once)",
            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-           "triton": getattr(triton, "__version__", None), "python": platform.python_version(),
+           "triton": getattr(fused.triton, "__version__", None), "python": platform.python_version(),
            "sequences": "1 prompt token + (seq-1) response tokens; one optimizer step per call",
            "results": []}
 
@@ -507,15 +323,15 @@ def main(argv=None) -> None:
                           "seq": args.seq, "tokens_per_step": args.batch * args.seq, "model_flops_per_step": flops,
                           "validate_actor_batch_seconds": round(validate_s, 4), "variants": entry["variants"]})
             for name in variants:
-                kind, amp, tuned, comp = VARIANTS[name]
+                kind, amp, overrides = VARIANTS[name]
                 t_variant = time.perf_counter()
                 try:
                     if kind == "plain":
                         r = run_plain(str(path), samples, dev, args.warmup, args.steps, dtype)
                     else:
-                        r = run_engine(str(path), samples, dev, args.warmup, args.steps, amp=amp, tuned=tuned,
-                                       compile=comp, dtype=dtype_name, budget=args.budget,
-                                       parity=(name == "engine_tuned"), profile=name in args.profile)
+                        r = run_engine(str(path), samples, dev, args.warmup, args.steps, amp=amp, overrides={**args.actor, **overrides},
+                                       dtype=dtype_name, budget=args.budget, parity=(name == "engine_eager"),
+                                       profile=name in args.profile)
                 except Exception as e:  # noqa: BLE001 - an OOM in one variant must not lose the others
                     traceback.print_exc()
                     r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

@@ -34,7 +34,9 @@ from services.trainer import checkpoint
 from services.trainer.batch import (ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample,
                                     mini_batches, validate_actor_batch, validate_critic_batch, validate_dpo_batch)
 from services.trainer.dpo import dpo_loss
+from services.trainer.fused import enable_fused_head, fused_response_logprobs, host_to_device, supports_fused_head
 from services.trainer.losses import aggregate, clipped_policy_loss, clipped_value_loss, kl_penalty
+from services.trainer.optim import build_adamw, clip_grad_norm
 from services.trainer.parallel import (CommandChannel, ParallelDims, all_reduce_sum, gather_to_rank0,
                                        init_distributed, launched_world_size, local_device)
 from services.trainer.parallelize import parallelize
@@ -87,6 +89,14 @@ class ActorConfig(OptimSection):
     num_microbatches: int | None = Field(None, ge=1)
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     activation_checkpointing: bool = False
+    # torch.compile each decoder block (regional: one compiled graph serves every block). Default (null):
+    # on for CUDA, off elsewhere.
+    compile: bool | None = None
+    # Response log-probs and entropy through the fused LM head (services/trainer/fused.py): no fp32
+    # [tokens, vocab] tensors; Triton kernels on CUDA, a chunked pure-torch path elsewhere. Default
+    # (null): on for CUDA, off elsewhere. Models it cannot fuse (TP-sharded or biased heads, soft-capped
+    # logits) and pipeline stages use the plain path.
+    fused_logprobs: bool | None = None
     # Master weights and optimizer state; defaults to model.dtype.
     param_dtype: DType | None = None
     # Forward/backward dtype; defaults to param_dtype.
@@ -179,11 +189,11 @@ class Trained:
 
 
 def _build_trained(name: str, module: nn.Module, mesh, cfg: OptimSection, actor: ActorConfig, param_dtype: str,
-                   compute_dtype: str) -> Trained:
+                   compute_dtype: str, *, compile: bool = False) -> Trained:
     forward = parallelize(module, mesh, dp_mode=actor.dp_mode, activation_checkpointing=actor.activation_checkpointing,
-                          param_dtype=param_dtype, compute_dtype=compute_dtype)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                  weight_decay=cfg.weight_decay, foreach=False)
+                          param_dtype=param_dtype, compute_dtype=compute_dtype, compile=compile)
+    optimizer = build_adamw(module.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                            weight_decay=cfg.weight_decay, name=name)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     return Trained(name, module, forward, optimizer, scheduler, cfg)
 
@@ -191,26 +201,6 @@ def _build_trained(name: str, module: nn.Module, mesh, cfg: OptimSection, actor:
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (a collective: every rank calls it), any other tensor as is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-@torch.no_grad()
-def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float, *, pp_group=None,
-                   skip: nn.Parameter | None = None) -> float:
-    """Global L2 norm of the gradients, clipped to max_norm (0 = report only); as torch's
-    clip_grad_norm_, but for any mix of DTensor (TP/FSDP shards) and plain gradients, summed over
-    pipeline stages; `skip` is a second copy of a tied weight, counted once.
-    """
-    grads = [p.grad for p in params if p.grad is not None and p is not skip]
-    # Each DTensor norm is reduced over its mesh by full_tensor(): a collective, in the same order on every rank.
-    local = sum(float(_full(torch.linalg.vector_norm(g, dtype=torch.float32))) ** 2 for g in grads)
-    total = math.sqrt(all_reduce_sum([local], group=pp_group)[0])
-    if max_norm > 0 and math.isfinite(total):
-        coef = max_norm / (total + 1e-6)
-        if coef < 1:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-    return total
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float):
@@ -239,10 +229,10 @@ def actor_loss(logp, mask, entropy, old, adv, ref, loss: ActorLoss, denom: float
         kl_loss = aggregate(kl_penalty(logp, ref, loss.kl_type), mask, loss.loss_agg_mode, denom=denom)
         total = total + loss.kl_coef * kl_loss
     with torch.no_grad():
+        # Stays on the device: read once per TrainActor call, not once per micro-batch.
         m = mask.float()
-        stats = torch.tensor([pg_loss.item(), kl_loss.item(), ent_loss.item(), total.item(),
-                              (clipped * m).sum().item(), ((old - logp) * m).sum().item(),
-                              (entropy * m).sum().item(), m.sum().item()], dtype=torch.float64)
+        stats = torch.stack([x.double() for x in (pg_loss, kl_loss, ent_loss, total, (clipped * m).sum(),
+                                                  ((old - logp) * m).sum(), (entropy * m).sum(), m.sum())])
     return total, stats
 
 
@@ -306,14 +296,21 @@ class TrainerEngine:
         self.pad_id = module.config.pad_token_id or 0
         self.vocab_size = module.config.vocab_size
         self.max_len = getattr(module.config, "max_position_embeddings", None)
-        self.actor = _build_trained("actor", module, self.mesh, a, a, self.param_dtype, self.compute_dtype)
+        on_cuda = self.device.type == "cuda"
+        compile_blocks = on_cuda if a.compile is None else a.compile
+        # Before parallelize: the check reads plain parameters, and the forward it installs is the one
+        # FSDP's and DDP's wrappers then call.
+        self.fused_logprobs = self._setup_fused_head(module, on_cuda if a.fused_logprobs is None else a.fused_logprobs)
+        self.actor = _build_trained("actor", module, self.mesh, a, a, self.param_dtype, self.compute_dtype,
+                                    compile=compile_blocks)
         # First and last pipeline stages each hold a tied embedding; their gradients are summed.
         self.tied = tied_embedding(module, self.pp_mesh)
         self.tied_group = self._build_tied_group()
         self.critic: Trained | None = None
         if settings.critic is not None:
             self.critic = _build_trained("critic", self._load_value_model(settings.critic), self.mesh,
-                                         settings.critic, a, self.param_dtype, self.compute_dtype)
+                                         settings.critic, a, self.param_dtype, self.compute_dtype,
+                                         compile=compile_blocks)
         self.weight_version = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -322,6 +319,21 @@ class TrainerEngine:
         log.info("Rank %d: actor loaded on %s (%s)", self.rank, self.device, self.dims.describe())
         if self.critic is not None:
             log.info("Rank %d: critic loaded on %s (%s)", self.rank, self.device, self.dims.describe())
+
+    def _setup_fused_head(self, module: nn.Module, wanted: bool) -> bool:
+        """Turns the fused head on where it applies; the plain path stays for pipeline stages and heads it
+        cannot fuse (said once, in the log)."""
+        if not wanted:
+            return False
+        reason = ("pipeline parallel" if self.dims.pp > 1 else
+                  "tensor parallel (the head splits the vocabulary)" if self.dims.tp > 1 else
+                  supports_fused_head(module))
+        if reason is not None:
+            if self.rank == 0:
+                log.info("actor.fused_logprobs: plain log-prob path (%s)", reason)
+            return False
+        enable_fused_head(module)
+        return True
 
     def _load_value_model(self, cfg: CriticConfig) -> ValueModel:
         from transformers import AutoModel
@@ -524,7 +536,7 @@ class TrainerEngine:
         out = torch.zeros(len(rows), width, dtype=torch.float32)
         for i, r in enumerate(rows):
             out[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
-        return out.to(self.device)
+        return host_to_device(out, self.device)
 
     def _optimizer_step(self, trained: Trained) -> tuple[float, float, bool]:
         """Clips, steps and schedules; a non-finite gradient norm skips the step (weights stay)."""
@@ -546,22 +558,22 @@ class TrainerEngine:
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         use_kl = loss.kl_coef > 0 or all(len(s.ref_logprobs) == len(s.response_ids) for s in samples)
         # Summed over mini-batches: pg, kl, entropy-loss, total; over tokens: clipped, approx-kl, entropy, count.
-        totals = dict(pg_loss=0.0, kl_loss=0.0, entropy_loss=0.0, loss=0.0, clipped=0.0, approx_kl=0.0,
-                      entropy=0.0, tokens=0.0)
+        # This rank's part, on the device; summed over ranks once at the end (every sum is linear).
+        local = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
         norms, lrs, num_steps, num_mini, skipped = [], [], 0, 0, 0
         for epoch in range(loss.ppo_epochs):
             order = self._order(len(samples), epoch, self.actor)
             for mb in mini_batches(len(samples), loss.mini_batch_size):
                 idx = [order[j] for j in mb]
-                stats = self._actor_mini_batch(samples, idx, lengths, loss, use_kl)
-                for k, v in stats.items():
-                    totals[k] += v
+                local += self._actor_mini_batch(samples, idx, lengths, loss, use_kl)
                 norm, lr, ok = self._optimizer_step(self.actor)
                 norms.append(norm)
                 lrs.append(lr)
                 num_steps += ok
                 skipped += not ok
                 num_mini += 1
+        summed = all_reduce_sum(all_reduce_sum(local.tolist(), group=self.pp_group), group=self.dp_group)
+        totals = dict(zip(STAT_KEYS, summed))
         self.weight_version += 1
         seconds = time.perf_counter() - t0
         tokens = totals["tokens"]
@@ -577,8 +589,9 @@ class TrainerEngine:
             "seconds": seconds, "pipeline_bubble_fraction": self.bubble_fraction(),
         }
 
-    def _actor_mini_batch(self, samples, idx, lengths, loss: ActorLoss, use_kl: bool) -> dict[str, float]:
-        """Forward/backward of one mini-batch over this rank's micro-batches; returns DP-summed stats."""
+    def _actor_mini_batch(self, samples, idx, lengths, loss: ActorLoss, use_kl: bool) -> torch.Tensor:
+        """Forward/backward of one mini-batch over this rank's micro-batches; returns this rank's stats
+        [STAT_KEYS] on the device (the last pipeline stage holds them; other stages zeros)."""
         denom = (sum(len(samples[i].response_ids) for i in idx) if loss.loss_agg_mode == "token-mean" else len(idx))
         # FSDP and DDP average gradients over DP ranks; scaling by dp turns that into the sum over the
         # mini-batch, whose normaliser (denom) already counts every rank's tokens.
@@ -586,16 +599,15 @@ class TrainerEngine:
         if self.dims.pp > 1:
             stats = self._actor_pipeline(samples, idx, loss, use_kl, denom, scale)
         else:
-            stats = torch.zeros(8, dtype=torch.float64)
+            stats = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
             groups = self._local_groups(idx, lengths, self.cfg.micro_batch_token_budget)
             for g, group in enumerate(groups):
                 rows = [samples[i] for i in group] if group else [self._dummy_sample()]
                 width = max(len(s.response_ids) for s in rows)
                 with self._grad_sync(self.actor, last=g == len(groups) - 1):
                     with self._amp():
-                        logp, mask, entropy = response_logprobs(
-                            self.actor.forward, [s.prompt_ids for s in rows], [s.response_ids for s in rows],
-                            pad_id=self.pad_id, temperature=loss.temperature, with_entropy=True)
+                        logp, mask, entropy = self._train_logprobs(
+                            [s.prompt_ids for s in rows], [s.response_ids for s in rows], loss.temperature)
                     ref = self._padded([s.ref_logprobs for s in rows], width) if use_kl else None
                     total, st = actor_loss(logp, mask, entropy, self._padded([s.old_logprobs for s in rows], width),
                                            self._padded([s.advantages for s in rows], width), ref, loss, denom)
@@ -603,8 +615,15 @@ class TrainerEngine:
                     (total * (weight * scale)).backward()
                 stats += weight * st
         self._sync_tied_grads()
-        summed = all_reduce_sum(all_reduce_sum(stats.tolist(), group=self.pp_group), group=self.dp_group)
-        return dict(zip(STAT_KEYS, summed))
+        return stats
+
+    def _train_logprobs(self, prompts, responses, temperature: float):
+        """(logp, mask, entropy) [B, R] of one micro-batch, with gradients: the fused head when on."""
+        if self.fused_logprobs:
+            return fused_response_logprobs(self.actor.forward, prompts, responses, pad_id=self.pad_id,
+                                           device=self.device, temperature=temperature)
+        return response_logprobs(self.actor.forward, prompts, responses, pad_id=self.pad_id, temperature=temperature,
+                                 with_entropy=True)
 
     @staticmethod
     def _grad_sync(trained: Trained, *, last: bool):
@@ -694,7 +713,7 @@ class TrainerEngine:
             self._pp_run(schedule, input_ids, target, train=True)
         # A new stage first calls loss_fn once more to infer gradient shapes; the real calls come last.
         real = calls[-self.num_microbatches:] if self.is_last_stage else []
-        return sum(real, torch.zeros(8, dtype=torch.float64))
+        return sum(real, torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device))
 
     @torch.no_grad()
     def _pp_logprobs(self, prompts, responses, temperature: float) -> dict[int, list[float]]:

@@ -85,13 +85,14 @@ def _sequences(samples):
 
 
 def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1, tp: int = 1, pp: int = 1,
-                                 schedule: str = "1f1b", budget: int = 16384):
+                                 schedule: str = "1f1b", budget: int = 16384, fused: bool = False):
+    # fused: the mesh computes log-probs through the fused LM head, the single process through the plain one.
     model = make_tiny_model(tmp_path / "model", num_hidden_layers=4)
     actor = {"lr": 1e-4, "seed": 3}
     config = tmp_path / "trainer.yaml"
     config.write_text(f"model:\n  path: {model}\nactor:\n  lr: 1.0e-4\n  seed: 3\n  dp_size: {dp}\n  tp_size: {tp}\n"
                       f"  pp_size: {pp}\n  pipeline_schedule: {schedule}\n  num_microbatches: 2\n"
-                      f"  dp_mode: {dp_mode}\n  micro_batch_token_budget: {budget}\n")
+                      f"  dp_mode: {dp_mode}\n  micro_batch_token_budget: {budget}\n  fused_logprobs: {str(fused).lower()}\n")
     launched = Launched(config, tmp_path / "torchrun.log", nproc=dp * tp * pp)
     try:
         # The single-process run works while the two ranks start.
@@ -154,8 +155,10 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [dict(dp=2, budget=24), dict(dp=2, dp_mode="ddp", budget=24), dict(tp=2),
-                                  dict(pp=2, schedule="1f1b")],
-                         ids=["fsdp-dp2-accumulating", "ddp-dp2-accumulating", "tp2", "pp2-1f1b"])
+                                  dict(pp=2, schedule="1f1b"), dict(dp=2, budget=24, fused=True),
+                                  dict(dp=2, dp_mode="ddp", budget=24, fused=True)],
+                         ids=["fsdp-dp2-accumulating", "ddp-dp2-accumulating", "tp2", "pp2-1f1b",
+                              "fsdp-dp2-fused-head", "ddp-dp2-fused-head"])
 def test_a_two_rank_step_matches_a_single_process_run(tmp_path, mesh):
     check_against_single_process(tmp_path, **mesh)
 

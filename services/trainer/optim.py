@@ -1,0 +1,120 @@
+"""AdamW construction (fused / foreach where the parameters allow) and the global gradient-norm clip.
+
+Both work on any mix the mesh produces: plain tensors (one process, DDP), DTensors of FSDP2 shards and
+TP shards, possibly on different meshes (FSDP x TP leaves norm weights on the DP mesh alone).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger("meshrl.trainer")
+
+
+def _mesh_key(p: torch.Tensor):
+    return p.device_mesh if hasattr(p, "device_mesh") else None
+
+
+def _dtensor_has_fused_adamw() -> bool:
+    """Whether this torch's DTensor has a sharding rule for the fused AdamW kernel (torch >= 2.2)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    prop = DTensor._op_dispatcher.sharding_propagator
+    op = torch.ops.aten._fused_adamw_.default
+    return any(isinstance(table, dict) and op in table for table in vars(prop).values())
+
+
+def adamw_impl(params: Sequence[nn.Parameter]) -> str:
+    """"fused" (one kernel for all parameters: CUDA), "foreach" (a few kernels per dtype), or "for-loop"
+    (per parameter: any mix). Lists of tensors may not mix plain tensors and DTensors, nor DTensors on
+    different meshes, so a mixed model gets the loop."""
+    meshes = {_mesh_key(p) for p in params}
+    if len(meshes) > 1:
+        return "for-loop"
+    dtensor = meshes != {None}
+    if (all(p.device.type == "cuda" and torch.is_floating_point(p) for p in params)
+            and (not dtensor or _dtensor_has_fused_adamw())):
+        return "fused"
+    return "foreach"
+
+
+def build_adamw(params: Iterable[nn.Parameter], *, lr: float, betas, eps: float, weight_decay: float,
+                name: str = "actor") -> torch.optim.AdamW:
+    params = [p for p in params if p.requires_grad]
+    impl = adamw_impl(params)
+    kwargs = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
+    try:
+        opt = torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **kwargs)
+    except RuntimeError as e:                # a parameter type this torch's fused kernel refuses
+        log.info("%s: fused AdamW refused (%s); using foreach", name, e)
+        impl = "foreach"
+        opt = torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=True)
+    log.info("%s: AdamW (%s) over %d parameters", name, impl, len(params))
+    return opt
+
+
+@torch.no_grad()
+def total_grad_norm(grads: Sequence[torch.Tensor], *, pp_group=None) -> torch.Tensor:
+    """Global L2 norm (fp32, 0-d, on the gradients' device) of gradients that may be DTensor shards.
+
+    Each DTensor contributes the squared norm of its local shard, summed over the mesh axes it is
+    sharded on (Replicate axes hold copies: counted once); a Partial gradient is reduced first. One
+    foreach norm and one all-reduce per (mesh, sharded axes) group, then one over pipeline stages; no
+    host sync.
+    """
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        if hasattr(g, "placements"):
+            if any(p.is_partial() for p in g.placements):
+                from torch.distributed.tensor import Replicate
+
+                g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+            # Shard and _StridedShard (FSDP over TP; its is_shard() is False) both split the tensor.
+            dims = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())
+            key, local = (g.device_mesh, dims, g.dtype), g.to_local()
+        else:
+            key, local = (None, (), g.dtype), g
+        groups.setdefault(key, []).append(local)
+    device = grads[0].device if grads else torch.device("cpu")
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    # Insertion order follows the parameters, so every rank runs the same collectives in the same order.
+    for (mesh, dims, _), tensors in groups.items():
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+        sq = torch.stack(norms).square().sum()
+        for d in dims:
+            if mesh.size(d) > 1:
+                dist.all_reduce(sq, group=mesh.get_group(d))
+        total_sq = total_sq + sq.to(device)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total_sq, group=pp_group)
+    return total_sq.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float, *, pp_group=None,
+                   skip: nn.Parameter | None = None) -> float:
+    """Global L2 norm of the gradients, clipped to max_norm (0 = report only), as torch's clip_grad_norm_
+    for any mix of DTensor (TP/FSDP shards) and plain gradients, summed over pipeline stages; `skip` is
+    a second copy of a tied weight, counted once (and clipped like the rest). One host sync: the norm.
+    """
+    with_grad = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in with_grad if p is not skip]
+    total = total_grad_norm(grads, pp_group=pp_group)
+    if max_norm > 0 and with_grad:
+        # On the local shards, on the device: coef = min(1, max_norm / (norm + 1e-6)); a non-finite norm
+        # scales by nan, and the step is then skipped and the gradients dropped.
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in with_grad:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            by_device.setdefault(g.device, []).append(g)
+        for dev, local in by_device.items():
+            torch._foreach_mul_(local, coef.to(dev))
+    return float(total)
