@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
 import shutil
@@ -18,12 +17,16 @@ MODULES = {"coordinator": "coordinator", "trainer": "services.trainer", "rollout
            "reward": "services.reward", "reference": "services.reference"}
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    # PR_SET_PDEATHSIG: the kernel sends SIGTERM to the child if the launcher dies, even by kill -9.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
+def _die_with_parent(cmd: list[str]) -> list[str]:
+    """Prefixes cmd so the kernel SIGTERMs the child if the launcher dies, even by kill -9.
+
+    setpriv sets PR_SET_PDEATHSIG and execs; no Python runs between fork and exec (a preexec_fn
+    there can abort in a process whose gRPC threads hold locks). The signal follows the thread that
+    forked, so it is only asked for from the main thread, which lives as long as the launcher.
+    """
+    if threading.current_thread() is threading.main_thread() and shutil.which("setpriv"):
+        return ["setpriv", "--pdeathsig", "TERM", "--", *cmd]
+    return cmd
 
 
 @dataclass
@@ -67,8 +70,8 @@ class Launcher:
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices
         log_path = self.log_dir / f"{role}-{index}.log"
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(_die_with_parent(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env)
         child = Child(role, index, proc, log_path)
         threading.Thread(target=self._pump, args=(child,), daemon=True).start()
         self.children.append(child)
