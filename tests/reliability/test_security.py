@@ -282,7 +282,8 @@ def test_user_reward_code_is_imported_only_from_the_configured_module_path(tmp_p
     plugins.mkdir()
     marker = tmp_path / "imported"
     (plugins / "sneaky_reward.py").write_text(
-        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('imported')\n"
+        # Appends: the service and each of its worker processes import it, possibly while the test reads.
+        f"with open({str(marker)!r}, 'a') as f:\n    f.write('imported')\n"
         "def score(*, prompt, response, response_ids, ground_truth, data_source):\n    return 0.5\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")])))
     procs, address = _reward_process(tmp_path, {})
@@ -300,4 +301,4 @@ def test_user_reward_code_is_imported_only_from_the_configured_module_path(tmp_p
     with procs, grpc.insecure_channel(procs.start("reward").address) as channel:
         reply = reward_pb2_grpc.RewardStub(channel).Score(reward_pb2.ScoreRequest(items=[
             reward_pb2.ScoreItem(id="x", response="1", ground_truth="1")]), timeout=60)
-        assert reply.results[0].score == 0.5 and marker.read_text() == "imported"
+        assert reply.results[0].score == 0.5 and "imported" in marker.read_text()
