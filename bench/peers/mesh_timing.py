@@ -1,0 +1,179 @@
+"""A meshrl service process with timers around its RPC handlers and engine calls: for bench/e2e_grpo.py.
+
+`python -m bench.peers.mesh_timing --config FILE --port 0 ...` with MESHRL_BENCH_ROLE set runs the same
+`main` as `python -m services.<role>` (or `coordinator`), after wrapping, as a timer, every call that
+matters to the mesh-overhead estimate. Each finished call appends one JSON line to
+$MESHRL_BENCH_TIMING_DIR/<role>-<pid>.jsonl:
+
+- services: {"side": "server", "rpc", "start", "end", "handler_s", "compute_s"}: handler_s is the servicer
+  method (protobuf -> dataclasses -> engine -> protobuf), compute_s the engine work inside it;
+- coordinator: {"side": "client", "call", "target", "start", "end", "seconds"} per typed call of
+  coordinator/remote.py (request built, RPC, response parsed), and {"side": "step", "step", "start", "end"}.
+
+Timers are perf_counter pairs and one buffered line per call; the services are otherwise unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import json
+import os
+import threading
+import time
+
+ROLE = os.environ.get("MESHRL_BENCH_ROLE", "")
+_current: contextvars.ContextVar[dict | None] = contextvars.ContextVar("meshrl_bench_rpc", default=None)
+_lock = threading.Lock()
+_file = None
+
+
+def _write(record: dict) -> None:
+    global _file
+    with _lock:
+        if _file is None:
+            folder = os.environ["MESHRL_BENCH_TIMING_DIR"]
+            os.makedirs(folder, exist_ok=True)
+            _file = open(os.path.join(folder, f"{ROLE}-{os.getpid()}.jsonl"), "a", buffering=1)
+        _file.write(json.dumps(record) + "\n")
+
+
+def _handler(cls, name: str) -> None:
+    """Times a servicer method; engine timers inside it add to the record through a context variable
+    (asyncio tasks and to_thread copy the context, so work done in a worker thread still finds it)."""
+    orig = getattr(cls, name)
+
+    @functools.wraps(orig)
+    async def timed(self, request, context):
+        rec = {"side": "server", "role": ROLE, "rpc": name, "start": time.time(), "compute_s": 0.0}
+        token = _current.set(rec)
+        t0 = time.perf_counter()
+        try:
+            return await orig(self, request, context)
+        finally:
+            rec["handler_s"] = time.perf_counter() - t0
+            rec["end"] = time.time()
+            _current.reset(token)
+            _write(rec)
+
+    setattr(cls, name, timed)
+
+
+def _add(seconds: float, key: str) -> None:
+    rec = _current.get()
+    if rec is not None:
+        rec[key] = rec.get(key, 0.0) + seconds
+
+
+def _compute(owner, name: str, key: str = "compute_s") -> None:
+    """Times an engine method (sync or async) and adds its seconds to the enclosing handler's record."""
+    orig = getattr(owner, name)
+    if asyncio.iscoroutinefunction(orig):
+        @functools.wraps(orig)
+        async def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return await orig(*args, **kwargs)
+            finally:
+                _add(time.perf_counter() - t0, key)
+    else:
+        @functools.wraps(orig)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                _add(time.perf_counter() - t0, key)
+    setattr(owner, name, timed)
+
+
+def instrument_rollout():
+    from services.rollout import engine, servicer
+
+    for rpc in ("Generate", "ComputeLogProbs", "UpdateWeights"):
+        _handler(servicer.RolloutServicer, rpc)
+    # The decode of a batch (in the engine's worker thread) and the weight swap; receiving the buckets
+    # (CRC, copy into the staging buffer) is transport.
+    _compute(engine.TorchEngine, "_generate_jobs")
+    _compute(engine, "swap_in")
+    from services.rollout.__main__ import main
+    return main
+
+
+def instrument_reward():
+    from services.reward import engine, servicer
+
+    _handler(servicer.RewardServicer, "Score")
+    _compute(engine.RewardEngine, "score")
+    from services.reward.__main__ import main
+    return main
+
+
+def instrument_reference():
+    from services.reference import engine, servicer
+
+    _handler(servicer.ReferenceServicer, "ComputeLogProbs")
+    _compute(engine.ReferenceEngine, "logprobs")
+    from services.reference.__main__ import main
+    return main
+
+
+def instrument_trainer():
+    from services.trainer import engine, servicer
+
+    for rpc in ("ComputeLogProbs", "TrainActor", "PushWeights"):
+        _handler(servicer.TrainerServicer, rpc)
+    for name in ("compute_logprobs", "train_actor"):
+        _compute(engine.TrainerEngine, name)
+    # PushWeights: gathering/casting the state is the trainer's work; the push to replicas is transport.
+    _compute(engine.TrainerEngine, "state_for_sync")
+    from services.trainer.__main__ import main
+    return main
+
+
+def _client_call(module, name: str) -> None:
+    orig = getattr(module, name)
+
+    @functools.wraps(orig)
+    async def timed(stub, *args, **kwargs):
+        from coordinator.phases import GuardedTrainer
+
+        start, t0 = time.time(), time.perf_counter()
+        try:
+            return await orig(stub, *args, **kwargs)
+        finally:
+            target = "trainer" if isinstance(stub, GuardedTrainer) else type(stub).__name__.removesuffix("Stub").lower()
+            _write({"side": "client", "call": name, "target": target, "start": start, "end": time.time(),
+                    "seconds": time.perf_counter() - t0})
+
+    setattr(module, name, timed)
+
+
+def instrument_coordinator():
+    from coordinator import loop, remote
+
+    for name in ("generate", "score", "logprobs", "train_actor", "push_weights"):
+        _client_call(remote, name)
+    orig = loop.rl_step
+
+    @functools.wraps(orig)
+    async def rl_step(ctx):
+        start = time.time()
+        try:
+            return await orig(ctx)
+        finally:
+            _write({"side": "step", "step": ctx.step, "start": start, "end": time.time()})
+
+    loop.rl_step = rl_step
+    from coordinator.__main__ import main
+    return main
+
+
+ROLES = {"rollout": instrument_rollout, "reward": instrument_reward, "reference": instrument_reference,
+         "trainer": instrument_trainer, "coordinator": instrument_coordinator}
+
+if __name__ == "__main__":
+    if ROLE not in ROLES:
+        raise SystemExit(f"MESHRL_BENCH_ROLE: expected one of {', '.join(ROLES)}, got {ROLE!r}")
+    ROLES[ROLE]()()
