@@ -394,6 +394,14 @@ def cmd_combine(args) -> None:
         result["ratio_meshrl_over_trl"]["steps_per_s_vs_trl_2_threads"] = \
             m["steps_per_s"] / result["trl_2_threads"]["steps_per_s"]
     t["phase_view_seconds"] = trl_phase_view(t)
+    windows = result["reward_agreement"]["windows"]
+    noise = [w[k] for w in windows for k in ("meshrl_run_std", "trl_run_std") if w[k] is not None]
+    result["goals"] = {
+        "meshrl_steps_per_s_at_least_trl": result["ratio_meshrl_over_trl"]["steps_per_s"] >= 1.0,
+        "mesh_overhead_share_critical_path": m.get("mesh_overhead", {}).get("share_critical_path"),
+        "reward_window_max_abs_gap": max(abs(w["gap"]) for w in windows),
+        "reward_window_run_std_max": max(noise) if noise else None,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # Paths relative to the repository: the JSON is committed.
     args.out.write_text(json.dumps(result, indent=1).replace(str(REPO) + "/", ""))
