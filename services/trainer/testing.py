@@ -35,3 +35,12 @@ def random_samples(num: int, *, vocab_size: int = 32, seed: int = 0, max_prompt:
                                advantages=torch.randn(r, generator=g).tolist(), old_logprobs=[0.0] * r,
                                ref_logprobs=[]))
     return out
+
+
+def sequences_pb(samples):
+    """A LogProbsRequest over samples' prompt/response ids (ids s0, s1, ...), as the trainer tests send it."""
+    from meshrl.v1 import common_pb2
+
+    return common_pb2.LogProbsRequest(sequences=[
+        common_pb2.TokenSequence(id=f"s{i}", prompt_ids=s.prompt_ids, response_ids=s.response_ids)
+        for i, s in enumerate(samples)], temperature=1.0)

@@ -29,7 +29,7 @@ from services.common.channel import create_channel
 from services.common.config import load_config
 from services.trainer import convert
 from services.trainer.batch import ActorLoss
-from services.trainer.testing import random_samples
+from services.trainer.testing import random_samples, sequences_pb
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -97,12 +97,6 @@ async def trainer(model_dir: str, transport: str, **weight_sync):
         await channel.close()
         await mesh.stop(0)
         engine.close()
-
-
-def sequences_pb(samples):
-    return common_pb2.LogProbsRequest(sequences=[
-        common_pb2.TokenSequence(id=f"s{i}", prompt_ids=s.prompt_ids, response_ids=s.response_ids)
-        for i, s in enumerate(samples)], temperature=1.0)
 
 
 async def train_and_push(stub, samples, targets):

@@ -15,7 +15,7 @@ from services.trainer import convert
 from services.trainer.batch import ActorLoss
 from services.trainer.engine import TrainerSettings
 from services.trainer.servicer import start
-from services.trainer.testing import random_samples
+from services.trainer.testing import random_samples, sequences_pb
 
 TOKEN = "s3cret"
 
@@ -42,12 +42,6 @@ async def trainer(model_dir: str, **sections):
         await channel.close()
         await mesh.stop(0)
         engine.close()
-
-
-def sequences_pb(samples):
-    return common_pb2.LogProbsRequest(sequences=[
-        common_pb2.TokenSequence(id=f"s{i}", prompt_ids=s.prompt_ids, response_ids=s.response_ids)
-        for i, s in enumerate(samples)], temperature=1.0)
 
 
 def test_compute_logprobs_train_actor_and_get_info_over_grpc(model_dir):
