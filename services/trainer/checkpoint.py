@@ -2,7 +2,7 @@
 
 Layout of a checkpoint directory:
   dcp/                 model + optimizer of the actor (and critic), keyed by parameter FQN (DCP, resharded on load)
-  trainer_state.pt     schedulers, optimizer-step counts, weight version, the saving mesh (rank 0)
+  trainer_state.pt     schedulers, fp16 loss scalers, optimizer-step counts, weight version, the saving mesh (rank 0)
   rng/rank{r}.pt       torch RNG state of each rank (restored where the rank exists)
 """
 
@@ -56,7 +56,9 @@ def save(path: str, models: Sequence, *, weight_version: int, rank: int, world_s
     if rank == 0:
         torch.save({"weight_version": weight_version, "world_size": world_size, "mesh": mesh,
                     "has_critic": any(m.name == "critic" for m in models),
-                    "models": {m.name: {"step": m.step, "scheduler": m.scheduler.state_dict()} for m in models}},
+                    "models": {m.name: {"step": m.step, "scheduler": m.scheduler.state_dict(),
+                                        "scaler": m.scaler.state_dict() if m.scaler is not None else None}
+                               for m in models}},
                    root / STATE_FILE)
     dist.barrier()
     log.info("saved checkpoint to %s (step %d, version %d)", root, models[0].step, weight_version)
@@ -98,6 +100,9 @@ def load(path: str, models: Sequence, *, rank: int, aliases: dict[str, str] | No
                        optim_state_dict=state[m.name]["optim"])
         saved = meta["models"][m.name]
         m.scheduler.load_state_dict(saved["scheduler"])
+        # A checkpoint of an fp32/bf16 run resumed in fp16 starts from the configured scale.
+        if m.scaler is not None and saved.get("scaler"):
+            m.scaler.load_state_dict(saved["scaler"])
         m.step = int(saved["step"])
     rng = root / "rng" / f"rank{rank}.pt"
     if rng.is_file():

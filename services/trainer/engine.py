@@ -15,7 +15,7 @@ import shutil
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -35,12 +35,13 @@ from services.trainer.batch import (ActorLoss, CriticLoss, CriticSample, DPOLoss
                                     mini_batches, validate_actor_batch, validate_critic_batch, validate_dpo_batch)
 from services.trainer.dpo import dpo_loss
 from services.trainer.fused import enable_fused_head, fused_response_logprobs, host_to_device, supports_fused_head
+from services.trainer.nvtx import phase
 from services.trainer.losses import aggregate, clipped_policy_loss, clipped_value_loss, kl_penalty
-from services.trainer.optim import build_adamw, clip_grad_norm
+from services.trainer.optim import DynamicLossScaler, build_adamw, clip_grad_norm
 from services.trainer.parallel import (CommandChannel, ParallelDims, all_reduce_sum, gather_to_rank0,
                                        init_distributed, launched_world_size, local_device)
 from services.trainer.parallelize import parallelize
-from services.trainer.pipeline import build_schedule, tied_embedding
+from services.trainer.pipeline import MULTI_STAGE_SCHEDULES, build_schedule, check_microbatches, tied_embedding
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -87,7 +88,9 @@ class ActorConfig(OptimSection):
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
     # Pipeline parallel: micro-batches per mini-batch and DP rank (default pp_size), and their schedule.
     num_microbatches: int | None = Field(None, ge=1)
-    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
+    # Pipeline stages (virtual stages) per rank: interleaved_1f1b only (default 2); 1f1b and gpipe hold one.
+    pp_stages_per_rank: int | None = Field(None, ge=1)
     activation_checkpointing: bool = False
     # torch.compile each decoder block (regional: one compiled graph serves every block). Default (null):
     # on for CUDA, off elsewhere.
@@ -99,8 +102,12 @@ class ActorConfig(OptimSection):
     fused_logprobs: bool | None = None
     # Master weights and optimizer state; defaults to model.dtype.
     param_dtype: DType | None = None
-    # Forward/backward dtype; defaults to param_dtype.
+    # Forward/backward dtype; defaults to param_dtype. float16 turns on dynamic loss scaling (below).
     dtype: DType | None = None
+    # fp16 loss scaling (actor and critic): initial scale, and finite steps in a row before it doubles; an
+    # overflowing step is skipped and halves it (torch.amp.GradScaler's defaults and rule).
+    loss_scale_init: float = Field(2.0 ** 16, gt=0)
+    loss_scale_growth_interval: int = Field(2000, ge=1)
     seed: int = 0
     # Shuffle the batch before cutting it into mini-batches (seeded by seed, step and epoch).
     shuffle: bool = True
@@ -109,6 +116,27 @@ class ActorConfig(OptimSection):
     # Weights are cast to this dtype for rollout replicas (default: param_dtype).
     weight_sync_dtype: DType | None = None
     weight_bucket_bytes: int = Field(DEFAULT_BUCKET_BYTES, ge=1024)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.pp_stages_per_rank or (2 if self.pipeline_schedule in MULTI_STAGE_SCHEDULES else 1)
+
+    @model_validator(mode="after")
+    def _pipeline_stages(self):
+        interleaved = self.pipeline_schedule in MULTI_STAGE_SCHEDULES
+        if self.pp_stages_per_rank is not None and self.pp_stages_per_rank > 1 and not interleaved:
+            raise ValueError(f"pp_stages_per_rank: {self.pp_stages_per_rank} stages per rank need pipeline_schedule "
+                             f"interleaved_1f1b ({self.pipeline_schedule} runs one stage per rank)")
+        if interleaved and self.pp_stages_per_rank == 1:
+            raise ValueError("pp_stages_per_rank: interleaved_1f1b needs at least 2 stages per rank, got 1 "
+                             "(use pipeline_schedule 1f1b for one)")
+        check_microbatches(self.pipeline_schedule, self.num_microbatches or self.pp_size, self.pp_size)
+        if self.dp_mode == "ddp" and self.dp_size > 1 and self.pp_size > 1:
+            # A pipeline stage runs several micro-batch forwards before their backwards and wraps only the
+            # backwards in no_sync; DDP's reducer then sees each parameter ready twice and fails.
+            raise ValueError("dp_mode: ddp cannot be combined with pipeline parallel (pp_size > 1 and dp_size > 1); "
+                             "use dp_mode fsdp")
+        return self
 
 
 class CriticConfig(OptimSection):
@@ -186,16 +214,29 @@ class Trained:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     cfg: OptimSection
     step: int = 0
+    # What a pipeline schedule runs: this rank's stage modules in stage order ([forward] without PP).
+    stages: list[nn.Module] = field(default_factory=list)
+    # Dynamic loss scaling when the compute dtype is float16 (None otherwise).
+    scaler: DynamicLossScaler | None = None
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
 
 
 def _build_trained(name: str, module: nn.Module, mesh, cfg: OptimSection, actor: ActorConfig, param_dtype: str,
                    compute_dtype: str, *, compile: bool = False) -> Trained:
-    forward = parallelize(module, mesh, dp_mode=actor.dp_mode, activation_checkpointing=actor.activation_checkpointing,
-                          param_dtype=param_dtype, compute_dtype=compute_dtype, compile=compile)
+    stages = parallelize(module, mesh, dp_mode=actor.dp_mode, activation_checkpointing=actor.activation_checkpointing,
+                         param_dtype=param_dtype, compute_dtype=compute_dtype, compile=compile,
+                         stages_per_rank=actor.stages_per_rank)
+    # Several stages per rank run only through the schedule; `module` holds their parameters.
+    forward = stages[0] if len(stages) == 1 else module
     optimizer = build_adamw(module.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                             weight_decay=cfg.weight_decay, name=name)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    return Trained(name, module, forward, optimizer, scheduler, cfg)
+    scaler = (DynamicLossScaler(actor.loss_scale_init, growth_interval=actor.loss_scale_growth_interval)
+              if compute_dtype == "float16" else None)
+    return Trained(name, module, forward, optimizer, scheduler, cfg, stages=stages, scaler=scaler)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -250,6 +291,11 @@ def dpo_pairs_loss(chosen, rejected, ref_chosen, ref_rejected, real, loss: DPOLo
         sums = [float((m[k] * real).sum()) for k in DPO_STAT_KEYS[1:7]]
         stats = torch.tensor([total.item(), *sums, float(real.sum()), num_tokens], dtype=torch.float64)
     return total, stats
+
+
+# Commands that are one profiling phase as a whole; training commands mark forward_backward and optimizer inside.
+COMMAND_PHASES = {"compute_logprobs": "logprobs", "compute_values": "values", "state_for_sync": "state_for_sync",
+                  "export_hf": "export_hf", "save_checkpoint": "save_checkpoint", "load_checkpoint": "load_checkpoint"}
 
 
 class TrainerEngine:
@@ -352,6 +398,11 @@ class TrainerEngine:
             if self._closed:
                 raise FailedPrecondition("trainer is shut down")
             self.channel.send((name, args))
+            return self._local(name, args)
+
+    def _local(self, name: str, args) -> Any:
+        """Runs a command on this rank, inside its NVTX range where it is one phase (nvtx.PHASES)."""
+        with phase(COMMAND_PHASES[name]) if name in COMMAND_PHASES else nullcontext():
             return getattr(self, f"_local_{name}")(*args)
 
     def compute_logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -419,15 +470,17 @@ class TrainerEngine:
         return {"path": path, "step": self.actor.step, "weight_version": self.weight_version}
 
     def bubble_fraction(self) -> float:
-        """Idle share of a pipeline step under GPipe/1F1B: (pp - 1) / (microbatches + pp - 1); 0 without PP."""
-        pp = self.dims.pp
-        return (pp - 1) / (self.num_microbatches + pp - 1)
+        """Idle share of a pipeline step: (pp - 1) / (v * microbatches + pp - 1) with v stages per rank (1 under
+        GPipe/1F1B; interleaving shrinks the bubble v times); 0 without PP."""
+        pp, v = self.dims.pp, len(self.actor.stages)
+        return (pp - 1) / (v * self.num_microbatches + pp - 1)
 
     def info(self) -> dict:
         return {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "world_size": self.dims.world_size,
                 "devices": self.devices, "step": self.actor.step, "dtype": self.compute_dtype,
                 "param_dtype": self.param_dtype, "dp_mode": self.cfg.dp_mode,
                 "pipeline_schedule": self.cfg.pipeline_schedule, "num_microbatches": self.num_microbatches,
+                "pp_stages_per_rank": len(self.actor.stages),
                 "critic": self.critic is not None, "critic_step": self.critic.step if self.critic else 0,
                 "micro_batch_token_budget": self.cfg.micro_batch_token_budget, "max_model_len": self.max_len}
 
@@ -445,7 +498,7 @@ class TrainerEngine:
             if name == "shutdown":
                 return
             try:
-                getattr(self, f"_local_{name}")(*args)
+                self._local(name, args)
             except Exception:  # noqa: BLE001 - rank 0 validated the input; keep serving and say why
                 log.exception("Rank %d: command %s failed", self.rank, name)
 
@@ -540,10 +593,17 @@ class TrainerEngine:
 
     def _optimizer_step(self, trained: Trained) -> tuple[float, float, bool]:
         """Clips, steps and schedules; a non-finite gradient norm skips the step (weights stay)."""
+        with phase("optimizer"):
+            return self._step(trained)
+
+    def _step(self, trained: Trained) -> tuple[float, float, bool]:
         params = [p for p in trained.module.parameters() if p.requires_grad]
         skip = self.tied if (self.tied is not None and self.pp_rank != 0) else None
-        norm = clip_grad_norm(params, trained.cfg.grad_clip, pp_group=self.pp_group, skip=skip)
+        norm = clip_grad_norm(params, trained.cfg.grad_clip, pp_group=self.pp_group, skip=skip,
+                              grad_scale=trained.loss_scale)
         lr = trained.optimizer.param_groups[0]["lr"]
+        if trained.scaler is not None:
+            trained.scaler.update(found_inf=not math.isfinite(norm))
         if not math.isfinite(norm):
             trained.optimizer.zero_grad(set_to_none=True)
             return norm, lr, False
@@ -565,7 +625,8 @@ class TrainerEngine:
             order = self._order(len(samples), epoch, self.actor)
             for mb in mini_batches(len(samples), loss.mini_batch_size):
                 idx = [order[j] for j in mb]
-                local += self._actor_mini_batch(samples, idx, lengths, loss, use_kl)
+                with phase("forward_backward"):
+                    local += self._actor_mini_batch(samples, idx, lengths, loss, use_kl)
                 norm, lr, ok = self._optimizer_step(self.actor)
                 norms.append(norm)
                 lrs.append(lr)
@@ -586,6 +647,7 @@ class TrainerEngine:
             "num_tokens": float(sum(len(s.response_ids) for s in samples)),
             "tokens_per_s": loss.ppo_epochs * sum(lengths) / max(seconds, 1e-9),
             "num_optimizer_steps": float(num_steps), "num_skipped_steps": float(skipped),
+            "loss_scale": self.actor.loss_scale,
             "seconds": seconds, "pipeline_bubble_fraction": self.bubble_fraction(),
         }
 
@@ -594,8 +656,8 @@ class TrainerEngine:
         [STAT_KEYS] on the device (the last pipeline stage holds them; other stages zeros)."""
         denom = (sum(len(samples[i].response_ids) for i in idx) if loss.loss_agg_mode == "token-mean" else len(idx))
         # FSDP and DDP average gradients over DP ranks; scaling by dp turns that into the sum over the
-        # mini-batch, whose normaliser (denom) already counts every rank's tokens.
-        scale = float(self.dims.dp)
+        # mini-batch, whose normaliser (denom) already counts every rank's tokens. The fp16 loss scale rides along.
+        scale = float(self.dims.dp) * self.actor.loss_scale
         if self.dims.pp > 1:
             stats = self._actor_pipeline(samples, idx, loss, use_kl, denom, scale)
         else:
@@ -706,7 +768,7 @@ class TrainerEngine:
             calls.append(st)
             return total * scale
 
-        schedule = build_schedule(self.actor.forward, self.pp_mesh, self.device,
+        schedule = build_schedule(self.actor.stages, self.pp_mesh, self.device,
                                   num_microbatches=self.num_microbatches, schedule=self.cfg.pipeline_schedule,
                                   loss_fn=loss_fn)
         with self._amp():
@@ -719,7 +781,7 @@ class TrainerEngine:
     def _pp_logprobs(self, prompts, responses, temperature: float) -> dict[int, list[float]]:
         rows = self._pp_rows(list(range(len(prompts))))
         input_ids, positions, mask, targets = self._pp_inputs(rows, prompts, responses)
-        schedule = build_schedule(self.actor.forward, self.pp_mesh, self.device,
+        schedule = build_schedule(self.actor.stages, self.pp_mesh, self.device,
                                   num_microbatches=self.num_microbatches, schedule=self.cfg.pipeline_schedule)
         with self._amp():
             logits = self._pp_run(schedule, input_ids, train=False)
@@ -742,7 +804,8 @@ class TrainerEngine:
         order = self._order(len(pairs), 0, self.actor)
         for mb in mini_batches(len(pairs), loss.mini_batch_size):
             idx = [order[j] for j in mb]
-            totals += self._dpo_mini_batch(pairs, idx, lengths, loss)
+            with phase("forward_backward"):
+                totals += self._dpo_mini_batch(pairs, idx, lengths, loss)
             norm, lr, ok = self._optimizer_step(self.actor)
             norms.append(norm)
             lrs.append(lr)
@@ -758,6 +821,7 @@ class TrainerEngine:
                 "grad_norm": sum(norms) / len(norms), "lr": lrs[-1], "num_pairs": float(len(pairs)),
                 "num_tokens": t["tokens"], "tokens_per_s": tokens / max(seconds, 1e-9),
                 "num_optimizer_steps": float(num_steps), "num_skipped_steps": float(num_mini - num_steps),
+                "loss_scale": self.actor.loss_scale,
                 "seconds": seconds, "pipeline_bubble_fraction": self.bubble_fraction()}
 
     def _dpo_mini_batch(self, pairs: list[PreferencePair], idx: list[int], lengths: list[int],
@@ -768,7 +832,7 @@ class TrainerEngine:
         whole pairs and divides by the mini-batch's pair count, so micro-batches (and DP ranks, with the
         dp scale as in TrainActor) add up to exactly the mini-batch gradient.
         """
-        denom, scale = float(len(idx)), float(self.dims.dp)
+        denom, scale = float(len(idx)), float(self.dims.dp) * self.actor.loss_scale
         if self.dims.pp > 1:
             stats = self._dpo_pipeline(pairs, idx, loss, denom, scale)
         else:
@@ -831,7 +895,7 @@ class TrainerEngine:
             calls.append(st)
             return total * scale
 
-        schedule = build_schedule(self.actor.forward, self.pp_mesh, self.device,
+        schedule = build_schedule(self.actor.stages, self.pp_mesh, self.device,
                                   num_microbatches=self.num_microbatches, schedule=self.cfg.pipeline_schedule,
                                   loss_fn=loss_fn)
         with self._amp():
@@ -851,25 +915,26 @@ class TrainerEngine:
                 idx = [order[j] for j in mb]
                 denom = sum(len(samples[i].response_ids) for i in idx)
                 stats = torch.zeros(4, dtype=torch.float64)
-                groups = self._local_groups(idx, lengths, critic.cfg.micro_batch_token_budget)
-                for g, group in enumerate(groups):
-                    rows = [samples[i] for i in group] if group else [CriticSample([self.pad_id], [self.pad_id], [0.0],
-                                                                                   [0.0])]
-                    width = max(len(s.response_ids) for s in rows)
-                    with self._grad_sync(critic, last=g == len(groups) - 1):
-                        values, mask = self._values(critic.forward, [s.prompt_ids for s in rows],
-                                                    [s.response_ids for s in rows])
-                        returns = self._padded([s.returns for s in rows], width)
-                        old = (self._padded([s.old_values for s in rows], width) if loss.clip_value > 0
-                               else values.detach())
-                        vf, clipped = clipped_value_loss(values, old, returns, clip_value=loss.clip_value)
-                        vf_loss = aggregate(vf, mask, "token-mean", denom=denom)
-                        weight = 1.0 if group else 0.0
-                        (vf_loss * (weight * self.dims.dp)).backward()
-                    m = mask.float()
-                    stats += weight * torch.tensor([vf_loss.item(), (clipped * m).sum().item(),
-                                                    (values.detach() * m).sum().item(), m.sum().item()],
-                                                   dtype=torch.float64)
+                with phase("forward_backward"):
+                    groups = self._local_groups(idx, lengths, critic.cfg.micro_batch_token_budget)
+                    for g, group in enumerate(groups):
+                        rows = ([samples[i] for i in group] if group
+                                else [CriticSample([self.pad_id], [self.pad_id], [0.0], [0.0])])
+                        width = max(len(s.response_ids) for s in rows)
+                        with self._grad_sync(critic, last=g == len(groups) - 1):
+                            values, mask = self._values(critic.forward, [s.prompt_ids for s in rows],
+                                                        [s.response_ids for s in rows])
+                            returns = self._padded([s.returns for s in rows], width)
+                            old = (self._padded([s.old_values for s in rows], width) if loss.clip_value > 0
+                                   else values.detach())
+                            vf, clipped = clipped_value_loss(values, old, returns, clip_value=loss.clip_value)
+                            vf_loss = aggregate(vf, mask, "token-mean", denom=denom)
+                            weight = 1.0 if group else 0.0
+                            (vf_loss * (weight * self.dims.dp * critic.loss_scale)).backward()
+                        m = mask.float()
+                        stats += weight * torch.tensor([vf_loss.item(), (clipped * m).sum().item(),
+                                                        (values.detach() * m).sum().item(), m.sum().item()],
+                                                       dtype=torch.float64)
                 totals += torch.tensor(all_reduce_sum(stats.tolist(), group=self.dp_group, device=self.device),
                                        dtype=torch.float64)
                 norm, lr, ok = self._optimizer_step(critic)
@@ -881,7 +946,8 @@ class TrainerEngine:
         return {"vf_loss": float(totals[0]) / num_mini, "vf_clip_frac": float(totals[1]) / tokens,
                 "values_mean": float(totals[2]) / tokens, "grad_norm": sum(norms) / len(norms), "lr": lrs[-1],
                 "num_tokens": float(sum(len(s.response_ids) for s in samples)),
-                "num_optimizer_steps": float(num_steps), "seconds": time.perf_counter() - t0}
+                "num_optimizer_steps": float(num_steps), "num_skipped_steps": float(num_mini - num_steps),
+                "loss_scale": critic.loss_scale, "seconds": time.perf_counter() - t0}
 
     @torch.no_grad()
     def _full_weights(self, on_device: bool = False) -> dict[str, torch.Tensor] | None:

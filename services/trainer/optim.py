@@ -1,4 +1,5 @@
-"""AdamW construction (fused / foreach where the parameters allow) and the global gradient-norm clip.
+"""AdamW construction (fused / foreach where the parameters allow), the global gradient-norm clip, and
+dynamic loss scaling for fp16 compute.
 
 Both work on any mix the mesh produces: plain tensors (one process, DDP), DTensors of FSDP2 shards and
 TP shards, possibly on different meshes (FSDP x TP leaves norm weights on the DP mesh alone).
@@ -99,18 +100,25 @@ def total_grad_norm(grads: Sequence[torch.Tensor], *, pp_group=None) -> torch.Te
 
 @torch.no_grad()
 def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float, *, pp_group=None,
-                   skip: nn.Parameter | None = None) -> float:
+                   skip: nn.Parameter | None = None, grad_scale: float = 1.0) -> float:
     """Global L2 norm of the gradients, clipped to max_norm (0 = report only), as torch's clip_grad_norm_
     for any mix of DTensor (TP/FSDP shards) and plain gradients, summed over pipeline stages; `skip` is
     a second copy of a tied weight, counted once (and clipped like the rest). One host sync: the norm.
+
+    `grad_scale` is a loss scale the gradients still carry: the norm is reported without it, and the
+    gradients are unscaled in the same multiply that clips them.
     """
     with_grad = [p for p in params if p.grad is not None]
     grads = [p.grad for p in with_grad if p is not skip]
     total = total_grad_norm(grads, pp_group=pp_group)
-    if max_norm > 0 and with_grad:
-        # On the local shards, on the device: coef = min(1, max_norm / (norm + 1e-6)); a non-finite norm
-        # scales by nan, and the step is then skipped and the gradients dropped.
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    if grad_scale != 1.0:
+        total = total / grad_scale                  # a power of two: exact
+    if (max_norm > 0 or grad_scale != 1.0) and with_grad:
+        # On the local shards, on the device: coef = min(1, max_norm / (norm + 1e-6)) / grad_scale; a
+        # non-finite norm scales by nan (or 0), and the step is then skipped and the gradients dropped.
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(total)
+        if grad_scale != 1.0:
+            coef = coef / grad_scale
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for p in with_grad:
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
@@ -118,3 +126,51 @@ def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float, *, pp_group=
         for dev, local in by_device.items():
             torch._foreach_mul_(local, coef.to(dev))
     return float(total)
+
+
+class DynamicLossScaler:
+    """Dynamic loss scaling for fp16 compute, with torch.amp.GradScaler's rule, defaults and state_dict keys:
+    the loss is multiplied by `scale` before backward; a step whose gradients overflow is skipped and the
+    scale multiplied by backoff_factor; after growth_interval finite steps in a row it is multiplied by
+    growth_factor.
+
+    Why not GradScaler itself: its inf check runs per optimizer over local gradients (DTensor reduces it
+    over one mesh per foreach call, so lists may not mix meshes or plain tensors) and never across pipeline
+    stages, and `step` reads it on the host a second time. Here the overflow check is the global grad norm
+    (`clip_grad_norm`), already reduced over every mesh axis and every stage and read once per step: any
+    inf/nan gradient makes it non-finite, and every rank takes the same decision.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000):
+        if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
+            raise ValueError(f"loss scaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, "
+                             f"growth_interval >= 1 (got {init_scale}, {growth_factor}, {backoff_factor}, "
+                             f"{growth_interval})")
+        self.scale = float(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self._growth_tracker = 0
+
+    def update(self, found_inf: bool) -> None:
+        """After each optimizer step (taken or skipped): back off on overflow, grow after a run of good steps."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self._growth_tracker = 0
+            return
+        self._growth_tracker += 1
+        if self._growth_tracker == self.growth_interval:
+            self.scale *= self.growth_factor
+            self._growth_tracker = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.growth_factor = float(state["growth_factor"])
+        self.backoff_factor = float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])
+        self._growth_tracker = int(state["_growth_tracker"])

@@ -154,16 +154,25 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, dp_mode: str, activation_checkpointing: bool,
-                param_dtype: str, compute_dtype: str, compile: bool = False) -> nn.Module:
-    """PP stage split -> TP -> activation checkpointing -> compile -> FSDP/DDP. Returns the module to run
-    forward/backward through."""
-    from services.trainer.pipeline import split_stage
+                param_dtype: str, compute_dtype: str, compile: bool = False,
+                stages_per_rank: int = 1) -> list[nn.Module]:
+    """PP stage split -> TP -> activation checkpointing -> compile -> FSDP/DDP, stage by stage. Returns the
+    modules to run forward/backward through: one per pipeline stage this rank holds (without PP, the model
+    itself or its DDP wrapper). `model` keeps every parameter this rank holds, under HF names."""
+    from services.trainer.pipeline import hold_stages, split_stages
 
-    split_stage(model, mesh["pp"])
-    apply_tp(model, mesh["tp"])
-    apply_activation_checkpointing(model, activation_checkpointing)
-    apply_compile(model, compile)
-    if dp_mode == "fsdp":
-        apply_fsdp(model, mesh["dp"], param_dtype=param_dtype, compute_dtype=compute_dtype)
-        return model
-    return apply_ddp(model, mesh["dp"])
+    chunks = split_stages(model, mesh["pp"], stages_per_rank)
+    out = []
+    for chunk in chunks:
+        apply_tp(chunk, mesh["tp"])
+        apply_activation_checkpointing(chunk, activation_checkpointing)
+        apply_compile(chunk, compile)
+        if dp_mode == "fsdp":
+            # Several stages per rank: each is its own FSDP root (the schedule unshards and reshards it).
+            apply_fsdp(chunk, mesh["dp"], param_dtype=param_dtype, compute_dtype=compute_dtype)
+            out.append(chunk)
+        else:
+            out.append(apply_ddp(chunk, mesh["dp"]))
+    # Checkpointing and compile may have replaced the stages' layers; the model must hold the same modules.
+    hold_stages(model, chunks)
+    return out

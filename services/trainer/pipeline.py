@@ -3,12 +3,19 @@
 A stage keeps the model object and its Hugging Face parameter names (checkpoints and weight sync
 see the same FQNs on any mesh); it drops the layers other stages own and replaces the model's
 forward by the stage's piece: embed (first stage) -> its layers -> norm + LM head (last stage).
+
+With several stages per rank (interleaved 1F1B, loop placement: rank r holds stages r, r + pp, ...)
+each stage is a light copy of the model's skeleton holding its own layers, and the model object itself
+becomes the container of everything this rank holds: parameters, optimizer, checkpoints and weight
+export keep reading HF names off it, while the schedule runs the stages.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import types
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -16,7 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger("meshrl.trainer")
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+# Schedules that run several stages per rank.
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b",)
 
 
 def stage_layer_range(num_layers: int, stage: int, num_stages: int) -> range:
@@ -24,6 +33,32 @@ def stage_layer_range(num_layers: int, stage: int, num_stages: int) -> range:
     base, extra = divmod(num_layers, num_stages)
     start = stage * base + min(stage, extra)
     return range(start, start + base + (1 if stage < extra else 0))
+
+
+def stage_indices(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
+    """The stages a rank holds under loop placement (what the interleaved schedule expects)."""
+    return [pp_rank + j * pp_size for j in range(stages_per_rank)]
+
+
+def check_stage_split(num_layers: int, pp_size: int, stages_per_rank: int) -> None:
+    """Every stage needs at least one decoder layer."""
+    num_stages = pp_size * stages_per_rank
+    if num_layers < num_stages:
+        key = "actor.pp_stages_per_rank" if stages_per_rank > 1 else "actor.pp_size"
+        raise ValueError(f"{key}: pp_size={pp_size} x pp_stages_per_rank={stages_per_rank} = {num_stages} "
+                         f"pipeline stages for {num_layers} decoder layers (each stage needs at least one)")
+
+
+def check_microbatches(schedule: str, num_microbatches: int, pp_size: int) -> None:
+    """Interleaved 1F1B runs micro-batches in rounds of pp_size: their count must split into whole rounds
+    (torch's ScheduleInterleaved1F1B: max(1, n // pp) rounds must divide n)."""
+    if schedule != "interleaved_1f1b" or pp_size == 1:
+        return
+    rounds = max(1, num_microbatches // pp_size)
+    if num_microbatches % rounds:
+        raise ValueError(f"actor.num_microbatches: interleaved_1f1b runs micro-batches in {rounds} rounds of "
+                         f"pp_size={pp_size}; {num_microbatches} does not split into them (use a multiple of "
+                         f"{pp_size}, or fewer than {2 * pp_size})")
 
 
 def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,31 +78,67 @@ def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def split_stage(model: nn.Module, pp_mesh: DeviceMesh) -> None:
-    """Keeps this rank's stage of `model` in place (no-op for one stage)."""
-    num_stages = pp_mesh.size()
-    if num_stages == 1:
-        return
+def _container_forward(self, *args, **kwargs):
+    raise RuntimeError("this model holds several pipeline stages; run them through the pipeline schedule")
+
+
+def _keep(model: nn.Module, layers: dict[str, nn.Module], *, first: bool, last: bool, embed, norm, head) -> None:
+    """Makes `model` hold only the given layers (ModuleDict keyed by original index: names stay
+    model.layers.<i>.*), the embedding if first and norm + head if last."""
+    model.model.layers = nn.ModuleDict(layers)
+    model.model.embed_tokens = embed if first else None
+    model.model.norm = norm if last else None
+    model.lm_head = head if last else None
+
+
+def split_stages(model: nn.Module, pp_mesh: DeviceMesh, stages_per_rank: int = 1) -> list[nn.Module]:
+    """This rank's pipeline stages of `model`, in stage order ([model] itself for one stage per rank, and a
+    no-op without PP). With several, `model` keeps every layer this rank holds (see `hold_stages`)."""
+    pp = pp_mesh.size()
+    if pp == 1:
+        return [model]
     if not hasattr(model, "lm_head"):
         raise ValueError("actor.pp_size > 1: pipeline parallel supports causal LMs only (no critic yet)")
     attn = getattr(model.config, "_attn_implementation", "sdpa")
     if attn not in ("sdpa", "flash_attention_2", "flash_attention_3"):
         raise ValueError(f"actor.pp_size > 1: needs a causal attention kernel (sdpa/flash), model uses {attn!r}")
-    stage = pp_mesh.get_local_rank()
     layers = model.model.layers
-    if len(layers) < num_stages:
-        raise ValueError(f"actor.pp_size: {num_stages} stages for {len(layers)} layers")
-    owned = stage_layer_range(len(layers), stage, num_stages)
-    # A ModuleDict keyed by the original index keeps the names model.layers.<i>.*.
-    model.model.layers = nn.ModuleDict({str(i): layers[i] for i in owned})
-    if stage != 0:
-        model.model.embed_tokens = None
-    if stage != num_stages - 1:
-        model.model.norm = None
-        model.lm_head = None
-    # An instance attribute, not a subclass: FQNs, save_pretrained and config stay those of the HF class.
-    model.forward = types.MethodType(_stage_forward, model)
-    log.info("Pipeline stage %d/%d holds layers %d-%d", stage, num_stages, owned.start, owned.stop - 1)
+    check_stage_split(len(layers), pp, stages_per_rank)
+    num_stages = pp * stages_per_rank
+    embed, norm, head = model.model.embed_tokens, model.model.norm, model.lm_head
+    ids = stage_indices(pp_mesh.get_local_rank(), pp, stages_per_rank)
+    owned = [stage_layer_range(len(layers), s, num_stages) for s in ids]
+    if stages_per_rank == 1:
+        chunks = [model]
+    else:
+        # The skeleton (config, rotary tables, no weights) is copied once per stage; the layers, embedding,
+        # norm and head are shared with `model`, never copied.
+        _keep(model, {}, first=False, last=False, embed=None, norm=None, head=None)
+        chunks = [copy.deepcopy(model) for _ in ids]
+        # An instance attribute, like a stage's forward: `model` only holds parameters now.
+        model.forward = types.MethodType(_container_forward, model)
+    for chunk, s, rng in zip(chunks, ids, owned):
+        _keep(chunk, {str(i): layers[i] for i in rng}, first=s == 0, last=s == num_stages - 1,
+              embed=embed, norm=norm, head=head)
+        # An instance attribute, not a subclass: FQNs, save_pretrained and config stay those of the HF class.
+        chunk.forward = types.MethodType(_stage_forward, chunk)
+        log.info("Pipeline stage %d/%d holds layers %d-%d", s, num_stages, rng.start, rng.stop - 1)
+    if stages_per_rank > 1:
+        hold_stages(model, chunks)
+    return chunks
+
+
+def hold_stages(model: nn.Module, chunks: Sequence[nn.Module]) -> None:
+    """Points the container `model` at its stages' (possibly wrapped) layers, embedding, norm and head, so its
+    parameters are exactly theirs under HF names. Called again after TP / checkpointing / FSDP wrap them."""
+    if len(chunks) == 1 and chunks[0] is model:
+        return
+    inner = [c.model for c in chunks]
+    layers = {k: m for c in inner for k, m in c.layers.items()}
+    model.model.layers = nn.ModuleDict({k: layers[k] for k in sorted(layers, key=int)})
+    model.model.embed_tokens = next((c.embed_tokens for c in inner if c.embed_tokens is not None), None)
+    model.model.norm = next((c.norm for c in inner if c.norm is not None), None)
+    model.lm_head = next((c.lm_head for c in chunks if c.lm_head is not None), None)
 
 
 def tied_embedding(model: nn.Module, pp_mesh: DeviceMesh) -> torch.Tensor | None:
@@ -82,12 +153,20 @@ def tied_embedding(model: nn.Module, pp_mesh: DeviceMesh) -> torch.Tensor | None
     return None
 
 
-def build_schedule(model: nn.Module, pp_mesh: DeviceMesh, device: torch.device, *, num_microbatches: int,
-                   schedule: str, loss_fn=None):
-    """A fresh stage + schedule (cheap): shapes change from batch to batch and stages infer them once."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def build_schedule(stages: Sequence[nn.Module], pp_mesh: DeviceMesh, device: torch.device, *,
+                   num_microbatches: int, schedule: str, loss_fn=None):
+    """Fresh stages + schedule (cheap): shapes change from batch to batch and stages infer them once.
+    `stages` are this rank's stage modules in stage order (one unless the schedule interleaves)."""
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
 
-    stage = PipelineStage(model, pp_mesh.get_local_rank(), pp_mesh.size(), device, group=pp_mesh.get_group())
-    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+    pp = pp_mesh.size()
+    ids = stage_indices(pp_mesh.get_local_rank(), pp, len(stages))
+    built = [PipelineStage(m, i, pp * len(stages), device, group=pp_mesh.get_group()) for m, i in zip(stages, ids)]
     # scale_grads=False: the loss already carries the mini-batch normaliser, so micro-batches just add up.
-    return cls(stage, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if schedule in MULTI_STAGE_SCHEDULES:
+        check_microbatches(schedule, num_microbatches, pp)
+        return ScheduleInterleaved1F1B(built, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    assert len(built) == 1, f"{schedule} runs one stage per rank"
+    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+    return cls(built[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -125,6 +125,9 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
     assert (info.details["dp"], info.details["tp"], info.details["pp"], info.details["world_size"]) == (
         str(dp), str(tp), str(pp), str(world))
     assert info.details["devices"] == ",".join(["cpu"] * world) and info.details["dp_mode"] == dp_mode
+    stages_per_rank = 2 if schedule == "interleaved_1f1b" and pp > 1 else 1
+    assert info.details["pp_stages_per_rank"] == str(stages_per_rank)
+    assert trained.metrics["pipeline_bubble_fraction"] == pytest.approx((pp - 1) / (stages_per_rank * 2 + pp - 1))
     log = (tmp_path / "torchrun.log").read_text()
     for rank in range(world):
         assert f"Rank {rank}: actor loaded on cpu (tp={tp} pp={pp} dp={dp})" in log
@@ -155,17 +158,18 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [dict(dp=2, budget=24), dict(dp=2, dp_mode="ddp", budget=24), dict(tp=2),
-                                  dict(pp=2, schedule="1f1b"), dict(dp=2, budget=24, fused=True),
-                                  dict(dp=2, dp_mode="ddp", budget=24, fused=True)],
+                                  dict(pp=2, schedule="1f1b"), dict(pp=2, schedule="interleaved_1f1b"),
+                                  dict(dp=2, budget=24, fused=True), dict(dp=2, dp_mode="ddp", budget=24, fused=True)],
                          ids=["fsdp-dp2-accumulating", "ddp-dp2-accumulating", "tp2", "pp2-1f1b",
-                              "fsdp-dp2-fused-head", "ddp-dp2-fused-head"])
+                              "pp2-interleaved-2-stages-per-rank", "fsdp-dp2-fused-head", "ddp-dp2-fused-head"])
 def test_a_two_rank_step_matches_a_single_process_run(tmp_path, mesh):
     check_against_single_process(tmp_path, **mesh)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [dict(dp=2, tp=2), dict(dp=2, pp=2, schedule="gpipe"), dict(pp=2, tp=2)],
-                         ids=["fsdp2-tp2", "fsdp2-pp2-gpipe", "pp2-tp2"])
+@pytest.mark.parametrize("mesh", [dict(dp=2, tp=2), dict(dp=2, pp=2, schedule="gpipe"), dict(pp=2, tp=2),
+                                  dict(dp=2, pp=2, schedule="interleaved_1f1b")],
+                         ids=["fsdp2-tp2", "fsdp2-pp2-gpipe", "pp2-tp2", "fsdp2-pp2-interleaved"])
 def test_a_four_rank_2d_mesh_step_matches_a_single_process_run(tmp_path, mesh):
     check_against_single_process(tmp_path, **mesh)
 
