@@ -55,7 +55,9 @@ def recipe(s: dict, *, device: str, run_dir: Path, rollout_replicas: int) -> dic
                     "max_batch_size": max(64, -(-rows // rollout_replicas))},
         "actor": {"lr": s["lr"], "grad_clip": s["grad_clip"], "weight_decay": s["weight_decay"],
                   "betas": list(s["adam_betas"]), "eps": s["adam_eps"], "lr_schedule": s["lr_schedule"],
-                  **({"param_dtype": "float32", "dtype": "bfloat16"} if cuda else {})},
+                  **({"param_dtype": "float32", "dtype": "bfloat16", "weight_sync_dtype": "bfloat16"} if cuda else {})},
+        # One GPU: the replica copies the trainer's staged weights through CUDA IPC (no host round trip).
+        **({"weight_sync": {"transport": "ipc"}} if cuda else {}),
         "reward": {"components": [{"name": "exact_match", "weight": 1.0}]},
         "reference": {"replicas": 1},
         "algorithm": {"adv_estimator": "grpo", "norm_adv_by_std": s["scale_rewards_by_group_std"],
@@ -244,6 +246,8 @@ def cmd_run(args) -> None:
     os.environ["MESHRL_BENCH_TIMING_DIR"] = str(timing_dir)
     # The children import bench.peers.mesh_timing from the repository, wherever this was started from.
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "protos"), os.environ.get("PYTHONPATH", "")])
+    if args.rollout_replicas is None:
+        args.rollout_replicas = 1 if args.device == "cuda" else 2
     data = recipe(s, device=args.device, run_dir=run_root / "runs", rollout_replicas=args.rollout_replicas)
     config_path = run_root / "e2e_grpo.yaml"
     run_root.mkdir(parents=True, exist_ok=True)
@@ -419,7 +423,7 @@ def main(argv=None) -> None:
     r.add_argument("--steps", type=int)
     r.add_argument("--warmup-steps", type=int, help="steps left out of the timing medians")
     r.add_argument("--seed", type=int, help="sampling seed (rollout.seed); the prompt order stays data_seed's")
-    r.add_argument("--rollout-replicas", type=int, default=2, help="as `meshrl up` (2 unless the recipe says)")
+    r.add_argument("--rollout-replicas", type=int, help="as `meshrl up` (2 unless the recipe says); 1 on one GPU")
     r.add_argument("--threads", type=int, default=1, help="OMP threads per service process (`meshrl up --threads`)")
     r.add_argument("--trainer-threads", type=int, help="torch threads of the trainer alone (default: --threads)")
     r.add_argument("--no-instrument", action="store_true", help="plain service modules, no RPC timers")

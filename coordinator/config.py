@@ -10,7 +10,7 @@ from services.common.config import MeshSettings, ModelConfig, Section, ServerCon
 from services.reference.engine import ReferenceConfig
 from services.reward.engine import RewardConfig
 from services.rollout.engine import RolloutConfig
-from services.trainer.engine import ActorConfig, CriticConfig
+from services.trainer.engine import ActorConfig, CriticConfig, WeightSyncConfig
 
 
 class AlgorithmConfig(Section):
@@ -46,6 +46,13 @@ class AlgorithmConfig(Section):
     clip_value: float = Field(0.5, ge=0)
     # Truncated importance sampling between the rollout engine and the trainer (None = off).
     tis_cap: float | None = Field(None, gt=0)
+    # Old log-probs: `always` a trainer ComputeLogProbs pass per step; `auto` skips that pass when the batch
+    # is one optimizer step (ppo_epochs 1, one mini-batch) and nothing before the update needs them (no TIS,
+    # no KL in the reward): TrainActor then takes its own detached log-probs, exactly the old policy's.
+    old_logprobs: Literal["auto", "always"] = "auto"
+    # When `auto` skips them, old log-probs are still computed at step 1 and every k-th step, for the
+    # rollout-vs-trainer parity metric (0: never).
+    logprob_parity_every: int = Field(10, ge=0)
 
     @model_validator(mode="after")
     def _dual_clip(self):
@@ -143,6 +150,8 @@ class RunConfig(MeshSettings):
     reference: ReferenceConfig = ReferenceConfig()
     actor: ActorConfig = ActorConfig()
     critic: CriticConfig | None = None
+    # Read by the trainer (one YAML serves every service of `meshrl up`); validated here as well.
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     dpo: DPOConfig = DPOConfig()
     data: DataConfig = DataConfig()

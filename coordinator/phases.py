@@ -261,7 +261,20 @@ async def reference_logprobs(ctx: RunContext, samples: list[remote.Sample]) -> N
         s.ref_logprobs = lp
 
 
+def needs_old_logprobs(ctx: RunContext, num_samples: int) -> bool:
+    """Whether this step computes old log-probs on the trainer (see algorithm.old_logprobs)."""
+    a = ctx.cfg.algorithm
+    one_step = a.ppo_epochs == 1 and (a.ppo_mini_batch_size == 0 or a.ppo_mini_batch_size >= num_samples)
+    if a.old_logprobs == "always" or not one_step or a.tis_cap or a.use_kl_in_reward:
+        return True
+    # ctx.step counts finished steps: this is step ctx.step + 1.
+    every = a.logprob_parity_every
+    return every > 0 and (ctx.step == 0 or (ctx.step + 1) % every == 0)
+
+
 async def old_logprobs(ctx: RunContext, samples: list[remote.Sample]) -> None:
+    if not needs_old_logprobs(ctx, len(samples)):
+        return
     out = await remote.logprobs(ctx.trainer, samples)
     for s, lp in zip(samples, out):
         s.old_logprobs = lp
@@ -396,15 +409,18 @@ def sample_metrics(samples: list[remote.Sample]) -> dict[str, float]:
     T = int(lengths.max())
     mask = padded([[1.0] * len(s.response_ids) for s in samples], T)
     ntok = mask.sum()
+    roll = padded([s.rollout_logprobs for s in samples], T)
+    policy = roll if all(len(s.rollout_logprobs) == len(s.response_ids) for s in samples) else None
     if all(s.old_logprobs for s in samples):
-        old = padded([s.old_logprobs for s in samples], T)
-        roll = padded([s.rollout_logprobs for s in samples], T)
+        old = policy = padded([s.old_logprobs for s in samples], T)
         # Rollout engine vs trainer on the same tokens: a broken weight sync shows here at once.
         out["rollout_vs_trainer/logprob_abs_diff"] = float(((roll - old).abs() * mask).sum() / ntok)
         out["rollout_vs_trainer/kl"] = float((((old - roll).exp() - (old - roll) - 1) * mask).sum() / ntok)
-        if all(s.ref_logprobs for s in samples):
-            ref = padded([s.ref_logprobs for s in samples], T)
-            out["kl"] = float((((ref - old).exp() - (ref - old) - 1) * mask).sum() / ntok)   # k3 estimate
+    if policy is not None and all(s.ref_logprobs for s in samples):
+        # k3 estimate of KL(policy || reference); the policy's log-probs are the trainer's old ones when
+        # computed this step, else the rollout engine's (equal to them up to the parity metric above).
+        ref = padded([s.ref_logprobs for s in samples], T)
+        out["kl"] = float((((ref - policy).exp() - (ref - policy) - 1) * mask).sum() / ntok)
     return out
 
 

@@ -106,6 +106,9 @@ def main(argv=None) -> None:
     p.add_argument("--warmup-steps", type=int, help="steps left out of the timing medians")
     p.add_argument("--seed", type=int, help="sampling seed (GRPOConfig.seed); the prompt order stays data_seed's")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    p.add_argument("--micro-batch", type=int,
+                   help="samples per forward/backward (default: the whole batch on CPU, 64 on CUDA, where 512 x "
+                        "151,936-vocabulary logits would not fit); accumulated to one optimizer step per batch")
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "meshrl-bench")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -126,13 +129,17 @@ def main(argv=None) -> None:
     autocast_bf16 = args.device == "cuda" and s["dtype"] == "bfloat16"
     dtype = torch.float32 if autocast_bf16 else getattr(torch, s["dtype"])
     batch = s["prompts_per_step"] * s["n"]
+    micro = args.micro_batch or (64 if args.device == "cuda" else batch)
+    if batch % micro:
+        raise ValueError(f"--micro-batch: {micro} does not divide the batch of {batch} samples")
     cfg = GRPOConfig(
         output_dir=str(args.work_dir / "trl-out"), report_to="none", save_strategy="no", logging_steps=1,
         use_cpu=args.device == "cpu", bf16=autocast_bf16, fp16=False,
         seed=s["sampling_seed"], data_seed=s["data_seed"], max_steps=s["steps"],
-        # One generation batch = one optimizer step over all of it (no accumulation, no reuse).
-        per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=s["n"],
-        num_iterations=s["ppo_epochs"], steps_per_generation=1, shuffle_dataset=False,
+        # One generation batch (generated at once) = one optimizer step over all of it, accumulated over
+        # micro-batches; no reuse.
+        per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro, num_generations=s["n"],
+        num_iterations=s["ppo_epochs"], steps_per_generation=batch // micro, shuffle_dataset=False,
         max_completion_length=s["max_new_tokens"], temperature=s["temperature"], top_p=s["top_p"], top_k=0,
         learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=s["weight_decay"],
         adam_beta1=s["adam_betas"][0], adam_beta2=s["adam_betas"][1], adam_epsilon=s["adam_eps"],
@@ -174,7 +181,7 @@ def main(argv=None) -> None:
         "side": "trl", "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                                     "torch": torch.__version__, "python": platform.python_version()},
         "settings": {**s, "device": args.device, "threads": args.threads, "model_path": path,
-                     "loss_type": "dapo", "batch_samples": batch},
+                     "loss_type": "dapo", "batch_samples": batch, "micro_batch": micro},
         "seconds_total": total,
         "heldout_accuracy_before": before, "heldout_accuracy_after": after,
         "timed_steps": len(timed),

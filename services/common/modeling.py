@@ -131,14 +131,28 @@ def pack_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]
 
 @torch.no_grad()
 def batched_logprobs(model, prompts, responses, *, pad_id: int, temperature: float = 1.0,
-                     token_budget: int = 16384) -> list[list[float]]:
-    """Log-probs of each response's tokens, computed in micro-batches packed by a token budget."""
+                     token_budget: int = 16384, fused: bool = False) -> list[list[float]]:
+    """Log-probs of each response's tokens, computed in micro-batches packed by a token budget.
+
+    `fused`: through the fused LM head (the model went through services.trainer.fused.enable_fused_head).
+    Every micro-batch is queued before the one device-to-host copy at the end.
+    """
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     out: list[list[float] | None] = [None] * len(prompts)
-    for group in pack_by_token_budget(lengths, token_budget):
-        logp, mask = response_logprobs(model, [prompts[i] for i in group], [responses[i] for i in group],
-                                       pad_id=pad_id, temperature=temperature)
-        logp = logp.cpu()
+    groups = pack_by_token_budget(lengths, token_budget)
+    results = []
+    for group in groups:
+        ps, rs = [prompts[i] for i in group], [responses[i] for i in group]
+        if fused:
+            from services.trainer.fused import fused_response_logprobs
+
+            logp = fused_response_logprobs(model, ps, rs, pad_id=pad_id, device=next(model.parameters()).device,
+                                           temperature=temperature)[0]
+        else:
+            logp = response_logprobs(model, ps, rs, pad_id=pad_id, temperature=temperature)[0]
+        results.append(logp)
+    for group, logp in zip(groups, results):
+        rows = logp.cpu().tolist()
         for row, i in enumerate(group):
-            out[i] = logp[row, :len(responses[i])].tolist()
+            out[i] = rows[row][:len(responses[i])]
     return out  # type: ignore[return-value]

@@ -23,6 +23,10 @@ class ReferenceConfig(PoolConfig):
     # Micro-batches are packed so that batch * longest sequence stays within this many tokens.
     micro_batch_token_budget: int = Field(16384, ge=1)
     max_batch_size: int = Field(4096, ge=1)
+    # Log-probs through the trainer's fused LM head (services/trainer/fused.py): the head runs at response
+    # positions only and a Triton row kernel takes the log-softmax, so no fp32 [tokens, vocab] logits exist.
+    # None = on for CUDA, off elsewhere (the plain path is then bit-identical to the trainer's ComputeLogProbs).
+    fused_logprobs: bool | None = None
 
 
 class ReferenceSettings(MeshSettings):
@@ -42,6 +46,11 @@ class ReferenceEngine:
         self.config = ref
         set_threads(m.num_threads)
         self.model = load_causal_lm(self.model_path, dtype=self.dtype, device=self.device)
+        self.fused = ref.fused_logprobs if ref.fused_logprobs is not None else str(self.device).startswith("cuda")
+        if self.fused:
+            from services.trainer.fused import enable_fused_head
+
+            enable_fused_head(self.model)
         self.pad_id = self.model.config.pad_token_id or 0
         self.vocab_size = self.model.config.vocab_size
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
@@ -52,14 +61,14 @@ class ReferenceEngine:
 
     def info(self) -> dict:
         return {"dtype": self.dtype, "device": self.device, "num_calls": self.num_calls, "micro_batch_token_budget":
-                self.config.micro_batch_token_budget, "max_model_len": self.max_len}
+                self.config.micro_batch_token_budget, "max_model_len": self.max_len, "fused_logprobs": self.fused}
 
     def logprobs_sync(self, prompts, responses, temperature: float = 1.0) -> list[list[float]]:
         validate_sequences(prompts, responses, vocab_size=self.vocab_size, max_len=self.max_len)
         if len(prompts) > self.config.max_batch_size:
             raise ValueError(f"sequences: {len(prompts)} exceed reference.max_batch_size={self.config.max_batch_size}")
         return batched_logprobs(self.model, prompts, responses, pad_id=self.pad_id, temperature=temperature,
-                                token_budget=self.config.micro_batch_token_budget)
+                                token_budget=self.config.micro_batch_token_budget, fused=self.fused)
 
     async def logprobs(self, prompts, responses, temperature: float = 1.0) -> list[list[float]]:
         self.num_calls += 1

@@ -18,6 +18,8 @@ class TrainSample:
     prompt_ids: list[int]
     response_ids: list[int]
     advantages: list[float]
+    # Empty in every sample of a batch that is one optimizer step (one epoch, one mini-batch): the update's
+    # own detached log-probs stand in (the ratio is exactly 1), which saves a forward pass over the batch.
     old_logprobs: list[float]
     # Required when kl_coef > 0.
     ref_logprobs: list[float] = field(default_factory=list)
@@ -110,6 +112,11 @@ def _check_schedule(ppo_epochs: int, mini_batch_size: int, num_samples: int, dp_
                          f"dp_size={dp_size} ranks ({num_samples} samples, mini_batch_size={mini_batch_size})")
 
 
+def is_on_policy(samples: Sequence[TrainSample]) -> bool:
+    """True when no sample carries old log-probs: the update uses its own, detached."""
+    return not any(s.old_logprobs for s in samples)
+
+
 def validate_actor_batch(samples: Sequence[TrainSample], loss: ActorLoss, *, vocab_size: int,
                          max_len: int | None, dp_size: int = 1) -> None:
     """Raises ValueError naming the field (and sample index) of the first bad input."""
@@ -134,10 +141,16 @@ def validate_actor_batch(samples: Sequence[TrainSample], loss: ActorLoss, *, voc
     if not (math.isfinite(loss.temperature) and loss.temperature > 0):
         raise ValueError(f"loss.temperature: must be > 0, got {loss.temperature}")
     _check_schedule(loss.ppo_epochs, loss.mini_batch_size, len(samples), dp_size, "loss")
+    on_policy = is_on_policy(samples)
+    if on_policy and (loss.ppo_epochs != 1 or len(list(mini_batches(len(samples), loss.mini_batch_size))) != 1):
+        raise ValueError(f"samples[*].old_logprobs: empty, which is allowed only for one optimizer step per batch "
+                         f"(ppo_epochs=1 and one mini-batch), got ppo_epochs={loss.ppo_epochs}, "
+                         f"mini_batch_size={loss.mini_batch_size} for {len(samples)} samples")
     for i, s in enumerate(samples):
         n = len(s.response_ids)
         _check_aligned(i, "advantages", s.advantages, n)
-        _check_aligned(i, "old_logprobs", s.old_logprobs, n)
+        if not on_policy:
+            _check_aligned(i, "old_logprobs", s.old_logprobs, n)
         if loss.kl_coef > 0:
             _check_aligned(i, "ref_logprobs", s.ref_logprobs, n)
 

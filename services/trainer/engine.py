@@ -32,7 +32,8 @@ from services.common.modeling import (load_causal_lm, pack_by_token_budget, pad_
 from services.common.weights import DEFAULT_BUCKET_BYTES, named_weights
 from services.trainer import checkpoint
 from services.trainer.batch import (ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample,
-                                    mini_batches, validate_actor_batch, validate_critic_batch, validate_dpo_batch)
+                                    is_on_policy, mini_batches, validate_actor_batch, validate_critic_batch,
+                                    validate_dpo_batch)
 from services.trainer.dpo import dpo_loss
 from services.trainer.fused import enable_fused_head, fused_response_logprobs, host_to_device, supports_fused_head
 from services.trainer.nvtx import phase
@@ -658,6 +659,7 @@ class TrainerEngine:
         # FSDP and DDP average gradients over DP ranks; scaling by dp turns that into the sum over the
         # mini-batch, whose normaliser (denom) already counts every rank's tokens. The fp16 loss scale rides along.
         scale = float(self.dims.dp) * self.actor.loss_scale
+        on_policy = is_on_policy(samples)
         if self.dims.pp > 1:
             stats = self._actor_pipeline(samples, idx, loss, use_kl, denom, scale)
         else:
@@ -671,7 +673,8 @@ class TrainerEngine:
                         logp, mask, entropy = self._train_logprobs(
                             [s.prompt_ids for s in rows], [s.response_ids for s in rows], loss.temperature)
                     ref = self._padded([s.ref_logprobs for s in rows], width) if use_kl else None
-                    total, st = actor_loss(logp, mask, entropy, self._padded([s.old_logprobs for s in rows], width),
+                    old = logp.detach() if on_policy else self._padded([s.old_logprobs for s in rows], width)
+                    total, st = actor_loss(logp, mask, entropy, old,
                                            self._padded([s.advantages for s in rows], width), ref, loss, denom)
                     weight = 1.0 if group else 0.0
                     (total * (weight * scale)).backward()
@@ -754,6 +757,7 @@ class TrainerEngine:
         pick = lambda attr: self._padded([getattr(samples[i], attr) if i is not None else [0.0] for i in rows],  # noqa
                                          width)
         # Everything the loss needs per token rides in one target tensor, split into micro-batches with the ids.
+        on_policy = is_on_policy(samples)
         target = torch.stack([positions.float(), targets.float(), mask.float(), pick("old_logprobs"),
                               pick("advantages"), pick("ref_logprobs") if use_kl else torch.zeros_like(mask.float())],
                              dim=-1)                                                            # [B, R, 6]
@@ -763,8 +767,8 @@ class TrainerEngine:
             pos, tok, m = tgt[..., 0].long(), tgt[..., 1].long(), tgt[..., 2] > 0
             at = torch.gather(logits, 1, pos.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
             logp, entropy = logprobs_from_logits(at, tok, m, loss.temperature)
-            total, st = actor_loss(logp, m, entropy, tgt[..., 3], tgt[..., 4], tgt[..., 5] if use_kl else None,
-                                   loss, denom)
+            old = logp.detach() if on_policy else tgt[..., 3]
+            total, st = actor_loss(logp, m, entropy, old, tgt[..., 4], tgt[..., 5] if use_kl else None, loss, denom)
             calls.append(st)
             return total * scale
 

@@ -60,7 +60,8 @@ def replica_process(model_dir: str, device: str, tmp_path: Path):
     log = open(tmp_path / f"rollout-{port}.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "services.rollout", "--config", str(cfg), "--port", str(port)],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'protos'}"})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                [str(REPO), str(REPO / "protos"), os.environ.get("PYTHONPATH", "")])})
     address = f"127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180

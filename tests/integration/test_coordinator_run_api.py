@@ -116,7 +116,8 @@ def test_bad_config_fails_start_run_naming_the_key_before_any_service_is_called(
     ("gae", {"critic": {"lr": 1e-4}}),
 ])
 def test_each_algorithm_runs_three_steps_end_to_end(arith_model_path, tmp_path, estimator, extra):
-    config = base_config(arith_model_path, tmp_path, algorithm={"adv_estimator": estimator, "use_kl_loss": True},
+    config = base_config(arith_model_path, tmp_path, algorithm={"adv_estimator": estimator, "use_kl_loss": True,
+                                                                "logprob_parity_every": 1},
                          **extra)
 
     async def body(mesh, address):

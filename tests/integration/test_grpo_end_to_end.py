@@ -19,7 +19,7 @@ def _config(model_path: str, tmp_path) -> dict:
         "rollout": {"n": 4, "temperature": 1.0, "max_tokens": 6},
         "actor": {"lr": 1e-3},
         "reward": {"components": [{"name": "exact_match", "weight": 1.0}]},
-        "algorithm": {"adv_estimator": "grpo", "use_kl_loss": True, "kl_loss_coef": 0.01},
+        "algorithm": {"adv_estimator": "grpo", "use_kl_loss": True, "kl_loss_coef": 0.01, "logprob_parity_every": 1},
         "data": {"train_files": ["examples/arith/data/train.jsonl"], "rollout_batch_size": 4},
         "run": {"num_steps": 3, "run_dir": str(tmp_path)},
     }

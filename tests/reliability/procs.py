@@ -29,7 +29,7 @@ def run_config(model_path: str, run_dir: Path, **sections: dict) -> dict:
         "actor": {"lr": 1e-4},
         "reward": {},
         "reference": {},
-        "algorithm": {"adv_estimator": "grpo"},
+        "algorithm": {"adv_estimator": "grpo", "logprob_parity_every": 1},
         "data": {"train_files": [TRAIN], "heldout_files": [HELDOUT], "heldout_size": 4, "rollout_batch_size": 4},
         "run": {"num_steps": 4, "run_dir": str(run_dir), "refresh_interval_s": 0.2},
     }

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU benchmarks and tests, run on a GPU machine with torch + CUDA (the device image of docs: torch 2.11,
+# transformers 5.17, CuPy); each named part writes its log and JSON under $OUT.
+#
+#   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl
+#
+# Python packages the image lacks travel as wheels: .whl/ (meshrl's: pydantic, pydantic-settings, tenacity,
+# redis, grpcio-health-checking/-reflection, isal, ...) goes to /tmp/site for every part; .whl-trl/ (trl,
+# datasets, dill, multiprocess) to /tmp/site-trl for the TRL part only. Without them the image's own are used.
+# STEPS (meshrl / trl GRPO steps, default 12), WARMUP (left out of the medians, default 3); LIMIT_<PART> (seconds).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/meshrl-gpu}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+STEPS="${STEPS:-12}"
+WARMUP="${WARMUP:-3}"
+pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" "${@:2}"; }
+if compgen -G ".whl/*.whl" >/dev/null; then pipi /tmp/site .whl/*.whl || exit 1; fi
+if compgen -G ".whl-trl/*.whl" >/dev/null; then pipi /tmp/site-trl .whl-trl/*.whl || exit 1; fi
+export PYTHONPATH="$PWD:$PWD/protos:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+WORK=/tmp/meshrl-gpu-work
+mkdir -p "$WORK"
+
+part() {  # part NAME SECONDS CMD...: runs CMD with a time limit, output to $OUT/NAME.log; never stops the session
+  local name="$1" limit="$2"; shift 2
+  local override="LIMIT_${name^^}"
+  limit="${!override:-$limit}"
+  local t0=$SECONDS
+  echo "== $name ($(date +%H:%M:%S), limit ${limit}s)"
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0))s"
+  tail -n 6 "$OUT/$name.log"
+}
+
+for what in "$@"; do
+  case "$what" in
+    versions)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      python3 -c "import torch, transformers, grpc, google.protobuf as pb, pydantic; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__, 'pydantic', pydantic.__version__)"
+      ;;
+    gputests) part gputests 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu ;;
+    wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py -s ;;
+    reference) part reference 240 python3 bench/reference_gpu.py --out "$OUT/reference_gpu.json" ;;
+    wsipc) part wsipc 240 python3 bench/weight_sync.py --transport ipc --device cuda:0 --repeats 10 \
+             --out "$OUT/weight_sync.json" ;;
+    meshrl) part meshrl 560 python3 bench/e2e_grpo.py run --device cuda --shape qwen2.5-0.5b --steps "$STEPS" \
+              --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" --work-dir "$WORK" --out "$OUT/meshrl.json"
+            # the services' own logs, for a run that failed
+            tar czf "$OUT/meshrl-logs.tgz" -C "$WORK" --wildcards 'meshrl-*/logs' 'meshrl-*/runs' 2>/dev/null ;;
+    trl) PYTHONPATH="$PWD:/tmp/site-trl:/tmp/site" part trl 560 python3 bench/peers/trl_grpo.py --device cuda \
+           --shape qwen2.5-0.5b --steps "$STEPS" --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" \
+           --work-dir "$WORK" --out "$OUT/trl.json" ;;
+    *) echo "gpu_session.sh: unknown part $what" >&2; exit 2 ;;
+  esac
+done
