@@ -64,9 +64,13 @@ class RolloutConfig(PoolConfig):
     # engine "openai": ask for token ids with vLLM's return_token_ids / return_tokens_as_token_ids
     # (turn off for servers that reject unknown fields; the local tokenizer then maps tokens to ids).
     request_token_ids: bool = True
-    # engine "vllm": share of accelerator memory (on CPU: of RAM) vLLM takes for weights + KV cache;
-    # None = 0.9 on GPUs, 0.1 on CPU (where VLLM_CPU_KVCACHE_SPACE, in GiB, sets the KV cache instead).
+    # engine "vllm": share of accelerator memory vLLM takes for weights + KV cache; None = 0.9. On CPU it is
+    # the share of RAM given to the KV cache alone (None = 0.1), passed to vLLM as an explicit size: vLLM's own
+    # CPU reading subtracts the worker's resident memory from the share, which fails on small hosts.
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    # engine "vllm": KV cache size in GiB; overrides gpu_memory_utilization's share for the cache (on CPU the
+    # environment variable VLLM_CPU_KVCACHE_SPACE, in GiB, overrides both).
+    kv_cache_gib: float | None = Field(None, gt=0)
     # engine "vllm": more vllm.AsyncEngineArgs ({tensor_parallel_size: 2, enforce_eager: false, ...}); they
     # override the ones meshrl sets.
     vllm_engine_args: dict[str, Any] = Field(default_factory=dict)

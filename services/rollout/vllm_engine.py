@@ -46,7 +46,7 @@ from services.rollout.engine import (GenerateBatch, PromptResult, RolloutEngine,
 log = logging.getLogger("meshrl.rollout.vllm")
 
 EXTENSION = "services.rollout.vllm_engine.WeightSwapExtension"
-CPU_MEMORY_UTILIZATION = 0.1    # on CPU vLLM reserves this share of RAM for weights + KV cache
+CPU_MEMORY_UTILIZATION = 0.1    # on CPU the KV cache takes this share of RAM
 GPU_MEMORY_UTILIZATION = 0.9
 
 
@@ -363,6 +363,26 @@ def hf_reference(path: str, dtype: str) -> dict[str, torch.Tensor]:
     return dict(named_weights(model))
 
 
+def _kv_cache_bytes(r, on_cpu: bool) -> int | None:
+    """The explicit KV cache size handed to vLLM, or None to let it size the cache from its memory share.
+
+    On CPU vLLM sizes the cache as share x node RAM minus the worker's resident memory, which goes negative
+    on a small host (a 9 GiB node, share 0.05, a 0.8 GiB worker: "requested memory for kv (-0.28 GiB)"), so
+    there the share is turned into a size up front."""
+    if r.kv_cache_gib is not None:
+        return int(r.kv_cache_gib * 2**30)
+    if not on_cpu:
+        return None
+    share = r.gpu_memory_utilization or CPU_MEMORY_UTILIZATION
+    try:  # vLLM checks the size against the NUMA node its worker binds to, which can hold less than the host
+        from vllm.utils.cpu_resource_utils import get_memory_node_info
+        total = get_memory_node_info(0).total_memory
+    except Exception:  # noqa: BLE001 - moved in another vLLM version: the host's RAM
+        import psutil  # a vLLM dependency
+        total = psutil.virtual_memory().total
+    return int(share * total)
+
+
 class VLLMEngine(RolloutEngine):
     """Generates with vLLM; the same requests, results and checks as the torch engine, no gRPC here."""
 
@@ -415,6 +435,9 @@ class VLLMEngine(RolloutEngine):
                     # starts a worker process); on CPU eager mode starts in seconds and needs no C compiler
                     distributed_executor_backend="uni", enforce_eager=on_cpu, disable_log_stats=True,
                     skip_tokenizer_init=self.tokenizer is None)
+        kv_bytes = _kv_cache_bytes(r, on_cpu)
+        if kv_bytes is not None:
+            args["kv_cache_memory_bytes"] = kv_bytes
         args.update(r.vllm_engine_args)
         if args.get("tensor_parallel_size", 1) * args.get("pipeline_parallel_size", 1) > 1 \
                 and "distributed_executor_backend" not in r.vllm_engine_args:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from services.rollout.engine import RolloutSettings, build_engine
-from services.rollout.vllm_engine import _SwapGate, prompt_seed
+from services.rollout.vllm_engine import _kv_cache_bytes, _SwapGate, prompt_seed
 
 
 def test_engine_vllm_without_vllm_installed_fails_at_start_naming_the_key(monkeypatch):
@@ -22,6 +22,19 @@ def test_vllm_config_keys_are_validated():
         RolloutSettings(rollout={"engine": "vllm", "gpu_memory_utilization": 1.5})
     r = RolloutSettings(rollout={"engine": "vllm", "vllm_engine_args": {"enforce_eager": False}}).rollout
     assert r.vllm_engine_args == {"enforce_eager": False} and r.gpu_memory_utilization is None
+    with pytest.raises(ValueError, match="kv_cache_gib"):
+        RolloutSettings(rollout={"engine": "vllm", "kv_cache_gib": 0})
+
+
+def test_cpu_kv_cache_is_an_explicit_size_never_share_minus_resident_memory():
+    # vLLM's own CPU sizing is share x RAM - worker RSS, negative for a small share on a small host (CI once).
+    small = RolloutSettings(rollout={"engine": "vllm", "gpu_memory_utilization": 0.01}).rollout
+    assert _kv_cache_bytes(small, on_cpu=True) > 0
+    default = RolloutSettings(rollout={"engine": "vllm"}).rollout
+    assert _kv_cache_bytes(default, on_cpu=True) == pytest.approx(10 * _kv_cache_bytes(small, on_cpu=True), rel=1e-6)
+    assert _kv_cache_bytes(default, on_cpu=False) is None                  # on GPUs vLLM's share stands
+    sized = RolloutSettings(rollout={"engine": "vllm", "kv_cache_gib": 0.5}).rollout
+    assert _kv_cache_bytes(sized, on_cpu=False) == _kv_cache_bytes(sized, on_cpu=True) == 2**29
 
 
 def test_prompt_seed_depends_on_the_seed_and_the_prompt_only():
