@@ -378,8 +378,7 @@ def _kv_cache_bytes(r, on_cpu: bool) -> int | None:
         from vllm.utils.cpu_resource_utils import get_memory_node_info
         total = get_memory_node_info(0).total_memory
     except Exception:  # noqa: BLE001 - moved in another vLLM version: the host's RAM
-        import psutil  # a vLLM dependency
-        total = psutil.virtual_memory().total
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(share * total)
 
 
