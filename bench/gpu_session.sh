@@ -2,7 +2,7 @@
 # The GPU benchmarks and tests, run on a GPU machine with torch + CUDA (the device image of docs: torch 2.11,
 # transformers 5.17, CuPy); each named part writes its log and JSON under $OUT.
 #
-#   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl
+#   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
 #
 # Python packages the image lacks travel as wheels: .whl/ (meshrl's: pydantic, pydantic-settings, tenacity,
 # redis, grpcio-health-checking/-reflection, isal, ...) goes to /tmp/site for every part; .whl-trl/ (trl,
@@ -52,6 +52,8 @@ for what in "$@"; do
     trl) PYTHONPATH="$PWD:/tmp/site-trl:/tmp/site" part trl 560 python3 bench/peers/trl_grpo.py --device cuda \
            --shape qwen2.5-0.5b --steps "$STEPS" --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" \
            --work-dir "$WORK" --out "$OUT/trl.json" ;;
+    bundle)  # the device tool brings back at most 8 files: the logs travel as one archive
+      (cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log meshrl-logs.tgz 2>/dev/null)) ;;
     *) echo "gpu_session.sh: unknown part $what" >&2; exit 2 ;;
   esac
 done

@@ -1,7 +1,8 @@
 """Reference log-prob throughput on a GPU: ReferenceEngine vs a plain transformers forward, same run.
 
 Qwen2.5-0.5B-shaped random-init bf16 model; 64 sequences of 256 prompt + 256 response tokens.
-`PYTHONPATH=.:protos python bench/reference_gpu.py --out bench/results/reference_gpu.json`
+`PYTHONPATH=.:protos python bench/reference_gpu.py`: the result goes under the key "reference_gpu" of --out
+(bench/results/reward_reference.json, whose CPU keys bench/reward_reference.py writes); other keys stay.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import transformers
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default="bench/results/reference_gpu.json")
+    p.add_argument("--out", default="bench/results/reward_reference.json")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--response", type=int, default=256)
@@ -69,14 +70,21 @@ def main() -> None:
     got = torch.tensor(engine.logprobs_sync(prompts, responses))
     want = plain().cpu()
     result = {"benchmark": "reference_logprobs_gpu", "device": torch.cuda.get_device_name(),
+              "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "model": "Qwen2.5-0.5B-shaped random init, bf16", "batch": a.batch, "prompt_tokens": a.prompt,
               "response_tokens": a.response,
               "plain_forward": {"seconds": t_plain, "tokens_per_s": tokens / t_plain},
               "reference_engine": {"seconds": t_engine, "tokens_per_s": tokens / t_engine},
               "engine_vs_plain": t_plain / t_engine,
               "max_abs_logprob_diff_vs_plain": float((got - want).abs().max())}
+    try:
+        with open(a.out) as f:
+            merged = json.load(f)
+    except (OSError, ValueError):
+        merged = {}
+    merged["reference_gpu"] = result
     with open(a.out, "w") as f:
-        json.dump(result, f, indent=2)
+        f.write(json.dumps(merged, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

@@ -268,8 +268,13 @@ def main() -> None:
         results["reward_model"] = bench_model(rm_dir, items, args.batch_size)
         results["embedding"] = bench_embedding(items, args.batch_size)
         results["reference"] = bench_reference(lm_dir)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():  # the GPU numbers bench/reference_gpu.py put there stay
+        gpu = json.loads(out.read_text()).get("reference_gpu")
+        if gpu:
+            results["reference_gpu"] = gpu
+    out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 
