@@ -86,7 +86,10 @@ def test_dpo_loss_and_rewards_equal_a_hand_computation_from_the_policy_sums(mode
 
 
 def test_one_dpo_step_equals_a_hand_written_adamw_step_on_the_plain_model(model_path):
-    e = engine(model_path, lr=1e-3, grad_clip=0.5)
+    # Adam's first step is lr * g / (|g| + eps): with the default eps 1e-8, a gradient of rounding-noise size
+    # (~1e-9: k_proj.bias, whose exact gradient is 0) turns an fp32 summation-order difference into an update
+    # difference of ~1e-6. eps 1e-5 keeps the noise out and every real gradient in Adam's normal regime.
+    e = engine(model_path, lr=1e-3, grad_clip=0.5, eps=1e-5)
     model = copy.deepcopy(e.actor.module)
     pairs = random_pairs(4, seed=1)
     e.train_dpo(pairs, DPOLoss(beta=0.3))
@@ -97,7 +100,7 @@ def test_one_dpo_step_equals_a_hand_written_adamw_step_on_the_plain_model(model_
         logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(response).unsqueeze(1)).sum()
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, eps=1e-5)
     losses = []
     for p in pairs:
         h = (seq_logp(p.prompt_ids, p.chosen_ids) - p.ref_chosen_logprob) - \
