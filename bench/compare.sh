@@ -26,7 +26,7 @@ done
 ROUNDS="${ROUNDS:-3}"
 EXTRA="${EXTRA:-0}"
 STEPS="${STEPS:-}"
-OUT="${OUT:-bench/results/vs_trl_${DEVICE}.json}"
+OUT="${OUT:-bench/results/vs_trl_$([ "$DEVICE" = cuda ] && echo gpu || echo "$DEVICE").json}"
 # torch for the TRL venv: the local CPU wheel; on a GPU machine pass the CUDA build the meshrl venv uses.
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false
