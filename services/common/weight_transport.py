@@ -33,8 +33,11 @@ except ImportError:         # pragma: no cover - depends on the environment
 from services.common.codec import dtype_from_name, tensor_bytes
 from services.common.weights import Manifest, PayloadAssembler, build_manifest
 
-# WeightBucket field tags: manifest = 1 (bytes), data = 2 (bytes), crc32 = 3 (varint), device = 4 (bytes).
+# WeightBucket field tags: manifest = 1 (bytes), data = 2 (bytes), crc32 = 3 (varint), device = 4 (bytes),
+# commit = 5 (varint).
 _TAG_DATA, _TAG_CRC = 0x12, 0x18
+# The last message of every update stream: WeightBucket(commit=True).
+COMMIT_MESSAGE = bytes([0x28, 0x01])
 
 
 def _varint(n: int) -> bytes:
@@ -74,6 +77,7 @@ class DataBucket:
 
     data: memoryview
     crc32: int
+    commit = False
 
     def HasField(self, name: str) -> bool:  # noqa: N802 - quacks like the WeightBucket it stands for
         return False
@@ -163,10 +167,11 @@ class HostPayload:
         return await asyncio.wrap_future(self._crcs[i])
 
     async def messages(self, manifest_message: bytes):
-        """Wire bytes of the whole stream: the serialized manifest message, then every bucket."""
+        """Wire bytes of the whole stream: the serialized manifest message, every bucket, the commit."""
         yield manifest_message
         for i, parts in enumerate(self.buckets):
             yield encode_bucket(parts, await self.crc(i))
+        yield COMMIT_MESSAGE
 
     def close(self) -> None:
         if self._pool is not None:

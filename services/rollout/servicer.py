@@ -69,23 +69,36 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return common_pb2.WeightGroupResponse(group_id=request.group_id, device_uuid=uuid)
 
 
-async def _buckets(request_iterator) -> AsyncIterator[tuple[bytes, int]]:
-    i = 0
+async def _until_commit(request_iterator):
+    """(message number, message) of every bucket message; returns at the sender's commit message and raises
+    when the stream ends without one (a sender that died, even after its last byte) or goes on after it."""
+    i, committed = 1, False
     async for msg in request_iterator:
         i += 1
+        if committed:
+            raise ValueError(f"UpdateWeights: message {i} follows the commit message")
+        if msg.commit:
+            if msg.HasField("manifest") or msg.HasField("device") or len(msg.data):
+                raise ValueError(f"UpdateWeights: message {i}: the commit message carries nothing else")
+            committed = True
+            continue
         if msg.HasField("manifest"):
             raise ValueError(f"UpdateWeights: message {i} carries a second manifest")
+        yield i, msg
+    if not committed:
+        raise ValueError("UpdateWeights: the stream ended without its commit message (the sender stopped "
+                         "before committing); nothing was applied")
+
+
+async def _buckets(request_iterator) -> AsyncIterator[tuple[bytes, int]]:
+    async for i, msg in _until_commit(request_iterator):
         if msg.HasField("device"):
             raise ValueError(f"UpdateWeights: message {i} is a device bucket in a grpc update")
         yield msg.data, msg.crc32
 
 
 async def _device_buckets(request_iterator) -> AsyncIterator[DeviceBucketSpec]:
-    i = 0
-    async for msg in request_iterator:
-        i += 1
-        if msg.HasField("manifest"):
-            raise ValueError(f"UpdateWeights: message {i} carries a second manifest")
+    async for i, msg in _until_commit(request_iterator):
         if not msg.HasField("device"):
             raise ValueError(f"UpdateWeights: message {i} of a device update carries no device bucket")
         d = msg.device

@@ -13,10 +13,11 @@ from services.rollout.convert import manifest_to_pb
 
 def weight_messages(state: Mapping[str, torch.Tensor], version: int,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[common_pb2.WeightBucket]:
-    """The WeightBucket messages of one update: manifest first, then the payload slices in order."""
+    """The WeightBucket messages of one update: manifest first, the payload slices in order, the commit."""
     yield common_pb2.WeightBucket(manifest=manifest_to_pb(build_manifest(state, version)))
     for data, crc in iter_buckets(state, bucket_bytes):
         yield common_pb2.WeightBucket(data=data, crc32=crc)
+    yield common_pb2.WeightBucket(commit=True)
 
 
 async def _aiter(messages: Iterator[common_pb2.WeightBucket]) -> AsyncIterator[common_pb2.WeightBucket]:

@@ -230,6 +230,7 @@ class IpcSender(_RpcSender):
         for (offset, nbytes, _), checksum, handle in zip(plan.buckets, sums, self._handles):
             yield common_pb2.WeightBucket(device=common_pb2.DeviceBucket(offset=offset, nbytes=nbytes,
                                                                          checksum=checksum, ipc=handle))
+        yield _COMMIT
 
     async def _push_one(self, target: str, plan: DevicePlan, sums: list[int]) -> PushOutcome:
         t0 = time.perf_counter()
@@ -251,6 +252,9 @@ class IpcSender(_RpcSender):
 
     def close(self) -> None:
         self._buffers, self._handles, self._signature = [], [], None
+
+
+_COMMIT = common_pb2.WeightBucket(commit=True)
 
 
 async def _aiter(items):
@@ -386,9 +390,9 @@ class NcclSender(_RpcSender):
 
         async def stream(q):
             yield manifest
-            for _ in plan.buckets:
+            for _ in range(len(plan.buckets) + 1):      # every bucket, then the commit once all broadcasts ended
                 item = await q.get()
-                if item is None:          # the broadcast failed: end the stream short, the replica rejects it
+                if item is None:          # the broadcast failed: end the stream uncommitted, the replica rejects it
                     return
                 yield item
 
@@ -413,6 +417,8 @@ class NcclSender(_RpcSender):
                 q.put_nowait(None)
             outcomes = await asyncio.gather(*calls)
             return [o if not o.ok else PushOutcome(o.target, False, f"nccl: {e}", o.seconds) for o in outcomes]
+        for q in queues:
+            q.put_nowait(_COMMIT)
         return list(await asyncio.gather(*calls))
 
     async def push(self, state, version, targets, *, bucket_bytes=DEVICE_BUCKET_BYTES) -> list[PushOutcome]:

@@ -185,6 +185,30 @@ def test_a_stream_without_a_manifest_is_rejected(model_dir):
     assert now[0] == 0
 
 
+def test_an_update_is_applied_only_after_its_commit_message(model_dir):
+    # Every byte and a clean half-close, but no commit: refused (a sender that died after its last byte
+    # looks the same to the server). A message after the commit is refused too. The whole stream lands.
+    async def main():
+        async with serving(model_dir) as (stub, engine):
+            old = await _old_state(stub)
+            msgs = list(weight_messages(random_state_like(engine.model, seed=10), version=5, bucket_bytes=4096))
+            assert msgs[-1].commit and not msgs[-2].commit
+            errors = []
+            for stream in (msgs[:-1], msgs + [msgs[-2]]):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.UpdateWeights(iter(stream))
+                errors.append(err.value)
+            kept = await _old_state(stub)
+            reply = await stub.UpdateWeights(iter(msgs))
+            return old, errors, kept, reply.weight_version
+
+    old, errors, kept, version = asyncio.run(main())
+    assert [e.code() for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 2
+    assert "without its commit message" in errors[0].details()
+    assert "follows the commit message" in errors[1].details()
+    assert kept == old and version == 5
+
+
 def test_a_client_that_disconnects_mid_stream_leaves_the_old_weights_and_the_server_usable(model_dir):
     async def main():
         async with serving(model_dir) as (stub, engine):

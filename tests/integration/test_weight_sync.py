@@ -26,7 +26,7 @@ import torch
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common.channel import create_channel
 from services.common.config import load_config
-from services.common.weight_transport import DataBucket, HostPayload, decode_bucket, encode_bucket
+from services.common.weight_transport import COMMIT_MESSAGE, DataBucket, HostPayload, decode_bucket, encode_bucket
 from services.common.weights import iter_buckets
 from services.trainer import convert
 from services.trainer.batch import ActorLoss
@@ -218,6 +218,7 @@ def test_a_corrupted_bucket_from_the_trainers_codec_is_rejected_and_a_clean_retr
                     yield manifest.SerializeToString()
                     for parts, crc in zip(payload.buckets, crcs):
                         yield encode_bucket(parts, crc)
+                    yield COMMIT_MESSAGE
 
                 before = await served(targets[0], samples)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -253,6 +254,10 @@ def test_the_bucket_codec_agrees_with_protobuf_and_the_payload_with_iter_buckets
     assert decode_bucket(manifest.SerializeToString()).HasField("manifest")
     device = common_pb2.WeightBucket(device=common_pb2.DeviceBucket(offset=0, nbytes=4, checksum=9))
     assert decode_bucket(device.SerializeToString()).device.checksum == 9
+    assert COMMIT_MESSAGE == common_pb2.WeightBucket(commit=True).SerializeToString()
+    commit = decode_bucket(COMMIT_MESSAGE)
+    assert commit.commit and not commit.HasField("manifest") and not commit.data
+    assert not decode_bucket(encode_bucket([memoryview(b"xy")], 5)).commit
     with pytest.raises(Exception):
         decode_bucket(b"\x12\xff\xff\xff\xff\x0f")         # a data field longer than the message
 
@@ -272,7 +277,8 @@ def test_a_grpc_update_with_a_device_bucket_or_a_short_payload_is_invalid_argume
                 errors = []
                 for tail in ([common_pb2.WeightBucket(device=common_pb2.DeviceBucket(offset=0, nbytes=4))],
                              [common_pb2.WeightBucket(data=bytes(payload.buckets[0][0]),
-                                                      crc32=zlib.crc32(payload.buckets[0][0]))]):
+                                                      crc32=zlib.crc32(payload.buckets[0][0])),
+                              common_pb2.WeightBucket(commit=True)]):
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await stub.UpdateWeights(iter([manifest, *tail]))
                     errors.append((err.value.code(), err.value.details()))

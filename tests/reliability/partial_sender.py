@@ -1,6 +1,6 @@
 """`python -m tests.reliability.partial_sender ADDRESS MODEL FRACTION`: streams other weights to a rollout
-replica and SIGKILLs itself after FRACTION of the payload (1.0: every byte, but the stream never ends;
-"complete": a normal, whole update)."""
+replica and SIGKILLs itself after FRACTION of the payload (1.0: every byte, but neither the commit message
+nor the end of the stream; "complete": a normal, whole update)."""
 
 import os
 import signal
@@ -26,7 +26,7 @@ def perturbed_state(model_path: str) -> dict[str, torch.Tensor]:
 
 def main(address: str, model_path: str, fraction: str) -> None:
     messages = list(weight_messages(perturbed_state(model_path), VERSION, bucket_bytes=64 * 1024))
-    manifest, buckets = messages[0], messages[1:]
+    manifest, buckets = messages[0], messages[1:-1]           # messages[-1]: the commit
     if fraction == "complete":
         with grpc.insecure_channel(address) as channel:
             reply = rollout_pb2_grpc.RolloutStub(channel).UpdateWeights(iter(messages), timeout=60)

@@ -113,16 +113,18 @@ class DeviceBucket(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ..., ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("manifest", "data", "crc32", "device")
+    __slots__ = ("manifest", "data", "crc32", "device", "commit")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     manifest: WeightManifest
     data: bytes
     crc32: int
     device: DeviceBucket
-    def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., device: _Optional[_Union[DeviceBucket, _Mapping]] = ...) -> None: ...
+    commit: bool
+    def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., device: _Optional[_Union[DeviceBucket, _Mapping]] = ..., commit: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("weight_version", "num_bytes", "seconds")
