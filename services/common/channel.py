@@ -146,6 +146,11 @@ def create_channel(address: str, *, token: str | None = None, timeout: float | N
         ("grpc.enable_retries", 1),
         ("grpc.service_config", service_config(max_attempts=max_attempts)),
         ("grpc.keepalive_time_ms", 30_000),
+        # Each channel keeps its own connections: a new channel to a service that just restarted (a resumed
+        # run's trainer) connects at once instead of inheriting another channel's failed, backing-off one.
+        ("grpc.use_local_subchannel_pool", 1),
+        # A restarted service is reconnected to within seconds (gRPC's default backoff grows to 120 s).
+        ("grpc.max_reconnect_backoff_ms", 5_000),
     ]
     interceptors = [kind(token, timeout) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
     tls = tls or _process_tls

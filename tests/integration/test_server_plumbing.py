@@ -128,3 +128,28 @@ def test_stop_flips_health_to_not_serving_and_lets_in_flight_calls_finish():
 def test_oversized_message_limit_is_raised_above_grpc_default(n):
     cfg = ServerConfig()
     assert cfg.max_message_bytes > 4 * 1024 * 1024
+
+
+def test_a_new_channel_reaches_a_service_that_just_came_up_on_a_port_that_failed_before():
+    # gRPC shares connections between channels by default, so a new channel inherited another's failed,
+    # backing-off connection and failed fast (a resumed run could not reach its restarted trainer).
+    import socket
+
+    async def main():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        async with create_channel(f"127.0.0.1:{port}", max_attempts=1) as early:
+            for _ in range(3):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await health_pb2_grpc.HealthStub(early).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            mesh, _ = await create_server([(reward_pb2_grpc.add_RewardServicer_to_server, FaultyReward())], [SERVICE],
+                                          address=f"127.0.0.1:{port}", config=ServerConfig())
+            try:
+                async with create_channel(f"127.0.0.1:{port}", max_attempts=1) as fresh:
+                    reply = await health_pb2_grpc.HealthStub(fresh).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            finally:
+                await mesh.stop(0)
+        return reply.status
+
+    assert asyncio.run(main()) == health_pb2.HealthCheckResponse.SERVING
