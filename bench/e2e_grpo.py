@@ -424,7 +424,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="one meshrl run through the mesh")
-    r.add_argument("--shape", default="arith", help="arith (the demo model) or qwen2.5-0.5b (random, for GPUs)")
+    r.add_argument("--shape", default="arith", help="arith (the demo model), qwen2.5-0.5b (random, for GPUs) or tiny-256 "
+                   "(the GPU variant's payloads with a tiny random model: mesh overhead on a CPU)")
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     r.add_argument("--steps", type=int)
     r.add_argument("--warmup-steps", type=int, help="steps left out of the timing medians")

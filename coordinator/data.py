@@ -109,11 +109,17 @@ class PromptStream:
         self.seed = seed
         self.shuffle = shuffle
         self.position = position
+        self._orders: dict[int, list[int]] = {}
 
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.problems)))
-        if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        """The epoch's permutation, computed once (a batch takes from at most two epochs; older ones go)."""
+        order = self._orders.get(epoch)
+        if order is None:
+            order = list(range(len(self.problems)))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = order
         return order
 
     def take(self, count: int) -> list[Problem]:

@@ -38,11 +38,20 @@ SHAPES = {
     # of its vocabulary), 64 prompts x 8 samples, 256 new tokens (a random model rarely samples eos).
     "qwen2.5-0.5b": dict(model="random:qwen2.5-0.5b", prompts_per_step=64, n=8, max_new_tokens=256, lr=1.0e-6,
                          dtype="bfloat16", steps=20, warmup_steps=3),
+    # The GPU variant's payloads (64 x 8 samples, 256 new tokens) with a tiny random model, so the mesh
+    # overhead of those message sizes can be measured and profiled on a CPU.
+    "tiny-256": dict(model="random:tiny-256", prompts_per_step=64, n=8, max_new_tokens=256, lr=1.0e-6,
+                     dtype="float32", steps=12, warmup_steps=3),
 }
 
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
                   max_position_embeddings=4096, rope_theta=1000000.0)
+# Random models by name (random:<name>); tiny-256 keeps the arith tokenizer's 44-token vocabulary.
+RANDOM_MODELS = {"qwen2.5-0.5b": QWEN25_05B,
+                 "tiny-256": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                  intermediate_size=128, vocab_size=44, tie_word_embeddings=True,
+                                  max_position_embeddings=512)}
 
 
 def settings(shape: str, **overrides) -> dict:
@@ -58,19 +67,20 @@ def model_path(s: dict, work_dir: Path) -> str:
     """The model folder of these settings; a random:... model is built once under work_dir."""
     if not s["model"].startswith("random:"):
         return str(REPO / s["model"])
-    path = work_dir / s["model"].split(":", 1)[1]
+    name = s["model"].split(":", 1)[1]
+    path = work_dir / name
     if not (path / "config.json").is_file():
-        make_random_model(path, dtype=s["dtype"])
+        make_random_model(path, dtype=s["dtype"], shape=RANDOM_MODELS[name])
     return str(path)
 
 
-def make_random_model(path: Path, *, dtype: str) -> None:
-    """Qwen2.5-0.5B-shaped random weights (seed 0) saved with the arith tokenizer files beside them."""
+def make_random_model(path: Path, *, dtype: str, shape: dict = QWEN25_05B) -> None:
+    """Random Qwen2 weights of `shape` (seed 0) saved with the arith tokenizer files beside them."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
-    cfg = Qwen2Config(**QWEN25_05B, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = Qwen2Config(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
     model.generation_config.eos_token_id = 2
@@ -80,7 +90,7 @@ def make_random_model(path: Path, *, dtype: str) -> None:
         if (ARITH_MODEL / name).is_file():
             shutil.copy(ARITH_MODEL / name, path / name)
     cfg_tok = json.loads((path / "tokenizer_config.json").read_text())
-    cfg_tok["model_max_length"] = QWEN25_05B["max_position_embeddings"]
+    cfg_tok["model_max_length"] = shape["max_position_embeddings"]
     (path / "tokenizer_config.json").write_text(json.dumps(cfg_tok, indent=2))
 
 
