@@ -29,6 +29,8 @@ STEPS="${STEPS:-}"
 OUT="${OUT:-bench/results/vs_trl_$([ "$DEVICE" = cuda ] && echo gpu || echo "$DEVICE").json}"
 # torch for the TRL venv: the local CPU wheel; on a GPU machine pass the CUDA build the meshrl venv uses.
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+# TRL pinned to the release the recorded results used (its defaults move between releases).
+TRL_SPEC="${TRL_SPEC:-trl==1.16.0}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false
 
 if [ ! -x .venv/bin/python ]; then
@@ -39,7 +41,7 @@ if [ ! -x "$TRL_VENV/bin/python" ] || ! "$TRL_VENV/bin/python" -c "import trl" 2
   python3 -m venv "$TRL_VENV"
   # torch first and pinned: an unpinned resolve would pull a CUDA build from PyPI.
   "$TRL_VENV/bin/pip" install -q "$TORCH_SPEC"
-  "$TRL_VENV/bin/pip" install -q trl "$TORCH_SPEC"
+  "$TRL_VENV/bin/pip" install -q "$TRL_SPEC" "$TORCH_SPEC"
 fi
 
 WORK="${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/meshrl-compare.XXXXXX")}"
