@@ -48,7 +48,7 @@ for what in "$@"; do
     meshrl) part meshrl 560 python3 bench/e2e_grpo.py run --device cuda --shape qwen2.5-0.5b --steps "$STEPS" \
               --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" --work-dir "$WORK" --out "$OUT/meshrl.json"
             # the services' own logs, for a run that failed
-            tar czf "$OUT/meshrl-logs.tgz" -C "$WORK" --wildcards 'meshrl-*/logs' 'meshrl-*/runs' 2>/dev/null ;;
+            (cd "$WORK" && tar czf "$OUT/meshrl-logs.tgz" meshrl-*/logs meshrl-*/runs/*/metrics.jsonl 2>/dev/null) ;;
     trl) PYTHONPATH="$PWD:/tmp/site-trl:/tmp/site" part trl 560 python3 bench/peers/trl_grpo.py --device cuda \
            --shape qwen2.5-0.5b --steps "$STEPS" --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" \
            --work-dir "$WORK" --out "$OUT/trl.json" ;;
