@@ -3,6 +3,7 @@
 # transformers 5.17, CuPy); each named part writes its log and JSON under $OUT.
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
+#   parts: versions gputests decodetests wstest decode mfu reference wsipc meshrl trl bundle
 #
 # Python packages the image lacks travel as wheels: .whl/ (meshrl's: pydantic, pydantic-settings, tenacity,
 # redis, grpcio-health-checking/-reflection, isal, ...) goes to /tmp/site for every part; .whl-trl/ (trl,
@@ -41,6 +42,13 @@ for what in "$@"; do
       python3 -c "import torch, transformers, grpc, google.protobuf as pb, pydantic; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__, 'pydantic', pydantic.__version__)"
       ;;
     gputests) part gputests 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu ;;
+    decodetests) part decodetests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_decode.py \
+                   tests/gpu/test_fused_logprobs.py ;;
+    decode) part decode 240 python3 bench/decode_step.py --out "$OUT/decode_step_gpu.json" ;;
+    mfu) part mfu 560 python3 bench/trainer_mfu.py --sizes "${MFU_SIZES:-0.5b,1.5b}" \
+           --variants "${MFU_VARIANTS:-plain,engine,engine_amp,engine_eager,engine_unfused}" --profile engine \
+           --trace-dir "$WORK" --out "$OUT/trainer_mfu.json"
+         gzip -c "$WORK"/trace_0.5b_engine.json > "$OUT/trace_0.5b_engine.json.gz" 2>/dev/null ;;
     wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py -s ;;
     reference) part reference 240 python3 bench/reference_gpu.py --out "$OUT/reference_gpu.json" ;;
     wsipc) part wsipc 240 python3 bench/weight_sync.py --transport ipc --device cuda:0 --repeats 10 \

@@ -145,7 +145,7 @@ def build_engine(path: str, dev: str, *, amp: bool, dtype: str, budget: int, ove
 
 
 def run_engine(path: str, samples, dev: str, warmup: int, steps: int, *, amp: bool, overrides: dict,
-               dtype: str, budget: int, parity: bool, profile: bool = False) -> dict:
+               dtype: str, budget: int, parity: bool, profile: bool = False, trace: str | None = None) -> dict:
     engine = build_engine(path, dev, amp=amp, dtype=dtype, budget=budget, overrides=overrides)
     extra = {"fused_logprobs": engine.fused_logprobs,
              "adamw": "fused" if engine.actor.optimizer.defaults.get("fused") else
@@ -160,7 +160,7 @@ def run_engine(path: str, samples, dev: str, warmup: int, steps: int, *, amp: bo
 
     times = time_steps(step, warmup, steps, dev)
     if profile:
-        extra["profile"] = profile_step(step, dev)
+        extra["profile"] = profile_step(step, dev, trace)
     engine.close()
     internal = [m["seconds"] for m in metrics[-steps:]]
     del engine
@@ -174,16 +174,20 @@ KERNEL_KINDS = (("lm_head_logprob_triton", ("_head_fwd", "_head_bwd")), ("flash_
                 ("embedding", ("embedding",)), ("reduce_norm", ("reduce", "norm")))
 
 
-def profile_step(step, dev: str) -> dict:
-    """Device time of one step by kernel kind (torch.profiler), against its wall time."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_step(step, dev: str, trace: str | None = None) -> dict:
+    """Device time of one step by kernel kind (torch.profiler), against its wall time; and the GPU's idle
+    gaps of the step (between kernels, and before the first) with the host code running in each."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     sync(dev)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         t0 = time.perf_counter()
-        step()
+        with record_function("bench_step"):
+            step()
         sync(dev)
         wall = time.perf_counter() - t0
+    if trace:
+        prof.export_chrome_trace(trace)
     kinds: dict[str, float] = {}
     top = []
     for item in prof.key_averages():
@@ -198,7 +202,51 @@ def profile_step(step, dev: str) -> dict:
     busy = sum(kinds.values())
     return {"wall_ms": round(wall * 1e3, 1), "gpu_busy_ms": round(busy, 1),
             "by_kind_ms": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-            "top_kernels": [{"ms": round(ms, 2), "calls": n, "name": k} for ms, n, k in top[:25]]}
+            "top_kernels": [{"ms": round(ms, 2), "calls": n, "name": k} for ms, n, k in top[:25]],
+            "idle": _safe(idle_gaps, prof)}
+
+
+def _safe(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - an analysis bug must not lose the measured step
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def idle_gaps(prof, min_us: float = 100.0) -> dict:
+    """GPU idle time of the profiled step: before the first kernel and between kernels (gaps over min_us),
+    each with the innermost host ops running at its middle and their Python frames in meshrl's code."""
+    evs = prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in evs if "CUDA" in str(e.device_type)
+                     and e.time_range.end > e.time_range.start)
+    cpu = [e for e in evs if "CPU" in str(e.device_type)]
+    step = next((e for e in cpu if e.name == "bench_step"), None)
+    if not kernels or step is None:
+        return {}
+
+    def host_at(t: float) -> dict:
+        cover = sorted((c for c in cpu if c.time_range.start <= t <= c.time_range.end and c is not step),
+                       key=lambda c: c.time_range.end - c.time_range.start)
+        frames = next((list(c.stack) for c in cover if getattr(c, "stack", None)), [])
+        return {"ops": [c.name[:60] for c in cover[:3]],
+                "frames": [f[:120] for f in frames if "/services/" in f or "/bench/" in f][:5]}
+
+    gaps = [{"at_ms": 0.0, "gap_ms": round((kernels[0][0] - step.time_range.start) / 1e3, 3),
+             **host_at((kernels[0][0] + step.time_range.start) / 2)}]
+    end = kernels[0][1]
+    small = [0.0, 0]                  # gaps up to min_us: their total and count
+    for s, e in kernels[1:]:
+        if 0 < s - end <= min_us:
+            small[0] += (s - end) / 1e3
+            small[1] += 1
+        elif s - end > min_us:
+            gaps.append({"at_ms": round((end - step.time_range.start) / 1e3, 3), "gap_ms": round((s - end) / 1e3, 3),
+                         **host_at((s + end) / 2)})
+        end = max(end, e)
+    total = sum(g["gap_ms"] for g in gaps)
+    gaps.sort(key=lambda g: -g["gap_ms"])
+    return {"total_ms": round(total + small[0], 2), "large_ms": round(total, 2), "large_count": len(gaps),
+            "small_ms": round(small[0], 2), "small_count": small[1], "min_gap_us": min_us, "largest": gaps[:15]}
 
 
 def head_parity(engine, samples, dev: str) -> dict:
@@ -277,7 +325,8 @@ def main(argv=None) -> None:
     parser.add_argument("--actor", type=json.loads, default={},
                         help='actor settings for every engine variant, under its own (JSON, e.g. \'{"fused_logprobs": true}\')')
     parser.add_argument("--profile", type=lambda v: v.split(","), default=[],
-                        help="variants to profile one extra step of (device time by kernel kind)")
+                        help="variants to profile one extra step of (device time by kernel kind, GPU idle gaps)")
+    parser.add_argument("--trace-dir", default=None, help="also write each profiled step's Chrome trace here")
     args = parser.parse_args(argv)
     dev = args.device
     sizes = ["tiny"] if args.tiny else args.sizes.split(",")
@@ -331,7 +380,9 @@ def main(argv=None) -> None:
                     else:
                         r = run_engine(str(path), samples, dev, args.warmup, args.steps, amp=amp, overrides={**args.actor, **overrides},
                                        dtype=dtype_name, budget=args.budget, parity=(name == "engine_eager"),
-                                       profile=name in args.profile)
+                                       profile=name in args.profile,
+                                       trace=(str(Path(args.trace_dir) / f"trace_{size}_{name}.json")
+                                              if args.trace_dir else None))
                 except Exception as e:  # noqa: BLE001 - an OOM in one variant must not lose the others
                     traceback.print_exc()
                     r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from services.rollout import decode_attention, fused_sample
 from services.rollout.engine import top_p_filter
 
 log = logging.getLogger("meshrl.rollout")
@@ -75,7 +76,7 @@ class _State:
     S: int
     k: list[torch.Tensor]                 # per layer [B, kv_heads, S, head_dim]
     v: list[torch.Tensor]
-    logits: torch.Tensor                  # [B, V] fp32: the logits the next step samples from
+    logits: torch.Tensor                  # [B, V] model dtype: the logits the next step samples from
     pos: torch.Tensor                     # [B] rope position of the token being fed
     slot: torch.Tensor                    # [1] cache slot of the token being fed (same for every row)
     step: torch.Tensor                    # [1] index of the token being sampled
@@ -89,6 +90,9 @@ class _State:
     stopped: torch.Tensor                 # [B] ended by eos
     done: torch.Tensor                    # [B]
     slots: torch.Tensor                   # [S] arange
+    seed: torch.Tensor                    # [1] Philox seed of the fused sampler, drawn per decode call
+    tok: torch.Tensor                     # [B] the token sampled this step
+    lp: torch.Tensor                      # [B] fp32 its raw log-prob
     graphs: dict = field(default_factory=dict)
 
 
@@ -96,7 +100,8 @@ class GraphDecoder:
     """Decodes batches of rows with a captured CUDA graph per step (or the same step eagerly: use_graphs=False)."""
 
     def __init__(self, model, *, pad_id: int, eos_ids: Sequence[int], max_batch_size: int, use_graphs: bool = True,
-                 compile: bool = True, sync_every: int = 16, max_states: int = 4):
+                 compile: bool = True, sync_every: int = 16, max_states: int = 4, fused_sampler: bool = True,
+                 triton_attention: bool = True):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"rollout.cuda_graphs: this model cannot be decoded with CUDA graphs ({reason})")
@@ -104,6 +109,8 @@ class GraphDecoder:
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
         self.use_graphs = use_graphs
+        device = next(model.parameters()).device
+        self.fused_sampler = fused_sampler and fused_sample.available(device)
         self.sync_every = max(1, sync_every)
         self.max_states = max_states
         cfg = model.config
@@ -112,6 +119,9 @@ class GraphDecoder:
         self.num_kv = cfg.num_key_value_heads
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
+        hd = self.head_dim
+        self.triton_attention = (triton_attention and decode_attention.available(device) and hd >= 16
+                                 and hd & (hd - 1) == 0)
         self.vocab_size = int(cfg.vocab_size)
         # The model module's own rotary helper (Llama and Qwen2 share the formula).
         self._apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
@@ -190,14 +200,15 @@ class GraphDecoder:
             B=B, S=S,
             k=[torch.zeros(shape, dtype=self.dtype, device=d) for _ in range(n_layers)],
             v=[torch.zeros(shape, dtype=self.dtype, device=d) for _ in range(n_layers)],
-            logits=torch.zeros((B, self.vocab_size), dtype=torch.float32, **kw),
+            logits=torch.zeros((B, self.vocab_size), dtype=self.dtype, **kw),
             pos=torch.zeros(B, dtype=torch.long, **kw), slot=torch.zeros(1, dtype=torch.long, **kw),
             step=torch.zeros(1, dtype=torch.long, **kw), pad=torch.zeros(B, dtype=torch.long, **kw),
             budget=torch.ones(B, dtype=torch.long, **kw), temperature=torch.ones(B, dtype=torch.float32, **kw),
             top_p=torch.ones(B, dtype=torch.float32, **kw), out_tok=torch.zeros((B, S), dtype=torch.long, **kw),
             out_lp=torch.zeros((B, S), dtype=torch.float32, **kw), length=torch.zeros(B, dtype=torch.long, **kw),
             stopped=torch.zeros(B, dtype=torch.bool, **kw), done=torch.zeros(B, dtype=torch.bool, **kw),
-            slots=torch.arange(S, **kw))
+            slots=torch.arange(S, **kw), seed=torch.zeros(1, dtype=torch.long, **kw),
+            tok=torch.zeros(B, dtype=torch.long, **kw), lp=torch.zeros(B, dtype=torch.float32, **kw))
         self._states[key] = st
         log.info("cuda graph decoder: cache bucket batch=%d len=%d (%.2f GiB KV)", B, S,
                  2 * n_layers * st.k[0].numel() * st.k[0].element_size() / 2**30)
@@ -251,7 +262,7 @@ class GraphDecoder:
         out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
         fan_t = torch.tensor(fan, dtype=torch.long, device=dev)
-        st.logits[:R].copy_(out.logits[:, -1, :].float().index_select(0, fan_t))
+        st.logits[:R].copy_(out.logits[:, -1, :].index_select(0, fan_t))
         st.logits[R:].zero_()
         for layer, (k, v) in enumerate(zip(st.k, st.v)):
             k[:R, :, :L].copy_(cache.layers[layer].keys.index_select(0, fan_t))
@@ -261,6 +272,7 @@ class GraphDecoder:
         st.pad.copy_(torch.where(torch.arange(st.B) < R, L - row_len, L))   # dummy rows see only their own slot
         st.slot.fill_(L)
         st.step.zero_()
+        st.seed.fill_(int(torch.randint(0, 2**62, (1,)).item()))
         pad_rows = st.B - R
         st.budget.copy_(torch.tensor(list(budgets) + [1] * pad_rows, dtype=torch.long))
         st.temperature.copy_(torch.tensor(list(temperatures) + [0.0] * pad_rows, dtype=torch.float32))
@@ -271,19 +283,11 @@ class GraphDecoder:
 
     def _step(self, st: _State, mode: str) -> None:
         """Samples token `step` from st.logits, records it, then feeds it through the model (graph-safe: no syncs)."""
-        logits = st.logits
-        if mode == "greedy":
-            tok = logits.argmax(-1)
+        if self.fused_sampler and mode != "top_p":
+            fused_sample.sample(st.logits, st.temperature, st.seed, st.step, st.tok, st.lp)
+            tok, lp = st.tok, st.lp
         else:
-            sampled = st.temperature > 0
-            scaled = logits / torch.where(sampled, st.temperature, 1.0).unsqueeze(-1)
-            if mode == "top_p":
-                probs = top_p_filter(torch.softmax(scaled, -1), st.top_p.unsqueeze(-1))
-                scaled = probs.log()                                  # -inf outside the nucleus
-            # Exponential race (Gumbel-max): argmax(log p - log E), E ~ Exp(1), draws exactly from p.
-            race = scaled - torch.empty_like(scaled).exponential_().log()
-            tok = torch.where(sampled, race.argmax(-1), logits.argmax(-1))
-        lp = logits.gather(1, tok.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)   # raw log-prob
+            tok, lp = self._torch_sample(st, mode)
         st.out_tok.index_copy_(1, st.step, tok.unsqueeze(-1))
         st.out_lp.index_copy_(1, st.step, lp.unsqueeze(-1))
         hit = (tok.unsqueeze(-1) == self._eos).any(-1)
@@ -296,20 +300,42 @@ class GraphDecoder:
         st.slot.add_(1)
         st.pos.add_(1)
 
+    @staticmethod
+    def _torch_sample(st: _State, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampler in torch ops (top-p, and without Triton): (token, raw log-prob) of each row."""
+        logits = st.logits.float()
+        if mode == "greedy":
+            tok = logits.argmax(-1)
+        else:
+            sampled = st.temperature > 0
+            scaled = logits / torch.where(sampled, st.temperature, 1.0).unsqueeze(-1)
+            if mode == "top_p":
+                probs = top_p_filter(torch.softmax(scaled, -1), st.top_p.unsqueeze(-1))
+                scaled = probs.log()                                  # -inf outside the nucleus
+            # Exponential race (Gumbel-max): argmax(log p - log E), E ~ Exp(1), draws exactly from p.
+            race = scaled - torch.empty_like(scaled).exponential_().log()
+            tok = torch.where(sampled, race.argmax(-1), logits.argmax(-1))
+        lp = logits.gather(1, tok.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)   # raw log-prob
+        return tok, lp
+
     def _forward(self, st: _State, tok: torch.Tensor) -> torch.Tensor:
-        """One token per row through the model against the static cache -> fp32 logits [B, V]."""
+        """One token per row through the model against the static cache -> logits [B, V] in the model's dtype."""
         m = self.model.model
         x = m.embed_tokens(tok.unsqueeze(-1))                                     # [B, 1, d]
         cos, sin = m.rotary_emb(x, st.pos.unsqueeze(-1))
-        valid = (st.slots >= st.pad.unsqueeze(-1)) & (st.slots <= st.slot)     # [B, S]
-        bias = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill_(~valid, float("-inf"))
-        bias = bias[:, None, None, :]                                           # [B, 1, 1, S]
+        if self.triton_attention:
+            bias = None                                                         # the kernel reads pad / slot
+        else:
+            valid = (st.slots >= st.pad.unsqueeze(-1)) & (st.slots <= st.slot)     # [B, S]
+            bias = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill_(~valid, float("-inf"))
+            bias = bias[:, None, None, :]                                           # [B, 1, 1, S]
         for i, layer in enumerate(m.layers):
-            x = self._layer_fn(layer, x, cos, sin, bias, st.k[i], st.v[i], st.slot)
+            x = self._layer_fn(layer, x, cos, sin, bias, st.k[i], st.v[i], st.slot, st.pad)
         x = m.norm(x)
-        return self.model.lm_head(x[:, 0]).float()
+        return self.model.lm_head(x[:, 0])
 
-    def _layer(self, layer, x, cos, sin, bias, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    def _layer(self, layer, x, cos, sin, bias, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
+               pad: torch.Tensor) -> torch.Tensor:
         """One decoder layer for one token per row; writes its k/v at `slot` of the layer's cache."""
         B, H, KV, hd = x.shape[0], self.num_heads, self.num_kv, self.head_dim
         a = layer.self_attn
@@ -320,9 +346,12 @@ class GraphDecoder:
         q, k = self._apply_rope(q, k, cos, sin)
         kc.index_copy_(2, slot, k)
         vc.index_copy_(2, slot, v)
-        # Grouped query heads against their kv head: [B, KV, G, hd] x [B, KV, hd, S].
-        scores = torch.matmul(q.reshape(B, KV, H // KV, hd), kc.transpose(-1, -2)).float()
-        probs = torch.softmax(scores * self.scaling + bias, dim=-1).to(x.dtype)
-        o = torch.matmul(probs, vc).reshape(B, 1, H * hd)
+        if bias is None:                                                         # slots [pad, slot] only
+            o = decode_attention.decode_attention(q[:, :, 0], kc, vc, pad, slot, self.scaling).reshape(B, 1, H * hd)
+        else:
+            # Grouped query heads against their kv head: [B, KV, G, hd] x [B, KV, hd, S].
+            scores = torch.matmul(q.reshape(B, KV, H // KV, hd), kc.transpose(-1, -2)).float()
+            probs = torch.softmax(scores * self.scaling + bias, dim=-1).to(x.dtype)
+            o = torch.matmul(probs, vc).reshape(B, 1, H * hd)
         x = x + a.o_proj(o)
         return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -79,6 +79,12 @@ class RolloutConfig(PoolConfig):
     cuda_graphs: bool = False
     # With cuda_graphs: torch.compile the decode step's layers first (fewer, fused kernels; compiles at first use).
     cuda_graph_compile: bool = True
+    # With cuda_graphs: sample (temperature / greedy, not top-p) with one fused Triton kernel per step
+    # (services/rollout/fused_sample.py) instead of torch ops over fp32 copies of the logits.
+    cuda_graph_fused_sampler: bool = True
+    # With cuda_graphs: attention over each row's filled cache slots only, in one Triton kernel per layer
+    # (services/rollout/decode_attention.py), instead of torch ops over the whole length bucket.
+    cuda_graph_triton_attention: bool = True
 
     @field_validator("stop")
     @classmethod
@@ -322,7 +328,9 @@ class TorchEngine(RolloutEngine):
                 raise ValueError(f"rollout.cuda_graphs: needs a CUDA device, model.device is {self.device!r}")
             from services.rollout.cuda_decode import GraphDecoder
             self._graph_decoder = GraphDecoder(self.model, pad_id=self.pad_id, eos_ids=sorted(self.eos_ids),
-                                               max_batch_size=r.max_batch_size, compile=r.cuda_graph_compile)
+                                               max_batch_size=r.max_batch_size, compile=r.cuda_graph_compile,
+                                               fused_sampler=r.cuda_graph_fused_sampler,
+                                               triton_attention=r.cuda_graph_triton_attention)
         log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer=%s",
                  self.model_path, self.device, self.dtype, self.max_model_len, r.max_batch_size,
                  "yes" if self.tokenizer is not None else "none")

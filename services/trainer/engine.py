@@ -353,6 +353,9 @@ class TrainerEngine:
         # First and last pipeline stages each hold a tied embedding; their gradients are summed.
         self.tied = tied_embedding(module, self.pp_mesh)
         self.tied_group = self._build_tied_group()
+        # The last optimizer step of a TrainActor call checks its gradient norm after the fact, with the
+        # call's stats (fused AdamW only; see _optimizer_step); False checks before stepping, as every other step.
+        self.defer_last_step = True
         self.critic: Trained | None = None
         if settings.critic is not None:
             self.critic = _build_trained("critic", self._load_value_model(settings.critic), self.mesh,
@@ -592,10 +595,38 @@ class TrainerEngine:
             out[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
         return host_to_device(out, self.device)
 
-    def _optimizer_step(self, trained: Trained) -> tuple[float, float, bool]:
-        """Clips, steps and schedules; a non-finite gradient norm skips the step (weights stay)."""
+    def _optimizer_step(self, trained: Trained, *, defer: bool = False) -> tuple[float | torch.Tensor, float, bool | None]:
+        """Clips, steps and schedules; a non-finite gradient norm skips the step (weights stay).
+
+        defer=True (the call's last step) with a fused AdamW and no loss scaler: nothing waits for the GPU.
+        The norm stays a device tensor, the fused kernel gets `found_inf` (non-finite norm) and leaves the
+        weights and its state alone when set; ok is None and `_finish_deferred` steps the scheduler (or
+        counts the skip) once the caller has read the norm with its other results, in one host sync."""
         with phase("optimizer"):
+            if defer and trained.scaler is None and trained.optimizer.defaults.get("fused"):
+                return self._deferred_step(trained)
             return self._step(trained)
+
+    def _deferred_step(self, trained: Trained) -> tuple[torch.Tensor, float, None]:
+        params = [p for p in trained.module.parameters() if p.requires_grad]
+        skip = self.tied if (self.tied is not None and self.pp_rank != 0) else None
+        norm = clip_grad_norm(params, trained.cfg.grad_clip, pp_group=self.pp_group, skip=skip, sync=False)
+        lr = trained.optimizer.param_groups[0]["lr"]
+        trained.optimizer.found_inf = (~torch.isfinite(norm)).float()
+        try:
+            trained.optimizer.step()
+        finally:
+            del trained.optimizer.found_inf
+        trained.optimizer.zero_grad(set_to_none=True)
+        return norm, lr, None
+
+    @staticmethod
+    def _finish_deferred(trained: Trained, norm: float) -> bool:
+        ok = math.isfinite(norm)
+        if ok:
+            trained.scheduler.step()
+            trained.step += 1
+        return ok
 
     def _step(self, trained: Trained) -> tuple[float, float, bool]:
         params = [p for p in trained.module.parameters() if p.requires_grad]
@@ -622,19 +653,34 @@ class TrainerEngine:
         # This rank's part, on the device; summed over ranks once at the end (every sum is linear).
         local = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
         norms, lrs, num_steps, num_mini, skipped = [], [], 0, 0, 0
+        batches = mini_batches(len(samples), loss.mini_batch_size)
+        pending = None
         for epoch in range(loss.ppo_epochs):
             order = self._order(len(samples), epoch, self.actor)
-            for mb in mini_batches(len(samples), loss.mini_batch_size):
+            for k, mb in enumerate(batches):
                 idx = [order[j] for j in mb]
                 with phase("forward_backward"):
                     local += self._actor_mini_batch(samples, idx, lengths, loss, use_kl)
-                norm, lr, ok = self._optimizer_step(self.actor)
-                norms.append(norm)
+                last = epoch == loss.ppo_epochs - 1 and k == len(batches) - 1
+                norm, lr, ok = self._optimizer_step(self.actor, defer=last and self.defer_last_step)
                 lrs.append(lr)
+                num_mini += 1
+                if ok is None:
+                    pending = norm
+                    continue
+                norms.append(norm)
                 num_steps += ok
                 skipped += not ok
-                num_mini += 1
-        summed = all_reduce_sum(all_reduce_sum(local.tolist(), group=self.pp_group), group=self.dp_group)
+        if pending is not None:
+            # The stats and the last step's norm in one read: the only wait for the GPU in this call.
+            *stats, norm = torch.cat([local, pending.to(local.dtype).reshape(1)]).tolist()
+            ok = self._finish_deferred(self.actor, norm)
+            norms.append(norm)
+            num_steps += ok
+            skipped += not ok
+        else:
+            stats = local.tolist()
+        summed = all_reduce_sum(all_reduce_sum(stats, group=self.pp_group), group=self.dp_group)
         totals = dict(zip(STAT_KEYS, summed))
         self.weight_version += 1
         seconds = time.perf_counter() - t0

@@ -100,13 +100,14 @@ def total_grad_norm(grads: Sequence[torch.Tensor], *, pp_group=None) -> torch.Te
 
 @torch.no_grad()
 def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float, *, pp_group=None,
-                   skip: nn.Parameter | None = None, grad_scale: float = 1.0) -> float:
+                   skip: nn.Parameter | None = None, grad_scale: float = 1.0, sync: bool = True) -> float | torch.Tensor:
     """Global L2 norm of the gradients, clipped to max_norm (0 = report only), as torch's clip_grad_norm_
     for any mix of DTensor (TP/FSDP shards) and plain gradients, summed over pipeline stages; `skip` is
     a second copy of a tied weight, counted once (and clipped like the rest). One host sync: the norm.
 
     `grad_scale` is a loss scale the gradients still carry: the norm is reported without it, and the
-    gradients are unscaled in the same multiply that clips them.
+    gradients are unscaled in the same multiply that clips them. With sync=False the norm is returned as a
+    0-d device tensor and nothing waits for the GPU.
     """
     with_grad = [p for p in params if p.grad is not None]
     grads = [p.grad for p in with_grad if p is not skip]
@@ -125,7 +126,7 @@ def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float, *, pp_group=
             by_device.setdefault(g.device, []).append(g)
         for dev, local in by_device.items():
             torch._foreach_mul_(local, coef.to(dev))
-    return float(total)
+    return float(total) if sync else total
 
 
 class DynamicLossScaler:

@@ -168,3 +168,61 @@ def test_weights_swapped_by_reference_are_recaptured(model_dir):
     a, b = flat(gen(eng, temperature=0, max_tokens=30)), flat(gen(eager, temperature=0, max_tokens=30))
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
     assert eng._graph_decoder.stats["graphs_captured"] > captured
+
+
+# ---- the Triton kernels of the decode step (services/rollout/fused_sample.py, decode_attention.py)
+
+
+def test_fused_sampler_draws_from_softmax_over_temperature_and_records_the_raw_logprob():
+    from services.rollout import fused_sample
+
+    n, V = 20000, 11
+    z = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 3.0, -5.0, 1.5, 2.5, 0.2, -0.3], device="cuda")
+    logits = z.to(torch.bfloat16).repeat(n, 1)
+    temp = torch.full((n,), 0.8, device="cuda")
+    temp[:100] = 0.0                                                     # greedy rows
+    seed, step = torch.tensor([7], device="cuda"), torch.tensor([0], device="cuda")
+    tok, lp = torch.empty(n, dtype=torch.long, device="cuda"), torch.empty(n, device="cuda")
+    fused_sample.sample(logits, temp, seed, step, tok, lp)
+    zf = logits[0].float()
+    assert (tok[:100] == zf.argmax()).all()
+    assert torch.allclose(lp, (zf - torch.logsumexp(zf, 0))[tok], atol=1e-6)
+    freq = torch.bincount(tok[100:], minlength=V).float() / (n - 100)
+    p = torch.softmax(zf / 0.8, 0)
+    assert (freq - p).abs().max() < 5 * (p * (1 - p) / (n - 100)).sqrt().max()
+    first = tok.clone()
+    step.add_(1)                                                         # the next step draws afresh
+    fused_sample.sample(logits, temp, seed, step, tok, lp)
+    assert (tok[100:] != first[100:]).float().mean() > 0.3
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_triton_decode_attention_matches_masked_softmax_attention(dtype, atol):
+    from services.rollout.decode_attention import decode_attention
+
+    torch.manual_seed(0)
+    B, H, KV, S, hd = 5, 14, 2, 320, 64
+    q = torch.randn(B, H, hd, device="cuda").to(dtype)
+    kc, vc = (torch.randn(B, KV, S, hd, device="cuda").to(dtype) for _ in range(2))
+    pad = torch.tensor([0, 3, 64, 130, 200], device="cuda")
+    slot = torch.tensor([200], device="cuda")
+    out = decode_attention(q, kc, vc, pad, slot, hd ** -0.5)
+    valid = (torch.arange(S, device="cuda") >= pad[:, None]) & (torch.arange(S, device="cuda") <= slot)
+    sc = torch.einsum("bkgd,bksd->bkgs", q.float().view(B, KV, H // KV, hd), kc.float()) * hd ** -0.5
+    ref = torch.einsum("bkgs,bksd->bkgd", sc.masked_fill(~valid[:, None, None], float("-inf")).softmax(-1),
+                       vc.float()).reshape(B, H, hd)
+    assert (out.float() - ref).abs().max() < atol
+
+
+@pytest.mark.parametrize("kernels", [dict(cuda_graph_fused_sampler=False, cuda_graph_triton_attention=False),
+                                     dict(cuda_graph_fused_sampler=True, cuda_graph_triton_attention=False)])
+def test_graph_decode_with_torch_kernels_gives_the_same_greedy_tokens(model_dir, graph_engine, kernels):
+    e = make_engine(model_dir, graphs=True, max_batch_size=16, **kernels)
+    dec = e._graph_decoder
+    assert dec.fused_sampler == kernels["cuda_graph_fused_sampler"] and not dec.triton_attention
+    assert graph_engine._graph_decoder.fused_sampler and graph_engine._graph_decoder.triton_attention
+    a = flat(gen(e, n=2, temperature=0, max_tokens=40))
+    b = flat(gen(graph_engine, n=2, temperature=0, max_tokens=40))
+    for x, y in zip(a, b):
+        assert x.response_ids == y.response_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
