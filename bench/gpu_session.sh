@@ -3,7 +3,7 @@
 # transformers 5.17, CuPy); each named part writes its log and JSON under $OUT.
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
-#   parts: versions gputests decodetests wstest decode mfu reference wsipc meshrl trl bundle
+#   parts: versions gputests decodetests wstest decode mfu reference wsipc spy meshrl trl bundle
 #
 # Python packages the image lacks travel as wheels: .whl/ (meshrl's: pydantic, pydantic-settings, tenacity,
 # redis, grpcio-health-checking/-reflection, isal, ...) goes to /tmp/site for every part; .whl-trl/ (trl,
@@ -57,11 +57,22 @@ for what in "$@"; do
               --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" --work-dir "$WORK" --out "$OUT/meshrl.json"
             # the services' own logs, for a run that failed
             (cd "$WORK" && tar czf "$OUT/meshrl-logs.tgz" meshrl-*/logs meshrl-*/runs/*/metrics.jsonl 2>/dev/null) ;;
+    spy)  # py-spy (from .whl-spy/) samples every meshrl service for SPY_SECONDS while a `meshrl` part runs
+          # (start this part right before it): flat profiles of where the mesh's host time goes.
+      if compgen -G ".whl-spy/*.whl" >/dev/null; then pipi /tmp/spy .whl-spy/*.whl; fi
+      ( sleep "${SPY_DELAY:-75}"; mkdir -p "$OUT/spy"
+        for pid in $(pgrep -f "bench.peers.mesh_timing|coordinator"); do
+          role=$(tr '\0' '\n' < /proc/$pid/environ 2>/dev/null | sed -n 's/^MESHRL_BENCH_ROLE=//p')
+          [ -n "$role" ] && /tmp/spy/bin/py-spy record --pid "$pid" --duration "${SPY_SECONDS:-20}" --rate "${SPY_RATE:-100}" \
+            --format raw --nonblocking -o "$OUT/spy/$role-$pid.txt" > "$OUT/spy/$role-$pid.log" 2>&1 &
+        done; wait ) &
+      ;;
     trl) PYTHONPATH="$PWD:/tmp/site-trl:/tmp/site" part trl 560 python3 bench/peers/trl_grpo.py --device cuda \
            --shape qwen2.5-0.5b --steps "$STEPS" --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" \
            --work-dir "$WORK" --out "$OUT/trl.json" ;;
     bundle)  # the device tool brings back at most 8 files: the logs travel as one archive
-      (cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log meshrl-logs.tgz 2>/dev/null)) ;;
+      wait
+      (cd "$OUT" && tar czf logs.tgz --remove-files $(ls -d *.log meshrl-logs.tgz spy 2>/dev/null)) ;;
     *) echo "gpu_session.sh: unknown part $what" >&2; exit 2 ;;
   esac
 done
