@@ -7,6 +7,9 @@ Variants of services/rollout/cuda_decode.GraphDecoder, all in one process on the
   torch            torch sampler (a dozen fp32 passes over [B, V]) and torch attention over the whole bucket
   fused_sampler    the one-pass Triton sampler (services/rollout/fused_sample.py), torch attention
   fused            the Triton sampler and the length-aware Triton attention (services/rollout/decode_attention.py)
+  fused_bn32, ...  the same with other attention tilings (slots per iteration, warps): for tuning
+
+Every variant uses the decoder's one-GEMM q/k/v projection.
 
 Per variant: seconds per decode call (median of --repeats after a first call that compiles and captures),
 ms per token step, tokens/s, and a torch.profiler breakdown of 16 replays of the captured step (device ms
@@ -33,11 +36,14 @@ import torch  # noqa: E402
 
 from rollout_gpu import EOS, PAD, QWEN25_05B, build_model  # noqa: E402
 from services.common.modeling import response_logprobs  # noqa: E402
+from services.rollout import decode_attention  # noqa: E402
 from services.rollout.cuda_decode import GraphDecoder  # noqa: E402
 
 VARIANTS = {"torch": dict(fused_sampler=False, triton_attention=False),
             "fused_sampler": dict(fused_sampler=True, triton_attention=False),
             "fused": dict(fused_sampler=True, triton_attention=True)}
+# Attention tilings tried beside the shipped one (decode_attention.BLOCK_N, NUM_WARPS): name -> (block, warps).
+ATTENTION_TILES = {"fused_bn32": (32, 4), "fused_bn128": (128, 4), "fused_bn64_w2": (64, 2), "fused_bn128_w8": (128, 8)}
 KINDS = (("sampler_triton", ("_sample_kernel",)), ("attention_triton", ("_decode_attn",)),
          ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "splitk")),
          ("compiled_elementwise", ("triton_",)), ("torch_elementwise_reduce", ("elementwise", "reduce", "softmax",
@@ -75,7 +81,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"of {', '.join([*VARIANTS, *ATTENTION_TILES])}")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "decode_step_gpu.json"))
     args = parser.parse_args(argv)
     dev = "cuda"
@@ -87,8 +94,11 @@ def main(argv=None) -> None:
     out = {"benchmark": "decode_step", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "python": platform.python_version(), "rows": R, "prompt_len": args.prompt_len, "new_tokens": T,
            "model": "Qwen2.5-0.5B-shaped, random init, bf16", "variants": {}}
+    shipped = (decode_attention.BLOCK_N, decode_attention.NUM_WARPS)
     for name in args.variants.split(","):
-        dec = GraphDecoder(model, pad_id=PAD, eos_ids=[EOS], max_batch_size=R, **VARIANTS[name])
+        decode_attention.BLOCK_N, decode_attention.NUM_WARPS = ATTENTION_TILES.get(name, shipped)
+        dec = GraphDecoder(model, pad_id=PAD, eos_ids=[EOS], max_batch_size=R,
+                           **VARIANTS.get(name, VARIANTS["fused"]))
 
         def call():
             torch.cuda.synchronize()
@@ -106,7 +116,7 @@ def main(argv=None) -> None:
         st = next(iter(dec._states.values()))
         graph = next(iter(st.graphs.values()))
         sec = statistics.median(times)
-        entry = {"first_call_s": round(first, 2), "times_s": [round(t, 4) for t in times], "seconds": round(sec, 4),
+        entry = {"attention_tile": [decode_attention.BLOCK_N, decode_attention.NUM_WARPS], "first_call_s": round(first, 2), "times_s": [round(t, 4) for t in times], "seconds": round(sec, 4),
                  "ms_per_step": round(sec / T * 1e3, 3), "tokens": tokens, "tokens_per_s": round(tokens / sec),
                  "active": {"fused_sampler": dec.fused_sampler, "triton_attention": dec.triton_attention},
                  "profile": kernel_breakdown(graph, 16)}

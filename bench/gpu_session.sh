@@ -44,7 +44,8 @@ for what in "$@"; do
     gputests) part gputests 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu ;;
     decodetests) part decodetests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_decode.py \
                    tests/gpu/test_fused_logprobs.py ;;
-    decode) part decode 240 python3 bench/decode_step.py --out "$OUT/decode_step_gpu.json" ;;
+    decode) part decode 240 python3 bench/decode_step.py ${DECODE_VARIANTS:+--variants "$DECODE_VARIANTS"} \
+              --out "$OUT/decode_step_gpu.json" ;;
     mfu) part mfu 560 python3 bench/trainer_mfu.py --sizes "${MFU_SIZES:-0.5b,1.5b}" \
            --variants "${MFU_VARIANTS:-plain,engine,engine_amp,engine_eager,engine_unfused}" --profile engine \
            --trace-dir "$WORK" --out "$OUT/trainer_mfu.json"

@@ -99,8 +99,11 @@ def response_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequen
     called under grad mode (the trainer), not otherwise (reference, rollout).
     """
     device = next(model.parameters()).device
-    input_ids, attention_mask, positions, mask, targets = pad_batch(prompts, responses, pad_id=pad_id, device=device)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, L, V]
+    input_ids, _, positions, mask, targets = pad_batch(prompts, responses, pad_id=pad_id, device=device)
+    # No attention mask: rows are right-padded, so under the causal mask no real token ever sees a pad and
+    # the real positions' logits are the same. Without one, SDPA runs its causal kernel and transformers
+    # skips building a [B, 1, L, L] mask (and its host sync checking the mask for padding).
+    logits = model(input_ids=input_ids, use_cache=False).logits                                # [B, L, V]
     idx = positions.unsqueeze(-1).expand(-1, -1, logits.size(-1))
     logits = torch.gather(logits, 1, idx).float()                                             # [B, R, V]
     if temperature and temperature != 1.0:

@@ -27,6 +27,9 @@ class ReferenceConfig(PoolConfig):
     # positions only and a Triton row kernel takes the log-softmax, so no fp32 [tokens, vocab] logits exist.
     # None = on for CUDA, off elsewhere (the plain path is then bit-identical to the trainer's ComputeLogProbs).
     fused_logprobs: bool | None = None
+    # torch.compile each decoder block (the trainer's regional compilation: one graph serves every block;
+    # compiles at the first calls). None = on for CUDA, off elsewhere.
+    compile: bool | None = None
 
 
 class ReferenceSettings(MeshSettings):
@@ -51,6 +54,11 @@ class ReferenceEngine:
             from services.trainer.fused import enable_fused_head
 
             enable_fused_head(self.model)
+        self.compiled = ref.compile if ref.compile is not None else str(self.device).startswith("cuda")
+        if self.compiled:
+            from services.trainer.parallelize import apply_compile
+
+            apply_compile(self.model, True)
         self.pad_id = self.model.config.pad_token_id or 0
         self.vocab_size = self.model.config.vocab_size
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
@@ -61,7 +69,8 @@ class ReferenceEngine:
 
     def info(self) -> dict:
         return {"dtype": self.dtype, "device": self.device, "num_calls": self.num_calls, "micro_batch_token_budget":
-                self.config.micro_batch_token_budget, "max_model_len": self.max_len, "fused_logprobs": self.fused}
+                self.config.micro_batch_token_budget, "max_model_len": self.max_len, "fused_logprobs": self.fused,
+                "compile": self.compiled}
 
     def logprobs_sync(self, prompts, responses, temperature: float = 1.0) -> list[list[float]]:
         validate_sequences(prompts, responses, vocab_size=self.vocab_size, max_len=self.max_len)

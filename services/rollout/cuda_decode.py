@@ -93,6 +93,7 @@ class _State:
     seed: torch.Tensor                    # [1] Philox seed of the fused sampler, drawn per decode call
     tok: torch.Tensor                     # [B] the token sampled this step
     lp: torch.Tensor                      # [B] fp32 its raw log-prob
+    sample_scratch: tuple                 # the fused sampler's per-chunk partials
     graphs: dict = field(default_factory=dict)
 
 
@@ -137,6 +138,10 @@ class GraphDecoder:
         # no inductor cudagraphs: _graph below captures the whole step. After the first change of bucket the
         # sizes are compiled dynamic.
         self._layer_fn = torch.compile(self._layer, fullgraph=True) if compile else self._layer
+        # q, k and v projections as one GEMM per layer (three small ones were ~10% of a step at batch 512):
+        # concatenated copies of the weights, refreshed from the model at every decode call (~50 MB at 0.5B),
+        # so weight updates of any kind are seen. Only where all three have a bias or none has.
+        self._qkv = self._qkv_buffers()
         self.stats = {"graphs_captured": 0, "replays": 0}
 
     # ---- public
@@ -157,6 +162,7 @@ class GraphDecoder:
             log.info("cuda graph decoder: parameters moved; capturing again")
             self.reset()
             self._param_ptrs = self._weights_signature()
+        self._refresh_qkv()
         uniq: dict[tuple[int, ...], int] = {}
         fan = [uniq.setdefault(tuple(q), len(uniq)) for q in prompts]
         L = max(len(q) for q in uniq)
@@ -176,6 +182,29 @@ class GraphDecoder:
         lengths, stopped = st.length[:R].tolist(), st.stopped[:R].tolist()
         tok, lp = st.out_tok[:R, :T].tolist(), st.out_lp[:R, :T].tolist()
         return ([t[:n] for t, n in zip(tok, lengths)], [x[:n] for x, n in zip(lp, lengths)], stopped)
+
+    def _qkv_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+        attn = [layer.self_attn for layer in self.model.model.layers]
+        has_bias = {p.bias is not None for a in attn for p in (a.q_proj, a.k_proj, a.v_proj)}
+        if len(has_bias) != 1:
+            return None
+        out = []
+        for a in attn:
+            w = torch.empty((sum(p.weight.shape[0] for p in (a.q_proj, a.k_proj, a.v_proj)), a.q_proj.weight.shape[1]),
+                            dtype=a.q_proj.weight.dtype, device=a.q_proj.weight.device)
+            b = torch.empty(w.shape[0], dtype=w.dtype, device=w.device) if a.q_proj.bias is not None else None
+            out.append((w, b))
+        return out
+
+    @torch.no_grad()
+    def _refresh_qkv(self) -> None:
+        if self._qkv is None:
+            return
+        for layer, (w, b) in zip(self.model.model.layers, self._qkv):
+            a = layer.self_attn
+            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=w)
+            if b is not None:
+                torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], out=b)
 
     def _weights_signature(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self.model.parameters()) + tuple(b.data_ptr() for b in self.model.buffers())
@@ -208,7 +237,8 @@ class GraphDecoder:
             out_lp=torch.zeros((B, S), dtype=torch.float32, **kw), length=torch.zeros(B, dtype=torch.long, **kw),
             stopped=torch.zeros(B, dtype=torch.bool, **kw), done=torch.zeros(B, dtype=torch.bool, **kw),
             slots=torch.arange(S, **kw), seed=torch.zeros(1, dtype=torch.long, **kw),
-            tok=torch.zeros(B, dtype=torch.long, **kw), lp=torch.zeros(B, dtype=torch.float32, **kw))
+            tok=torch.zeros(B, dtype=torch.long, **kw), lp=torch.zeros(B, dtype=torch.float32, **kw),
+            sample_scratch=fused_sample.make_scratch(B, d) if self.fused_sampler else ())
         self._states[key] = st
         log.info("cuda graph decoder: cache bucket batch=%d len=%d (%.2f GiB KV)", B, S,
                  2 * n_layers * st.k[0].numel() * st.k[0].element_size() / 2**30)
@@ -284,7 +314,7 @@ class GraphDecoder:
     def _step(self, st: _State, mode: str) -> None:
         """Samples token `step` from st.logits, records it, then feeds it through the model (graph-safe: no syncs)."""
         if self.fused_sampler and mode != "top_p":
-            fused_sample.sample(st.logits, st.temperature, st.seed, st.step, st.tok, st.lp)
+            fused_sample.sample(st.logits, st.temperature, st.seed, st.step, st.tok, st.lp, st.sample_scratch)
             tok, lp = st.tok, st.lp
         else:
             tok, lp = self._torch_sample(st, mode)
@@ -295,7 +325,7 @@ class GraphDecoder:
         st.length.copy_(torch.where(newly, st.step + 1, st.length))
         st.stopped.logical_or_(newly & hit)
         st.done.logical_or_(newly)
-        st.logits.copy_(self._forward(st, tok))
+        self._forward(st, tok)
         st.step.add_(1)
         st.slot.add_(1)
         st.pos.add_(1)
@@ -319,7 +349,7 @@ class GraphDecoder:
         return tok, lp
 
     def _forward(self, st: _State, tok: torch.Tensor) -> torch.Tensor:
-        """One token per row through the model against the static cache -> logits [B, V] in the model's dtype."""
+        """One token per row through the model against the static cache; its logits into st.logits."""
         m = self.model.model
         x = m.embed_tokens(tok.unsqueeze(-1))                                     # [B, 1, d]
         cos, sin = m.rotary_emb(x, st.pos.unsqueeze(-1))
@@ -330,19 +360,28 @@ class GraphDecoder:
             bias = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill_(~valid, float("-inf"))
             bias = bias[:, None, None, :]                                           # [B, 1, 1, S]
         for i, layer in enumerate(m.layers):
-            x = self._layer_fn(layer, x, cos, sin, bias, st.k[i], st.v[i], st.slot, st.pad)
-        x = m.norm(x)
-        return self.model.lm_head(x[:, 0])
+            wqkv, bqkv = self._qkv[i] if self._qkv is not None else (None, None)
+            x = self._layer_fn(layer, x, cos, sin, bias, st.k[i], st.v[i], st.slot, st.pad, wqkv, bqkv)
+        x = m.norm(x)[:, 0]
+        head = self.model.lm_head
+        if head.bias is None and x.dtype == st.logits.dtype:
+            torch.mm(x, head.weight.t(), out=st.logits)                           # no [B, V] temporary
+        else:
+            st.logits.copy_(head(x))
 
     def _layer(self, layer, x, cos, sin, bias, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
-               pad: torch.Tensor) -> torch.Tensor:
+               pad: torch.Tensor, wqkv: torch.Tensor | None = None, bqkv: torch.Tensor | None = None) -> torch.Tensor:
         """One decoder layer for one token per row; writes its k/v at `slot` of the layer's cache."""
         B, H, KV, hd = x.shape[0], self.num_heads, self.num_kv, self.head_dim
         a = layer.self_attn
         h = layer.input_layernorm(x)
-        q = a.q_proj(h).view(B, 1, H, hd).transpose(1, 2)                        # [B, H, 1, hd]
-        k = a.k_proj(h).view(B, 1, KV, hd).transpose(1, 2)
-        v = a.v_proj(h).view(B, 1, KV, hd).transpose(1, 2)
+        if wqkv is not None:
+            q, k, v = torch.nn.functional.linear(h, wqkv, bqkv).split([H * hd, KV * hd, KV * hd], dim=-1)
+        else:
+            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+        q = q.reshape(B, 1, H, hd).transpose(1, 2)                               # [B, H, 1, hd]
+        k = k.reshape(B, 1, KV, hd).transpose(1, 2)
+        v = v.reshape(B, 1, KV, hd).transpose(1, 2)
         q, k = self._apply_rope(q, k, cos, sin)
         kc.index_copy_(2, slot, k)
         vc.index_copy_(2, slot, v)

@@ -22,7 +22,8 @@ try:
 except ImportError:  # CPU-only installs: the decoder keeps its torch attention
     triton = None
 
-BLOCK_N = 64
+BLOCK_N = 64          # cache slots per loop iteration
+NUM_WARPS = 4
 
 
 def available(device: torch.device) -> bool:
@@ -83,7 +84,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, out, pad, slot, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        G=G, GP=max(16, triton.next_power_of_2(G)), HD=hd, BN=BLOCK_N, PREC=prec, num_warps=4)
+        G=G, GP=max(16, triton.next_power_of_2(G)), HD=hd, BN=BLOCK_N, PREC=prec, num_warps=NUM_WARPS)
     return out
 
 

@@ -1,19 +1,21 @@
-"""One-pass sampling from a row of logits on the GPU: the next token and its raw log-prob in one Triton kernel.
+"""One-pass sampling from rows of logits on the GPU: the next token and its raw log-prob, two Triton kernels.
 
 The CUDA-graph decoder (services/rollout/cuda_decode.py) samples every row of a [B, V] logits tensor per
 token. In torch that is a dozen passes over fp32 copies of the logits (cast, divide by the temperature,
 draw exponentials, log, subtract, two argmaxes, logsumexp; ~4 GB of traffic per step at B=512 and
-Qwen's 151,936 entries). Here each row is read once, in the logits' own dtype, and the kernel keeps:
+Qwen's 151,936 entries). Here the logits are read once, in their own dtype:
 
-  - the running max and sum of exp of the raw logits (online softmax) -> log-sum-exp -> the raw log-prob
-    of the chosen token, the value the eager loop records;
-  - the running best key and its index, key = z / T + G for sampled rows (G = -log(-log U), U uniform
-    from Philox: the Gumbel-max draw, exactly a draw from softmax(z / T)) and key = z for greedy rows
-    (temperature 0); among equal keys the lowest index wins, as torch.argmax.
+  part     SPLIT programs per row, each over a contiguous chunk of the vocabulary, keep per lane the running
+           max and sum of exp of the raw logits (online softmax) and the best key with its column: key =
+           z / T + G for sampled rows (G = -log(-log U), U uniform: the Gumbel-max draw, exactly a draw from
+           softmax(z / T)), key = z for greedy rows (temperature 0);
+  combine  one program per row merges its chunks: log-sum-exp, the token (the best key; among equal keys
+           the lowest column, as torch.argmax) and its raw log-prob z_tok - lse, the value the eager loop
+           records.
 
-Random numbers come from Triton's Philox with a per-call seed and a per-step counter held in device
-tensors, so a captured graph replays a fresh draw every step without host syncs. Top-p sampling stays
-on the torch path (a sort is not a one-pass job).
+Uniforms come from Triton's Philox (rand4x: one call gives 4 columns' worth) with a per-call seed and a
+per-step counter held in device tensors, so a captured graph replays a fresh draw every step without
+host syncs. Top-p sampling stays on the torch path (a sort is not a one-pass job).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ try:
 except ImportError:  # CPU-only installs: the decoder falls back to the torch sampler
     triton = None
 
-BLOCK = 2048
+BLOCK = 1024          # columns per loop iteration: four sub-blocks of 256 that share one Philox call
+SPLIT = 8             # programs per row: each takes a contiguous chunk of the vocabulary
 
 
 def available(device: torch.device) -> bool:
@@ -36,54 +39,113 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _sample_kernel(logits_ptr, stride, V, temp_ptr, seed_ptr, step_ptr, tok_ptr, lp_ptr, BLOCK: tl.constexpr):
+    def _update(m, s, best, best_idx, z, u, idx, sampled, inv_t):
+        """One sub-block into a lane's running (max, sum of exp) and (best key, its column)."""
+        m_new = tl.maximum(m, z)
+        live = m_new > -float("inf")
+        s = s * tl.where(live, tl.exp(m - m_new), 0.0) + tl.where(live, tl.exp(z - m_new), 0.0)
+        if sampled:
+            key = z * inv_t - tl.log(-tl.log(u))
+        else:
+            key = z
+        better = key > best
+        return m_new, s, tl.where(better, key, best), tl.where(better, idx, best_idx)
+
+    @triton.jit
+    def _sample_part_kernel(logits_ptr, stride, V, chunk, temp_ptr, seed_ptr, step_ptr, part_ptr, part_idx_ptr,
+                            BLOCK: tl.constexpr):
+        """Program (row, c): columns [c * chunk, (c + 1) * chunk) of the row -> its (max, sum, best key, column)."""
         row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
         rows = tl.num_programs(0).to(tl.int64)
+        nsplit = tl.num_programs(1)
         base = logits_ptr + row * stride
         t = tl.load(temp_ptr + row).to(tl.float32)
         sampled = t > 0
-        inv_t = tl.where(sampled, 1.0 / tl.where(sampled, t, 1.0), 1.0)
+        inv_t = 1.0 / tl.where(sampled, t, 1.0)
         seed = tl.load(seed_ptr)
-        # A distinct Philox counter for every (step, row, column).
-        counter0 = (tl.load(step_ptr) * rows + row) * V
-        offs = tl.arange(0, BLOCK)
-        m = tl.full([BLOCK], -float("inf"), tl.float32)
-        s = tl.zeros([BLOCK], tl.float32)
-        best = tl.full([BLOCK], -float("inf"), tl.float32)
-        best_idx = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, V, BLOCK):
-            idx = start + offs
-            valid = idx < V
-            z = tl.load(base + idx, mask=valid, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, z)
-            live = m_new > -float("inf")
-            s = s * tl.where(live, tl.exp(m - m_new), 0.0) + tl.where(live, tl.exp(z - m_new), 0.0)
-            m = m_new
+        # One Philox counter per 4 columns of every (step, row): rand4x gives the 4 uniforms.
+        groups = (V + 3) // 4
+        counter0 = (tl.load(step_ptr) * rows + row) * groups
+        Q: tl.constexpr = BLOCK // 4
+        offs = tl.arange(0, Q)
+        m = tl.full([Q], -float("inf"), tl.float32)
+        s = tl.zeros([Q], tl.float32)
+        best = tl.full([Q], -float("inf"), tl.float32)
+        best_idx = tl.zeros([Q], tl.int32)
+        lo = c * chunk
+        hi = tl.minimum(lo + chunk, V)
+        for start in range(lo, hi, BLOCK):
             if sampled:
-                u = tl.rand(seed, counter0 + idx.to(tl.int64))
-                key = z * inv_t - tl.log(-tl.log(u))
-            else:
-                key = z
-            better = key > best
-            best = tl.where(better, key, best)
-            best_idx = tl.where(better, idx, best_idx)
+                u0, u1, u2, u3 = tl.rand4x(seed, counter0 + (start // 4 + offs).to(tl.int64))
+            else:                                  # greedy rows never read them
+                u0 = tl.zeros([Q], tl.float32)
+                u1 = u0
+                u2 = u0
+                u3 = u0
+            i0 = start + offs
+            z0 = tl.load(base + i0, mask=i0 < hi, other=-float("inf")).to(tl.float32)
+            m, s, best, best_idx = _update(m, s, best, best_idx, z0, u0, i0, sampled, inv_t)
+            i1 = i0 + Q
+            z1 = tl.load(base + i1, mask=i1 < hi, other=-float("inf")).to(tl.float32)
+            m, s, best, best_idx = _update(m, s, best, best_idx, z1, u1, i1, sampled, inv_t)
+            i2 = i1 + Q
+            z2 = tl.load(base + i2, mask=i2 < hi, other=-float("inf")).to(tl.float32)
+            m, s, best, best_idx = _update(m, s, best, best_idx, z2, u2, i2, sampled, inv_t)
+            i3 = i2 + Q
+            z3 = tl.load(base + i3, mask=i3 < hi, other=-float("inf")).to(tl.float32)
+            m, s, best, best_idx = _update(m, s, best, best_idx, z3, u3, i3, sampled, inv_t)
         top = tl.max(best, 0)
-        tok = tl.min(tl.where(best == top, best_idx, V), 0)
-        tok = tl.minimum(tok, V - 1)           # a row of all -inf keys (cannot happen with finite logits)
+        # The lowest column among equal keys, as torch.argmax (masked lanes carry -inf and never win).
+        col = tl.min(tl.where(best == top, best_idx, V), 0)
         big = tl.max(m, 0)
         total = tl.sum(s * tl.where(m > -float("inf"), tl.exp(m - big), 0.0), 0)
-        zt = tl.load(base + tok).to(tl.float32)
+        out = (row * nsplit + c) * 3
+        tl.store(part_ptr + out, big)
+        tl.store(part_ptr + out + 1, total)
+        tl.store(part_ptr + out + 2, top)
+        tl.store(part_idx_ptr + row * nsplit + c, col)
+
+    @triton.jit
+    def _sample_combine_kernel(logits_ptr, stride, V, part_ptr, part_idx_ptr, tok_ptr, lp_ptr,
+                               SPLIT: tl.constexpr):
+        """Row: the chunks' partials -> log-sum-exp, the token (best key; the earliest chunk among equal ones)
+        and its raw log-prob."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, SPLIT)
+        part = part_ptr + (row * SPLIT + c) * 3
+        m = tl.load(part)
+        s = tl.load(part + 1)
+        key = tl.load(part + 2)
+        col = tl.load(part_idx_ptr + row * SPLIT + c)
+        big = tl.max(m, 0)
+        total = tl.sum(s * tl.where(m > -float("inf"), tl.exp(m - big), 0.0), 0)
+        top = tl.max(key, 0)
+        tok = tl.min(tl.where(key == top, col, V), 0)
+        tok = tl.minimum(tok, V - 1)           # a row of all -inf keys (cannot happen with finite logits)
+        zt = tl.load(logits_ptr + row * stride + tok).to(tl.float32)
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(lp_ptr + row, zt - (big + tl.log(total)))
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
-           tok: torch.Tensor, logprob: torch.Tensor) -> None:
+           tok: torch.Tensor, logprob: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Writes each row's next token (int64 [B]) and its raw log-prob (fp32 [B]) into `tok` and `logprob`.
 
     logits [B, V] (any float dtype, rows contiguous); temperature fp32 [B] (0 = greedy); seed and step int64 [1]
-    device tensors (read by the kernel, so a captured graph sees their current values). No host sync."""
+    device tensors (read by the kernel, so a captured graph sees their current values). `scratch`: the
+    per-chunk partials (fp32 [B, SPLIT, 3], int32 [B, SPLIT]) from `make_scratch`, allocated here when None
+    (pass them under graph capture). No host sync."""
     B, V = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
-    _sample_kernel[(B,)](logits, logits.stride(0), V, temperature, seed, step, tok, logprob, BLOCK=BLOCK,
-                         num_warps=8)
+    part, part_idx = scratch if scratch is not None else make_scratch(B, logits.device)
+    chunk = -(-triton.cdiv(V, SPLIT) // BLOCK) * BLOCK
+    _sample_part_kernel[(B, SPLIT)](logits, logits.stride(0), V, chunk, temperature, seed, step, part, part_idx,
+                                    BLOCK=BLOCK, num_warps=4)
+    _sample_combine_kernel[(B,)](logits, logits.stride(0), V, part, part_idx, tok, logprob, SPLIT=SPLIT,
+                                 num_warps=1)
+
+
+def make_scratch(B: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty((B, SPLIT, 3), dtype=torch.float32, device=device),
+            torch.empty((B, SPLIT), dtype=torch.int32, device=device))

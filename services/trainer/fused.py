@@ -277,7 +277,8 @@ def fused_response_logprobs(model: nn.Module, prompts, responses, *, pad_id: int
     itself) whose inner model went through enable_fused_head."""
     input_ids, attention_mask, src, dst, targets, mask = response_inputs(prompts, responses, pad_id=pad_id,
                                                                          device=device)
-    logp, ent = model(input_ids=input_ids, attention_mask=attention_mask, logprob_index=(src, targets),
+    # Right padding under the causal mask: no attention mask needed (see modeling.response_logprobs).
+    logp, ent = model(input_ids=input_ids, attention_mask=None, logprob_index=(src, targets),
                       temperature=temperature)
     B, R = mask.shape
     # index_copy: differentiable scatter of the N real tokens into [B * R] (padding stays 0).

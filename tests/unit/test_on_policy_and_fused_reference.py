@@ -103,3 +103,21 @@ def test_the_fused_reference_path_equals_the_plain_one(model_path):
                                                                                          temperature)
         assert [len(x) for x in a] == [len(x) for x in b] == [len(r) for r in responses]
         assert max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)) < 1e-5
+
+
+def test_the_compiled_reference_wraps_every_block_and_gives_the_same_logprobs(model_path, monkeypatch):
+    from services.reference.engine import ReferenceEngine, ReferenceSettings
+    from services.trainer import parallelize
+
+    # Inductor's C++ codegen takes minutes on a 2-core CPU: dynamo's graphs on the eager backend instead.
+    real = parallelize.apply_compile
+    monkeypatch.setattr(parallelize, "apply_compile", lambda model, enabled: real(model, enabled, backend="eager"))
+    plain = ReferenceEngine(load_config(ReferenceSettings, data={"model": {"path": model_path}}))
+    compiled = ReferenceEngine(load_config(ReferenceSettings, data={"model": {"path": model_path},
+                                                                    "reference": {"compile": True}}))
+    assert not plain.info()["compile"] and compiled.info()["compile"]
+    assert all(b._compiled_call_impl is not None for b in parallelize.transformer_blocks(compiled.model))
+    samples = random_samples(6, seed=5)
+    prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+    a, b = plain.logprobs_sync(prompts, responses), compiled.logprobs_sync(prompts, responses)
+    assert max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)) < 1e-5
