@@ -151,6 +151,10 @@ def step_overhead(m: dict, window: dict, records: list[dict]) -> dict:
                "reference": server("reference", "ComputeLogProbs", "handler_s"),
                "old_logprobs": server("trainer", "ComputeLogProbs", "handler_s"),
                "train": server("trainer", "TrainActor", "handler_s")}
+    convert = {"generate": server("rollout", "Generate", "convert_s"), "reward": server("reward", "Score", "convert_s"),
+               "reference": server("reference", "ComputeLogProbs", "convert_s"),
+               "old_logprobs": server("trainer", "ComputeLogProbs", "convert_s"),
+               "train": server("trainer", "TrainActor", "convert_s")}
     calls = {"generate": client("generate", "rollout"), "reward": client("score", "reward"),
              "reference": client("logprobs", "reference"), "old_logprobs": client("logprobs", "trainer"),
              "train": client("train_actor", "trainer")}
@@ -162,7 +166,8 @@ def step_overhead(m: dict, window: dict, records: list[dict]) -> dict:
     critical = (overhead["generate"] + max(phase[k] for k in concurrent) - max(compute[k] for k in concurrent)
                 + overhead["train"] + overhead["weight_sync"])
     return {
-        "phase_s": phase, "compute_s": compute, "handler_s": handler, "client_call_s": calls,
+        "phase_s": phase, "compute_s": compute, "handler_s": handler, "server_convert_s": convert,
+        "client_call_s": calls,
         "overhead_s": overhead,
         "overhead_sum_s": sum(overhead.values()),
         "overhead_critical_path_s": critical,

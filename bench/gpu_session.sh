@@ -57,7 +57,7 @@ for what in "$@"; do
     meshrl) part meshrl 560 python3 bench/e2e_grpo.py run --device cuda --shape qwen2.5-0.5b --steps "$STEPS" \
               --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" --work-dir "$WORK" --out "$OUT/meshrl.json"
             # the services' own logs, for a run that failed
-            (cd "$WORK" && tar czf "$OUT/meshrl-logs.tgz" meshrl-*/logs meshrl-*/runs/*/metrics.jsonl 2>/dev/null) ;;
+            (cd "$WORK" && tar czf "$OUT/meshrl-logs.tgz" meshrl-*/logs meshrl-*/runs/*/metrics.jsonl meshrl-*/timing 2>/dev/null) ;;
     spy)  # py-spy (from .whl-spy/) samples every meshrl service for SPY_SECONDS while a `meshrl` part runs
           # (start this part right before it): flat profiles of where the mesh's host time goes.
       if compgen -G ".whl-spy/*.whl" >/dev/null; then pipi /tmp/spy .whl-spy/*.whl; fi

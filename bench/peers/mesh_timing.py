@@ -5,8 +5,9 @@
 matters to the mesh-overhead estimate. Each finished call appends one JSON line to
 $MESHRL_BENCH_TIMING_DIR/<role>-<pid>.jsonl:
 
-- services: {"side": "server", "rpc", "start", "end", "handler_s", "compute_s"}: handler_s is the servicer
-  method (protobuf -> dataclasses -> engine -> protobuf), compute_s the engine work inside it;
+- services: {"side": "server", "rpc", "start", "end", "handler_s", "compute_s", "convert_s"}: handler_s is the
+  servicer method (protobuf -> dataclasses -> engine -> protobuf), compute_s the engine work inside it,
+  convert_s its protobuf <-> Python conversions;
 - coordinator: {"side": "client", "call", "target", "start", "end", "seconds"} per typed call of
   coordinator/remote.py (request built, RPC, response parsed), and {"side": "step", "step", "start", "end"}.
 
@@ -88,6 +89,12 @@ def _compute(owner, name: str, key: str = "compute_s") -> None:
     setattr(owner, name, timed)
 
 
+def _converts(module, *names: str) -> None:
+    """Times protobuf <-> Python conversions called by a handler (convert_s; part of handler_s - compute_s)."""
+    for name in names:
+        _compute(module, name, "convert_s")
+
+
 def instrument_rollout():
     from services.rollout import engine, servicer
 
@@ -97,6 +104,8 @@ def instrument_rollout():
     # (CRC, copy into the staging buffer) is transport.
     _compute(engine.TorchEngine, "_generate_jobs")
     _compute(engine, "swap_in")
+    from services.rollout import convert
+    _converts(convert, "request_from_pb", "results_to_pb")
     from services.rollout.__main__ import main
     return main
 
@@ -106,6 +115,8 @@ def instrument_reward():
 
     _handler(servicer.RewardServicer, "Score")
     _compute(engine.RewardEngine, "score")
+    from services.reward import convert
+    _converts(convert, "items_from_pb", "results_to_pb")
     from services.reward.__main__ import main
     return main
 
@@ -115,6 +126,8 @@ def instrument_reference():
 
     _handler(servicer.ReferenceServicer, "ComputeLogProbs")
     _compute(engine.ReferenceEngine, "logprobs")
+    from services.common import convert
+    _converts(convert, "sequences_from_pb", "logprobs_to_pb")
     from services.reference.__main__ import main
     return main
 
@@ -128,6 +141,10 @@ def instrument_trainer():
         _compute(engine.TrainerEngine, name)
     # PushWeights: gathering/casting the state is the trainer's work; the push to replicas is transport.
     _compute(engine.TrainerEngine, "state_for_sync")
+    from services.common import convert as common_convert
+    from services.trainer import convert
+    _converts(convert, "train_actor_from_pb", "train_response_to_pb")
+    _converts(common_convert, "sequences_from_pb", "logprobs_to_pb")
     from services.trainer.__main__ import main
     return main
 
