@@ -54,7 +54,7 @@ for what in "$@"; do
     reference) part reference 240 python3 bench/reference_gpu.py --out "$OUT/reference_gpu.json" ;;
     wsipc) part wsipc 240 python3 bench/weight_sync.py --transport ipc --device cuda:0 --repeats 10 \
              --out "$OUT/weight_sync.json" ;;
-    meshrl) part meshrl 560 python3 bench/e2e_grpo.py run --device cuda --shape qwen2.5-0.5b --steps "$STEPS" \
+    meshrl) TORCH_LOGS="${TORCH_LOGS:-recompiles}" part meshrl 560 python3 bench/e2e_grpo.py run --device cuda --shape qwen2.5-0.5b --steps "$STEPS" \
               --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" --work-dir "$WORK" --out "$OUT/meshrl.json"
             # the services' own logs, for a run that failed
             (cd "$WORK" && tar czf "$OUT/meshrl-logs.tgz" meshrl-*/logs meshrl-*/runs/*/metrics.jsonl meshrl-*/timing 2>/dev/null) ;;

@@ -78,7 +78,7 @@ async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sam
             raise RuntimeError(f"rollout returned {len(rr.samples)} samples for prompt {problem.id}, expected "
                                f"{sampling.n}")
         for s in rr.samples:
-            samples.append(Sample(problem, group, list(rr.prompt_ids), list(s.response_ids), list(s.logprobs),
+            samples.append(Sample(problem, group, rr.prompt_ids[:], s.response_ids[:], s.logprobs[:],
                                   s.text, s.finish_reason, s.weight_version))
     return samples
 
@@ -100,13 +100,13 @@ def logprobs_request(samples: Sequence[Sample], temperature: float = 1.0) -> com
 
 async def logprobs(stub, samples: Sequence[Sample], temperature: float = 1.0) -> list[list[float]]:
     response = await stub.ComputeLogProbs(logprobs_request(samples, temperature))
-    return [list(r.logprobs) for r in response.results]
+    return [r.logprobs[:] for r in response.results]
 
 
 async def values(stub, samples: Sequence[Sample]) -> list[list[float]]:
     request = trainer_pb2.ValuesRequest(sequences=logprobs_request(samples).sequences)
     response = await stub.ComputeValues(request)
-    return [list(r.values) for r in response.results]
+    return [r.values[:] for r in response.results]
 
 
 async def train_actor(stub, samples: Sequence[Sample], loss: dict) -> tuple[int, dict[str, float]]:

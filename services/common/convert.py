@@ -22,8 +22,8 @@ def sequences_from_pb(request: common_pb2.LogProbsRequest) -> SequenceBatch:
     if temperature < 0:
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
     return SequenceBatch(ids=[s.id for s in request.sequences],
-                         prompts=[list(s.prompt_ids) for s in request.sequences],
-                         responses=[list(s.response_ids) for s in request.sequences],
+                         prompts=[s.prompt_ids[:] for s in request.sequences],
+                         responses=[s.response_ids[:] for s in request.sequences],
                          temperature=temperature)
 
 
@@ -41,7 +41,7 @@ def logprobs_to_pb(ids: list[str], logprobs: list[list[float]], weight_version: 
 
 
 def logprobs_from_pb(response: common_pb2.LogProbsResponse) -> list[list[float]]:
-    return [list(r.logprobs) for r in response.results]
+    return [r.logprobs[:] for r in response.results]
 
 
 def info_to_pb(role: str, model: str, weight_version: int, details: dict) -> common_pb2.ServiceInfo:

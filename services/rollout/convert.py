@@ -27,7 +27,7 @@ def sampling_from_pb(pb: rollout_pb2.SamplingParams | None, defaults: RolloutCon
 
 def request_from_pb(request: rollout_pb2.GenerateRequest, defaults: RolloutConfig) -> GenerateBatch:
     sampling = request.sampling if request.HasField("sampling") else None
-    return GenerateBatch(prompts=[PromptInput(id=p.id, text=p.text, prompt_ids=list(p.prompt_ids))
+    return GenerateBatch(prompts=[PromptInput(id=p.id, text=p.text, prompt_ids=p.prompt_ids[:])
                                   for p in request.prompts],
                          sampling=sampling_from_pb(sampling, defaults))
 
@@ -56,8 +56,8 @@ def results_to_pb(results: list[PromptResult]) -> rollout_pb2.GenerateResponse:
 
 
 def results_from_pb(response: rollout_pb2.GenerateResponse) -> list[PromptResult]:
-    return [PromptResult(prompt_id=r.prompt_id, prompt_ids=list(r.prompt_ids),
-                         samples=[SampleResult(response_ids=list(s.response_ids), logprobs=list(s.logprobs),
+    return [PromptResult(prompt_id=r.prompt_id, prompt_ids=r.prompt_ids[:],
+                         samples=[SampleResult(response_ids=s.response_ids[:], logprobs=s.logprobs[:],
                                                text=s.text, finish_reason=s.finish_reason,
                                                weight_version=s.weight_version) for s in r.samples])
             for r in response.responses]

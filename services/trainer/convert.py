@@ -25,9 +25,9 @@ def actor_loss_to_pb(loss: ActorLoss) -> trainer_pb2.ActorLoss:
 
 
 def train_actor_from_pb(request: trainer_pb2.TrainActorRequest) -> tuple[list[TrainSample], ActorLoss]:
-    samples = [TrainSample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
-                           advantages=list(s.advantages), old_logprobs=list(s.old_logprobs),
-                           ref_logprobs=list(s.ref_logprobs)) for s in request.samples]
+    samples = [TrainSample(prompt_ids=s.prompt_ids[:], response_ids=s.response_ids[:],
+                           advantages=s.advantages[:], old_logprobs=s.old_logprobs[:],
+                           ref_logprobs=s.ref_logprobs[:]) for s in request.samples]
     return samples, actor_loss_from_pb(request.loss)
 
 
@@ -40,8 +40,8 @@ def train_actor_to_pb(samples: list[TrainSample], loss: ActorLoss) -> trainer_pb
 
 
 def train_critic_from_pb(request: trainer_pb2.TrainCriticRequest) -> tuple[list[CriticSample], CriticLoss]:
-    samples = [CriticSample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
-                            returns=list(s.returns), old_values=list(s.old_values)) for s in request.samples]
+    samples = [CriticSample(prompt_ids=s.prompt_ids[:], response_ids=s.response_ids[:],
+                            returns=s.returns[:], old_values=s.old_values[:]) for s in request.samples]
     return samples, CriticLoss(clip_value=request.clip_value, ppo_epochs=request.ppo_epochs or 1,
                                mini_batch_size=request.mini_batch_size)
 
@@ -62,8 +62,8 @@ def dpo_loss_from_pb(pb: trainer_pb2.DPOLoss) -> DPOLoss:
 
 
 def train_dpo_from_pb(request: trainer_pb2.TrainDPORequest) -> tuple[list[PreferencePair], DPOLoss]:
-    pairs = [PreferencePair(prompt_ids=list(p.prompt_ids), chosen_ids=list(p.chosen_ids),
-                            rejected_ids=list(p.rejected_ids), ref_chosen_logprob=p.ref_chosen_logprob,
+    pairs = [PreferencePair(prompt_ids=p.prompt_ids[:], chosen_ids=p.chosen_ids[:],
+                            rejected_ids=p.rejected_ids[:], ref_chosen_logprob=p.ref_chosen_logprob,
                             ref_rejected_logprob=p.ref_rejected_logprob) for p in request.pairs]
     return pairs, dpo_loss_from_pb(request.loss)
 
@@ -82,8 +82,8 @@ def train_response_to_pb(step: int, metrics: dict[str, float]) -> trainer_pb2.Tr
 
 
 def values_request_from_pb(request: trainer_pb2.ValuesRequest) -> tuple[list[str], list[list[int]], list[list[int]]]:
-    return ([s.id for s in request.sequences], [list(s.prompt_ids) for s in request.sequences],
-            [list(s.response_ids) for s in request.sequences])
+    return ([s.id for s in request.sequences], [s.prompt_ids[:] for s in request.sequences],
+            [s.response_ids[:] for s in request.sequences])
 
 
 def values_to_pb(ids: list[str], values: list[list[float]]) -> trainer_pb2.ValuesResponse:

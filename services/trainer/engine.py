@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
@@ -590,10 +591,10 @@ class TrainerEngine:
         return torch.randperm(n, generator=g).tolist()
 
     def _padded(self, rows: list[list[float]], width: int) -> torch.Tensor:
-        out = torch.zeros(len(rows), width, dtype=torch.float32)
+        out = np.zeros((len(rows), width), dtype=np.float32)
         for i, r in enumerate(rows):
-            out[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
-        return host_to_device(out, self.device)
+            out[i, :len(r)] = r
+        return host_to_device(torch.from_numpy(out), self.device)
 
     def _optimizer_step(self, trained: Trained, *, defer: bool = False) -> tuple[float | torch.Tensor, float, bool | None]:
         """Clips, steps and schedules; a non-finite gradient norm skips the step (weights stay).
