@@ -8,6 +8,9 @@ from typing import Sequence
 from meshrl.v1 import (common_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc,
                        trainer_pb2, trainer_pb2_grpc)
 from coordinator.data import Problem
+from services.common.convert import SequenceBatch, logprobs_from_pb, sequences_to_pb
+from services.rollout.convert import sample_arrays
+from services.trainer.convert import train_sample_to_pb
 
 
 @dataclass
@@ -68,7 +71,7 @@ def trainer_stub(channel):
 async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sampling: Sampling) -> list[Sample]:
     request = rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.Prompt(id=f"{p.id}@{g}", text=p.prompt) for p, g in zip(problems, groups)],
-        sampling=sampling.to_pb())
+        sampling=sampling.to_pb(), packed=True)
     response = await stub.Generate(request)
     if len(response.responses) != len(problems):
         raise RuntimeError(f"rollout returned {len(response.responses)} responses for {len(problems)} prompts")
@@ -77,9 +80,11 @@ async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sam
         if len(rr.samples) != sampling.n:
             raise RuntimeError(f"rollout returned {len(rr.samples)} samples for prompt {problem.id}, expected "
                                f"{sampling.n}")
+        prompt_ids = rr.prompt_ids[:]
         for s in rr.samples:
-            samples.append(Sample(problem, group, rr.prompt_ids[:], s.response_ids[:], s.logprobs[:],
-                                  s.text, s.finish_reason, s.weight_version))
+            response_ids, logprobs = sample_arrays(s)
+            samples.append(Sample(problem, group, prompt_ids, response_ids, logprobs, s.text, s.finish_reason,
+                                  s.weight_version))
     return samples
 
 
@@ -92,15 +97,17 @@ async def score(stub, samples: Sequence[Sample]) -> list[tuple[float, dict[str, 
     return [(r.score, dict(r.components)) for r in response.results]
 
 
-def logprobs_request(samples: Sequence[Sample], temperature: float = 1.0) -> common_pb2.LogProbsRequest:
-    return common_pb2.LogProbsRequest(
-        sequences=[common_pb2.TokenSequence(id=str(i), prompt_ids=s.prompt_ids, response_ids=s.response_ids)
-                   for i, s in enumerate(samples)], temperature=temperature)
+def logprobs_request(samples: Sequence[Sample], temperature: float = 1.0, *,
+                     packed: bool = False) -> common_pb2.LogProbsRequest:
+    return sequences_to_pb(SequenceBatch(ids=[str(i) for i in range(len(samples))],
+                                         prompts=[s.prompt_ids for s in samples],
+                                         responses=[s.response_ids for s in samples], temperature=temperature),
+                           packed=packed)
 
 
 async def logprobs(stub, samples: Sequence[Sample], temperature: float = 1.0) -> list[list[float]]:
-    response = await stub.ComputeLogProbs(logprobs_request(samples, temperature))
-    return [r.logprobs[:] for r in response.results]
+    response = await stub.ComputeLogProbs(logprobs_request(samples, temperature, packed=True))
+    return logprobs_from_pb(response)
 
 
 async def values(stub, samples: Sequence[Sample]) -> list[list[float]]:
@@ -110,11 +117,8 @@ async def values(stub, samples: Sequence[Sample]) -> list[list[float]]:
 
 
 async def train_actor(stub, samples: Sequence[Sample], loss: dict) -> tuple[int, dict[str, float]]:
-    request = trainer_pb2.TrainActorRequest(
-        samples=[trainer_pb2.TrainSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
-                                         advantages=s.advantages, old_logprobs=s.old_logprobs,
-                                         ref_logprobs=s.ref_logprobs) for s in samples],
-        loss=trainer_pb2.ActorLoss(**loss))
+    request = trainer_pb2.TrainActorRequest(samples=[train_sample_to_pb(s, packed=True) for s in samples],
+                                            loss=trainer_pb2.ActorLoss(**loss))
     response = await stub.TrainActor(request)
     return response.step, dict(response.metrics)
 

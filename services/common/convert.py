@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshrl.v1 import common_pb2
+from services.common.packed import F32, I32, field_of, pack_f32, pack_i32
 
 
 @dataclass
@@ -17,31 +18,49 @@ class SequenceBatch:
     temperature: float = 1.0
 
 
-def sequences_from_pb(request: common_pb2.LogProbsRequest) -> SequenceBatch:
+def sequences_from_pb(request: common_pb2.LogProbsRequest, *, as_lists: bool = False) -> SequenceBatch:
+    """Packed ids arrive as int32 arrays (what the torch paths take as they are); as_lists for engines that
+    want Python lists (vLLM)."""
     temperature = request.temperature if request.temperature else 1.0
     if temperature < 0:
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
-    return SequenceBatch(ids=[s.id for s in request.sequences],
-                         prompts=[s.prompt_ids[:] for s in request.sequences],
-                         responses=[s.response_ids[:] for s in request.sequences],
+    prompts, responses = [], []
+    for i, s in enumerate(request.sequences):
+        p = field_of(s, "prompt_ids", I32, f"sequences[{i}].")
+        r = field_of(s, "response_ids", I32, f"sequences[{i}].")
+        prompts.append(p.tolist() if as_lists and not isinstance(p, list) else p)
+        responses.append(r.tolist() if as_lists and not isinstance(r, list) else r)
+    return SequenceBatch(ids=[s.id for s in request.sequences], prompts=prompts, responses=responses,
                          temperature=temperature)
 
 
-def sequences_to_pb(batch: SequenceBatch) -> common_pb2.LogProbsRequest:
-    return common_pb2.LogProbsRequest(
-        sequences=[common_pb2.TokenSequence(id=i, prompt_ids=p, response_ids=r)
-                   for i, p, r in zip(batch.ids, batch.prompts, batch.responses)],
-        temperature=batch.temperature)
+def sequences_to_pb(batch: SequenceBatch, *, packed: bool = False) -> common_pb2.LogProbsRequest:
+    """packed: ids in the packed fields, and the answer asked for in packed form."""
+    if packed:
+        seqs = [common_pb2.TokenSequence(id=i, prompt_ids_packed=pack_i32(p), response_ids_packed=pack_i32(r))
+                for i, p, r in zip(batch.ids, batch.prompts, batch.responses)]
+    else:
+        seqs = [common_pb2.TokenSequence(id=i, prompt_ids=p, response_ids=r)
+                for i, p, r in zip(batch.ids, batch.prompts, batch.responses)]
+    return common_pb2.LogProbsRequest(sequences=seqs, temperature=batch.temperature, packed=packed)
 
 
-def logprobs_to_pb(ids: list[str], logprobs: list[list[float]], weight_version: int) -> common_pb2.LogProbsResponse:
-    return common_pb2.LogProbsResponse(
-        results=[common_pb2.TokenLogProbs(id=i, logprobs=lp) for i, lp in zip(ids, logprobs)],
-        weight_version=weight_version)
+def logprobs_to_pb(ids: list[str], logprobs: list[list[float]], weight_version: int, *,
+                   packed: bool = False) -> common_pb2.LogProbsResponse:
+    if packed:
+        results = [common_pb2.TokenLogProbs(id=i, logprobs_packed=pack_f32(lp)) for i, lp in zip(ids, logprobs)]
+    else:
+        results = [common_pb2.TokenLogProbs(id=i, logprobs=lp) for i, lp in zip(ids, logprobs)]
+    return common_pb2.LogProbsResponse(results=results, weight_version=weight_version)
 
 
 def logprobs_from_pb(response: common_pb2.LogProbsResponse) -> list[list[float]]:
-    return [r.logprobs[:] for r in response.results]
+    """Lists whichever form the results came in."""
+    out = []
+    for i, r in enumerate(response.results):
+        lp = field_of(r, "logprobs", F32, f"results[{i}].")
+        out.append(lp if isinstance(lp, list) else lp.tolist())
+    return out
 
 
 def info_to_pb(role: str, model: str, weight_version: int, details: dict) -> common_pb2.ServiceInfo:

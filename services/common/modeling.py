@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -63,9 +64,11 @@ def validate_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Seq
         if len(r) == 0:
             raise ValueError(f"{field}[{i}].response_ids: empty")
         for name, ids in (("prompt_ids", p), ("response_ids", r)):
-            bad = [t for t in ids if t < 0 or t >= vocab_size]
-            if bad:
-                raise ValueError(f"{field}[{i}].{name}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+            lo, hi = (int(ids.min()), int(ids.max())) if isinstance(ids, np.ndarray) else (min(ids), max(ids))
+            if 0 <= lo and hi < vocab_size:                     # C loops (numpy's for packed fields)
+                continue
+            bad = next(t for t in ids if t < 0 or t >= vocab_size)
+            raise ValueError(f"{field}[{i}].{name}: token id {bad} outside the vocabulary [0, {vocab_size})")
         if max_len is not None and len(p) + len(r) > max_len:
             raise ValueError(f"{field}[{i}]: {len(p) + len(r)} tokens exceed the model's limit of {max_len}")
 

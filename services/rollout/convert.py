@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from meshrl.v1 import common_pb2, rollout_pb2
+from services.common.packed import F32, I32, field_of, pack_f32, pack_i32
 from services.common.weights import Manifest, manifest_from_kwargs
 from services.rollout.engine import (GenerateBatch, PromptInput, PromptResult, RolloutConfig, SampleResult,
                                      SamplingParams)
@@ -43,24 +44,38 @@ def request_to_pb(batch: GenerateBatch) -> rollout_pb2.GenerateRequest:
         sampling=sampling_to_pb(batch.sampling))
 
 
-def sample_to_pb(s: SampleResult) -> rollout_pb2.Sample:
+def sample_to_pb(s: SampleResult, *, packed: bool = False) -> rollout_pb2.Sample:
+    if packed:
+        return rollout_pb2.Sample(response_ids_packed=pack_i32(s.response_ids), logprobs_packed=pack_f32(s.logprobs),
+                                  text=s.text, finish_reason=s.finish_reason, weight_version=s.weight_version)
     return rollout_pb2.Sample(response_ids=s.response_ids, logprobs=s.logprobs, text=s.text,
                               finish_reason=s.finish_reason, weight_version=s.weight_version)
 
 
-def results_to_pb(results: list[PromptResult]) -> rollout_pb2.GenerateResponse:
+def results_to_pb(results: list[PromptResult], *, packed: bool = False) -> rollout_pb2.GenerateResponse:
     return rollout_pb2.GenerateResponse(responses=[
         rollout_pb2.RolloutResponse(prompt_id=r.prompt_id, prompt_ids=r.prompt_ids,
-                                    samples=[sample_to_pb(s) for s in r.samples])
+                                    samples=[sample_to_pb(s, packed=packed) for s in r.samples])
         for r in results])
 
 
+def sample_arrays(s: rollout_pb2.Sample, where: str = "") -> tuple[list[int], list[float]]:
+    """(response_ids, logprobs) of a Sample as lists, from whichever form it carries."""
+    ids = field_of(s, "response_ids", I32, where)
+    lps = field_of(s, "logprobs", F32, where)
+    return (ids if isinstance(ids, list) else ids.tolist()), (lps if isinstance(lps, list) else lps.tolist())
+
+
 def results_from_pb(response: rollout_pb2.GenerateResponse) -> list[PromptResult]:
-    return [PromptResult(prompt_id=r.prompt_id, prompt_ids=r.prompt_ids[:],
-                         samples=[SampleResult(response_ids=s.response_ids[:], logprobs=s.logprobs[:],
-                                               text=s.text, finish_reason=s.finish_reason,
-                                               weight_version=s.weight_version) for s in r.samples])
-            for r in response.responses]
+    out = []
+    for r in response.responses:
+        samples = []
+        for s in r.samples:
+            ids, lps = sample_arrays(s)
+            samples.append(SampleResult(response_ids=ids, logprobs=lps, text=s.text, finish_reason=s.finish_reason,
+                                        weight_version=s.weight_version))
+        out.append(PromptResult(prompt_id=r.prompt_id, prompt_ids=r.prompt_ids[:], samples=samples))
+    return out
 
 
 def manifest_from_pb(pb: common_pb2.WeightManifest) -> Manifest:

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
 from services.common.modeling import validate_sequences
 from services.trainer.dpo import DPO_LOSS_TYPES
 from services.trainer.losses import AGG_MODES, KL_ALIASES, KL_TYPES
@@ -89,7 +91,10 @@ class DPOLoss:
 def _check_aligned(i: int, name: str, values: Sequence[float], n: int, *, where: str = "samples") -> None:
     if len(values) != n:
         raise ValueError(f"{where}[{i}].{name}: {len(values)} values for {n} response tokens")
-    if math.isfinite(sum(values)):      # one C loop: a nan or inf anywhere makes it non-finite (overflow: loop)
+    if isinstance(values, np.ndarray):  # a packed field
+        if np.isfinite(values).all():
+            return
+    elif math.isfinite(sum(values)):    # one C loop: a nan or inf anywhere makes it non-finite (overflow: loop)
         return
     for t, v in enumerate(values):
         if not math.isfinite(v):
@@ -116,7 +121,7 @@ def _check_schedule(ppo_epochs: int, mini_batch_size: int, num_samples: int, dp_
 
 def is_on_policy(samples: Sequence[TrainSample]) -> bool:
     """True when no sample carries old log-probs: the update uses its own, detached."""
-    return not any(s.old_logprobs for s in samples)
+    return not any(len(s.old_logprobs) for s in samples)
 
 
 def validate_actor_batch(samples: Sequence[TrainSample], loss: ActorLoss, *, vocab_size: int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from meshrl.v1 import common_pb2, trainer_pb2
+from services.common.packed import F32, I32, field_of, pack_f32, pack_i32
 from services.common.weights import Manifest
 from services.trainer.batch import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample
 
@@ -25,18 +26,32 @@ def actor_loss_to_pb(loss: ActorLoss) -> trainer_pb2.ActorLoss:
 
 
 def train_actor_from_pb(request: trainer_pb2.TrainActorRequest) -> tuple[list[TrainSample], ActorLoss]:
-    samples = [TrainSample(prompt_ids=s.prompt_ids[:], response_ids=s.response_ids[:],
-                           advantages=s.advantages[:], old_logprobs=s.old_logprobs[:],
-                           ref_logprobs=s.ref_logprobs[:]) for s in request.samples]
+    """Packed fields arrive as numpy arrays (no per-element copy), repeated ones as lists."""
+    samples = []
+    for i, s in enumerate(request.samples):
+        w = f"samples[{i}]."
+        samples.append(TrainSample(prompt_ids=s.prompt_ids[:], response_ids=field_of(s, "response_ids", I32, w),
+                                   advantages=field_of(s, "advantages", F32, w),
+                                   old_logprobs=field_of(s, "old_logprobs", F32, w),
+                                   ref_logprobs=field_of(s, "ref_logprobs", F32, w)))
     return samples, actor_loss_from_pb(request.loss)
 
 
-def train_actor_to_pb(samples: list[TrainSample], loss: ActorLoss) -> trainer_pb2.TrainActorRequest:
-    return trainer_pb2.TrainActorRequest(
-        samples=[trainer_pb2.TrainSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
-                                         advantages=s.advantages, old_logprobs=s.old_logprobs,
-                                         ref_logprobs=s.ref_logprobs) for s in samples],
-        loss=actor_loss_to_pb(loss))
+def train_sample_to_pb(s, *, packed: bool = False) -> trainer_pb2.TrainSample:
+    """Any object with TrainSample's fields (the coordinator's Sample too)."""
+    if packed:
+        return trainer_pb2.TrainSample(prompt_ids=s.prompt_ids, response_ids_packed=pack_i32(s.response_ids),
+                                       advantages_packed=pack_f32(s.advantages),
+                                       old_logprobs_packed=pack_f32(s.old_logprobs),
+                                       ref_logprobs_packed=pack_f32(s.ref_logprobs))
+    return trainer_pb2.TrainSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, advantages=s.advantages,
+                                   old_logprobs=s.old_logprobs, ref_logprobs=s.ref_logprobs)
+
+
+def train_actor_to_pb(samples: list[TrainSample], loss: ActorLoss, *,
+                      packed: bool = False) -> trainer_pb2.TrainActorRequest:
+    return trainer_pb2.TrainActorRequest(samples=[train_sample_to_pb(s, packed=packed) for s in samples],
+                                         loss=actor_loss_to_pb(loss))
 
 
 def train_critic_from_pb(request: trainer_pb2.TrainCriticRequest) -> tuple[list[CriticSample], CriticLoss]:

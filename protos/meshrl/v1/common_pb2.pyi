@@ -17,30 +17,38 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TokenSequence(_message.Message):
-    __slots__ = ("id", "prompt_ids", "response_ids")
+    __slots__ = ("id", "prompt_ids", "response_ids", "prompt_ids_packed", "response_ids_packed")
     ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
     id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     response_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_ids_packed: bytes
+    response_ids_packed: bytes
+    def __init__(self, id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., prompt_ids_packed: _Optional[bytes] = ..., response_ids_packed: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogProbs(_message.Message):
-    __slots__ = ("id", "logprobs")
+    __slots__ = ("id", "logprobs", "logprobs_packed")
     ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_PACKED_FIELD_NUMBER: _ClassVar[int]
     id: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, id: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    logprobs_packed: bytes
+    def __init__(self, id: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., logprobs_packed: _Optional[bytes] = ...) -> None: ...
 
 class LogProbsRequest(_message.Message):
-    __slots__ = ("sequences", "temperature")
+    __slots__ = ("sequences", "temperature", "packed")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
     temperature: float
-    def __init__(self, sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., temperature: _Optional[float] = ...) -> None: ...
+    packed: bool
+    def __init__(self, sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., temperature: _Optional[float] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class LogProbsResponse(_message.Message):
     __slots__ = ("results", "weight_version")

@@ -34,26 +34,32 @@ class Prompt(_message.Message):
     def __init__(self, id: _Optional[str] = ..., text: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "sampling")
+    __slots__ = ("prompts", "sampling", "packed")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: SamplingParams
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    packed: bool
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("response_ids", "logprobs", "text", "finish_reason", "weight_version")
+    __slots__ = ("response_ids", "logprobs", "text", "finish_reason", "weight_version", "response_ids_packed", "logprobs_packed")
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_PACKED_FIELD_NUMBER: _ClassVar[int]
     response_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     text: str
     finish_reason: str
     weight_version: int
-    def __init__(self, response_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    response_ids_packed: bytes
+    logprobs_packed: bytes
+    def __init__(self, response_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., weight_version: _Optional[int] = ..., response_ids_packed: _Optional[bytes] = ..., logprobs_packed: _Optional[bytes] = ...) -> None: ...
 
 class RolloutResponse(_message.Message):
     __slots__ = ("prompt_id", "prompt_ids", "samples")

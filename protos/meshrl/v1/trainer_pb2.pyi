@@ -8,18 +8,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TrainSample(_message.Message):
-    __slots__ = ("prompt_ids", "response_ids", "advantages", "old_logprobs", "ref_logprobs")
+    __slots__ = ("prompt_ids", "response_ids", "advantages", "old_logprobs", "ref_logprobs", "response_ids_packed", "advantages_packed", "old_logprobs_packed", "ref_logprobs_packed")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     OLD_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REF_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_PACKED_FIELD_NUMBER: _ClassVar[int]
+    OLD_LOGPROBS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    REF_LOGPROBS_PACKED_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     response_ids: _containers.RepeatedScalarFieldContainer[int]
     advantages: _containers.RepeatedScalarFieldContainer[float]
     old_logprobs: _containers.RepeatedScalarFieldContainer[float]
     ref_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., ref_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    response_ids_packed: bytes
+    advantages_packed: bytes
+    old_logprobs_packed: bytes
+    ref_logprobs_packed: bytes
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., ref_logprobs: _Optional[_Iterable[float]] = ..., response_ids_packed: _Optional[bytes] = ..., advantages_packed: _Optional[bytes] = ..., old_logprobs_packed: _Optional[bytes] = ..., ref_logprobs_packed: _Optional[bytes] = ...) -> None: ...
 
 class ActorLoss(_message.Message):
     __slots__ = ("clip_low", "clip_high", "dual_clip", "kl_coef", "kl_type", "entropy_coef", "loss_agg_mode", "ppo_epochs", "mini_batch_size", "temperature")
