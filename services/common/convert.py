@@ -50,7 +50,8 @@ def logprobs_to_pb(ids: list[str], logprobs: list[list[float]], weight_version: 
     if packed:
         results = [common_pb2.TokenLogProbs(id=i, logprobs_packed=pack_f32(lp)) for i, lp in zip(ids, logprobs)]
     else:
-        results = [common_pb2.TokenLogProbs(id=i, logprobs=lp) for i, lp in zip(ids, logprobs)]
+        results = [common_pb2.TokenLogProbs(id=i, logprobs=lp.tolist() if hasattr(lp, "tolist") else lp)
+                   for i, lp in zip(ids, logprobs)]
     return common_pb2.LogProbsResponse(results=results, weight_version=weight_version)
 
 

@@ -137,11 +137,12 @@ def pack_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]
 
 @torch.no_grad()
 def batched_logprobs(model, prompts, responses, *, pad_id: int, temperature: float = 1.0,
-                     token_budget: int = 16384, fused: bool = False) -> list[list[float]]:
+                     token_budget: int = 16384, fused: bool = False, as_arrays: bool = False):
     """Log-probs of each response's tokens, computed in micro-batches packed by a token budget.
 
     `fused`: through the fused LM head (the model went through services.trainer.fused.enable_fused_head).
-    Every micro-batch is queued before the one device-to-host copy at the end.
+    Every micro-batch is queued before the one device-to-host copy at the end. Rows are lists, or float32
+    numpy arrays with `as_arrays` (for packed answers: no per-element conversion).
     """
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     out: list[list[float] | None] = [None] * len(prompts)
@@ -158,7 +159,7 @@ def batched_logprobs(model, prompts, responses, *, pad_id: int, temperature: flo
             logp = response_logprobs(model, ps, rs, pad_id=pad_id, temperature=temperature)[0]
         results.append(logp)
     for group, logp in zip(groups, results):
-        rows = logp.cpu().tolist()
+        rows = logp.float().cpu().numpy() if as_arrays else logp.cpu().tolist()
         for row, i in enumerate(group):
             out[i] = rows[row][:len(responses[i])]
     return out  # type: ignore[return-value]

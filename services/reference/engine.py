@@ -72,14 +72,16 @@ class ReferenceEngine:
                 self.config.micro_batch_token_budget, "max_model_len": self.max_len, "fused_logprobs": self.fused,
                 "compile": self.compiled}
 
-    def logprobs_sync(self, prompts, responses, temperature: float = 1.0) -> list[list[float]]:
+    def logprobs_sync(self, prompts, responses, temperature: float = 1.0, *, as_arrays: bool = False):
+        """Rows as lists, or float32 numpy arrays with as_arrays."""
         validate_sequences(prompts, responses, vocab_size=self.vocab_size, max_len=self.max_len)
         if len(prompts) > self.config.max_batch_size:
             raise ValueError(f"sequences: {len(prompts)} exceed reference.max_batch_size={self.config.max_batch_size}")
         return batched_logprobs(self.model, prompts, responses, pad_id=self.pad_id, temperature=temperature,
-                                token_budget=self.config.micro_batch_token_budget, fused=self.fused)
+                                token_budget=self.config.micro_batch_token_budget, fused=self.fused,
+                                as_arrays=as_arrays)
 
-    async def logprobs(self, prompts, responses, temperature: float = 1.0) -> list[list[float]]:
+    async def logprobs(self, prompts, responses, temperature: float = 1.0, *, as_arrays: bool = False):
         self.num_calls += 1
         async with self._lock:
-            return await asyncio.to_thread(self.logprobs_sync, prompts, responses, temperature)
+            return await asyncio.to_thread(self.logprobs_sync, prompts, responses, temperature, as_arrays=as_arrays)

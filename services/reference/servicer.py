@@ -14,7 +14,8 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
 
     async def ComputeLogProbs(self, request, context):
         batch = convert.sequences_from_pb(request)
-        logprobs = await self.engine.logprobs(batch.prompts, batch.responses, batch.temperature)
+        logprobs = await self.engine.logprobs(batch.prompts, batch.responses, batch.temperature,
+                                              as_arrays=request.packed)
         return convert.logprobs_to_pb(batch.ids, logprobs, weight_version=0, packed=request.packed)
 
     async def GetInfo(self, request, context):
