@@ -43,8 +43,8 @@ VARIANTS = {"torch": dict(fused_sampler=False, triton_attention=False),
             "fused_sampler": dict(fused_sampler=True, triton_attention=False),
             "fused": dict(fused_sampler=True, triton_attention=True)}
 # Attention tilings tried beside the shipped one (decode_attention.BLOCK_N, NUM_WARPS): name -> (block, warps).
-ATTENTION_TILES = {"fused_bn32": (32, 4), "fused_bn128": (128, 4), "fused_bn64_w2": (64, 2), "fused_bn128_w8": (128, 8)}
-KINDS = (("sampler_triton", ("_sample_kernel",)), ("attention_triton", ("_decode_attn",)),
+ATTENTION_TILES = {"fused_bn64": (64, 4), "fused_bn128": (128, 4), "fused_bn64_w2": (64, 2), "fused_bn128_w8": (128, 8)}
+KINDS = (("sampler_triton", ("_sample_kernel", "_sample_part", "_sample_combine")), ("attention_triton", ("_decode_attn",)),
          ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "splitk")),
          ("compiled_elementwise", ("triton_",)), ("torch_elementwise_reduce", ("elementwise", "reduce", "softmax",
                                                                             "exponential", "distribution", "index")))

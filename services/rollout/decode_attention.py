@@ -22,7 +22,7 @@ try:
 except ImportError:  # CPU-only installs: the decoder keeps its torch attention
     triton = None
 
-BLOCK_N = 64          # cache slots per loop iteration
+BLOCK_N = 32          # cache slots per loop iteration (bench/decode_step.py: 32 beat 64 and 128 on the H200)
 NUM_WARPS = 4
 
 
