@@ -192,7 +192,8 @@ def profile_step(step, dev: str, trace: str | None = None) -> dict:
     top = []
     for item in prof.key_averages():
         us = getattr(item, "self_device_time_total", 0) or 0
-        if us <= 0 or getattr(item, "device_type", None) is None or "CUDA" not in str(item.device_type):
+        if us <= 0 or getattr(item, "device_type", None) is None or "CUDA" not in str(item.device_type) \
+                or item.key == "bench_step":               # the step's own range on the GPU timeline
             continue
         name = item.key.lower()
         kind = next((k for k, pats in KERNEL_KINDS if any(p in name for p in pats)), "other")
@@ -203,7 +204,7 @@ def profile_step(step, dev: str, trace: str | None = None) -> dict:
     return {"wall_ms": round(wall * 1e3, 1), "gpu_busy_ms": round(busy, 1),
             "by_kind_ms": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top_kernels": [{"ms": round(ms, 2), "calls": n, "name": k} for ms, n, k in top[:25]],
-            "idle": _safe(idle_gaps, prof)}
+            "trace": _safe(trace_profile, trace) if trace else None}
 
 
 def _safe(fn, *args):
@@ -213,40 +214,48 @@ def _safe(fn, *args):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def idle_gaps(prof, min_us: float = 100.0) -> dict:
-    """GPU idle time of the profiled step: before the first kernel and between kernels (gaps over min_us),
-    each with the innermost host ops running at its middle and their Python frames in meshrl's code."""
-    evs = prof.events()
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in evs if "CUDA" in str(e.device_type)
-                     and e.time_range.end > e.time_range.start)
-    cpu = [e for e in evs if "CPU" in str(e.device_type)]
-    step = next((e for e in cpu if e.name == "bench_step"), None)
-    if not kernels or step is None:
-        return {}
+def trace_profile(trace: str, min_us: float = 100.0) -> dict:
+    """From a profiled step's Chrome trace: device busy time by kernel kind, and the GPU's idle gaps (before
+    the first kernel and between kernels, over min_us) with the innermost host code running at each gap's
+    middle. Works on the file alone: `python bench/trainer_mfu.py --analyze-trace trace.json[.gz]`."""
+    import gzip
 
-    def host_at(t: float) -> dict:
-        cover = sorted((c for c in cpu if c.time_range.start <= t <= c.time_range.end and c is not step),
-                       key=lambda c: c.time_range.end - c.time_range.start)
-        frames = next((list(c.stack) for c in cover if getattr(c, "stack", None)), [])
-        return {"ops": [c.name[:60] for c in cover[:3]],
-                "frames": [f[:120] for f in frames if "/services/" in f or "/bench/" in f][:5]}
+    opener = gzip.open if trace.endswith(".gz") else open
+    with opener(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    step = next(e for e in events if e.get("name") == "bench_step" and e.get("cat") == "user_annotation")
+    t0 = step["ts"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    host = [e for e in events if e.get("cat") in ("python_function", "cpu_op") and "dur" in e]
+    kinds: dict[str, float] = {}
+    for e in kernels:
+        name = e["name"].lower()
+        kind = next((k for k, pats in KERNEL_KINDS if any(p in name for p in pats)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + e["dur"] / 1e3
 
-    gaps = [{"at_ms": 0.0, "gap_ms": round((kernels[0][0] - step.time_range.start) / 1e3, 3),
-             **host_at((kernels[0][0] + step.time_range.start) / 2)}]
-    end = kernels[0][1]
-    small = [0.0, 0]                  # gaps up to min_us: their total and count
-    for s, e in kernels[1:]:
-        if 0 < s - end <= min_us:
-            small[0] += (s - end) / 1e3
-            small[1] += 1
-        elif s - end > min_us:
-            gaps.append({"at_ms": round((end - step.time_range.start) / 1e3, 3), "gap_ms": round((s - end) / 1e3, 3),
-                         **host_at((s + end) / 2)})
-        end = max(end, e)
-    total = sum(g["gap_ms"] for g in gaps)
-    gaps.sort(key=lambda g: -g["gap_ms"])
-    return {"total_ms": round(total + small[0], 2), "large_ms": round(total, 2), "large_count": len(gaps),
-            "small_ms": round(small[0], 2), "small_count": small[1], "min_gap_us": min_us, "largest": gaps[:15]}
+    def host_at(t: float) -> list[str]:
+        cover = sorted((e for e in host if e["ts"] <= t <= e["ts"] + e["dur"]), key=lambda e: e["dur"])
+        return [e["name"][:100] for e in cover if "services/" in e["name"] or "aten::" in e["name"]][:4]
+
+    gaps = [(kernels[0]["ts"] - t0, t0, kernels[0]["ts"])]
+    end = kernels[0]["ts"] + kernels[0]["dur"]
+    small = 0.0
+    for e in kernels[1:]:
+        gap = e["ts"] - end
+        if gap > min_us:
+            gaps.append((gap, end, e["ts"]))
+        elif gap > 0:
+            small += gap
+        end = max(end, e["ts"] + e["dur"])
+    large = sum(g for g, _, _ in gaps)
+    gaps.sort(reverse=True)
+    return {"step_ms_profiled": round(step["dur"] / 1e3, 1), "gpu_busy_ms": round(sum(kinds.values()), 1),
+            "by_kind_ms": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "idle_ms": round((large + small) / 1e3, 2), "idle_in_gaps_over_min_ms": round(large / 1e3, 2),
+            "min_gap_us": min_us,
+            "largest_gaps": [{"at_ms": round((a - t0) / 1e3, 2), "gap_ms": round(g / 1e3, 3), "host": host_at((a + b) / 2)}
+                             for g, a, b in gaps[:12]]}
 
 
 def head_parity(engine, samples, dev: str) -> dict:
@@ -327,7 +336,11 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", type=lambda v: v.split(","), default=[],
                         help="variants to profile one extra step of (device time by kernel kind, GPU idle gaps)")
     parser.add_argument("--trace-dir", default=None, help="also write each profiled step's Chrome trace here")
+    parser.add_argument("--analyze-trace", default=None, help="print trace_profile of a saved trace and exit")
     args = parser.parse_args(argv)
+    if args.analyze_trace:
+        print(json.dumps(trace_profile(args.analyze_trace), indent=2))
+        return
     dev = args.device
     sizes = ["tiny"] if args.tiny else args.sizes.split(",")
     variants = args.variants.split(",")
