@@ -352,8 +352,9 @@ def compute_advantages(ctx: RunContext, samples: list[remote.Sample]) -> dict[st
         # Truncated importance sampling: reweight by pi_trainer / pi_rollout, capped.
         w = (padded([s.old_logprobs for s in samples], T) - padded([s.rollout_logprobs for s in samples], T)).exp()
         token_adv = token_adv * w.clamp(max=a.tis_cap) * mask
+    rows = token_adv.float().numpy()
     for i, s in enumerate(samples):
-        s.advantages = token_adv[i, :len(s.response_ids)].tolist()
+        s.advantages = rows[i, :len(s.response_ids)]          # float32 views: packed for the trainer as they are
     metrics["advantage_abs_mean"] = float((token_adv.abs() * mask).sum() / mask.sum())
     return metrics
 
@@ -419,12 +420,12 @@ def sample_metrics(samples: list[remote.Sample]) -> dict[str, float]:
     ntok = mask.sum()
     roll = padded([s.rollout_logprobs for s in samples], T)
     policy = roll if all(len(s.rollout_logprobs) == len(s.response_ids) for s in samples) else None
-    if all(s.old_logprobs for s in samples):
+    if all(len(s.old_logprobs) for s in samples):
         old = policy = padded([s.old_logprobs for s in samples], T)
         # Rollout engine vs trainer on the same tokens: a broken weight sync shows here at once.
         out["rollout_vs_trainer/logprob_abs_diff"] = float(((roll - old).abs() * mask).sum() / ntok)
         out["rollout_vs_trainer/kl"] = float((((old - roll).exp() - (old - roll) - 1) * mask).sum() / ntok)
-    if policy is not None and all(s.ref_logprobs for s in samples):
+    if policy is not None and all(len(s.ref_logprobs) for s in samples):
         # k3 estimate of KL(policy || reference); the policy's log-probs are the trainer's old ones when
         # computed this step, else the rollout engine's (equal to them up to the parity metric above).
         ref = padded([s.ref_logprobs for s in samples], T)

@@ -27,6 +27,7 @@ class Sample:
     weight_version: int
     reward: float = 0.0
     components: dict[str, float] = field(default_factory=dict)
+    # Filled by the step as float32 numpy arrays (lists when given by hand): sequences either way.
     old_logprobs: list[float] = field(default_factory=list)
     ref_logprobs: list[float] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
@@ -105,9 +106,10 @@ def logprobs_request(samples: Sequence[Sample], temperature: float = 1.0, *,
                            packed=packed)
 
 
-async def logprobs(stub, samples: Sequence[Sample], temperature: float = 1.0) -> list[list[float]]:
+async def logprobs(stub, samples: Sequence[Sample], temperature: float = 1.0):
+    """Each sample's log-probs as a float32 array (read-only, over the response's packed bytes)."""
     response = await stub.ComputeLogProbs(logprobs_request(samples, temperature, packed=True))
-    return logprobs_from_pb(response)
+    return logprobs_from_pb(response, as_arrays=True)
 
 
 async def values(stub, samples: Sequence[Sample]) -> list[list[float]]:

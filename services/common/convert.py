@@ -55,12 +55,12 @@ def logprobs_to_pb(ids: list[str], logprobs: list[list[float]], weight_version: 
     return common_pb2.LogProbsResponse(results=results, weight_version=weight_version)
 
 
-def logprobs_from_pb(response: common_pb2.LogProbsResponse) -> list[list[float]]:
-    """Lists whichever form the results came in."""
+def logprobs_from_pb(response: common_pb2.LogProbsResponse, *, as_arrays: bool = False) -> list:
+    """Lists whichever form the results came in; with as_arrays, packed results stay float32 arrays."""
     out = []
     for i, r in enumerate(response.results):
         lp = field_of(r, "logprobs", F32, f"results[{i}].")
-        out.append(lp if isinstance(lp, list) else lp.tolist())
+        out.append(lp if isinstance(lp, list) or as_arrays else lp.tolist())
     return out
 
 

@@ -9,6 +9,8 @@ numpy writes them with one copy and reads them without any (np.frombuffer). Read
 
 from __future__ import annotations
 
+import functools
+import struct
 from typing import Sequence
 
 import numpy as np
@@ -17,12 +19,27 @@ I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")
 
 
+@functools.lru_cache(maxsize=8192)
+def _struct(code: str, n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}{code}")
+
+
+def _pack(values, code: str, dtype: np.dtype) -> bytes:
+    if isinstance(values, np.ndarray):
+        return values.astype(dtype, copy=False).tobytes()
+    try:
+        # A list: struct packs it in one C call, ~3x faster than building a numpy array first.
+        return _struct(code, len(values)).pack(*values)
+    except (struct.error, OverflowError):     # a value outside the type: numpy's conversion rules decide
+        return np.asarray(values, dtype=dtype).tobytes()
+
+
 def pack_i32(values: Sequence[int] | np.ndarray) -> bytes:
-    return np.asarray(values, dtype=I32).tobytes()
+    return _pack(values, "i", I32)
 
 
 def pack_f32(values: Sequence[float] | np.ndarray) -> bytes:
-    return np.asarray(values, dtype=F32).tobytes()
+    return _pack(values, "f", F32)
 
 
 def unpack(data: bytes, dtype: np.dtype, field: str) -> np.ndarray:

@@ -98,3 +98,14 @@ def test_bad_packed_values_are_named_like_repeated_ones(model_path):
     with pytest.raises(ValueError, match=r"samples\[0\]\.advantages: 1 values for"):
         validate_actor_batch(parsed, loss, vocab_size=64, max_len=None)
     assert F32.itemsize == 4
+
+
+def test_packing_lists_and_arrays_gives_the_same_bytes_and_out_of_range_floats_follow_numpy():
+    from services.common.packed import unpack
+
+    ids, floats = [0, 7, 2**31 - 1, -5], [0.5, -1.25, float("inf"), 3.0e-41]
+    assert pack_i32(ids) == np.asarray(ids, "<i4").tobytes() == pack_i32(np.asarray(ids, np.int64))
+    assert pack_f32(floats) == np.asarray(floats, "<f4").tobytes() == pack_f32(np.asarray(floats))
+    with np.errstate(over="ignore"):
+        assert unpack(pack_f32([1e39, 2.0]), F32, "x").tolist() == [float("inf"), 2.0]   # as numpy casts it
+    assert pack_i32([]) == pack_f32([]) == b""
