@@ -39,8 +39,9 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _update(m, s, best, best_idx, z, u, idx, sampled, inv_t):
-        """One sub-block into a lane's running (max, sum of exp) and (best key, its column)."""
+    def _update(m, s, best, best_idx, base, idx, hi, u, sampled, inv_t):
+        """Columns idx (< hi) of the row at base into a lane's running (max, sum of exp) and (best key, column)."""
+        z = tl.load(base + idx, mask=idx < hi, other=-float("inf")).to(tl.float32)
         m_new = tl.maximum(m, z)
         live = m_new > -float("inf")
         s = s * tl.where(live, tl.exp(m - m_new), 0.0) + tl.where(live, tl.exp(z - m_new), 0.0)
@@ -83,18 +84,11 @@ if triton is not None:
                 u1 = u0
                 u2 = u0
                 u3 = u0
-            i0 = start + offs
-            z0 = tl.load(base + i0, mask=i0 < hi, other=-float("inf")).to(tl.float32)
-            m, s, best, best_idx = _update(m, s, best, best_idx, z0, u0, i0, sampled, inv_t)
-            i1 = i0 + Q
-            z1 = tl.load(base + i1, mask=i1 < hi, other=-float("inf")).to(tl.float32)
-            m, s, best, best_idx = _update(m, s, best, best_idx, z1, u1, i1, sampled, inv_t)
-            i2 = i1 + Q
-            z2 = tl.load(base + i2, mask=i2 < hi, other=-float("inf")).to(tl.float32)
-            m, s, best, best_idx = _update(m, s, best, best_idx, z2, u2, i2, sampled, inv_t)
-            i3 = i2 + Q
-            z3 = tl.load(base + i3, mask=i3 < hi, other=-float("inf")).to(tl.float32)
-            m, s, best, best_idx = _update(m, s, best, best_idx, z3, u3, i3, sampled, inv_t)
+            i = start + offs                       # sub-block j covers columns i + j * Q, with uniforms u<j>
+            m, s, best, best_idx = _update(m, s, best, best_idx, base, i, hi, u0, sampled, inv_t)
+            m, s, best, best_idx = _update(m, s, best, best_idx, base, i + Q, hi, u1, sampled, inv_t)
+            m, s, best, best_idx = _update(m, s, best, best_idx, base, i + 2 * Q, hi, u2, sampled, inv_t)
+            m, s, best, best_idx = _update(m, s, best, best_idx, base, i + 3 * Q, hi, u3, sampled, inv_t)
         top = tl.max(best, 0)
         # The lowest column among equal keys, as torch.argmax (masked lanes carry -inf and never win).
         col = tl.min(tl.where(best == top, best_idx, V), 0)
