@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshrl.v1 import common_pb2
-from services.common.packed import F32, I32, field_of, pack_f32, pack_i32
+from services.common.packed import F32, I32, as_list, field_of, pack_f32, pack_i32
 
 
 @dataclass
@@ -28,8 +28,8 @@ def sequences_from_pb(request: common_pb2.LogProbsRequest, *, as_lists: bool = F
     for i, s in enumerate(request.sequences):
         p = field_of(s, "prompt_ids", I32, f"sequences[{i}].")
         r = field_of(s, "response_ids", I32, f"sequences[{i}].")
-        prompts.append(p.tolist() if as_lists and not isinstance(p, list) else p)
-        responses.append(r.tolist() if as_lists and not isinstance(r, list) else r)
+        prompts.append(as_list(p) if as_lists else p)
+        responses.append(as_list(r) if as_lists else r)
     return SequenceBatch(ids=[s.id for s in request.sequences], prompts=prompts, responses=responses,
                          temperature=temperature)
 
@@ -60,7 +60,7 @@ def logprobs_from_pb(response: common_pb2.LogProbsResponse, *, as_arrays: bool =
     out = []
     for i, r in enumerate(response.results):
         lp = field_of(r, "logprobs", F32, f"results[{i}].")
-        out.append(lp if isinstance(lp, list) or as_arrays else lp.tolist())
+        out.append(lp if as_arrays else as_list(lp))
     return out
 
 

@@ -57,3 +57,8 @@ def field_of(msg, name: str, dtype: np.dtype, where: str = ""):
             raise ValueError(f"{where}{name}: both the repeated and the packed field are set")
         return unpack(data, dtype, f"{where}{name}_packed")
     return getattr(msg, name)[:]
+
+
+def as_list(values) -> list:
+    """A field_of result as a list (repeated fields already are one)."""
+    return values if isinstance(values, list) else values.tolist()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from meshrl.v1 import common_pb2, rollout_pb2
-from services.common.packed import F32, I32, field_of, pack_f32, pack_i32
+from services.common.packed import F32, I32, as_list, field_of, pack_f32, pack_i32
 from services.common.weights import Manifest, manifest_from_kwargs
 from services.rollout.engine import (GenerateBatch, PromptInput, PromptResult, RolloutConfig, SampleResult,
                                      SamplingParams)
@@ -61,9 +61,7 @@ def results_to_pb(results: list[PromptResult], *, packed: bool = False) -> rollo
 
 def sample_arrays(s: rollout_pb2.Sample, where: str = "") -> tuple[list[int], list[float]]:
     """(response_ids, logprobs) of a Sample as lists, from whichever form it carries."""
-    ids = field_of(s, "response_ids", I32, where)
-    lps = field_of(s, "logprobs", F32, where)
-    return (ids if isinstance(ids, list) else ids.tolist()), (lps if isinstance(lps, list) else lps.tolist())
+    return as_list(field_of(s, "response_ids", I32, where)), as_list(field_of(s, "logprobs", F32, where))
 
 
 def results_from_pb(response: rollout_pb2.GenerateResponse) -> list[PromptResult]:

@@ -110,8 +110,9 @@ class GraphDecoder:
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
         self.use_graphs = use_graphs
-        device = next(model.parameters()).device
-        self.fused_sampler = fused_sampler and fused_sample.available(device)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.fused_sampler = fused_sampler and fused_sample.available(self.device)
         self.sync_every = max(1, sync_every)
         self.max_states = max_states
         cfg = model.config
@@ -121,13 +122,11 @@ class GraphDecoder:
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         hd = self.head_dim
-        self.triton_attention = (triton_attention and decode_attention.available(device) and hd >= 16
+        self.triton_attention = (triton_attention and decode_attention.available(self.device) and hd >= 16
                                  and hd & (hd - 1) == 0)
         self.vocab_size = int(cfg.vocab_size)
         # The model module's own rotary helper (Llama and Qwen2 share the formula).
         self._apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
         self._eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
         self._states: OrderedDict[tuple[int, int], _State] = OrderedDict()
         self._param_ptrs = self._weights_signature()

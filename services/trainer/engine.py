@@ -608,10 +608,15 @@ class TrainerEngine:
                 return self._deferred_step(trained)
             return self._step(trained)
 
-    def _deferred_step(self, trained: Trained) -> tuple[torch.Tensor, float, None]:
+    def _clip(self, trained: Trained, *, sync: bool = True) -> float | torch.Tensor:
+        """The global grad norm, clipped (and fp16-unscaled) in place; a device tensor with sync=False."""
         params = [p for p in trained.module.parameters() if p.requires_grad]
         skip = self.tied if (self.tied is not None and self.pp_rank != 0) else None
-        norm = clip_grad_norm(params, trained.cfg.grad_clip, pp_group=self.pp_group, skip=skip, sync=False)
+        return clip_grad_norm(params, trained.cfg.grad_clip, pp_group=self.pp_group, skip=skip,
+                              grad_scale=trained.loss_scale, sync=sync)
+
+    def _deferred_step(self, trained: Trained) -> tuple[torch.Tensor, float, None]:
+        norm = self._clip(trained, sync=False)
         lr = trained.optimizer.param_groups[0]["lr"]
         trained.optimizer.found_inf = (~torch.isfinite(norm)).float()
         try:
@@ -630,10 +635,7 @@ class TrainerEngine:
         return ok
 
     def _step(self, trained: Trained) -> tuple[float, float, bool]:
-        params = [p for p in trained.module.parameters() if p.requires_grad]
-        skip = self.tied if (self.tied is not None and self.pp_rank != 0) else None
-        norm = clip_grad_norm(params, trained.cfg.grad_clip, pp_group=self.pp_group, skip=skip,
-                              grad_scale=trained.loss_scale)
+        norm = self._clip(trained)
         lr = trained.optimizer.param_groups[0]["lr"]
         if trained.scaler is not None:
             trained.scaler.update(found_inf=not math.isfinite(norm))
