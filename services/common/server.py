@@ -100,6 +100,24 @@ def _parser(deserializer):
     return parse
 
 
+# How long a failed client-streaming handler goes on reading what its client still sends (see _drain).
+DRAIN_S = 30.0
+
+
+async def _drain(raw_iterator, limit_s: float = DRAIN_S) -> None:
+    """Reads and drops what the client still streams after its handler failed, so the client gets the handler's
+    status. Ending the call while the client is mid-send makes grpc.aio's client fail that send and report
+    INTERNAL ("Failed execute_batch") in place of the status the server sent; a stream still running after
+    limit_s seconds gets its status anyway."""
+    async def read():
+        async for _ in raw_iterator:
+            pass
+    try:
+        await asyncio.wait_for(read(), limit_s)
+    except Exception:  # noqa: BLE001 - the handler's own error is the one to report
+        pass
+
+
 async def _parsed(raw_iterator, parse, context):
     # grpc.aio ends the request iterator the same way when the client half-closed and when it died, so a
     # client stream that must be whole says so itself (UpdateWeights: the commit message); no waiting here.
@@ -138,6 +156,7 @@ def _wrap(handler: grpc.RpcMethodHandler, deny) -> grpc.RpcMethodHandler:
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
             except Exception as e:  # noqa: BLE001
+                await _drain(request_iterator)
                 await _abort_for(e, context, inner_su.__qualname__)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
@@ -169,6 +188,7 @@ def _wrap(handler: grpc.RpcMethodHandler, deny) -> grpc.RpcMethodHandler:
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001
+            await _drain(request_iterator)
             await _abort_for(e, context, inner_ss.__qualname__)
 
     return grpc.stream_stream_rpc_method_handler(stream_stream, **kwargs)
