@@ -183,6 +183,11 @@ def step_overhead(m: dict, window: dict, records: list[dict]) -> dict:
         },
         "coordinator_local_s": m["time/step"] - (phase["generate"] + max(phase[k] for k in concurrent)
                                                  + phase["train"] + phase["weight_sync"]),
+        # Python's garbage collector inside the step's handlers (by RPC) and in the coordinator's step.
+        "gc_s": {**{k: server(*rpc, "gc_s") for k, rpc in (("generate", ("rollout", "Generate")),
+                                                          ("reference", ("reference", "ComputeLogProbs")),
+                                                          ("train", ("trainer", "TrainActor")))},
+                 "coordinator_step": window.get("gc_s", 0.0)},
     }
 
 

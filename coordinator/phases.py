@@ -290,10 +290,12 @@ async def critic_values(ctx: RunContext, samples: list[remote.Sample]) -> None:
 
 
 async def score_and_measure(ctx: RunContext, samples: list[remote.Sample], timer: PhaseTimer) -> None:
-    await asyncio.gather(timer.run("reward", score(ctx, samples)),
-                         timer.run("reference", reference_logprobs(ctx, samples)),
+    # Each call builds its request before its first await, one after another on this loop: the model
+    # forwards (reference, old log-probs, values) go first, the reward (fast to serve) last.
+    await asyncio.gather(timer.run("reference", reference_logprobs(ctx, samples)),
                          timer.run("old_logprobs", old_logprobs(ctx, samples)),
-                         timer.run("values", critic_values(ctx, samples)))
+                         timer.run("values", critic_values(ctx, samples)),
+                         timer.run("reward", score(ctx, samples)))
 
 
 # --- advantages ----------------------------------------------------------------------------------------

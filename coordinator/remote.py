@@ -5,29 +5,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
 from meshrl.v1 import (common_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc,
                        trainer_pb2, trainer_pb2_grpc)
 from coordinator.data import Problem
 from services.common.convert import SequenceBatch, logprobs_from_pb, sequences_to_pb
-from services.rollout.convert import sample_arrays
-from services.trainer.convert import train_sample_to_pb
+from services.common.packed import F32, I32, field_of, pack_i32
+from services.rollout.convert import sample_rows
+from services.trainer.convert import train_columns_to_pb
 
 
 @dataclass
 class Sample:
-    """One generated response and everything the step computes for it."""
+    """One generated response and everything the step computes for it.
+
+    Token ids are int32 and per-token values float32 numpy arrays (read-only views of the replies they came
+    in, so a batch moves between services as a few array copies); lists work too where a sample is made by
+    hand."""
 
     problem: Problem
     group: int                  # index of its prompt in the batch
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float]
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    rollout_logprobs: np.ndarray
     text: str
     finish_reason: str
     weight_version: int
     reward: float = 0.0
     components: dict[str, float] = field(default_factory=dict)
-    # Filled by the step as float32 numpy arrays (lists when given by hand): sequences either way.
+    # Filled by the step.
     old_logprobs: list[float] = field(default_factory=list)
     ref_logprobs: list[float] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
@@ -72,55 +79,65 @@ def trainer_stub(channel):
 async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sampling: Sampling) -> list[Sample]:
     request = rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.Prompt(id=f"{p.id}@{g}", text=p.prompt) for p, g in zip(problems, groups)],
-        sampling=sampling.to_pb(), packed=True)
+        sampling=sampling.to_pb(), columnar=True)
     response = await stub.Generate(request)
     if len(response.responses) != len(problems):
         raise RuntimeError(f"rollout returned {len(response.responses)} responses for {len(problems)} prompts")
-    samples = []
-    for problem, group, rr in zip(problems, groups, response.responses):
+    for problem, rr in zip(problems, response.responses):
         if len(rr.samples) != sampling.n:
             raise RuntimeError(f"rollout returned {len(rr.samples)} samples for prompt {problem.id}, expected "
                                f"{sampling.n}")
-        prompt_ids = rr.prompt_ids[:]
+    rows = sample_rows(response)
+    if rows is None:    # a replica that does not answer in columns: each sample carries its tokens
+        rows = ([field_of(s, "response_ids", I32) for rr in response.responses for s in rr.samples],
+                [field_of(s, "logprobs", F32) for rr in response.responses for s in rr.samples])
+    samples = []
+    for problem, group, rr in zip(problems, groups, response.responses):
+        prompt_ids = np.asarray(rr.prompt_ids[:], dtype=I32)
         for s in rr.samples:
-            response_ids, logprobs = sample_arrays(s)
-            samples.append(Sample(problem, group, prompt_ids, response_ids, logprobs, s.text, s.finish_reason,
+            k = len(samples)
+            samples.append(Sample(problem, group, prompt_ids, rows[0][k], rows[1][k], s.text, s.finish_reason,
                                   s.weight_version))
     return samples
 
 
 async def score(stub, samples: Sequence[Sample]) -> list[tuple[float, dict[str, float]]]:
     request = reward_pb2.ScoreRequest(items=[
-        reward_pb2.ScoreItem(id=s.id, prompt=s.problem.prompt, response=s.text, response_ids=s.response_ids,
-                             ground_truth=s.problem.ground_truth, data_source=s.problem.data_source)
+        reward_pb2.ScoreItem(id=s.id, prompt=s.problem.prompt, response=s.text,
+                             response_ids_packed=pack_i32(s.response_ids), ground_truth=s.problem.ground_truth,
+                             data_source=s.problem.data_source)
         for s in samples])
     response = await stub.Score(request)
     return [(r.score, dict(r.components)) for r in response.results]
 
 
-def logprobs_request(samples: Sequence[Sample], temperature: float = 1.0, *,
-                     packed: bool = False) -> common_pb2.LogProbsRequest:
+def logprobs_request(samples: Sequence[Sample], temperature: float = 1.0, *, packed: bool = False,
+                     columnar: bool = False) -> common_pb2.LogProbsRequest:
     return sequences_to_pb(SequenceBatch(ids=[str(i) for i in range(len(samples))],
                                          prompts=[s.prompt_ids for s in samples],
                                          responses=[s.response_ids for s in samples], temperature=temperature),
-                           packed=packed)
+                           packed=packed, columnar=columnar)
 
 
 async def logprobs(stub, samples: Sequence[Sample], temperature: float = 1.0):
-    """Each sample's log-probs as a float32 array (read-only, over the response's packed bytes)."""
-    response = await stub.ComputeLogProbs(logprobs_request(samples, temperature, packed=True))
-    return logprobs_from_pb(response, as_arrays=True)
+    """Each sample's log-probs as a float32 array (read-only, over the reply's bytes); asked in columns."""
+    response = await stub.ComputeLogProbs(logprobs_request(samples, temperature, columnar=True))
+    out = logprobs_from_pb(response, as_arrays=True)
+    if len(out) != len(samples) or any(len(lp) != len(s.response_ids) for lp, s in zip(out, samples)):
+        raise RuntimeError(f"ComputeLogProbs answered {len(out)} rows of log-probs that do not match the "
+                           f"{len(samples)} sequences asked for")
+    return out
 
 
 async def values(stub, samples: Sequence[Sample]) -> list[list[float]]:
-    request = trainer_pb2.ValuesRequest(sequences=logprobs_request(samples).sequences)
+    request = trainer_pb2.ValuesRequest(sequences=logprobs_request(samples, packed=True).sequences)
     response = await stub.ComputeValues(request)
     return [r.values[:] for r in response.results]
 
 
 async def train_actor(stub, samples: Sequence[Sample], loss: dict) -> tuple[int, dict[str, float]]:
-    request = trainer_pb2.TrainActorRequest(samples=[train_sample_to_pb(s, packed=True) for s in samples],
-                                            loss=trainer_pb2.ActorLoss(**loss))
+    request = trainer_pb2.TrainActorRequest(loss=trainer_pb2.ActorLoss(**loss))
+    train_columns_to_pb(samples, into=request.columns)
     response = await stub.TrainActor(request)
     return response.step, dict(response.metrics)
 

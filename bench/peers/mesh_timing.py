@@ -24,7 +24,25 @@ import os
 import threading
 import time
 
+import gc
+
 ROLE = os.environ.get("MESHRL_BENCH_ROLE", "")
+# Seconds this process spent in the garbage collector (every generation; full collections counted apart):
+# records carry the part that fell inside their span as gc_s.
+_gc = {"s": 0.0, "full_s": 0.0, "t0": 0.0}
+
+
+def _gc_timer(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc["t0"] = time.perf_counter()
+        return
+    seconds = time.perf_counter() - _gc["t0"]
+    _gc["s"] += seconds
+    if info.get("generation") == 2:
+        _gc["full_s"] += seconds
+
+
+gc.callbacks.append(_gc_timer)
 _current: contextvars.ContextVar[dict | None] = contextvars.ContextVar("meshrl_bench_rpc", default=None)
 _lock = threading.Lock()
 _file = None
@@ -49,11 +67,12 @@ def _handler(cls, name: str) -> None:
     async def timed(self, request, context):
         rec = {"side": "server", "role": ROLE, "rpc": name, "start": time.time(), "compute_s": 0.0}
         token = _current.set(rec)
-        t0 = time.perf_counter()
+        t0, gc0, full0 = time.perf_counter(), _gc["s"], _gc["full_s"]
         try:
             return await orig(self, request, context)
         finally:
             rec["handler_s"] = time.perf_counter() - t0
+            rec["gc_s"], rec["gc_full_s"] = _gc["s"] - gc0, _gc["full_s"] - full0
             rec["end"] = time.time()
             _current.reset(token)
             _write(rec)
@@ -156,13 +175,13 @@ def _client_call(module, name: str) -> None:
     async def timed(stub, *args, **kwargs):
         from coordinator.phases import GuardedTrainer
 
-        start, t0 = time.time(), time.perf_counter()
+        start, t0, gc0 = time.time(), time.perf_counter(), _gc["s"]
         try:
             return await orig(stub, *args, **kwargs)
         finally:
             target = "trainer" if isinstance(stub, GuardedTrainer) else type(stub).__name__.removesuffix("Stub").lower()
             _write({"side": "client", "call": name, "target": target, "start": start, "end": time.time(),
-                    "seconds": time.perf_counter() - t0})
+                    "seconds": time.perf_counter() - t0, "gc_s": _gc["s"] - gc0})
 
     setattr(module, name, timed)
 
@@ -176,11 +195,12 @@ def instrument_coordinator():
 
     @functools.wraps(orig)
     async def rl_step(ctx):
-        start = time.time()
+        start, gc0, full0 = time.time(), _gc["s"], _gc["full_s"]
         try:
             return await orig(ctx)
         finally:
-            _write({"side": "step", "step": ctx.step, "start": start, "end": time.time()})
+            _write({"side": "step", "step": ctx.step, "start": start, "end": time.time(), "gc_s": _gc["s"] - gc0,
+                    "gc_full_s": _gc["full_s"] - full0})
 
     loop.rl_step = rl_step
     from coordinator.__main__ import main

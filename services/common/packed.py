@@ -62,3 +62,52 @@ def field_of(msg, name: str, dtype: np.dtype, where: str = ""):
 def as_list(values) -> list:
     """A field_of result as a list (repeated fields already are one)."""
     return values if isinstance(values, list) else values.tolist()
+
+
+def row_lengths_of(rows: Sequence) -> np.ndarray:
+    return np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+
+
+def set_rows(ragged, rows: Sequence, dtype: np.dtype) -> None:
+    """Fills a Ragged message in place (assigning bytes to a message's own field copies nothing; nesting a built
+    message copies them all): rows of numpy arrays concatenate in one copy, lists go through one struct call
+    per row."""
+    ragged.lengths = row_lengths_of(rows).astype(I32).tobytes()
+    ragged.values = concat(rows, dtype)
+
+
+def concat(rows: Sequence, dtype: np.dtype) -> bytes:
+    """Every row's values one after another, as packed dtype bytes."""
+    if len(rows) and isinstance(rows[0], np.ndarray):
+        return np.concatenate(rows).astype(dtype, copy=False).tobytes()   # numpy converts any list among them
+    code = "i" if dtype == I32 else "f"
+    return b"".join(_pack(r, code, dtype) for r in rows)
+
+
+def row_lengths(data: bytes, field: str) -> np.ndarray:
+    """The lengths of a Ragged message (non-negative int32), as int64 for offset arithmetic."""
+    lengths = unpack(data, I32, f"{field}.lengths")
+    if len(lengths) and int(lengths.min()) < 0:
+        raise ValueError(f"{field}.lengths: row {int(np.argmin(lengths))} has a negative length "
+                         f"({int(lengths.min())})")
+    return lengths.astype(np.int64)
+
+
+def split_rows(data: bytes, lengths: np.ndarray, dtype: np.dtype, field: str) -> list[np.ndarray]:
+    """Rows of `lengths` over packed `data` (read-only views); a total that differs from the lengths' sum names
+    the field."""
+    values = unpack(data, dtype, field)
+    total = int(lengths.sum())
+    if len(values) != total:
+        raise ValueError(f"{field}: {len(values)} values, but the rows' lengths add up to {total}")
+    ends = np.cumsum(lengths).tolist()
+    out, start = [], 0
+    for end in ends:
+        out.append(values[start:end])
+        start = end
+    return out
+
+
+def unpack_rows(msg, dtype: np.dtype, field: str) -> list[np.ndarray]:
+    """The rows of a Ragged message as read-only arrays."""
+    return split_rows(msg.values, row_lengths(msg.lengths, field), dtype, f"{field}.values")

@@ -15,8 +15,9 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
     async def ComputeLogProbs(self, request, context):
         batch = convert.sequences_from_pb(request)
         logprobs = await self.engine.logprobs(batch.prompts, batch.responses, batch.temperature,
-                                              as_arrays=request.packed)
-        return convert.logprobs_to_pb(batch.ids, logprobs, weight_version=0, packed=request.packed)
+                                              as_arrays=request.packed or batch.columnar)
+        return convert.logprobs_to_pb(batch.ids, logprobs, weight_version=0, packed=request.packed,
+                                      columnar=batch.columnar)
 
     async def GetInfo(self, request, context):
         return convert.info_to_pb("reference", self.engine.model_path, 0, self.engine.info())

@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Sequence
 
 from meshrl.v1 import reward_pb2
+from services.common.packed import I32, as_list, field_of
 from services.reward.engine import ScoreItem, Scored
 
 
 def items_from_pb(request: reward_pb2.ScoreRequest) -> list[ScoreItem]:
-    return [ScoreItem(id=it.id, prompt=it.prompt, response=it.response, response_ids=list(it.response_ids),
-                      ground_truth=it.ground_truth, data_source=it.data_source) for it in request.items]
+    return [ScoreItem(id=it.id, prompt=it.prompt, response=it.response,
+                      response_ids=as_list(field_of(it, "response_ids", I32, f"items[{i}].")),
+                      ground_truth=it.ground_truth, data_source=it.data_source) for i, it in enumerate(request.items)]
 
 
 def items_to_pb(items: Sequence[ScoreItem]) -> reward_pb2.ScoreRequest:

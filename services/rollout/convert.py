@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from meshrl.v1 import common_pb2, rollout_pb2
-from services.common.packed import F32, I32, as_list, field_of, pack_f32, pack_i32
+from services.common.packed import F32, I32, as_list, field_of, pack_f32, pack_i32, set_rows, unpack_rows
 from services.common.weights import Manifest, manifest_from_kwargs
 from services.rollout.engine import (GenerateBatch, PromptInput, PromptResult, RolloutConfig, SampleResult,
                                      SamplingParams)
@@ -52,11 +52,42 @@ def sample_to_pb(s: SampleResult, *, packed: bool = False) -> rollout_pb2.Sample
                               finish_reason=s.finish_reason, weight_version=s.weight_version)
 
 
-def results_to_pb(results: list[PromptResult], *, packed: bool = False) -> rollout_pb2.GenerateResponse:
+def results_to_pb(results: list[PromptResult], *, packed: bool = False,
+                  columnar: bool = False) -> rollout_pb2.GenerateResponse:
+    if columnar:
+        return _results_columns(results)
     return rollout_pb2.GenerateResponse(responses=[
         rollout_pb2.RolloutResponse(prompt_id=r.prompt_id, prompt_ids=r.prompt_ids,
                                     samples=[sample_to_pb(s, packed=packed) for s in r.samples])
         for r in results])
+
+
+def _results_columns(results: list[PromptResult]) -> rollout_pb2.GenerateResponse:
+    """Tokens and log-probs of every sample in two Ragged messages; built in place (nesting built messages would
+    copy their bytes)."""
+    response = rollout_pb2.GenerateResponse()
+    for r in results:
+        rr = response.responses.add(prompt_id=r.prompt_id, prompt_ids=r.prompt_ids)
+        for s in r.samples:
+            rr.samples.add(text=s.text, finish_reason=s.finish_reason, weight_version=s.weight_version)
+    set_rows(response.response_rows, [s.response_ids for r in results for s in r.samples], I32)
+    set_rows(response.logprob_rows, [s.logprobs for r in results for s in r.samples], F32)
+    return response
+
+
+def sample_rows(response: rollout_pb2.GenerateResponse) -> tuple[list, list] | None:
+    """(token ids, log-probs) of every sample as read-only arrays in responses[i].samples[j] order when the
+    response is columnar, else None (the samples carry their own)."""
+    if not response.HasField("response_rows"):
+        return None
+    ids = unpack_rows(response.response_rows, I32, "response_rows")
+    logprobs = unpack_rows(response.logprob_rows, F32, "logprob_rows")
+    num = sum(len(r.samples) for r in response.responses)
+    if len(ids) != num or len(logprobs) != num:
+        raise ValueError(f"response_rows / logprob_rows: {len(ids)} / {len(logprobs)} rows for {num} samples")
+    if any(len(a) != len(b) for a, b in zip(ids, logprobs)):
+        raise ValueError("logprob_rows: row lengths differ from response_rows'")
+    return ids, logprobs
 
 
 def sample_arrays(s: rollout_pb2.Sample, where: str = "") -> tuple[list[int], list[float]]:
@@ -65,11 +96,16 @@ def sample_arrays(s: rollout_pb2.Sample, where: str = "") -> tuple[list[int], li
 
 
 def results_from_pb(response: rollout_pb2.GenerateResponse) -> list[PromptResult]:
-    out = []
+    rows = sample_rows(response)
+    k, out = 0, []
     for r in response.responses:
         samples = []
         for s in r.samples:
-            ids, lps = sample_arrays(s)
+            if rows is None:
+                ids, lps = sample_arrays(s)
+            else:
+                ids, lps = rows[0][k].tolist(), rows[1][k].tolist()
+                k += 1
             samples.append(SampleResult(response_ids=ids, logprobs=lps, text=s.text, finish_reason=s.finish_reason,
                                         weight_version=s.weight_version))
         out.append(PromptResult(prompt_id=r.prompt_id, prompt_ids=r.prompt_ids[:], samples=samples))

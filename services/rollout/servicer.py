@@ -29,12 +29,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def Generate(self, request, context):
         results = await self.engine.generate(convert.request_from_pb(request, self.defaults))
-        return convert.results_to_pb(results, packed=request.packed)
+        return convert.results_to_pb(results, packed=request.packed, columnar=request.columnar)
 
     async def ComputeLogProbs(self, request, context):
         batch = common_convert.sequences_from_pb(request, as_lists=True)
         logprobs, version = await self.engine.logprobs(batch.prompts, batch.responses, batch.temperature)
-        return common_convert.logprobs_to_pb(batch.ids, logprobs, weight_version=version, packed=request.packed)
+        return common_convert.logprobs_to_pb(batch.ids, logprobs, weight_version=version, packed=request.packed,
+                                             columnar=batch.columnar)
 
     async def GetInfo(self, request, context):
         details = {**self.engine.info(), "weight_transports": ",".join(self.receivers.available())}

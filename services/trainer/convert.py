@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from meshrl.v1 import common_pb2, trainer_pb2
-from services.common.packed import F32, I32, field_of, pack_f32, pack_i32
+import numpy as np
+
+from services.common.packed import (F32, I32, concat, field_of, pack_f32, pack_i32, row_lengths, row_lengths_of,
+                                    set_rows, split_rows, unpack_rows)
 from services.common.weights import Manifest
 from services.trainer.batch import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample
 
@@ -26,7 +29,11 @@ def actor_loss_to_pb(loss: ActorLoss) -> trainer_pb2.ActorLoss:
 
 
 def train_actor_from_pb(request: trainer_pb2.TrainActorRequest) -> tuple[list[TrainSample], ActorLoss]:
-    """Packed fields arrive as numpy arrays (no per-element copy), repeated ones as lists."""
+    """Packed and columnar fields arrive as numpy arrays (no per-element copy), repeated ones as lists."""
+    if request.HasField("columns"):
+        if len(request.samples):
+            raise ValueError("samples: set together with columns (send one form or the other)")
+        return _train_columns(request.columns), actor_loss_from_pb(request.loss)
     samples = []
     for i, s in enumerate(request.samples):
         w = f"samples[{i}]."
@@ -35,6 +42,59 @@ def train_actor_from_pb(request: trainer_pb2.TrainActorRequest) -> tuple[list[Tr
                                    old_logprobs=field_of(s, "old_logprobs", F32, w),
                                    ref_logprobs=field_of(s, "ref_logprobs", F32, w)))
     return samples, actor_loss_from_pb(request.loss)
+
+
+def _train_columns(c: trainer_pb2.TrainColumns) -> list[TrainSample]:
+    prompts = unpack_rows(c.prompt_ids, I32, "columns.prompt_ids")
+    lengths = row_lengths(c.response_ids.lengths, "columns.response_ids")
+    responses = split_rows(c.response_ids.values, lengths, I32, "columns.response_ids.values")
+    if len(prompts) != len(responses):
+        raise ValueError(f"columns.response_ids: {len(responses)} rows for {len(prompts)} prompt rows")
+
+    def per_token(name: str, required: bool) -> list[np.ndarray]:
+        data = getattr(c, name)
+        if not data and not required:
+            return [_EMPTY] * len(responses)
+        rows = split_rows(data, lengths, F32, f"columns.{name}")
+        flat = np.frombuffer(data, dtype=F32)
+        if not np.isfinite(flat).all():
+            k = int(np.argmin(np.isfinite(flat)))
+            i = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
+            raise ValueError(f"columns.{name}[{k}]: not finite ({flat[k]}; sample {i}, token "
+                             f"{k - int(lengths[:i].sum())})")
+        return rows
+
+    advantages, old, ref = per_token("advantages", True), per_token("old_logprobs", False), \
+        per_token("ref_logprobs", False)
+    return [TrainSample(prompt_ids=p, response_ids=r, advantages=a, old_logprobs=o, ref_logprobs=f)
+            for p, r, a, o, f in zip(prompts, responses, advantages, old, ref)]
+
+
+_EMPTY = np.empty(0, dtype=F32)
+
+
+def train_columns_to_pb(samples, into: trainer_pb2.TrainColumns | None = None) -> trainer_pb2.TrainColumns:
+    """Any objects with TrainSample's fields as one TrainColumns (written into `into`, a request's `columns`, when
+    given: nesting a built message copies its bytes). old_logprobs / ref_logprobs: every sample's or none (an
+    empty column); a row whose length is not its response's is a ValueError naming the sample."""
+    c = trainer_pb2.TrainColumns() if into is None else into
+    response_lengths = row_lengths_of([s.response_ids for s in samples])
+
+    def per_token(name: str, required: bool = False) -> bytes:
+        rows = [getattr(s, name) for s in samples]
+        lengths = row_lengths_of(rows)
+        if not required and not lengths.any():
+            return b""
+        if (lengths != response_lengths).any():     # rows that only add up would land on the wrong tokens
+            i = int(np.argmax(lengths != response_lengths))
+            raise ValueError(f"samples[{i}].{name}: {lengths[i]} values for {response_lengths[i]} response tokens")
+        return concat(rows, F32)
+
+    advantages, old, ref = per_token("advantages", required=True), per_token("old_logprobs"), per_token("ref_logprobs")
+    set_rows(c.prompt_ids, [s.prompt_ids for s in samples], I32)
+    set_rows(c.response_ids, [s.response_ids for s in samples], I32)
+    c.advantages, c.old_logprobs, c.ref_logprobs = advantages, old, ref
+    return c
 
 
 def train_sample_to_pb(s, *, packed: bool = False) -> trainer_pb2.TrainSample:
@@ -48,8 +108,12 @@ def train_sample_to_pb(s, *, packed: bool = False) -> trainer_pb2.TrainSample:
                                    old_logprobs=s.old_logprobs, ref_logprobs=s.ref_logprobs)
 
 
-def train_actor_to_pb(samples: list[TrainSample], loss: ActorLoss, *,
-                      packed: bool = False) -> trainer_pb2.TrainActorRequest:
+def train_actor_to_pb(samples: list[TrainSample], loss: ActorLoss, *, packed: bool = False,
+                      columnar: bool = False) -> trainer_pb2.TrainActorRequest:
+    if columnar:
+        request = trainer_pb2.TrainActorRequest(loss=actor_loss_to_pb(loss))
+        train_columns_to_pb(samples, into=request.columns)
+        return request
     return trainer_pb2.TrainActorRequest(samples=[train_sample_to_pb(s, packed=packed) for s in samples],
                                          loss=actor_loss_to_pb(loss))
 
@@ -97,8 +161,9 @@ def train_response_to_pb(step: int, metrics: dict[str, float]) -> trainer_pb2.Tr
 
 
 def values_request_from_pb(request: trainer_pb2.ValuesRequest) -> tuple[list[str], list[list[int]], list[list[int]]]:
-    return ([s.id for s in request.sequences], [s.prompt_ids[:] for s in request.sequences],
-            [s.response_ids[:] for s in request.sequences])
+    seqs = request.sequences
+    return ([s.id for s in seqs], [field_of(s, "prompt_ids", I32, f"sequences[{i}].") for i, s in enumerate(seqs)],
+            [field_of(s, "response_ids", I32, f"sequences[{i}].") for i, s in enumerate(seqs)])
 
 
 def values_to_pb(ids: list[str], values: list[list[float]]) -> trainer_pb2.ValuesResponse:

@@ -22,7 +22,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         batch = common_convert.sequences_from_pb(request)
         logprobs = await asyncio.to_thread(self.engine.compute_logprobs, batch.prompts, batch.responses,
                                            batch.temperature)
-        return common_convert.logprobs_to_pb(batch.ids, logprobs, self.engine.weight_version, packed=request.packed)
+        return common_convert.logprobs_to_pb(batch.ids, logprobs, self.engine.weight_version, packed=request.packed,
+                                             columnar=batch.columnar)
 
     async def ComputeValues(self, request, context):
         ids, prompts, responses = convert.values_request_from_pb(request)

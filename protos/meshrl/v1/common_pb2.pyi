@@ -16,6 +16,14 @@ class Tensor(_message.Message):
     data: bytes
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class Ragged(_message.Message):
+    __slots__ = ("lengths", "values")
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    lengths: bytes
+    values: bytes
+    def __init__(self, lengths: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
+
 class TokenSequence(_message.Message):
     __slots__ = ("id", "prompt_ids", "response_ids", "prompt_ids_packed", "response_ids_packed")
     ID_FIELD_NUMBER: _ClassVar[int]
@@ -41,22 +49,28 @@ class TokenLogProbs(_message.Message):
     def __init__(self, id: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., logprobs_packed: _Optional[bytes] = ...) -> None: ...
 
 class LogProbsRequest(_message.Message):
-    __slots__ = ("sequences", "temperature", "packed")
+    __slots__ = ("sequences", "temperature", "packed", "prompt_rows", "response_rows")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_ROWS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
     temperature: float
     packed: bool
-    def __init__(self, sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., temperature: _Optional[float] = ..., packed: _Optional[bool] = ...) -> None: ...
+    prompt_rows: Ragged
+    response_rows: Ragged
+    def __init__(self, sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., temperature: _Optional[float] = ..., packed: _Optional[bool] = ..., prompt_rows: _Optional[_Union[Ragged, _Mapping]] = ..., response_rows: _Optional[_Union[Ragged, _Mapping]] = ...) -> None: ...
 
 class LogProbsResponse(_message.Message):
-    __slots__ = ("results", "weight_version")
+    __slots__ = ("results", "weight_version", "logprob_rows")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_ROWS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[TokenLogProbs]
     weight_version: int
-    def __init__(self, results: _Optional[_Iterable[_Union[TokenLogProbs, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    logprob_rows: Ragged
+    def __init__(self, results: _Optional[_Iterable[_Union[TokenLogProbs, _Mapping]]] = ..., weight_version: _Optional[int] = ..., logprob_rows: _Optional[_Union[Ragged, _Mapping]] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "nbytes")

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreItem(_message.Message):
-    __slots__ = ("id", "prompt", "response", "response_ids", "ground_truth", "data_source")
+    __slots__ = ("id", "prompt", "response", "response_ids", "ground_truth", "data_source", "response_ids_packed")
     ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     GROUND_TRUTH_FIELD_NUMBER: _ClassVar[int]
     DATA_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
     id: str
     prompt: str
     response: str
     response_ids: _containers.RepeatedScalarFieldContainer[int]
     ground_truth: str
     data_source: str
-    def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., response_ids: _Optional[_Iterable[int]] = ..., ground_truth: _Optional[str] = ..., data_source: _Optional[str] = ...) -> None: ...
+    response_ids_packed: bytes
+    def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., response_ids: _Optional[_Iterable[int]] = ..., ground_truth: _Optional[str] = ..., data_source: _Optional[str] = ..., response_ids_packed: _Optional[bytes] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("items",)

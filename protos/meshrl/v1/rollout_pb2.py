@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/rollout.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"o\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x0c\n\x04seed\x18\x06 \x01(\x03\"6\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\"r\n\x0fGenerateRequest\x12\"\n\x07prompts\x18\x01 \x03(\x0b\x32\x11.meshrl.v1.Prompt\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\x12\x0e\n\x06packed\x18\x03 \x01(\x08\"\xa3\x01\n\x06Sample\x12\x14\n\x0cresponse_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x1b\n\x13response_ids_packed\x18\x06 \x01(\x0c\x12\x17\n\x0flogprobs_packed\x18\x07 \x01(\x0c\"\\\n\x0fRolloutResponse\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\"\n\x07samples\x18\x03 \x03(\x0b\x32\x11.meshrl.v1.Sample\"A\n\x10GenerateResponse\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.meshrl.v1.RolloutResponse2\xf8\x02\n\x07Rollout\x12\x43\n\x08Generate\x12\x1a.meshrl.v1.GenerateRequest\x1a\x1b.meshrl.v1.GenerateResponse\x12J\n\x0f\x43omputeLogProbs\x12\x1a.meshrl.v1.LogProbsRequest\x1a\x1b.meshrl.v1.LogProbsResponse\x12<\n\x07GetInfo\x12\x19.meshrl.v1.GetInfoRequest\x1a\x16.meshrl.v1.ServiceInfo\x12L\n\rUpdateWeights\x12\x17.meshrl.v1.WeightBucket\x1a .meshrl.v1.UpdateWeightsResponse(\x01\x12P\n\x0fJoinWeightGroup\x12\x1d.meshrl.v1.WeightGroupRequest\x1a\x1e.meshrl.v1.WeightGroupResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/rollout.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"o\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x0c\n\x04seed\x18\x06 \x01(\x03\"6\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\"\x84\x01\n\x0fGenerateRequest\x12\"\n\x07prompts\x18\x01 \x03(\x0b\x32\x11.meshrl.v1.Prompt\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\x12\x0e\n\x06packed\x18\x03 \x01(\x08\x12\x10\n\x08\x63olumnar\x18\x04 \x01(\x08\"\xa3\x01\n\x06Sample\x12\x14\n\x0cresponse_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x1b\n\x13response_ids_packed\x18\x06 \x01(\x0c\x12\x17\n\x0flogprobs_packed\x18\x07 \x01(\x0c\"\\\n\x0fRolloutResponse\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\"\n\x07samples\x18\x03 \x03(\x0b\x32\x11.meshrl.v1.Sample\"\x94\x01\n\x10GenerateResponse\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.meshrl.v1.RolloutResponse\x12(\n\rresponse_rows\x18\x02 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12\'\n\x0clogprob_rows\x18\x03 \x01(\x0b\x32\x11.meshrl.v1.Ragged2\xf8\x02\n\x07Rollout\x12\x43\n\x08Generate\x12\x1a.meshrl.v1.GenerateRequest\x1a\x1b.meshrl.v1.GenerateResponse\x12J\n\x0f\x43omputeLogProbs\x12\x1a.meshrl.v1.LogProbsRequest\x1a\x1b.meshrl.v1.LogProbsResponse\x12<\n\x07GetInfo\x12\x19.meshrl.v1.GetInfoRequest\x1a\x16.meshrl.v1.ServiceInfo\x12L\n\rUpdateWeights\x12\x17.meshrl.v1.WeightBucket\x1a .meshrl.v1.UpdateWeightsResponse(\x01\x12P\n\x0fJoinWeightGroup\x12\x1d.meshrl.v1.WeightGroupRequest\x1a\x1e.meshrl.v1.WeightGroupResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,14 +36,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_end=173
   _globals['_PROMPT']._serialized_start=175
   _globals['_PROMPT']._serialized_end=229
-  _globals['_GENERATEREQUEST']._serialized_start=231
-  _globals['_GENERATEREQUEST']._serialized_end=345
-  _globals['_SAMPLE']._serialized_start=348
-  _globals['_SAMPLE']._serialized_end=511
-  _globals['_ROLLOUTRESPONSE']._serialized_start=513
-  _globals['_ROLLOUTRESPONSE']._serialized_end=605
-  _globals['_GENERATERESPONSE']._serialized_start=607
-  _globals['_GENERATERESPONSE']._serialized_end=672
-  _globals['_ROLLOUT']._serialized_start=675
-  _globals['_ROLLOUT']._serialized_end=1051
+  _globals['_GENERATEREQUEST']._serialized_start=232
+  _globals['_GENERATEREQUEST']._serialized_end=364
+  _globals['_SAMPLE']._serialized_start=367
+  _globals['_SAMPLE']._serialized_end=530
+  _globals['_ROLLOUTRESPONSE']._serialized_start=532
+  _globals['_ROLLOUTRESPONSE']._serialized_end=624
+  _globals['_GENERATERESPONSE']._serialized_start=627
+  _globals['_GENERATERESPONSE']._serialized_end=775
+  _globals['_ROLLOUT']._serialized_start=778
+  _globals['_ROLLOUT']._serialized_end=1154
 # @@protoc_insertion_point(module_scope)

@@ -34,14 +34,16 @@ class Prompt(_message.Message):
     def __init__(self, id: _Optional[str] = ..., text: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "sampling", "packed")
+    __slots__ = ("prompts", "sampling", "packed", "columnar")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    COLUMNAR_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: SamplingParams
     packed: bool
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., packed: _Optional[bool] = ...) -> None: ...
+    columnar: bool
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., packed: _Optional[bool] = ..., columnar: _Optional[bool] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("response_ids", "logprobs", "text", "finish_reason", "weight_version", "response_ids_packed", "logprobs_packed")
@@ -72,7 +74,11 @@ class RolloutResponse(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("responses",)
+    __slots__ = ("responses", "response_rows", "logprob_rows")
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_ROWS_FIELD_NUMBER: _ClassVar[int]
     responses: _containers.RepeatedCompositeFieldContainer[RolloutResponse]
-    def __init__(self, responses: _Optional[_Iterable[_Union[RolloutResponse, _Mapping]]] = ...) -> None: ...
+    response_rows: _common_pb2.Ragged
+    logprob_rows: _common_pb2.Ragged
+    def __init__(self, responses: _Optional[_Iterable[_Union[RolloutResponse, _Mapping]]] = ..., response_rows: _Optional[_Union[_common_pb2.Ragged, _Mapping]] = ..., logprob_rows: _Optional[_Union[_common_pb2.Ragged, _Mapping]] = ...) -> None: ...

@@ -54,12 +54,28 @@ class ActorLoss(_message.Message):
     def __init__(self, clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_type: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_agg_mode: _Optional[str] = ..., ppo_epochs: _Optional[int] = ..., mini_batch_size: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class TrainActorRequest(_message.Message):
-    __slots__ = ("samples", "loss")
+    __slots__ = ("samples", "loss", "columns")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     samples: _containers.RepeatedCompositeFieldContainer[TrainSample]
     loss: ActorLoss
-    def __init__(self, samples: _Optional[_Iterable[_Union[TrainSample, _Mapping]]] = ..., loss: _Optional[_Union[ActorLoss, _Mapping]] = ...) -> None: ...
+    columns: TrainColumns
+    def __init__(self, samples: _Optional[_Iterable[_Union[TrainSample, _Mapping]]] = ..., loss: _Optional[_Union[ActorLoss, _Mapping]] = ..., columns: _Optional[_Union[TrainColumns, _Mapping]] = ...) -> None: ...
+
+class TrainColumns(_message.Message):
+    __slots__ = ("prompt_ids", "response_ids", "advantages", "old_logprobs", "ref_logprobs")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    OLD_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REF_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _common_pb2.Ragged
+    response_ids: _common_pb2.Ragged
+    advantages: bytes
+    old_logprobs: bytes
+    ref_logprobs: bytes
+    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Ragged, _Mapping]] = ..., response_ids: _Optional[_Union[_common_pb2.Ragged, _Mapping]] = ..., advantages: _Optional[bytes] = ..., old_logprobs: _Optional[bytes] = ..., ref_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class ValuesRequest(_message.Message):
     __slots__ = ("sequences",)
