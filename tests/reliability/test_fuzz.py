@@ -13,6 +13,7 @@ import math
 import os
 import resource
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -155,6 +156,9 @@ BY_NAME = {
     "world_size": st.sampled_from([0, 1, 2, -1, 2**31 - 1]),
     "timeout_s": st.sampled_from([0.0, 0.1, -1.0, math.nan]),
     "seed": INT64, "temperature": FLOAT, "top_p": FLOAT,
+    # Ragged rows (columnar payloads): row lengths and token values that often fit together, sometimes not.
+    "lengths": st.lists(st.integers(-1, 8), max_size=6).map(lambda xs: struct.pack(f"<{len(xs)}i", *xs)),
+    "values": TOKENS.map(lambda xs: struct.pack(f"<{len(xs)}i", *[max(-2**31, min(x, 2**31 - 1)) for x in xs])),
 }
 
 
@@ -177,7 +181,7 @@ def message(draw, descriptor, depth: int = 3, overrides: dict | None = None):
             strategy = overrides[field.name]
         elif draw(st.integers(0, 3)) == 0:       # each field set three times in four
             continue
-        elif field.name in BY_NAME:
+        elif field.name in BY_NAME and field.type != FD.TYPE_MESSAGE:   # TrainColumns.prompt_ids is a Ragged
             strategy = BY_NAME[field.name]
         elif field.type == FD.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
             key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
