@@ -45,6 +45,10 @@ def _sequence_columns(request: common_pb2.LogProbsRequest, temperature: float, a
     responses = unpack_rows(request.response_rows, I32, "response_rows")
     if len(prompts) != len(responses):
         raise ValueError(f"response_rows: {len(responses)} rows for {len(prompts)} prompt_rows")
+    for name, rows in (("prompt_rows", prompts), ("response_rows", responses)):
+        empty = next((i for i, r in enumerate(rows) if not len(r)), None)
+        if empty is not None:
+            raise ValueError(f"{name}: row {empty} is empty")
     if as_lists:
         prompts, responses = [p.tolist() for p in prompts], [r.tolist() for r in responses]
     return SequenceBatch(ids=[str(i) for i in range(len(prompts))], prompts=prompts, responses=responses,

@@ -152,6 +152,9 @@ def test_bad_columnar_sequences_are_named_by_field():
     with pytest.raises(ValueError, match=r"prompt_rows\.lengths: 3 bytes"):
         common_convert.sequences_from_pb(request(prompt_rows=common_pb2.Ragged(lengths=b"\x01\x00\x00"),
                                                  response_rows=rows))
+    with pytest.raises(ValueError, match=r"response_rows: row 1 is empty"):
+        common_convert.sequences_from_pb(request(prompt_rows=rows, response_rows=common_pb2.Ragged(
+            lengths=pack_i32([3, 0]), values=pack_i32([1, 2, 3]))))
     with pytest.raises(ValueError, match="sequences: set together with prompt_rows"):
         common_convert.sequences_from_pb(request(prompt_rows=rows, response_rows=rows,
                                                  sequences=[common_pb2.TokenSequence(prompt_ids=[1])]))
