@@ -11,7 +11,7 @@ from meshrl.v1 import (common_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_gr
                        trainer_pb2, trainer_pb2_grpc)
 from coordinator.data import Problem
 from services.common.convert import SequenceBatch, logprobs_from_pb, sequences_to_pb
-from services.common.packed import F32, I32, field_of, pack_i32
+from services.common.packed import I32, pack_i32
 from services.rollout.convert import sample_rows
 from services.trainer.convert import train_columns_to_pb
 
@@ -87,16 +87,13 @@ async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sam
         if len(rr.samples) != sampling.n:
             raise RuntimeError(f"rollout returned {len(rr.samples)} samples for prompt {problem.id}, expected "
                                f"{sampling.n}")
-    rows = sample_rows(response)
-    if rows is None:    # a replica that does not answer in columns: each sample carries its tokens
-        rows = ([field_of(s, "response_ids", I32) for rr in response.responses for s in rr.samples],
-                [field_of(s, "logprobs", F32) for rr in response.responses for s in rr.samples])
+    ids, logprobs = sample_rows(response)     # columns, or per-sample fields from a replica that ignores columnar
     samples = []
     for problem, group, rr in zip(problems, groups, response.responses):
         prompt_ids = np.asarray(rr.prompt_ids[:], dtype=I32)
         for s in rr.samples:
             k = len(samples)
-            samples.append(Sample(problem, group, prompt_ids, rows[0][k], rows[1][k], s.text, s.finish_reason,
+            samples.append(Sample(problem, group, prompt_ids, ids[k], logprobs[k], s.text, s.finish_reason,
                                   s.weight_version))
     return samples
 

@@ -93,10 +93,9 @@ def row_lengths(data: bytes, field: str) -> np.ndarray:
     return lengths.astype(np.int64)
 
 
-def split_rows(data: bytes, lengths: np.ndarray, dtype: np.dtype, field: str) -> list[np.ndarray]:
-    """Rows of `lengths` over packed `data` (read-only views); a total that differs from the lengths' sum names
+def split_rows(values: np.ndarray, lengths: np.ndarray, field: str) -> list[np.ndarray]:
+    """Rows of `lengths` over `values` (an unpack result: views); a total that differs from the lengths' sum names
     the field."""
-    values = unpack(data, dtype, field)
     total = int(lengths.sum())
     if len(values) != total:
         raise ValueError(f"{field}: {len(values)} values, but the rows' lengths add up to {total}")
@@ -110,4 +109,5 @@ def split_rows(data: bytes, lengths: np.ndarray, dtype: np.dtype, field: str) ->
 
 def unpack_rows(msg, dtype: np.dtype, field: str) -> list[np.ndarray]:
     """The rows of a Ragged message as read-only arrays."""
-    return split_rows(msg.values, row_lengths(msg.lengths, field), dtype, f"{field}.values")
+    return split_rows(unpack(msg.values, dtype, f"{field}.values"), row_lengths(msg.lengths, field),
+                      f"{field}.values")

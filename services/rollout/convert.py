@@ -75,11 +75,15 @@ def _results_columns(results: list[PromptResult]) -> rollout_pb2.GenerateRespons
     return response
 
 
-def sample_rows(response: rollout_pb2.GenerateResponse) -> tuple[list, list] | None:
-    """(token ids, log-probs) of every sample as read-only arrays in responses[i].samples[j] order when the
-    response is columnar, else None (the samples carry their own)."""
+def sample_rows(response: rollout_pb2.GenerateResponse) -> tuple[list, list]:
+    """(token ids, log-probs) of every sample in responses[i].samples[j] order, from whichever form the answer
+    carries: read-only arrays from columns or packed fields, lists from repeated ones."""
     if not response.HasField("response_rows"):
-        return None
+        where = [f"responses[{i}].samples[{j}]." for i, r in enumerate(response.responses)
+                 for j in range(len(r.samples))]
+        samples = [s for r in response.responses for s in r.samples]
+        return ([field_of(s, "response_ids", I32, w) for s, w in zip(samples, where)],
+                [field_of(s, "logprobs", F32, w) for s, w in zip(samples, where)])
     ids = unpack_rows(response.response_rows, I32, "response_rows")
     logprobs = unpack_rows(response.logprob_rows, F32, "logprob_rows")
     num = sum(len(r.samples) for r in response.responses)
@@ -90,24 +94,15 @@ def sample_rows(response: rollout_pb2.GenerateResponse) -> tuple[list, list] | N
     return ids, logprobs
 
 
-def sample_arrays(s: rollout_pb2.Sample, where: str = "") -> tuple[list[int], list[float]]:
-    """(response_ids, logprobs) of a Sample as lists, from whichever form it carries."""
-    return as_list(field_of(s, "response_ids", I32, where)), as_list(field_of(s, "logprobs", F32, where))
-
-
 def results_from_pb(response: rollout_pb2.GenerateResponse) -> list[PromptResult]:
-    rows = sample_rows(response)
+    ids, logprobs = sample_rows(response)
     k, out = 0, []
     for r in response.responses:
         samples = []
         for s in r.samples:
-            if rows is None:
-                ids, lps = sample_arrays(s)
-            else:
-                ids, lps = rows[0][k].tolist(), rows[1][k].tolist()
-                k += 1
-            samples.append(SampleResult(response_ids=ids, logprobs=lps, text=s.text, finish_reason=s.finish_reason,
-                                        weight_version=s.weight_version))
+            samples.append(SampleResult(response_ids=as_list(ids[k]), logprobs=as_list(logprobs[k]), text=s.text,
+                                        finish_reason=s.finish_reason, weight_version=s.weight_version))
+            k += 1
         out.append(PromptResult(prompt_id=r.prompt_id, prompt_ids=r.prompt_ids[:], samples=samples))
     return out
 

@@ -6,7 +6,7 @@ from meshrl.v1 import common_pb2, trainer_pb2
 import numpy as np
 
 from services.common.packed import (F32, I32, concat, field_of, pack_f32, pack_i32, row_lengths, row_lengths_of,
-                                    set_rows, split_rows, unpack_rows)
+                                    set_rows, split_rows, unpack, unpack_rows)
 from services.common.weights import Manifest
 from services.trainer.batch import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample
 
@@ -47,7 +47,8 @@ def train_actor_from_pb(request: trainer_pb2.TrainActorRequest) -> tuple[list[Tr
 def _train_columns(c: trainer_pb2.TrainColumns) -> list[TrainSample]:
     prompts = unpack_rows(c.prompt_ids, I32, "columns.prompt_ids")
     lengths = row_lengths(c.response_ids.lengths, "columns.response_ids")
-    responses = split_rows(c.response_ids.values, lengths, I32, "columns.response_ids.values")
+    responses = split_rows(unpack(c.response_ids.values, I32, "columns.response_ids.values"), lengths,
+                           "columns.response_ids.values")
     if len(prompts) != len(responses):
         raise ValueError(f"columns.response_ids: {len(responses)} rows for {len(prompts)} prompt rows")
 
@@ -55,8 +56,8 @@ def _train_columns(c: trainer_pb2.TrainColumns) -> list[TrainSample]:
         data = getattr(c, name)
         if not data and not required:
             return [_EMPTY] * len(responses)
-        rows = split_rows(data, lengths, F32, f"columns.{name}")
-        flat = np.frombuffer(data, dtype=F32)
+        flat = unpack(data, F32, f"columns.{name}")
+        rows = split_rows(flat, lengths, f"columns.{name}")
         if not np.isfinite(flat).all():
             k = int(np.argmin(np.isfinite(flat)))
             i = int(np.searchsorted(np.cumsum(lengths), k, side="right"))

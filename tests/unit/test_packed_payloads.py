@@ -63,21 +63,6 @@ def engine(model_path: str) -> TrainerEngine:
     return TrainerEngine(load_config(TrainerSettings, data={"model": {"path": model_path}, "actor": {"lr": 1e-3}}))
 
 
-def test_a_packed_train_actor_request_trains_exactly_as_the_repeated_one(model_path):
-    samples = random_samples(5, seed=2)
-    for s in samples:
-        s.ref_logprobs = [-1.0 - 0.01 * t for t in range(len(s.response_ids))]
-    loss = ActorLoss(kl_coef=0.01)
-    metrics = {}
-    for packed in (False, True):
-        request = trainer_convert.train_actor_to_pb(samples, loss, packed=packed)
-        parsed, parsed_loss = trainer_convert.train_actor_from_pb(request)
-        assert isinstance(parsed[0].advantages, np.ndarray) == packed
-        m = engine(model_path).train_actor(parsed, parsed_loss)
-        metrics[packed] = {k: v for k, v in m.items() if k not in ("seconds", "tokens_per_s")}
-    assert metrics[True] == metrics[False]
-
-
 def test_bad_packed_values_are_named_like_repeated_ones(model_path):
     samples = random_samples(2, seed=4)
     last = len(samples[1].advantages) - 1
@@ -160,23 +145,25 @@ def test_bad_columnar_sequences_are_named_by_field():
                                                  sequences=[common_pb2.TokenSequence(prompt_ids=[1])]))
 
 
-def test_a_columnar_train_actor_request_trains_exactly_as_the_repeated_one(model_path):
+def test_packed_and_columnar_train_actor_requests_train_exactly_as_the_repeated_one(model_path):
     samples = random_samples(5, seed=2)
     for s in samples:
         s.ref_logprobs = [-1.0 - 0.01 * t for t in range(len(s.response_ids))]
     loss = ActorLoss(kl_coef=0.01)
     metrics = {}
-    for columnar in (False, True):
-        request = trainer_convert.train_actor_to_pb(samples, loss, columnar=columnar)
-        assert bool(request.samples) != columnar
+    for form in ("repeated", "packed", "columnar"):
+        request = trainer_convert.train_actor_to_pb(samples, loss, packed=form == "packed",
+                                                    columnar=form == "columnar")
+        assert bool(request.samples) != (form == "columnar")
         parsed, parsed_loss = trainer_convert.train_actor_from_pb(
             trainer_pb2.TrainActorRequest.FromString(request.SerializeToString()))
-        if columnar:
+        assert isinstance(parsed[0].advantages, np.ndarray) == (form != "repeated")
+        if form == "columnar":
             assert all(isinstance(s.prompt_ids, np.ndarray) and len(s.old_logprobs) == len(s.response_ids) for s in parsed)
             assert [s.ref_logprobs.tolist() for s in parsed] == [list(np.float32(s.ref_logprobs)) for s in samples]
         m = engine(model_path).train_actor(parsed, parsed_loss)
-        metrics[columnar] = {k: v for k, v in m.items() if k not in ("seconds", "tokens_per_s")}
-    assert metrics[True] == metrics[False]
+        metrics[form] = {k: v for k, v in m.items() if k not in ("seconds", "tokens_per_s")}
+    assert metrics["packed"] == metrics["repeated"] and metrics["columnar"] == metrics["repeated"]
 
 
 def test_bad_train_columns_are_named_and_misaligned_rows_never_leave_the_client():
