@@ -3,7 +3,8 @@
 # transformers 5.17, CuPy); each named part writes its log and JSON under $OUT.
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
-#   parts: versions gputests decodetests wstest decode mfu reference wsipc spy meshrl trl bundle
+#   parts: versions gputests decodetests wstest meshtests multigpu decode mfu reference wsipc spy meshrl trl bundle
+#   multi-GPU hosts: OUT=/tmp/gpu bench/gpu_session.sh versions meshtests wstest multigpu bundle
 #
 # Python packages the image lacks travel as wheels: .whl/ (meshrl's: pydantic, pydantic-settings, tenacity,
 # redis, grpcio-health-checking/-reflection, isal, ...) goes to /tmp/site for every part; .whl-trl/ (trl,
@@ -50,6 +51,11 @@ for what in "$@"; do
            --variants "${MFU_VARIANTS:-plain,engine,engine_amp,engine_eager,engine_unfused}" --profile engine \
            --trace-dir "$WORK" --out "$OUT/trainer_mfu.json"
          gzip -c "$WORK"/trace_0.5b_engine.json > "$OUT/trace_0.5b_engine.json.gz" 2>/dev/null ;;
+    meshtests) part meshtests 560 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/multiproc/test_trainer_mesh.py ;;
+    multigpu)  # MULTI_PARTS (mfu,sync,grpo), MULTI_LAYOUTS (bench/multi_gpu.py's LAYOUTS names) split it over calls
+      part multigpu 580 python3 bench/multi_gpu.py --parts "${MULTI_PARTS:-mfu,sync,grpo}" \
+        ${MULTI_LAYOUTS:+--layouts "$MULTI_LAYOUTS"} --work-dir "$WORK/multi" --out "$OUT/multi_gpu.json"
+      (cd "$WORK/multi" && tar czf "$OUT/multi-logs.tgz" *.log grpo-runs/logs 2>/dev/null) ;;
     wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py -s ;;
     reference) part reference 240 python3 bench/reference_gpu.py --out "$OUT/reference_gpu.json" ;;
     wsipc) part wsipc 240 python3 bench/weight_sync.py --transport ipc --device cuda:0 --repeats 10 \
@@ -73,7 +79,7 @@ for what in "$@"; do
            --work-dir "$WORK" --out "$OUT/trl.json" ;;
     bundle)  # the device tool brings back at most 8 files: the logs travel as one archive
       wait
-      (cd "$OUT" && tar czf logs.tgz --remove-files $(ls -d *.log meshrl-logs.tgz spy 2>/dev/null)) ;;
+      (cd "$OUT" && tar czf logs.tgz --remove-files $(ls -d *.log meshrl-logs.tgz multi-logs.tgz spy 2>/dev/null)) ;;
     *) echo "gpu_session.sh: unknown part $what" >&2; exit 2 ;;
   esac
 done

@@ -12,7 +12,9 @@ transport (handles opened, groups formed) is reported apart.
   same bytes with nothing else (raw-bytes messages of --bucket-mib, no manifest, CRC or apply; receiver in its
   own process too) and one memcpy of the payload.
 - `--transport ipc` (one GPU shared by both processes): beside it, one device-to-device copy of every weight.
-- `--transport nccl` (two GPUs: trainer on --device, replica on --replica-device).
+- `--transport nccl` (two GPUs: trainer on --device, replica on --replica-device): beside it, in the same
+  run, a CuPy NCCL broadcast of the same bytes between the same two GPUs (nccl-tests' broadcast: a barrier,
+  then the broadcasts, timed on both ranks, the slower counts), as one call and in buckets of --bucket-mib.
 Correctness: after the last push the replica's fp64 sum of every tensor equals the trainer's.
 
     PYTHONPATH=.:protos python bench/weight_sync.py --transport grpc [--sizes 0.5b,1.5b] [--repeats 3,1]
@@ -216,6 +218,69 @@ def memcpy_seconds(num_bytes: int, device: str, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+def broadcast_times(comm, device: str, num_bytes: int, bucket_bytes: int, repeats: int) -> dict[str, list[float]]:
+    """One rank's side of the NCCL broadcast baseline (root 0): seconds per repeat, whole and bucketed."""
+    import cupy
+    from cupy.cuda import nccl
+
+    dev = torch.device(device)
+    buf = torch.empty(num_bytes, dtype=torch.uint8, device=dev).fill_(1)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    out = {}
+    with cupy.cuda.Device(dev.index):
+        for mode, step in (("whole", num_bytes), ("bucketed", bucket_bytes)):
+            times = []
+            for _ in range(repeats + 1):          # the first repeat warms the channels up and is dropped
+                comm.broadcast(buf.data_ptr(), buf.data_ptr(), 1, nccl.NCCL_UINT8, 0, stream)   # the barrier
+                torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                for off in range(0, num_bytes, step):
+                    n = min(step, num_bytes - off)
+                    comm.broadcast(buf.data_ptr() + off, buf.data_ptr() + off, n, nccl.NCCL_UINT8, 0, stream)
+                torch.cuda.synchronize(dev)
+                times.append(time.perf_counter() - t0)
+            out[mode] = times[1:]
+    del buf
+    return out
+
+
+def broadcast_peer(conn, device: str, num_bytes: int, bucket_bytes: int, repeats: int) -> None:
+    sys.path[:0] = [str(REPO), str(REPO / "protos")]
+    from services.common.weight_transport import init_communicator
+
+    torch.cuda.set_device(device)
+    comm = init_communicator(conn.recv(), 2, 1, torch.device(device), 120.0)
+    conn.send(broadcast_times(comm, device, num_bytes, bucket_bytes, repeats))
+    comm.destroy()
+
+
+def nccl_broadcast_seconds(num_bytes: int, device: str, peer_device: str, bucket_bytes: int,
+                           repeats: int) -> dict[str, float]:
+    """Median seconds of an NCCL broadcast of num_bytes from device to peer_device (a spawned process)."""
+    from cupy.cuda import nccl
+
+    from services.common.weight_transport import init_communicator
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=broadcast_peer, args=(child, peer_device, num_bytes, bucket_bytes, repeats), daemon=True)
+    proc.start()
+    uid = nccl.get_unique_id()
+    parent.send(uid)
+    comm = init_communicator(uid, 2, 0, torch.device(device), 120.0)
+    try:
+        mine = broadcast_times(comm, device, num_bytes, bucket_bytes, repeats)
+        if not parent.poll(600):
+            raise RuntimeError("nccl broadcast peer did not report")
+        theirs = parent.recv()
+    finally:
+        comm.destroy()
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    return {mode: statistics.median(max(a, b) for a, b in zip(mine[mode], theirs[mode])) for mode in mine}
+
+
 # --------------------------------------------------------------------------------------------------
 
 
@@ -256,6 +321,12 @@ def bench_size(size: str, transport: str, *, repeats: int, device: str, replica_
     else:
         mc = memcpy_seconds(num_bytes, device, 5)
         row.update(device_copy_seconds=round(mc, 5), device_copy_gb_per_s=round(num_bytes / mc / 1e9, 1))
+    if transport == "nccl":
+        bc = nccl_broadcast_seconds(num_bytes, device, replica_device, bucket_bytes, 5)
+        row.update(nccl_broadcast_seconds=round(bc["whole"], 5),
+                   nccl_broadcast_gb_per_s=round(num_bytes / bc["whole"] / 1e9, 2),
+                   nccl_broadcast_bucketed_seconds=round(bc["bucketed"], 5),
+                   nccl_broadcast_bucketed_gb_per_s=round(num_bytes / bc["bucketed"] / 1e9, 2))
     proc, conn, target = start_rollout(size, replica_device if transport == "nccl" else
                                        (device if on_device else "cpu"))
     sender = build_sender(transport, token=None, timeout=600.0, collective_timeout=120.0)
@@ -277,6 +348,8 @@ def bench_size(size: str, transport: str, *, repeats: int, device: str, replica_
                all_seconds=[round(x, 4) for x in times], first_push_seconds=round(times[0], 3))
     if transport == "grpc":
         row["vs_raw_grpc"] = round(med / statistics.median(raw), 2)
+    if transport == "nccl":        # the share of the plain broadcast's bandwidth the whole push reaches
+        row["vs_nccl_broadcast"] = round(row["nccl_broadcast_seconds"] / med, 3)
     return row
 
 

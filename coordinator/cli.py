@@ -63,7 +63,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., exists=True, dir_o
     """Start every service as a process on 127.0.0.1, run the recipe to the end, stop everything."""
     from coordinator.client import Client
     from coordinator.config import RunConfig
-    from coordinator.launcher import Launcher
+    from coordinator.launcher import Launcher, replica_devices
     from services.common.config import load_config
 
     overrides = _overrides(list(ctx.args))
@@ -75,17 +75,24 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., exists=True, dir_o
         console.print(f"[red]meshrl up: {e}[/red]")
         raise typer.Exit(2)
     raw = yaml.safe_load(config.read_text()) or {}
-    num_rollout = cfg.rollout.replicas if "replicas" in (raw.get("rollout") or {}) else 2
+    # Two rollout replicas unless the recipe or a flag says how many.
+    asked = "replicas" in (raw.get("rollout") or {}) or "rollout.replicas" in overrides
+    num_rollout = cfg.rollout.replicas if asked else 2
     num_reference = cfg.reference.replicas if (cfg.reference.replicas or cfg.needs_reference) else 0
+    counts = {"reference": num_reference, "reward": max(1, cfg.reward.replicas), "rollout": num_rollout}
+    try:  # every replica's GPUs before any process starts, so a bad `devices:` starts nothing
+        placement = {role: replica_devices(getattr(cfg, role).devices, n, role) for role, n in counts.items()}
+        trainer_devices = replica_devices(cfg.trainer.devices, 1, "trainer")[0]  # whole: ranks use LOCAL_RANK
+    except ValueError as e:
+        console.print(f"[red]meshrl up: {e}[/red]")
+        raise typer.Exit(2)
     log_dir = Path(cfg.run.run_dir) / "logs" / time.strftime("%Y%m%d-%H%M%S")
     token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None
     with Launcher(str(config), log_dir=log_dir, overrides=overrides, num_threads=threads) as launcher:
         try:
-            children = [launcher.start("trainer", nproc=cfg.trainer.nproc_per_node, devices=cfg.trainer.devices)]
-            children += [launcher.start("reference", i, devices=cfg.reference.devices) for i in range(num_reference)]
-            children += [launcher.start("reward", i, devices=cfg.reward.devices)
-                         for i in range(max(1, cfg.reward.replicas))]
-            children += [launcher.start("rollout", i, devices=cfg.rollout.devices) for i in range(num_rollout)]
+            children = [launcher.start("trainer", nproc=cfg.trainer.nproc_per_node, devices=trainer_devices)]
+            for role, devices in placement.items():
+                children += [launcher.start(role, i, devices=d) for i, d in enumerate(devices)]
             children.append(launcher.start("coordinator"))
             addresses: dict[str, list[str]] = {}
             for c in children:

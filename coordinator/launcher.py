@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -15,6 +16,39 @@ from pathlib import Path
 
 MODULES = {"coordinator": "coordinator", "trainer": "services.trainer", "rollout": "services.rollout",
            "reward": "services.reward", "reference": "services.reference"}
+
+
+# A CUDA_VISIBLE_DEVICES entry: an index, or a GPU / MIG UUID as nvidia-smi -L prints it.
+_DEVICE_ENTRY = re.compile(r"[0-9]+|(?:GPU|MIG)-[0-9A-Za-z/-]+")
+
+
+def replica_devices(devices: str, replicas: int, section: str) -> list[str]:
+    """Each replica's CUDA_VISIBLE_DEVICES for `<section>.devices` spread over `<section>.replicas`.
+
+    "" -> every replica inherits; one GPU -> every replica shares it; N GPUs -> contiguous blocks of
+    N // replicas (one replica sees all N, e.g. a tensor-parallel engine); anything else is a ValueError.
+    """
+    if not devices.strip():
+        return [""] * replicas
+    ids = [d.strip() for d in devices.split(",")]
+    for d in ids:
+        if not _DEVICE_ENTRY.fullmatch(d):
+            what = "an empty entry" if not d else f"entry {d!r}"
+            raise ValueError(f"{section}.devices: {what} in \"{devices}\"; expected GPU indices or UUIDs "
+                             f"separated by commas, e.g. \"4,5\"")
+    seen = [str(int(d)) if d.isdigit() else d for d in ids]  # "04" and "4" are one GPU
+    dup = next((d for i, d in enumerate(seen) if d in seen[:i]), None)
+    if dup is not None:
+        raise ValueError(f"{section}.devices: GPU {dup} is listed twice in \"{devices}\"")
+    if len(ids) == 1:
+        return [ids[0]] * replicas
+    if replicas == 0:
+        return []
+    if len(ids) % replicas:
+        raise ValueError(f"{section}.devices: {len(ids)} GPUs (\"{devices}\") do not split evenly over {replicas} "
+                         f"replicas; list one GPU (shared), or a multiple of {section}.replicas")
+    k = len(ids) // replicas
+    return [",".join(ids[i * k:(i + 1) * k]) for i in range(replicas)]
 
 
 def _die_with_parent(cmd: list[str]) -> list[str]:

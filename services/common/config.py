@@ -183,5 +183,6 @@ class PoolConfig(Section):
     replicas: int = Field(1, ge=0, le=64)
     # Deadline of one call to a replica, seconds.
     timeout_s: float = Field(300.0, gt=0)
-    # GPUs this role's processes see (CUDA_VISIBLE_DEVICES), e.g. "4,5"; "" = inherit.
+    # GPUs of this role's replicas (CUDA_VISIBLE_DEVICES), e.g. "4,5"; "" = inherit. `meshrl up` shares one
+    # listed GPU among all replicas and splits several evenly (replicas 2, "4,5": one GPU each).
     devices: str = ""

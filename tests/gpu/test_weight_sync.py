@@ -3,7 +3,8 @@
 ipc: trainer and replica share cuda:0; after each push the replica serves the trainer's version and
 log-probs, and a push takes milliseconds. nccl (two GPUs or more): the replica on cuda:1 joins the
 trainer's group; a replica that stops answering fails the push and keeps its version, and the next push
-forms a new group. Skipped without CUDA (nccl: without two GPUs or CuPy).
+forms a new group. nccl on three GPUs: replicas on cuda:1 and cuda:2 both get every push; a killed one is
+left out and the other still gets the next version. Skipped without CUDA (nccl: without the GPUs or CuPy).
 
     PYTHONPATH=.:protos python -m pytest -q tests/gpu/test_weight_sync.py -s
 """
@@ -145,9 +146,9 @@ def test_ipc_pushes_land_in_a_replica_process_on_the_same_gpu_with_the_trainers_
     assert rounds[-1][0].results[0].seconds < 1.0
 
 
-def _two_gpus_and_cupy() -> str:
-    if torch.cuda.device_count() < 2:
-        return "needs two GPUs"
+def _two_gpus_and_cupy(gpus: int = 2) -> str:
+    if torch.cuda.device_count() < gpus:
+        return f"needs {gpus} GPUs"
     try:
         import cupy.cuda.nccl  # noqa: F401
     except Exception as e:  # noqa: BLE001
@@ -187,3 +188,35 @@ def test_nccl_broadcast_reaches_a_replica_on_another_gpu_and_a_stalled_one_keeps
     assert again.results[0].ok, again.results[0].error
     assert served4[0].weight_version == 4
     assert_parity(served4[1], want4)
+
+
+@pytest.mark.skipif(bool(_two_gpus_and_cupy(3)), reason=_two_gpus_and_cupy(3) or "ok")
+def test_nccl_broadcast_reaches_two_replicas_and_a_killed_one_is_left_out_cleanly(model_dir, tmp_path):
+    samples = random_samples(4, vocab_size=32)
+    with replica_process(model_dir, "cuda:1", tmp_path) as (_, first_target), \
+            replica_process(model_dir, "cuda:2", tmp_path) as (second, second_target):
+        targets = [first_target, second_target]
+
+        async def main():
+            async with trainer(model_dir, "nccl", collective_timeout_s=20) as (stub, _):
+                pushed, want = await train_and_push(stub, samples, targets)
+                served_both = [await served(t, samples) for t in targets]
+                second.kill()
+                second.wait()
+                t0 = time.perf_counter()
+                after_kill, want_after = await train_and_push(stub, samples, targets)
+                seconds = time.perf_counter() - t0
+                return pushed, want, served_both, after_kill, want_after, seconds, await served(first_target, samples)
+
+        pushed, want, served_both, after_kill, want_after, seconds, survivor = asyncio.run(main())
+    assert [r.ok for r in pushed.results] == [True, True], [r.error for r in pushed.results]
+    for info, logprobs in served_both:
+        assert info.weight_version == 1
+        assert_parity(logprobs, want)
+    # The killed replica fails its push with a reason; the group re-forms without it and the other gets version 2.
+    by_target = {r.target: r for r in after_kill.results}
+    assert not by_target[second_target].ok and "unreachable" in by_target[second_target].error
+    assert by_target[first_target].ok, by_target[first_target].error
+    assert seconds < 60
+    assert survivor[0].weight_version == 2
+    assert_parity(survivor[1], want_after)
