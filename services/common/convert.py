@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshrl.v1 import common_pb2
-from services.common.packed import F32, I32, as_list, field_of, pack_f32, pack_i32, set_rows, unpack_rows
+from services.common.packed import F32, I32, Rows, as_list, field_of, pack_f32, pack_i32, set_rows, unpack_rows
 
 
 @dataclass
@@ -50,7 +50,8 @@ def _sequence_columns(request: common_pb2.LogProbsRequest, temperature: float, a
         if empty is not None:
             raise ValueError(f"{name}: row {empty} is empty")
     if as_lists:
-        prompts, responses = [p.tolist() for p in prompts], [r.tolist() for r in responses]
+        prompts = Rows([p.tolist() for p in prompts], prompts.field)
+        responses = Rows([r.tolist() for r in responses], responses.field)
     return SequenceBatch(ids=[str(i) for i in range(len(prompts))], prompts=prompts, responses=responses,
                          temperature=temperature, columnar=True)
 

@@ -58,19 +58,26 @@ def validate_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Seq
         raise ValueError(f"{field}: empty batch")
     if len(prompts) != len(responses):
         raise ValueError(f"{field}: {len(prompts)} prompts but {len(responses)} responses")
+    # Columnar requests' rows (packed.Rows) name their Ragged field and row.
+    columns = (getattr(prompts, "field", None), getattr(responses, "field", None))
+
+    def where(i: int, which: int) -> str:
+        return f"{columns[which]}: row {i}" if columns[which] else f"{field}[{i}].{('prompt_ids', 'response_ids')[which]}"
+
     for i, (p, r) in enumerate(zip(prompts, responses)):
         if len(p) == 0:
-            raise ValueError(f"{field}[{i}].prompt_ids: empty")
+            raise ValueError(f"{where(i, 0)}: empty")
         if len(r) == 0:
-            raise ValueError(f"{field}[{i}].response_ids: empty")
-        for name, ids in (("prompt_ids", p), ("response_ids", r)):
+            raise ValueError(f"{where(i, 1)}: empty")
+        for which, ids in enumerate((p, r)):
             lo, hi = (int(ids.min()), int(ids.max())) if isinstance(ids, np.ndarray) else (min(ids), max(ids))
             if 0 <= lo and hi < vocab_size:                     # C loops (numpy's for packed fields)
                 continue
             bad = next(t for t in ids if t < 0 or t >= vocab_size)
-            raise ValueError(f"{field}[{i}].{name}: token id {bad} outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"{where(i, which)}: token id {bad} outside the vocabulary [0, {vocab_size})")
         if max_len is not None and len(p) + len(r) > max_len:
-            raise ValueError(f"{field}[{i}]: {len(p) + len(r)} tokens exceed the model's limit of {max_len}")
+            row = f"{columns[0]} / {columns[1]}: row {i}" if columns[0] else f"{field}[{i}]"
+            raise ValueError(f"{row}: {len(p) + len(r)} tokens exceed the model's limit of {max_len}")
 
 
 def pad_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_id: int,

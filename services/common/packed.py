@@ -107,7 +107,16 @@ def split_rows(values: np.ndarray, lengths: np.ndarray, field: str) -> list[np.n
     return out
 
 
-def unpack_rows(msg, dtype: np.dtype, field: str) -> list[np.ndarray]:
+class Rows(list):
+    """The rows of a Ragged field, remembering its name: a check that finds row i bad names `field: row i`
+    (services.common.modeling.validate_sequences) instead of a field the request did not use."""
+
+    def __init__(self, rows, field: str):
+        super().__init__(rows)
+        self.field = field
+
+
+def unpack_rows(msg, dtype: np.dtype, field: str) -> Rows:
     """The rows of a Ragged message as read-only arrays."""
-    return split_rows(unpack(msg.values, dtype, f"{field}.values"), row_lengths(msg.lengths, field),
-                      f"{field}.values")
+    return Rows(split_rows(unpack(msg.values, dtype, f"{field}.values"), row_lengths(msg.lengths, field),
+                           f"{field}.values"), field)

@@ -11,6 +11,7 @@ import pytest
 from meshrl.v1 import common_pb2, rollout_pb2, trainer_pb2
 from services.common import convert as common_convert
 from services.common.config import load_config
+from services.common.modeling import validate_sequences
 from services.common.packed import F32, I32, field_of, pack_f32, pack_i32
 from services.rollout import convert as rollout_convert
 from services.rollout.engine import PromptResult, SampleResult
@@ -143,6 +144,16 @@ def test_bad_columnar_sequences_are_named_by_field():
     with pytest.raises(ValueError, match="sequences: set together with prompt_rows"):
         common_convert.sequences_from_pb(request(prompt_rows=rows, response_rows=rows,
                                                  sequences=[common_pb2.TokenSequence(prompt_ids=[1])]))
+
+    # The engines' shared token check names the Ragged field and row, in either form the servicers read.
+    out_of_vocab = request(prompt_rows=rows, response_rows=common_pb2.Ragged(lengths=pack_i32([1, 2]),
+                                                                             values=pack_i32([1, 2, 99])))
+    for as_lists in (False, True):
+        batch = common_convert.sequences_from_pb(out_of_vocab, as_lists=as_lists)
+        with pytest.raises(ValueError, match=r"^response_rows: row 1: token id 99 outside the vocabulary \[0, 64\)"):
+            validate_sequences(batch.prompts, batch.responses, vocab_size=64)
+        with pytest.raises(ValueError, match=r"^prompt_rows / response_rows: row 1: 4 tokens exceed the model's limit of 3"):
+            validate_sequences(batch.prompts, batch.responses, vocab_size=128, max_len=3)
 
 
 def test_packed_and_columnar_train_actor_requests_train_exactly_as_the_repeated_one(model_path):
