@@ -83,6 +83,10 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., exists=True, dir_o
     try:  # every replica's GPUs before any process starts, so a bad `devices:` starts nothing
         placement = {role: replica_devices(getattr(cfg, role).devices, n, role) for role, n in counts.items()}
         trainer_devices = replica_devices(cfg.trainer.devices, 1, "trainer")[0]  # whole: ranks use LOCAL_RANK
+        listed = len(trainer_devices.split(",")) if trainer_devices else 0
+        if 0 < listed < cfg.trainer.nproc_per_node:
+            raise ValueError(f"trainer.devices: {listed} GPU(s) (\"{trainer_devices}\") for trainer.nproc_per_node="
+                             f"{cfg.trainer.nproc_per_node} ranks; each rank needs its own GPU (LOCAL_RANK)")
     except ValueError as e:
         console.print(f"[red]meshrl up: {e}[/red]")
         raise typer.Exit(2)

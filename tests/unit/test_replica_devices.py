@@ -75,17 +75,22 @@ def test_a_gpu_listed_twice_is_an_error_naming_the_field(devices, dup):
     assert str(e.value) == f"rollout.devices: GPU {dup} is listed twice in \"{devices}\""
 
 
-def test_meshrl_up_with_devices_that_do_not_split_exits_2_and_starts_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("recipe, message", [
+    ('rollout: {replicas: 2, devices: "4,5,6"}', 'rollout.devices: 3 GPUs ("4,5,6") do not split evenly over 2 replicas'),
+    ('trainer: {nproc_per_node: 2, devices: "0"}',
+     'trainer.devices: 1 GPU(s) ("0") for trainer.nproc_per_node=2 ranks; each rank needs its own GPU')],
+    ids=["rollout-split", "trainer-fewer-gpus-than-ranks"])
+def test_meshrl_up_with_devices_that_do_not_fit_exits_2_and_starts_nothing(tmp_path, monkeypatch, recipe, message):
     import coordinator.launcher
     from coordinator.cli import app
 
     def refuse(*args, **kwargs):
-        raise AssertionError("meshrl up launched a process after a bad rollout.devices")
+        raise AssertionError("meshrl up launched a process after bad devices")
 
     monkeypatch.setattr(coordinator.launcher, "Launcher", refuse)
     config = tmp_path / "run.yaml"
-    config.write_text('rollout: {replicas: 2, devices: "4,5,6"}\n')
+    config.write_text(recipe + "\n")
     result = CliRunner().invoke(app, ["up", str(config), "--run-dir", str(tmp_path / "runs")])
     assert result.exit_code == 2, result.output
-    assert 'rollout.devices: 3 GPUs ("4,5,6") do not split evenly over 2 replicas' in " ".join(result.output.split())
+    assert message in " ".join(result.output.split())
     assert not (tmp_path / "runs").exists()
