@@ -52,9 +52,10 @@ for what in "$@"; do
            --trace-dir "$WORK" --out "$OUT/trainer_mfu.json"
          gzip -c "$WORK"/trace_0.5b_engine.json > "$OUT/trace_0.5b_engine.json.gz" 2>/dev/null ;;
     meshtests) part meshtests 560 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/multiproc/test_trainer_mesh.py ;;
-    multigpu)  # MULTI_PARTS (mfu,sync,grpo), MULTI_LAYOUTS (bench/multi_gpu.py's LAYOUTS names) split it over calls
+    multigpu)  # MULTI_PARTS (mfu,sync,grpo), MULTI_LAYOUTS (bench/multi_gpu.py's LAYOUTS names) split it over calls;
+               # MULTI_GRPO_STEPS: the GRPO run's length (default 10)
       part multigpu 580 python3 bench/multi_gpu.py --parts "${MULTI_PARTS:-mfu,sync,grpo}" \
-        ${MULTI_LAYOUTS:+--layouts "$MULTI_LAYOUTS"} --work-dir "$WORK/multi" --out "$OUT/multi_gpu.json"
+        ${MULTI_LAYOUTS:+--layouts "$MULTI_LAYOUTS"} ${MULTI_GRPO_STEPS:+--grpo-steps "$MULTI_GRPO_STEPS"} --work-dir "$WORK/multi" --out "$OUT/multi_gpu.json"
       (cd "$WORK/multi" && tar czf "$OUT/multi-logs.tgz" *.log grpo-runs/logs 2>/dev/null) ;;
     wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py -s ;;
     reference) part reference 240 python3 bench/reference_gpu.py --out "$OUT/reference_gpu.json" ;;

@@ -261,6 +261,11 @@ def part_grpo(args, work: Path) -> None:
                    phase_seconds_median={k[5:]: round(statistics.median(m.get(k, 0.0) for m in timed), 4)
                                          for k in phases},
                    first_weight_sync_seconds=round(steps[0].get("time/weight_sync", 0.0), 4) if steps else None)
+        summary = metrics_files[-1].parent / "summary.json"
+        if summary.exists():
+            got = json.loads(summary.read_text())
+            row.update(heldout_accuracy_before=got.get("heldout_accuracy_before"),
+                       heldout_accuracy_after=got.get("heldout_accuracy_after"))
     if done.returncode:
         row["error_tail"] = (done.stdout + done.stderr)[-2000:]
     print(json.dumps(row), flush=True)
