@@ -56,7 +56,7 @@ for what in "$@"; do
                # MULTI_GRPO_STEPS: the GRPO run's length (default 10)
       part multigpu 580 python3 bench/multi_gpu.py --parts "${MULTI_PARTS:-mfu,sync,grpo}" \
         ${MULTI_LAYOUTS:+--layouts "$MULTI_LAYOUTS"} ${MULTI_GRPO_STEPS:+--grpo-steps "$MULTI_GRPO_STEPS"} --work-dir "$WORK/multi" --out "$OUT/multi_gpu.json"
-      (cd "$WORK/multi" && tar czf "$OUT/multi-logs.tgz" *.log grpo-runs/logs 2>/dev/null) ;;
+      (cd "$WORK/multi" && tar czf "$OUT/multi-logs.tgz" logs-* *.log grpo-runs/logs 2>/dev/null) ;;
     wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py -s ;;
     reference) part reference 240 python3 bench/reference_gpu.py --out "$OUT/reference_gpu.json" ;;
     wsipc) part wsipc 240 python3 bench/weight_sync.py --transport ipc --device cuda:0 --repeats 10 \

@@ -9,7 +9,8 @@ with the reason, so one script serves 1, 2, 4 and 8 GPUs:
         services.trainer`, driven over gRPC by this process with columnar TrainActor requests of 8 sequences
         x 2048 tokens per DP rank, one optimizer step each. MFU = model FLOPs / step time / (W x 989 TFLOP/s),
         FLOPs counted as in trainer_mfu.py. Baseline: the one-GPU layout, measured in the same run
-        (`per_gpu_vs_one_gpu` = tokens/s per GPU over the one-GPU layout's).
+        (`per_gpu_vs_one_gpu` = tokens/s per GPU over the one-GPU layout's). Started as `meshrl up` starts a
+        trainer (coordinator.launcher): torchrun for several ranks, a plain process for one.
   sync  bench/weight_sync.py --transport nccl for the 0.5B and 1.5B shapes (trainer on cuda:0, one replica
         on cuda:1), beside a CuPy NCCL broadcast of the same bytes between the same two GPUs in the same run
         (goal: the transport reaches >= 70% of that broadcast's GB/s).
@@ -32,11 +33,9 @@ import asyncio
 import json
 import os
 import platform
-import queue
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -72,50 +71,13 @@ def merge(out: Path, part: str, rows: list[dict], key: str) -> None:
     out.write_text(json.dumps(old, indent=1) + "\n")
 
 
-class Service:
-    """A child process of the mesh (`cmd`), its output in `log`; `wait_listening` returns rank 0's port."""
-
-    def __init__(self, cmd: list[str], log: Path, env: dict):
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self):
-        for line in self.proc.stdout:
-            self.log.write(line)
-            self.log.flush()
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def wait_listening(self, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"no 'listening on' line within {timeout:.0f}s (log: {self.log.name})") from None
-            if line is None:
-                raise RuntimeError(f"exited with {self.proc.wait()} before listening (log: {self.log.name})")
-            if "listening on" in line:
-                return int(line.rsplit(":", 1)[1])
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
 # --------------------------------------------------------------------------------------------------
 # mfu
 
 
 def run_layout(name: str, model: Path, num_params: int, work: Path, *, shape: str, device: str, seq: int,
                per_dp: int, warmup: int, steps: int) -> dict:
+    from coordinator.launcher import Launcher
     from meshrl.v1 import common_pb2, trainer_pb2_grpc
     from services.common.channel import create_channel
     from services.trainer import convert
@@ -135,32 +97,26 @@ def run_layout(name: str, model: Path, num_params: int, work: Path, *, shape: st
         "model": {"path": str(model), "dtype": "bfloat16" if device == "cuda" else "float32", "device": device},
         "actor": {"lr": 1e-6, "tp_size": tp, "pp_size": pp, "dp_size": dp, "micro_batch_token_budget": 16384},
         "server": {"max_message_bytes": 256 * 2**20}}))
-    env = dict(os.environ, OMP_NUM_THREADS="4" if device == "cuda" else "1", PYTHONUNBUFFERED="1")
-    if device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(world))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           "-m", "services.trainer", "--config", str(config), "--port", "0"]
-    service = Service(cmd, work / f"trainer-{name}.log", env)
-    try:
-        port = service.wait_listening(600)
 
-        async def drive():
-            times, engine_s, losses = [], [], []
-            async with create_channel(f"127.0.0.1:{port}", max_message_bytes=256 * 2**20, timeout=1800) as channel:
-                stub = trainer_pb2_grpc.TrainerStub(channel)
-                info = await stub.GetInfo(common_pb2.GetInfoRequest())
-                for i in range(warmup + steps):
-                    t0 = time.perf_counter()
-                    reply = await stub.TrainActor(request, timeout=1800)
-                    if i >= warmup:
-                        times.append(time.perf_counter() - t0)
-                        engine_s.append(reply.metrics["seconds"])
-                    losses.append(reply.metrics["loss"])
-            return dict(info.details), times, engine_s, losses
+    async def drive(address: str):
+        times, engine_s, losses = [], [], []
+        async with create_channel(address, max_message_bytes=256 * 2**20, timeout=1800) as channel:
+            stub = trainer_pb2_grpc.TrainerStub(channel)
+            info = await stub.GetInfo(common_pb2.GetInfoRequest())
+            for i in range(warmup + steps):
+                t0 = time.perf_counter()
+                reply = await stub.TrainActor(request, timeout=1800)
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+                    engine_s.append(reply.metrics["seconds"])
+                losses.append(reply.metrics["loss"])
+        return dict(info.details), times, engine_s, losses
 
-        details, times, engine_s, losses = asyncio.run(drive())
-    finally:
-        service.stop()
+    # The way `meshrl up` starts a trainer: torchrun for several ranks, its GPUs as CUDA_VISIBLE_DEVICES.
+    gpus = ",".join(str(i) for i in range(world)) if device == "cuda" else ""
+    with Launcher(str(config), log_dir=work / f"logs-{name}", num_threads=4 if device == "cuda" else 1) as launcher:
+        child = launcher.start("trainer", nproc=world, devices=gpus)
+        details, times, engine_s, losses = asyncio.run(drive(launcher.wait_ready(child, timeout=600)))
     flops = trainer_mfu.model_flops_per_step(cfg, num_params, batch, seq)
     step = statistics.median(times)
     row.update(sequences=batch, seq_len=seq, tokens=batch * seq, steps=steps, warmup=warmup,
