@@ -81,7 +81,7 @@ def run_layout(name: str, model: Path, num_params: int, work: Path, *, shape: st
     from meshrl.v1 import common_pb2, trainer_pb2_grpc
     from services.common.channel import create_channel
     from services.trainer import convert
-    from services.trainer.batch import ActorLoss
+    from services.trainer.types import ActorLoss
 
     tp, pp, dp = LAYOUTS[name]
     world = tp * pp * dp

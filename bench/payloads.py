@@ -39,7 +39,7 @@ from coordinator import remote  # noqa: E402
 from coordinator.data import Problem  # noqa: E402
 from services.common import convert as common_convert  # noqa: E402
 from services.rollout import convert as rollout_convert  # noqa: E402
-from services.rollout.engine import PromptResult, SampleResult  # noqa: E402
+from services.rollout.types import PromptResult, SampleResult, SamplingParams  # noqa: E402
 from services.trainer import convert as trainer_convert  # noqa: E402
 
 FORMS = ("repeated", "packed", "columnar")
@@ -77,7 +77,7 @@ def batch(prompts: int, n: int, prompt_len: int, response_len: int, seed: int = 
 
 
 def generate_answer(results, problems, n: int, form: str, repeats: int) -> dict:
-    sampling = remote.Sampling(n=n, temperature=1.0, top_p=1.0, max_tokens=256)
+    sampling = SamplingParams(n=n, temperature=1.0, top_p=1.0, max_tokens=256)
     loop = asyncio.new_event_loop()
 
     class Replica:

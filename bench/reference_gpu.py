@@ -36,7 +36,8 @@ def main() -> None:
     tokens = a.batch * (a.prompt + a.response)
 
     from services.common.config import load_config
-    from services.reference.engine import ReferenceEngine, ReferenceSettings
+    from services.reference.config import ReferenceSettings
+    from services.reference.engine import ReferenceEngine
 
     engine = ReferenceEngine(load_config(ReferenceSettings, data={
         "model": {"path": tmp, "dtype": "bfloat16", "device": "cuda"},

@@ -36,9 +36,11 @@ from meshrl.v1 import reward_pb2_grpc  # noqa: E402
 from services.common.channel import create_channel  # noqa: E402
 from services.common.config import load_config  # noqa: E402
 from services.reward import convert  # noqa: E402
-from services.reward.engine import RewardEngine, RewardSettings, ScoreItem  # noqa: E402
+from services.reward.config import RewardSettings  # noqa: E402
+from services.reward.engine import RewardEngine  # noqa: E402
 from services.reward.functions import REWARD_FUNCTIONS  # noqa: E402
 from services.reward.servicer import start  # noqa: E402
+from services.reward.types import ScoreItem  # noqa: E402
 
 ARITH_MODEL = REPO / "examples" / "arith" / "model"
 RULE_PARAMS = {"exact_match": {}, "gsm8k": {"mode": "flexible"}, "boxed": {},
@@ -215,7 +217,8 @@ def bench_reference(lm_dir, n_sequences: int = 256) -> dict:
     import torch
 
     from services.common.modeling import response_logprobs
-    from services.reference.engine import ReferenceEngine, ReferenceSettings
+    from services.reference.config import ReferenceSettings
+    from services.reference.engine import ReferenceEngine
 
     engine = ReferenceEngine(load_config(ReferenceSettings, data={"model": {"path": lm_dir}}))
     rng = random.Random(1)

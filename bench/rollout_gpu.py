@@ -43,8 +43,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from services.common.modeling import response_logprobs  # noqa: E402
-from services.rollout.engine import (GenerateBatch, PromptInput, RolloutSettings, SamplingParams,  # noqa: E402
-                                     TorchEngine)
+from services.rollout.config import RolloutSettings  # noqa: E402
+from services.rollout.torch_engine import TorchEngine  # noqa: E402
+from services.rollout.types import GenerateBatch, PromptInput, SamplingParams  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,

@@ -40,8 +40,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from services.rollout.engine import (GenerateBatch, PromptInput, RolloutSettings, SamplingParams,  # noqa: E402
-                                     TorchEngine)
+from services.rollout.config import RolloutSettings  # noqa: E402
+from services.rollout.torch_engine import TorchEngine  # noqa: E402
+from services.rollout.types import GenerateBatch, PromptInput, SamplingParams  # noqa: E402
 
 ARITH_MODEL = REPO / "examples" / "arith" / "model"
 

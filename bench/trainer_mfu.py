@@ -50,8 +50,9 @@ import torch  # noqa: E402
 
 from services.common.config import load_config  # noqa: E402
 from services.common.modeling import response_logprobs  # noqa: E402
-from services.trainer import fused  # noqa: E402
-from services.trainer.batch import ActorLoss, TrainSample, validate_actor_batch  # noqa: E402
+from services.common import fused  # noqa: E402
+from services.trainer.batch import validate_actor_batch  # noqa: E402
+from services.trainer.types import ActorLoss, TrainSample  # noqa: E402
 
 PEAK_BF16 = 989e12
 SHAPES = {
@@ -135,7 +136,8 @@ def run_plain(path: str, samples, dev: str, warmup: int, steps: int, dtype) -> d
 
 
 def build_engine(path: str, dev: str, *, amp: bool, dtype: str, budget: int, overrides: dict):
-    from services.trainer.engine import TrainerEngine, TrainerSettings
+    from services.trainer.config import TrainerSettings
+    from services.trainer.engine import TrainerEngine
 
     actor = {"lr": 1e-6, "micro_batch_token_budget": budget, **overrides}
     if amp:

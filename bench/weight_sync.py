@@ -89,7 +89,8 @@ def rollout_proc(conn, size: str, device: str) -> None:
     """A real rollout replica around an empty model of `size`; answers 'checksum' on the pipe."""
     sys.path[:0] = [str(REPO), str(REPO / "protos")]
     from services.common.weights import named_weights
-    from services.rollout.engine import RolloutSettings, TorchEngine
+    from services.rollout.config import RolloutSettings
+    from services.rollout.torch_engine import TorchEngine
     from services.rollout.servicer import start
 
     torch.set_num_threads(1)

@@ -1,29 +1,51 @@
-"""Advantage estimators as pure functions of rewards (and values): GRPO, RLOO, REINFORCE++, GAE."""
+"""Advantage estimators as pure functions of rewards (and values): GRPO, RLOO, REINFORCE++, GAE, and
+ADVANTAGE_ESTIMATORS, the registry `algorithm.adv_estimator` names (a new estimator is one function and one
+entry).
+
+Group estimators take each sample's group id ([B], any values): samples may come in any order and a group
+may be short, so nothing depends on the batch being laid out as [num_groups, group_size].
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 
-def grpo_advantages(rewards: torch.Tensor, *, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """Group-normalised advantages. rewards: [num_groups, group_size] -> same shape.
+def group_index(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group ids [B] -> (each sample's group numbered 0..G-1 [B], each group's size [G])."""
+    _, index, sizes = torch.unique(groups, return_inverse=True, return_counts=True)
+    return index, sizes
+
+
+def group_sum(x: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Per-sample values [B] summed per group -> [G]."""
+    return torch.zeros(num_groups, dtype=x.dtype).index_add_(0, index, x)
+
+
+def grpo_advantages(rewards: torch.Tensor, groups: torch.Tensor, *, norm_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised advantages. rewards, groups: [B] -> [B].
 
     With norm_by_std=False this is Dr. GRPO's mean-centred advantage (no std scaling).
     """
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    index, sizes = group_index(groups)
+    centred = rewards - (group_sum(rewards, index, len(sizes)) / sizes)[index]
     if not norm_by_std:
         return centred
-    # unbiased=False would differ from the reference implementations that use torch.std (unbiased).
-    std = rewards.std(dim=1, keepdim=True) if rewards.size(1) > 1 else torch.zeros_like(rewards[:, :1])
-    return centred / (std + eps)
+    # Unbiased, as torch.std in the reference implementations; a group of one has std 0 (and advantage 0).
+    var = group_sum(centred ** 2, index, len(sizes)) / (sizes - 1).clamp(min=1)
+    return centred / (var.sqrt()[index] + eps)
 
 
-def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """Leave-one-out baseline: r_i - mean_{j != i} r_j. rewards: [num_groups, group_size >= 2]."""
-    k = rewards.size(1)
-    if k < 2:
+def rloo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out baseline: r_i - mean_{j != i} r_j over i's group. rewards, groups: [B] -> [B]."""
+    index, sizes = group_index(groups)
+    if bool((sizes < 2).any()):
         raise ValueError("rloo needs at least 2 samples per prompt (rollout.n >= 2)")
-    baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (k - 1)
+    baseline = (group_sum(rewards, index, len(sizes))[index] - rewards) / (sizes[index] - 1)
     return rewards - baseline
 
 
@@ -51,12 +73,13 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, *, 
     return masked_whiten(discounted_returns(token_rewards, mask, gamma), mask)
 
 
-def reinforce_pp_baseline_advantages(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """REINFORCE++ with a group baseline: subtract the group mean, then whiten over the batch.
 
-    rewards: [num_groups, group_size]; mask: [num_groups * group_size, T] -> [B, T].
+    rewards, groups: [B]; mask: [B, T] -> [B, T].
     """
-    centred = (rewards - rewards.mean(dim=1, keepdim=True)).reshape(-1, 1)
+    index, sizes = group_index(groups)
+    centred = (rewards - (group_sum(rewards, index, len(sizes)) / sizes)[index]).unsqueeze(1)
     return masked_whiten(centred.expand_as(mask.to(centred.dtype)).clone(), mask)
 
 
@@ -79,6 +102,62 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torc
     if whiten:
         adv = masked_whiten(adv, mask)
     return adv * m, returns
+
+
+@dataclass(frozen=True)
+class AdvantageBatch:
+    """One step's samples as the estimators see them; [B, T] over response tokens unless noted."""
+
+    token_rewards: torch.Tensor         # the sequence reward on its last token, less any per-token KL penalty
+    mask: torch.Tensor
+    groups: torch.Tensor                # [B] each sample's prompt group
+    values: torch.Tensor | None = None  # the critic's values (GAE)
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """[B] each sample's whole (KL-penalised) reward."""
+        return self.token_rewards.sum(1)
+
+
+# An estimator: (batch, the `algorithm:` settings) -> (advantages [B, T], returns [B, T] or None).
+EstimatorFn = Callable[[AdvantageBatch, Any], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    fn: EstimatorFn
+    # GAE: the critic's values before the advantages, critic training on the returns after.
+    needs_critic: bool = False
+
+
+def _grpo(b: AdvantageBatch, a) -> tuple[torch.Tensor, None]:
+    return grpo_advantages(b.scores, b.groups, norm_by_std=a.norm_adv_by_std).unsqueeze(1) * b.mask, None
+
+
+def _rloo(b: AdvantageBatch, a) -> tuple[torch.Tensor, None]:
+    return rloo_advantages(b.scores, b.groups).unsqueeze(1) * b.mask, None
+
+
+def _reinforce_pp(b: AdvantageBatch, a) -> tuple[torch.Tensor, None]:
+    return reinforce_pp_advantages(b.token_rewards, b.mask, gamma=a.gamma), None
+
+
+def _reinforce_pp_baseline(b: AdvantageBatch, a) -> tuple[torch.Tensor, None]:
+    return reinforce_pp_baseline_advantages(b.scores, b.groups, b.mask), None
+
+
+def _gae(b: AdvantageBatch, a) -> tuple[torch.Tensor, torch.Tensor]:
+    return gae_advantages(b.token_rewards, b.values, b.mask, gamma=a.gamma, lam=a.lam, whiten=a.whiten_advantages)
+
+
+# Keys are exactly AlgorithmConfig.adv_estimator's values (a unit test holds them equal).
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(_grpo),
+    "rloo": Estimator(_rloo),
+    "reinforce_plus_plus": Estimator(_reinforce_pp),
+    "reinforce_plus_plus_baseline": Estimator(_reinforce_pp_baseline),
+    "gae": Estimator(_gae, needs_critic=True),
+}
 
 
 def kl_reward_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, coef: float) -> torch.Tensor:

@@ -63,7 +63,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., exists=True, dir_o
     """Start every service as a process on 127.0.0.1, run the recipe to the end, stop everything."""
     from coordinator.client import Client
     from coordinator.config import RunConfig
-    from coordinator.launcher import Launcher, replica_devices
+    from coordinator.launcher import Launcher
     from services.common.config import load_config
 
     overrides = _overrides(list(ctx.args))
@@ -75,18 +75,8 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., exists=True, dir_o
         console.print(f"[red]meshrl up: {e}[/red]")
         raise typer.Exit(2)
     raw = yaml.safe_load(config.read_text()) or {}
-    # Two rollout replicas unless the recipe or a flag says how many.
-    asked = "replicas" in (raw.get("rollout") or {}) or "rollout.replicas" in overrides
-    num_rollout = cfg.rollout.replicas if asked else 2
-    num_reference = cfg.reference.replicas if (cfg.reference.replicas or cfg.needs_reference) else 0
-    counts = {"reference": num_reference, "reward": max(1, cfg.reward.replicas), "rollout": num_rollout}
     try:  # every replica's GPUs before any process starts, so a bad `devices:` starts nothing
-        placement = {role: replica_devices(getattr(cfg, role).devices, n, role) for role, n in counts.items()}
-        trainer_devices = replica_devices(cfg.trainer.devices, 1, "trainer")[0]  # whole: ranks use LOCAL_RANK
-        listed = len(trainer_devices.split(",")) if trainer_devices else 0
-        if 0 < listed < cfg.trainer.nproc_per_node:
-            raise ValueError(f"trainer.devices: {listed} GPU(s) (\"{trainer_devices}\") for trainer.nproc_per_node="
-                             f"{cfg.trainer.nproc_per_node} ranks; each rank needs its own GPU (LOCAL_RANK)")
+        placement, trainer_devices = _placement(cfg, raw, overrides)
     except ValueError as e:
         console.print(f"[red]meshrl up: {e}[/red]")
         raise typer.Exit(2)
@@ -118,6 +108,24 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., exists=True, dir_o
     _print_result(status)
     if status.state != "COMPLETED":
         raise typer.Exit(1)
+
+
+def _placement(cfg, raw: dict, overrides: dict[str, str]) -> tuple[dict[str, list[str]], str]:
+    """The GPUs of each replica by role, and the trainer's (all its ranks'); ValueError names a bad `devices:`."""
+    from coordinator.launcher import replica_devices
+
+    # Two rollout replicas unless the recipe or a flag says how many.
+    asked = "replicas" in (raw.get("rollout") or {}) or "rollout.replicas" in overrides
+    num_rollout = cfg.rollout.replicas if asked else 2
+    num_reference = cfg.reference.replicas if (cfg.reference.replicas or cfg.needs_reference) else 0
+    counts = {"reference": num_reference, "reward": max(1, cfg.reward.replicas), "rollout": num_rollout}
+    placement = {role: replica_devices(getattr(cfg, role).devices, n, role) for role, n in counts.items()}
+    trainer_devices = replica_devices(cfg.trainer.devices, 1, "trainer")[0]  # whole: ranks use LOCAL_RANK
+    listed = len(trainer_devices.split(",")) if trainer_devices else 0
+    if 0 < listed < cfg.trainer.nproc_per_node:
+        raise ValueError(f"trainer.devices: {listed} GPU(s) (\"{trainer_devices}\") for trainer.nproc_per_node="
+                         f"{cfg.trainer.nproc_per_node} ranks; each rank needs its own GPU (LOCAL_RANK)")
+    return placement, trainer_devices
 
 
 def _with_addresses(raw: dict, overrides: dict[str, str], addresses: dict[str, list[str]]) -> dict:
@@ -308,7 +316,7 @@ def profile_model_cmd(model_path: str = typer.Argument(..., help="local Hugging 
     """Per-layer parameters and FLOPs, and a balanced pipeline stage split."""
     from rich.table import Table
 
-    from services.trainer.profile_model import profile_model
+    from services.common.profile_model import profile_model
 
     try:
         prof = profile_model(model_path, seq_len=seq_len, pp_size=pp_size)

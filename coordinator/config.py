@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig
-from services.reference.engine import ReferenceConfig
-from services.reward.engine import RewardConfig
-from services.rollout.engine import RolloutConfig
-from services.trainer.engine import ActorConfig, CriticConfig, WeightSyncConfig
+from services.reference.config import ReferenceConfig
+from services.reward.config import RewardConfig
+from services.rollout.config import RolloutConfig
+from services.trainer.config import ActorConfig, CriticConfig, WeightSyncConfig
+from services.trainer.types import ActorLoss, CriticLoss, DPOLoss
 
 
 class AlgorithmConfig(Section):
@@ -164,6 +166,24 @@ class RunConfig(MeshSettings):
     def needs_reference(self) -> bool:
         return self.algorithm.use_kl_loss or self.algorithm.use_kl_in_reward
 
-    @property
-    def needs_critic(self) -> bool:
-        return self.algorithm.adv_estimator == "gae"
+
+@dataclass(frozen=True)
+class TrainerLosses:
+    """The loss settings a run sends with every TrainActor, TrainCritic and TrainDPO call."""
+
+    actor: ActorLoss
+    critic: CriticLoss
+    dpo: DPOLoss
+
+
+def trainer_losses(cfg: RunConfig) -> TrainerLosses:
+    """The one place the YAML's names (verl's: clip_ratio_low, entropy_coeff, ...) become the trainer's."""
+    a, d = cfg.algorithm, cfg.dpo
+    actor = ActorLoss(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, dual_clip=a.clip_ratio_c,
+                      kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type,
+                      entropy_coef=a.entropy_coeff, loss_agg_mode=a.loss_agg_mode, ppo_epochs=a.ppo_epochs,
+                      mini_batch_size=a.ppo_mini_batch_size, temperature=1.0)
+    critic = CriticLoss(clip_value=a.clip_value, ppo_epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size)
+    dpo = DPOLoss(loss_type=d.loss_type, beta=d.beta, label_smoothing=d.label_smoothing,
+                  mini_batch_size=d.mini_batch_size)
+    return TrainerLosses(actor, critic, dpo)

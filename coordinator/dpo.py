@@ -1,4 +1,5 @@
-"""DPO through the mesh: preference pairs, reference log-probs (cached per pair), TrainDPO, preference accuracy."""
+"""DPO through the mesh: preference pairs, reference log-probs (cached per pair), TrainDPO, preference accuracy.
+`DPO` at the bottom is this family's entry in coordinator/algorithms.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 
 from coordinator import phases, remote
+from coordinator.config import RunConfig
+from coordinator.context import Algorithm, PhaseTimer, RunContext
 from coordinator.data import PromptStream, read_rows, _lookup
 
 
@@ -25,7 +28,8 @@ class Pair:
 
 @dataclass
 class DPOState:
-    train: PromptStream
+    """What a DPO run keeps beside its training stream of pairs (RunContext.state)."""
+
     heldout: list[Pair]
     has_precomputed_reference: bool
     # Reference sums per pair id: computed once, reused in later epochs.
@@ -64,20 +68,21 @@ def load_pairs(files: list[str], cfg, tokenizer, *, source: str) -> list[Pair]:
     return pairs
 
 
-def open_state(cfg, tokenizer, *, position: int = 0) -> DPOState:
+def load_state(cfg: RunConfig, tokenizer, position: int) -> tuple[PromptStream, DPOState]:
+    """The training pairs as a seeded stream at `position`, and the held-out pairs."""
     train = load_pairs(cfg.data.train_files, cfg, tokenizer, source="data.train_files")
     heldout_files = cfg.dpo.heldout_files or cfg.data.heldout_files
     heldout = load_pairs(heldout_files, cfg, tokenizer, source="dpo.heldout_files") if heldout_files else []
     if cfg.data.heldout_size:
         heldout = heldout[:cfg.data.heldout_size]
     precomputed = all(p.ref_chosen is not None and p.ref_rejected is not None for p in train + heldout)
-    return DPOState(PromptStream(train, seed=cfg.data.seed, shuffle=cfg.data.shuffle, position=position), heldout,
-                    precomputed)
+    return (PromptStream(train, seed=cfg.data.seed, shuffle=cfg.data.shuffle, position=position),
+            DPOState(heldout, precomputed))
 
 
-async def fill_reference(ctx: phases.RunContext, pairs: list[Pair]) -> None:
+async def fill_reference(ctx: RunContext, pairs: list[Pair]) -> None:
     """Reference sums for pairs that lack them, from the reference pool, cached by pair id."""
-    state: DPOState = ctx.dpo
+    state: DPOState = ctx.state
     missing = [p for p in pairs if (p.ref_chosen is None or p.ref_rejected is None) and p.id not in state.ref_cache]
     if missing:
         prompts = [p.prompt_ids for p in missing] * 2
@@ -90,7 +95,7 @@ async def fill_reference(ctx: phases.RunContext, pairs: list[Pair]) -> None:
             p.ref_chosen, p.ref_rejected = state.ref_cache[p.id]
 
 
-async def preference_metrics(ctx: phases.RunContext, pairs: list[Pair]) -> dict[str, float]:
+async def preference_metrics(ctx: RunContext, pairs: list[Pair]) -> dict[str, float]:
     """How the current policy ranks held-out pairs.
 
     preference_accuracy: share of pairs whose implicit reward (policy minus reference log-prob) ranks
@@ -112,37 +117,54 @@ async def preference_metrics(ctx: phases.RunContext, pairs: list[Pair]) -> dict[
             "heldout_logps/chosen": sum(sums[:n]) / n, "heldout_logps/rejected": sum(sums[n:]) / n}
 
 
-async def dpo_step(ctx: phases.RunContext) -> dict[str, float]:
+async def dpo_step(ctx: RunContext) -> dict[str, float]:
     """take pairs -> reference log-probs (cached) -> TrainDPO -> metrics (replicas are synced lazily, see below)."""
-    timer = phases.PhaseTimer()
+    timer = PhaseTimer()
     start = time.perf_counter()
-    state: DPOState = ctx.dpo
     d = ctx.cfg.dpo
-    pairs = state.train.take(d.batch_size)
+    pairs = ctx.data.take(d.batch_size)
     with timer("reference"):
         await fill_reference(ctx, pairs)
     with timer("train"):
-        _, metrics = await remote.train_dpo(ctx.trainer, pairs, dict(
-            loss_type=d.loss_type, beta=d.beta, label_smoothing=d.label_smoothing,
-            mini_batch_size=d.mini_batch_size))
+        _, metrics = await remote.train_dpo(ctx.trainer, pairs, ctx.losses.dpo)
     out = {f"dpo/{k}": v for k, v in metrics.items()}
     # TrainDPO bumps the trainer's weight version. Rollout replicas only serve held-out evaluation here, so
     # they are not pushed every step: phases.generate brings them to this version before they generate.
     ctx.weight_version += 1
     out["weight_version"] = float(ctx.weight_version)
-    state.train.advance(d.batch_size)
+    ctx.data.advance(d.batch_size)
     ctx.step += 1
     seconds = time.perf_counter() - start
     # The RL-shaped keys let the same CLI lines, plots and summaries show DPO runs.
     out.update({"reward_mean": out.get("dpo/rewards/margins", math.nan),
                 "accuracy": out.get("dpo/rewards/accuracy", math.nan),
                 **{f"time/{k}": v for k, v in timer.seconds.items()}, "time/step": seconds,
-                "pairs_per_s": len(pairs) / seconds, "data_position": float(state.train.position),
-                "epoch": float(state.train.epoch)})
+                "pairs_per_s": len(pairs) / seconds, "data_position": float(ctx.data.position),
+                "epoch": float(ctx.data.epoch)})
     return out
 
 
-async def evaluate(ctx: phases.RunContext) -> dict[str, float]:
+async def evaluate(ctx: RunContext) -> dict[str, float]:
     """Held-out preference metrics (trainer vs reference log-probs) and greedy task accuracy (rollout + reward)."""
-    pref, task = await asyncio.gather(preference_metrics(ctx, ctx.dpo.heldout), phases.evaluate(ctx))
+    pref, task = await asyncio.gather(preference_metrics(ctx, ctx.state.heldout), phases.evaluate(ctx))
     return {"heldout_preference_accuracy": float("nan"), **pref, "heldout_accuracy": task}
+
+
+def reference_needed(cfg: RunConfig, state: DPOState) -> str:
+    if state.has_precomputed_reference:
+        return ""
+    return "DPO needs a reference pool unless the dataset carries ref_chosen_logprob / ref_rejected_logprob"
+
+
+def summary(history: list[dict], final_evals: dict) -> dict:
+    """summary.json's DPO keys: preference accuracy before and after, the margin as the reward curve."""
+    return {"algorithm": "dpo",
+            "heldout_preference_accuracy_before": next(
+                (m.get("heldout_preference_accuracy") for m in history if m["step"] == 0), float("nan")),
+            "heldout_preference_accuracy_after": final_evals.get("heldout_preference_accuracy"),
+            "reward_curve": [m.get("dpo/rewards/margins") for m in history if "reward_mean" in m]}
+
+
+# Rollout and reward pools only serve held-out task accuracy here: used when configured.
+DPO = Algorithm(load=load_state, step=dpo_step, evaluate=evaluate, reference_needed=reference_needed,
+                needs_rollout=False, summary=summary)

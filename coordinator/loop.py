@@ -1,5 +1,6 @@
-"""The RL loop over the mesh. Reads top to bottom: generate -> score || reference || old logprobs ||
-values -> advantages -> train -> sync weights -> record. Details live in coordinator/phases.py."""
+"""The RL loop over the mesh (GRPO, PPO, RLOO, REINFORCE++). Reads top to bottom: generate -> score ||
+reference || old logprobs || values -> advantages -> train -> sync weights -> record. Details live in
+coordinator/phases.py; `RL` at the bottom is this family's entry in coordinator/algorithms.py."""
 
 from __future__ import annotations
 
@@ -7,29 +8,9 @@ import asyncio
 import time
 
 from coordinator import phases
-from coordinator.phases import PhaseTimer, RunContext
-
-
-async def run_step(ctx: RunContext) -> dict[str, float]:
-    """One step of the configured family: RL (below) or DPO (coordinator/dpo.py)."""
-    if ctx.dpo is not None:
-        from coordinator import dpo
-
-        return await dpo.dpo_step(ctx)
-    return await rl_step(ctx)
-
-
-async def evaluate(ctx: RunContext) -> dict[str, float]:
-    """Held-out metrics: greedy task accuracy (and preference accuracy for DPO)."""
-    if ctx.dpo is not None:
-        from coordinator import dpo
-
-        return await dpo.evaluate(ctx)
-    return {"heldout_accuracy": await phases.evaluate(ctx)}
-
-
-def data_position(ctx: RunContext) -> int:
-    return ctx.dpo.train.position if ctx.dpo is not None else ctx.data.position
+from coordinator.config import RunConfig
+from coordinator.context import Algorithm, PhaseTimer, RunContext
+from coordinator.data import PromptStream, load_problems
 
 
 async def rl_step(ctx: RunContext) -> dict[str, float]:
@@ -76,3 +57,23 @@ def staleness(ctx: RunContext, samples) -> dict[str, float]:
     # Samples were produced before this step's sync, so on-policy staleness is 0.
     lags = [ctx.weight_version - 1 - s.weight_version for s in samples]
     return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
+
+
+async def evaluate(ctx: RunContext) -> dict[str, float]:
+    """Held-out task accuracy, greedy."""
+    return {"heldout_accuracy": await phases.evaluate(ctx)}
+
+
+def load_prompts(cfg: RunConfig, tokenizer, position: int) -> tuple[PromptStream, None]:
+    """The training prompts (with their answers for the reward) as a seeded stream at `position`."""
+    d = cfg.data
+    problems = load_problems(d.train_files, prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer,
+                             apply_chat_template=d.apply_chat_template, max_prompt_tokens=d.max_prompt_length)
+    return PromptStream(problems, seed=d.seed, shuffle=d.shuffle, position=position), None
+
+
+def reference_needed(cfg: RunConfig, state) -> str:
+    return "the KL settings need a reference pool, but none is configured" if cfg.needs_reference else ""
+
+
+RL = Algorithm(load=load_prompts, step=rl_step, evaluate=evaluate, reference_needed=reference_needed)

@@ -6,9 +6,6 @@ import asyncio
 import json
 import logging
 import math
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -18,175 +15,18 @@ import torch
 
 from coordinator import advantages as adv_fns
 from coordinator import remote
-from coordinator.config import RunConfig
-from coordinator.data import Problem, PromptStream, load_problems
-from coordinator.pools import ReplicaPool, split_round_robin
-from services.common.channel import create_channel
+from coordinator.context import PhaseTimer, RunContext
+from coordinator.data import Problem
+from coordinator.pools import split_round_robin
 from services.common.errors import Unavailable
+from services.rollout.types import SamplingParams
 
 log = logging.getLogger("meshrl.coordinator")
 
 
-class TrainerUnavailable(Exception):
-    """The trainer cannot be reached (it died or is restarting): the run pauses instead of failing."""
-
-
-class GuardedTrainer:
-    """The trainer stub, with UNAVAILABLE raised as TrainerUnavailable.
-
-    So the run manager can tell a lost trainer (pause, resume from a checkpoint) from a lost replica
-    (the pools retry elsewhere) or a bad request (the run fails).
-    """
-
-    def __init__(self, stub, address: str):
-        self._stub = stub
-        self._address = address
-
-    def __getattr__(self, name: str):
-        method = getattr(self._stub, name)
-
-        async def call(*args, **kwargs):
-            try:
-                return await method(*args, **kwargs)
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    raise TrainerUnavailable(f"trainer {self._address} unavailable during {name}: "
-                                             f"{e.details()}") from None
-                raise
-
-        return call
-
-
-class PhaseTimer:
-    """Wall seconds per phase; phases that run concurrently are timed separately."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-    async def run(self, name: str, coro):
-        with self(name):
-            return await coro
-
-
-@dataclass
-class RunContext:
-    """Connections, data and mutable state of one run."""
-
-    run_id: str
-    cfg: RunConfig
-    run_dir: Path
-    rollout: ReplicaPool
-    reward: ReplicaPool
-    reference: ReplicaPool | None
-    trainer_channel: object
-    trainer: object
-    data: PromptStream
-    heldout: list[Problem]
-    step: int = 0
-    weight_version: int = 0
-    kl_coef: float = 0.0
-    kl_controller: adv_fns.AdaptiveKLController | None = None
-    prefetched: asyncio.Task | None = None
-    # DPO runs: pairs, reference cache (coordinator/dpo.py DPOState).
-    dpo: object = None
-    # The last step's samples, for tests and debugging.
-    last_samples: list = field(default_factory=list)
-
-    @property
-    def sampling(self) -> remote.Sampling:
-        r = self.cfg.rollout
-        # With rollout.seed set, each step has its own seed, so a run (and a step retried on another
-        # replica) is reproducible; 0 leaves the replicas unseeded.
-        seed = 0
-        if r.seed is not None:
-            seed = ((r.seed * 1_000_003 + self.step + 1) & (2**63 - 1)) or 1
-        return remote.Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                               stop=list(r.stop), seed=seed)
-
-    async def close(self) -> None:
-        if self.prefetched:
-            self.prefetched.cancel()
-        for pool in (self.rollout, self.reward, self.reference):
-            if pool is not None:
-                await pool.close()
-        await self.trainer_channel.close()
-
-
-def _pool(role: str, section, stub_factory, token: str | None, registry=None) -> ReplicaPool:
-    return ReplicaPool(role, stub_factory, servers=list(section.servers), dns=section.dns,
-                       registry=registry if section.registry else None, load_balancer=section.load_balancer,
-                       timeout_s=section.timeout_s, token=token)
-
-
-def _configured(section) -> bool:
-    return bool(section.servers or section.dns or section.registry)
-
-
-async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: int = 0) -> RunContext:
-    """Connects to every pool and the trainer, loads the data; fails early when a pool is empty."""
-    token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None
-    from services.common.modeling import load_tokenizer
-
-    tokenizer = load_tokenizer(cfg.model.path)
-    d = cfg.data
-    is_dpo = cfg.algorithm.kind == "dpo"
-    # DPO reads preference pairs (coordinator/dpo.py); RL reads prompts with answers.
-    problems = [] if is_dpo else load_problems(
-        d.train_files, prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer,
-        apply_chat_template=d.apply_chat_template, max_prompt_tokens=d.max_prompt_length)
-    heldout = load_problems(d.heldout_files, prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer,
-                            apply_chat_template=d.apply_chat_template) if d.heldout_files else []
-    if d.heldout_size:
-        heldout = heldout[:d.heldout_size]
-    rollout = _pool("rollout", cfg.rollout, remote.rollout_stub, token, registry)
-    reward = _pool("reward", cfg.reward, remote.reward_stub, token, registry)
-    reference = _pool("reference", cfg.reference, remote.reference_stub, token, registry) \
-        if (cfg.reference.servers or cfg.reference.dns or cfg.reference.registry) else None
-    if cfg.needs_reference and reference is None:
-        raise ValueError("reference.servers: the KL settings need a reference pool, but none is configured")
-    if not cfg.trainer.address:
-        raise ValueError("trainer.address: no trainer address configured")
-    trainer_channel = create_channel(cfg.trainer.address, token=token, timeout=cfg.trainer.timeout_s)
-    run_dir = Path(cfg.run.run_dir) / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ctx = RunContext(run_id, cfg, run_dir, rollout, reward, reference, trainer_channel,
-                     GuardedTrainer(remote.trainer_stub(trainer_channel), cfg.trainer.address), PromptStream(problems, seed=d.seed, shuffle=d.shuffle,
-                                                                        position=position), heldout)
-    a = cfg.algorithm
-    ctx.kl_coef = a.kl_coef
-    if a.use_kl_in_reward and a.kl_ctrl == "adaptive":
-        ctx.kl_controller = adv_fns.AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon)
-    if is_dpo:
-        from coordinator import dpo
-
-        ctx.dpo = dpo.open_state(cfg, tokenizer, position=position)
-        if reference is None and not ctx.dpo.has_precomputed_reference:
-            await ctx.close()
-            raise ValueError("reference.servers: DPO needs a reference pool unless the dataset carries "
-                             "ref_chosen_logprob / ref_rejected_logprob")
-        # Rollout and reward pools are optional for DPO (held-out task accuracy uses them).
-        rollout = rollout if _configured(cfg.rollout) else None
-        reward = reward if _configured(cfg.reward) else None
-        ctx.rollout, ctx.reward = rollout, reward
-    for pool in (rollout, reward, reference):
-        if pool is not None and not await pool.refresh():
-            await ctx.close()
-            raise ValueError(f"{pool.role}.servers: no healthy {pool.role} replica reachable "
-                             f"(tried {sorted(pool.replicas) or 'none configured'})")
-    return ctx
-
-
 # --- generate ------------------------------------------------------------------------------------------
 
-async def generate(ctx: RunContext, problems: Sequence[Problem], sampling: remote.Sampling | None = None
+async def generate(ctx: RunContext, problems: Sequence[Problem], sampling: SamplingParams | None = None
                    ) -> list[remote.Sample]:
     """n samples per prompt, prompts split into contiguous chunks over the healthy rollout replicas.
 
@@ -230,13 +70,20 @@ async def bring_new_replicas_up_to_date(ctx: RunContext) -> None:
                 stale.append(rep.address)
     if stale:
         log.info("pushing weights v%d to %s", ctx.weight_version, stale)
-        outcome = await remote.push_weights(ctx.trainer, stale)
-        for address in stale:
-            rep = ctx.rollout.replicas[address]
-            if address in outcome.failed:
-                rep.healthy = False
-            else:
-                rep.weight_version = outcome.version
+        await push_to_replicas(ctx, stale)
+
+
+async def push_to_replicas(ctx: RunContext, targets: list[str]) -> remote.PushOutcome:
+    """The trainer's weights to `targets`: each replica's version is the pushed one, or it leaves the pool."""
+    outcome = await remote.push_weights(ctx.trainer, targets)
+    for address in targets:
+        rep = ctx.rollout.replicas[address]
+        if address in outcome.failed:
+            log.warning("weight sync to %s failed: %s", address, outcome.failed[address])
+            rep.healthy = False
+        else:
+            rep.weight_version = outcome.version
+    return outcome
 
 
 async def refresh_pools(ctx: RunContext) -> None:
@@ -282,7 +129,7 @@ async def old_logprobs(ctx: RunContext, samples: list[remote.Sample]) -> None:
 
 
 async def critic_values(ctx: RunContext, samples: list[remote.Sample]) -> None:
-    if not ctx.cfg.needs_critic:
+    if not estimator(ctx).needs_critic:
         return
     out = await remote.values(ctx.trainer, samples)
     for s, v in zip(samples, out):
@@ -314,40 +161,30 @@ def padded(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def estimator(ctx: RunContext) -> adv_fns.Estimator:
+    return adv_fns.ADVANTAGE_ESTIMATORS[ctx.cfg.algorithm.adv_estimator]
+
+
 def compute_advantages(ctx: RunContext, samples: list[remote.Sample]) -> dict[str, float]:
     """Fills per-token advantages (and returns for PPO) with the configured estimator."""
     a = ctx.cfg.algorithm
-    n = ctx.cfg.rollout.n
     T = max(len(s.response_ids) for s in samples)
     mask = length_mask([len(s.response_ids) for s in samples], T)
-    scores = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     metrics: dict[str, float] = {}
     # Sequence reward sits on the last token; a KL penalty in the reward is spread per token.
     token_rewards = torch.zeros(len(samples), T)
     for i, s in enumerate(samples):
         token_rewards[i, len(s.response_ids) - 1] = s.reward
     if a.use_kl_in_reward:
-        kl = padded([s.old_logprobs for s in samples], T) - padded([s.ref_logprobs for s in samples], T)
-        token_rewards = token_rewards - ctx.kl_coef * kl * mask
+        old, ref = padded([s.old_logprobs for s in samples], T), padded([s.ref_logprobs for s in samples], T)
+        token_rewards = token_rewards + adv_fns.kl_reward_penalty(old, ref, ctx.kl_coef) * mask
         metrics["kl_coef"] = ctx.kl_coef
-        scores = token_rewards.sum(1)
         if ctx.kl_controller is not None:
-            ctx.kl_coef = ctx.kl_controller.update(float((kl * mask).sum() / mask.sum()), len(samples))
-    if a.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
-        grouped = scores.view(-1, n)
-        if a.adv_estimator == "grpo":
-            seq_adv = adv_fns.grpo_advantages(grouped, norm_by_std=a.norm_adv_by_std).reshape(-1, 1)
-            token_adv = seq_adv * mask
-        elif a.adv_estimator == "rloo":
-            token_adv = adv_fns.rloo_advantages(grouped).reshape(-1, 1) * mask
-        else:
-            token_adv = adv_fns.reinforce_pp_baseline_advantages(grouped, mask)
-    elif a.adv_estimator == "reinforce_plus_plus":
-        token_adv = adv_fns.reinforce_pp_advantages(token_rewards, mask, gamma=a.gamma)
-    else:  # gae
-        values = padded([s.values for s in samples], T)
-        token_adv, returns = adv_fns.gae_advantages(token_rewards, values, mask, gamma=a.gamma, lam=a.lam,
-                                                    whiten=a.whiten_advantages)
+            ctx.kl_coef = ctx.kl_controller.update(float(((old - ref) * mask).sum() / mask.sum()), len(samples))
+    batch = adv_fns.AdvantageBatch(token_rewards, mask, torch.tensor([s.group for s in samples]),
+                                   padded([s.values for s in samples], T) if estimator(ctx).needs_critic else None)
+    token_adv, returns = estimator(ctx).fn(batch, a)
+    if returns is not None:
         for i, s in enumerate(samples):
             s.returns = returns[i, :len(s.response_ids)].tolist()
     if a.tis_cap:
@@ -363,24 +200,14 @@ def compute_advantages(ctx: RunContext, samples: list[remote.Sample]) -> dict[st
 
 # --- train, weight sync --------------------------------------------------------------------------------
 
-def actor_loss_settings(ctx: RunContext) -> dict:
-    a = ctx.cfg.algorithm
-    return dict(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, dual_clip=a.clip_ratio_c,
-                kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type,
-                entropy_coef=a.entropy_coeff, loss_agg_mode=a.loss_agg_mode, ppo_epochs=a.ppo_epochs,
-                mini_batch_size=a.ppo_mini_batch_size, temperature=1.0)
-
-
 async def train(ctx: RunContext, samples: list[remote.Sample], timer: PhaseTimer) -> dict[str, float]:
     metrics: dict[str, float] = {}
-    if ctx.cfg.needs_critic:
-        a = ctx.cfg.algorithm
+    if estimator(ctx).needs_critic:
         with timer("train_critic"):
-            critic = await remote.train_critic(ctx.trainer, samples, clip_value=a.clip_value,
-                                               ppo_epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size)
+            critic = await remote.train_critic(ctx.trainer, samples, ctx.losses.critic)
         metrics.update({f"critic/{k}": v for k, v in critic.items()})
     with timer("train"):
-        _, actor = await remote.train_actor(ctx.trainer, samples, actor_loss_settings(ctx))
+        _, actor = await remote.train_actor(ctx.trainer, samples, ctx.losses.actor)
     metrics.update({f"actor/{k}": v for k, v in actor.items()})
     return metrics
 
@@ -388,14 +215,7 @@ async def train(ctx: RunContext, samples: list[remote.Sample], timer: PhaseTimer
 async def sync_weights(ctx: RunContext) -> dict[str, float]:
     """Pushes the trainer's new weights to every healthy rollout replica; a failed replica leaves the pool."""
     targets = [r.address for r in ctx.rollout.healthy()]
-    outcome = await remote.push_weights(ctx.trainer, targets)
-    for address in targets:
-        rep = ctx.rollout.replicas[address]
-        if address in outcome.failed:
-            log.warning("weight sync to %s failed: %s", address, outcome.failed[address])
-            rep.healthy = False
-        else:
-            rep.weight_version = outcome.version
+    outcome = await push_to_replicas(ctx, targets)
     if len(outcome.failed) == len(targets):
         raise RuntimeError(f"weight sync failed on every rollout replica: {outcome.failed}")
     ctx.weight_version = outcome.version
@@ -444,8 +264,8 @@ async def evaluate(ctx: RunContext) -> float:
     """Held-out accuracy with greedy decoding through the rollout and reward pools."""
     if not ctx.heldout or ctx.rollout is None or ctx.reward is None:
         return float("nan")
-    greedy = remote.Sampling(n=1, temperature=0.0, top_p=1.0, max_tokens=ctx.cfg.rollout.max_tokens,
-                             stop=list(ctx.cfg.rollout.stop))
+    greedy = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=ctx.cfg.rollout.max_tokens,
+                            stop=list(ctx.cfg.rollout.stop))
     samples = await generate(ctx, ctx.heldout, greedy)
     await score(ctx, samples)
     correct = [s.components.get("exact_match", s.reward) for s in samples]

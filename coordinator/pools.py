@@ -60,7 +60,7 @@ class ReplicaPool:
     stub_factory: Callable[[grpc.aio.Channel], Any]
     servers: Sequence[str] = ()
     dns: str | None = None
-    registry: Any = None                      # coordinator.registry.Registry when discovery is through Redis
+    registry: Any = None                      # services.common.registry.Registry when discovery is through Redis
     load_balancer: str = "round_robin"
     timeout_s: float = 300.0
     token: str | None = None

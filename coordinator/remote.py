@@ -12,8 +12,10 @@ from meshrl.v1 import (common_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_gr
 from coordinator.data import Problem
 from services.common.convert import SequenceBatch, logprobs_from_pb, sequences_to_pb
 from services.common.packed import I32, pack_i32
-from services.rollout.convert import sample_rows
-from services.trainer.convert import train_columns_to_pb
+from services.rollout.convert import sample_rows, sampling_to_pb
+from services.rollout.types import SamplingParams
+from services.trainer.convert import actor_loss_to_pb, train_columns_to_pb, train_critic_to_pb, train_dpo_to_pb
+from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair
 
 
 @dataclass
@@ -46,20 +48,6 @@ class Sample:
         return f"{self.problem.id}#{self.group}"
 
 
-@dataclass
-class Sampling:
-    n: int
-    temperature: float
-    top_p: float
-    max_tokens: int
-    stop: list[str] = field(default_factory=list)
-    seed: int = 0
-
-    def to_pb(self) -> rollout_pb2.SamplingParams:
-        return rollout_pb2.SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p,
-                                          max_tokens=self.max_tokens, stop=self.stop, seed=self.seed)
-
-
 def rollout_stub(channel):
     return rollout_pb2_grpc.RolloutStub(channel)
 
@@ -76,10 +64,11 @@ def trainer_stub(channel):
     return trainer_pb2_grpc.TrainerStub(channel)
 
 
-async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sampling: Sampling) -> list[Sample]:
+async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sampling: SamplingParams
+                   ) -> list[Sample]:
     request = rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.Prompt(id=f"{p.id}@{g}", text=p.prompt) for p, g in zip(problems, groups)],
-        sampling=sampling.to_pb(), columnar=True)
+        sampling=sampling_to_pb(sampling), columnar=True)
     response = await stub.Generate(request)
     if len(response.responses) != len(problems):
         raise RuntimeError(f"rollout returned {len(response.responses)} responses for {len(problems)} prompts")
@@ -132,19 +121,16 @@ async def values(stub, samples: Sequence[Sample]) -> list[list[float]]:
     return [r.values[:] for r in response.results]
 
 
-async def train_actor(stub, samples: Sequence[Sample], loss: dict) -> tuple[int, dict[str, float]]:
-    request = trainer_pb2.TrainActorRequest(loss=trainer_pb2.ActorLoss(**loss))
+async def train_actor(stub, samples: Sequence[Sample], loss: ActorLoss) -> tuple[int, dict[str, float]]:
+    request = trainer_pb2.TrainActorRequest(loss=actor_loss_to_pb(loss))
     train_columns_to_pb(samples, into=request.columns)
     response = await stub.TrainActor(request)
     return response.step, dict(response.metrics)
 
 
-async def train_critic(stub, samples: Sequence[Sample], *, clip_value: float, ppo_epochs: int,
-                       mini_batch_size: int) -> dict[str, float]:
-    request = trainer_pb2.TrainCriticRequest(
-        samples=[trainer_pb2.CriticSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, returns=s.returns,
-                                          old_values=s.values) for s in samples],
-        clip_value=clip_value, ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size)
+async def train_critic(stub, samples: Sequence[Sample], loss: CriticLoss) -> dict[str, float]:
+    request = train_critic_to_pb([CriticSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
+                                               returns=s.returns, old_values=s.values) for s in samples], loss)
     response = await stub.TrainCritic(request)
     return dict(response.metrics)
 
@@ -175,13 +161,11 @@ async def load_checkpoint(stub, path: str) -> trainer_pb2.CheckpointResponse:
     return await stub.LoadCheckpoint(trainer_pb2.CheckpointRequest(path=path))
 
 
-async def train_dpo(stub, pairs, loss: dict) -> tuple[int, dict[str, float]]:
-    """pairs: objects with prompt_ids, chosen_ids, rejected_ids, ref_chosen, ref_rejected."""
-    request = trainer_pb2.TrainDPORequest(
-        pairs=[trainer_pb2.PreferencePair(prompt_ids=p.prompt_ids, chosen_ids=p.chosen_ids,
-                                          rejected_ids=p.rejected_ids, ref_chosen_logprob=p.ref_chosen,
-                                          ref_rejected_logprob=p.ref_rejected) for p in pairs],
-        loss=trainer_pb2.DPOLoss(**loss))
+async def train_dpo(stub, pairs, loss: DPOLoss) -> tuple[int, dict[str, float]]:
+    """pairs: objects with prompt_ids, chosen_ids, rejected_ids and the filled ref_chosen, ref_rejected."""
+    request = train_dpo_to_pb([PreferencePair(prompt_ids=p.prompt_ids, chosen_ids=p.chosen_ids,
+                                              rejected_ids=p.rejected_ids, ref_chosen_logprob=p.ref_chosen,
+                                              ref_rejected_logprob=p.ref_rejected) for p in pairs], loss)
     response = await stub.TrainDPO(request)
     return response.step, dict(response.metrics)
 

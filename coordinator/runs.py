@@ -11,8 +11,10 @@ import uuid
 
 import yaml
 
-from coordinator import loop, phases, remote
+from coordinator import phases, remote
+from coordinator.algorithms import open_context
 from coordinator.config import RunConfig
+from coordinator.context import RunContext, TrainerUnavailable
 from coordinator.store import UNFINISHED, RunRecord, RunStore
 from services.common.config import load_config
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
@@ -38,7 +40,7 @@ class RunManager:
         self.store = store
         self.registry = registry
         self.tasks: dict[str, asyncio.Task] = {}
-        self.contexts: dict[str, phases.RunContext] = {}
+        self.contexts: dict[str, RunContext] = {}
         self._changed: dict[str, asyncio.Condition] = {}
         self.sinks: dict = {}
 
@@ -56,14 +58,14 @@ class RunManager:
         if await self.store.get(run_id):
             raise ValueError(f"run_id: run {run_id!r} already exists")
         # Connect before accepting, so an unreachable server list fails StartRun itself.
-        ctx = await phases.open_context(run_id, cfg, registry=self.registry)
+        ctx = await open_context(run_id, cfg, registry=self.registry)
         record = RunRecord(run_id=run_id, config=config_text, state="RUNNING", num_steps=cfg.run.num_steps,
                            run_dir=str(ctx.run_dir))
         await self.store.put(record)
         self._launch(record, ctx)
         return run_id
 
-    def _launch(self, record: RunRecord, ctx: phases.RunContext) -> None:
+    def _launch(self, record: RunRecord, ctx: RunContext) -> None:
         self.contexts[record.run_id] = ctx
         self.tasks[record.run_id] = asyncio.create_task(self._drive(record.run_id, ctx))
 
@@ -75,7 +77,7 @@ class RunManager:
                 continue
             try:
                 ctx = await self._reopen(record)
-            except phases.TrainerUnavailable as e:
+            except TrainerUnavailable as e:
                 record.state, record.message = "PAUSED", f"{e}; restart the trainer, then ResumeRun"
                 await self.store.put(record)
                 continue
@@ -83,10 +85,10 @@ class RunManager:
             resumed.append(record.run_id)
         return resumed
 
-    async def _reopen(self, record: RunRecord) -> phases.RunContext:
+    async def _reopen(self, record: RunRecord) -> RunContext:
         """Reconnects a run at its last completed step; a trainer that restarted gets the last checkpoint."""
         cfg = parse_run_config(record.config)
-        ctx = await phases.open_context(record.run_id, cfg, registry=self.registry, position=record.data_position)
+        ctx = await open_context(record.run_id, cfg, registry=self.registry, position=record.data_position)
         ctx.step, ctx.weight_version = record.step, record.weight_version
         try:
             info = await remote.info(ctx.trainer)
@@ -109,12 +111,12 @@ class RunManager:
         log.info("resuming run %s at step %d (data position %d)", record.run_id, record.step, record.data_position)
         return ctx
 
-    async def _drive(self, run_id: str, ctx: phases.RunContext) -> None:
+    async def _drive(self, run_id: str, ctx: RunContext) -> None:
         try:
             await self._drive_steps(run_id, ctx)
         except asyncio.CancelledError:
             raise
-        except phases.TrainerUnavailable as e:
+        except TrainerUnavailable as e:
             # The step in flight is dropped (nothing of it was committed); ResumeRun continues once the
             # trainer is back, from the last checkpoint when the restarted trainer lost the weights.
             log.warning("run %s paused: %s", run_id, e)
@@ -136,19 +138,19 @@ class RunManager:
             self._detach(run_id, ctx)
             await self._notify(run_id)
 
-    def _detach(self, run_id: str, ctx: phases.RunContext) -> None:
+    def _detach(self, run_id: str, ctx: RunContext) -> None:
         # A ResumeRun may already have launched the run's next task: leave that one in place.
         if self.contexts.get(run_id) is ctx:
             self.contexts.pop(run_id)
             self.tasks.pop(run_id, None)
 
-    async def _drive_steps(self, run_id: str, ctx: phases.RunContext) -> None:
+    async def _drive_steps(self, run_id: str, ctx: RunContext) -> None:
         cfg = ctx.cfg
         record = await self.store.get(run_id)
         started = time.time()
         refreshed = time.monotonic()
         if record.step == 0 and "heldout_accuracy_before" not in record.last_metrics:
-            evals = await loop.evaluate(ctx)
+            evals = await ctx.algorithm.evaluate(ctx)
             record.last_metrics = {"heldout_accuracy_before": evals["heldout_accuracy"]}
             await self._record(record, {"step": 0, **evals})
         while ctx.step < cfg.run.num_steps:
@@ -168,19 +170,19 @@ class RunManager:
                 # Replicas that restarted or joined come back into the pools between steps.
                 await phases.refresh_pools(ctx)
                 refreshed = time.monotonic()
-            metrics = await loop.run_step(ctx)
+            metrics = await ctx.algorithm.step(ctx)
             if cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0 and ctx.step < cfg.run.num_steps:
-                metrics.update(await loop.evaluate(ctx))
+                metrics.update(await ctx.algorithm.evaluate(ctx))
             record = await self.store.get(run_id)
             if cfg.run.checkpoint_every and ctx.step % cfg.run.checkpoint_every == 0:
                 path = str(ctx.run_dir / "checkpoints" / f"step_{ctx.step}")
                 await remote.save_checkpoint(ctx.trainer, path)
                 record.checkpoint_path = path
             record.step, record.weight_version, record.data_position = ctx.step, ctx.weight_version, \
-                loop.data_position(ctx)
+                ctx.data.position
             await self._record(record, {"step": ctx.step, **metrics})
         record = await self.store.get(run_id)
-        evals = await loop.evaluate(ctx)
+        evals = await ctx.algorithm.evaluate(ctx)
         acc = evals["heldout_accuracy"]
         summary = write_summary(ctx, record, acc, time.time() - started, evals)
         record.state = "COMPLETED"
@@ -199,7 +201,7 @@ class RunManager:
             self._sinks(ctx).write(int(metrics["step"]), metrics)
         await self._notify(record.run_id)
 
-    def _sinks(self, ctx: phases.RunContext):
+    def _sinks(self, ctx: RunContext):
         from coordinator.sinks import MetricSinks
 
         sinks = self.sinks.get(ctx.run_id)
@@ -226,7 +228,7 @@ class RunManager:
                 # Paused because the trainer went away: reconnect (restoring the checkpoint) before running.
                 try:
                     ctx = await self._reopen(record)
-                except phases.TrainerUnavailable as e:
+                except TrainerUnavailable as e:
                     raise Unavailable(f"run {run_id!r} stays paused: {e}") from None
                 record = await self.store.get(run_id)
                 record.command, record.state, record.message = "", "RUNNING", ""
@@ -268,7 +270,7 @@ class RunManager:
         await self.store.close()
 
 
-def write_summary(ctx: phases.RunContext, record: RunRecord, accuracy_after: float, seconds: float,
+def write_summary(ctx: RunContext, record: RunRecord, accuracy_after: float, seconds: float,
                   final_evals: dict | None = None) -> dict:
     history = []
     path = ctx.run_dir / "metrics.jsonl"
@@ -289,11 +291,6 @@ def write_summary(ctx: phases.RunContext, record: RunRecord, accuracy_after: flo
         "reward_curve": [m["reward_mean"] for m in steps],
         "phase_time_shares": {k: v / total for k, v in sorted(phase_totals.items())},
     }
-    if ctx.dpo is not None:
-        summary["algorithm"] = "dpo"
-        summary["heldout_preference_accuracy_before"] = next(
-            (m.get("heldout_preference_accuracy") for m in history if m["step"] == 0), float("nan"))
-        summary["heldout_preference_accuracy_after"] = (final_evals or {}).get("heldout_preference_accuracy")
-        summary["reward_curve"] = [m.get("dpo/rewards/margins") for m in steps]
+    summary.update(ctx.algorithm.summary(history, final_evals or {}))
     (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

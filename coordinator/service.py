@@ -132,7 +132,7 @@ async def start(settings: CoordinatorSettings, address: str | None = None
                 ) -> tuple[MeshServer, int, CoordinatorEngine]:
     registry = None
     if settings.run.redis_url:
-        from coordinator.registry import Registry
+        from services.common.registry import Registry
 
         registry = Registry(settings.run.redis_url)
     manager = RunManager(open_store(settings.run.redis_url, settings.run.redis_prefix), registry=registry)

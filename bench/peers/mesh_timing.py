@@ -115,14 +115,14 @@ def _converts(module, *names: str) -> None:
 
 
 def instrument_rollout():
-    from services.rollout import engine, servicer
+    from services.rollout import servicer, torch_engine
 
     for rpc in ("Generate", "ComputeLogProbs", "UpdateWeights"):
         _handler(servicer.RolloutServicer, rpc)
     # The decode of a batch (in the engine's worker thread) and the weight swap; receiving the buckets
     # (CRC, copy into the staging buffer) is transport.
-    _compute(engine.TorchEngine, "_generate_jobs")
-    _compute(engine, "swap_in")
+    _compute(torch_engine.TorchEngine, "_generate_jobs")
+    _compute(torch_engine, "swap_in")
     from services.rollout import convert
     _converts(convert, "request_from_pb", "results_to_pb")
     from services.rollout.__main__ import main
@@ -173,7 +173,7 @@ def _client_call(module, name: str) -> None:
 
     @functools.wraps(orig)
     async def timed(stub, *args, **kwargs):
-        from coordinator.phases import GuardedTrainer
+        from coordinator.context import GuardedTrainer
 
         start, t0, gc0 = time.time(), time.perf_counter(), _gc["s"]
         try:
@@ -187,11 +187,14 @@ def _client_call(module, name: str) -> None:
 
 
 def instrument_coordinator():
-    from coordinator import loop, remote
+    import dataclasses
+
+    from coordinator import remote
+    from coordinator.algorithms import ALGORITHMS
 
     for name in ("generate", "score", "logprobs", "train_actor", "push_weights"):
         _client_call(remote, name)
-    orig = loop.rl_step
+    orig = ALGORITHMS["rl"].step
 
     @functools.wraps(orig)
     async def rl_step(ctx):
@@ -202,7 +205,7 @@ def instrument_coordinator():
             _write({"side": "step", "step": ctx.step, "start": start, "end": time.time(), "gc_s": _gc["s"] - gc0,
                     "gc_full_s": _gc["full_s"] - full0})
 
-    loop.rl_step = rl_step
+    ALGORITHMS["rl"] = dataclasses.replace(ALGORITHMS["rl"], step=rl_step)
     from coordinator.__main__ import main
     return main
 

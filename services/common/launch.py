@@ -77,7 +77,7 @@ async def _serve(role: str, settings: Any, start: StartFn, host_for_announce: st
     heartbeat = None
     stop_heartbeat = asyncio.Event()
     if server_cfg.registry_url:
-        from coordinator.registry import Registry
+        from services.common.registry import Registry
 
         registry = Registry(server_cfg.registry_url)
         advertised = f"{advertise_host(server_cfg)}:{port}"

@@ -147,7 +147,7 @@ def batched_logprobs(model, prompts, responses, *, pad_id: int, temperature: flo
                      token_budget: int = 16384, fused: bool = False, as_arrays: bool = False):
     """Log-probs of each response's tokens, computed in micro-batches packed by a token budget.
 
-    `fused`: through the fused LM head (the model went through services.trainer.fused.enable_fused_head).
+    `fused`: through the fused LM head (the model went through services.common.fused.enable_fused_head).
     Every micro-batch is queued before the one device-to-host copy at the end. Rows are lists, or float32
     numpy arrays with `as_arrays` (for packed answers: no per-element conversion).
     """
@@ -158,7 +158,7 @@ def batched_logprobs(model, prompts, responses, *, pad_id: int, temperature: flo
     for group in groups:
         ps, rs = [prompts[i] for i in group], [responses[i] for i in group]
         if fused:
-            from services.trainer.fused import fused_response_logprobs
+            from services.common.fused import fused_response_logprobs
 
             logp = fused_response_logprobs(model, ps, rs, pad_id=pad_id, device=next(model.parameters()).device,
                                            temperature=temperature)[0]

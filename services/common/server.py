@@ -131,6 +131,13 @@ def _wrap(handler: grpc.RpcMethodHandler, deny) -> grpc.RpcMethodHandler:
     """Re-builds a method handler whose behaviour denies (auth) or maps errors, malformed requests included."""
     parse = _parser(handler.request_deserializer)
     kwargs = dict(request_deserializer=None, response_serializer=handler.response_serializer)
+    if handler.unary_unary or handler.stream_unary:
+        return _wrap_one_response(handler, deny, parse, kwargs)
+    return _wrap_streamed_response(handler, deny, parse, kwargs)
+
+
+def _wrap_one_response(handler: grpc.RpcMethodHandler, deny, parse, kwargs: dict) -> grpc.RpcMethodHandler:
+    """_wrap for methods that answer with one message: the wrapper is a coroutine that returns it (or the denial)."""
     if handler.unary_unary:
         inner = handler.unary_unary
 
@@ -145,21 +152,25 @@ def _wrap(handler: grpc.RpcMethodHandler, deny) -> grpc.RpcMethodHandler:
                 await _abort_for(e, context, inner.__qualname__)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
-    if handler.stream_unary:
-        inner_su = handler.stream_unary
+    inner_su = handler.stream_unary
 
-        async def stream_unary(request_iterator, context):
-            if deny:
-                return await deny(context)
-            try:
-                return await inner_su(_parsed(request_iterator, parse, context), context)
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as e:  # noqa: BLE001
-                await _drain(request_iterator)
-                await _abort_for(e, context, inner_su.__qualname__)
+    async def stream_unary(request_iterator, context):
+        if deny:
+            return await deny(context)
+        try:
+            return await inner_su(_parsed(request_iterator, parse, context), context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            await _drain(request_iterator)
+            await _abort_for(e, context, inner_su.__qualname__)
 
-        return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
+    return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
+
+
+def _wrap_streamed_response(handler: grpc.RpcMethodHandler, deny, parse, kwargs: dict) -> grpc.RpcMethodHandler:
+    """_wrap for methods that stream their answer: the wrapper is an async generator, so a denial is awaited, not
+    returned."""
     if handler.unary_stream:
         inner_us = handler.unary_stream
 

@@ -1,7 +1,7 @@
 """`python -m services.reference --config FILE [--port N]`: run one reference replica."""
 
 from services.common.launch import serve_main
-from services.reference.engine import ReferenceSettings
+from services.reference.config import ReferenceSettings
 from services.reference.servicer import start
 
 

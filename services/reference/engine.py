@@ -5,41 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import torch
-from pydantic import Field
-
-from services.common.config import MeshSettings, ModelConfig, PoolConfig, ServerConfig
 from services.common.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
+from services.reference.config import ReferenceSettings
 
 log = logging.getLogger("meshrl.reference")
 
 
-class ReferenceConfig(PoolConfig):
-    """`reference:` section. The model defaults to `model:` (the initial policy)."""
-
-    model_path: str | None = None
-    dtype: str | None = Field(None, pattern="^(float32|bfloat16|float16)$")
-    device: str | None = None
-    # Micro-batches are packed so that batch * longest sequence stays within this many tokens.
-    micro_batch_token_budget: int = Field(16384, ge=1)
-    max_batch_size: int = Field(4096, ge=1)
-    # Log-probs through the trainer's fused LM head (services/trainer/fused.py): the head runs at response
-    # positions only and a Triton row kernel takes the log-softmax, so no fp32 [tokens, vocab] logits exist.
-    # None = on for CUDA, off elsewhere (the plain path is then bit-identical to the trainer's ComputeLogProbs).
-    fused_logprobs: bool | None = None
-    # torch.compile each decoder block (the trainer's regional compilation: one graph serves every block;
-    # compiles at the first calls). None = on for CUDA, off elsewhere.
-    compile: bool | None = None
-
-
-class ReferenceSettings(MeshSettings):
-    model: ModelConfig = ModelConfig()
-    reference: ReferenceConfig = ReferenceConfig()
-    server: ServerConfig = ServerConfig()
-
-
 class ReferenceEngine:
-    """Serves log-probs of a frozen model; no gRPC here."""
+    """Serves log-probs of a frozen model (a services.reference.types.LogProbEngine); no gRPC here."""
 
     def __init__(self, settings: ReferenceSettings):
         ref, m = settings.reference, settings.model
@@ -51,12 +24,12 @@ class ReferenceEngine:
         self.model = load_causal_lm(self.model_path, dtype=self.dtype, device=self.device)
         self.fused = ref.fused_logprobs if ref.fused_logprobs is not None else str(self.device).startswith("cuda")
         if self.fused:
-            from services.trainer.fused import enable_fused_head
+            from services.common.fused import enable_fused_head
 
             enable_fused_head(self.model)
         self.compiled = ref.compile if ref.compile is not None else str(self.device).startswith("cuda")
         if self.compiled:
-            from services.trainer.parallelize import apply_compile
+            from services.common.compile import apply_compile
 
             apply_compile(self.model, True)
         self.pad_id = self.model.config.pad_token_id or 0

@@ -5,11 +5,13 @@ from __future__ import annotations
 from meshrl.v1 import reference_pb2, reference_pb2_grpc
 from services.common import convert
 from services.common.server import MeshServer, create_server
-from services.reference.engine import ReferenceEngine, ReferenceSettings
+from services.reference.config import ReferenceSettings
+from services.reference.engine import ReferenceEngine
+from services.reference.types import LogProbEngine
 
 
 class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
-    def __init__(self, engine: ReferenceEngine):
+    def __init__(self, engine: LogProbEngine):
         self.engine = engine
 
     async def ComputeLogProbs(self, request, context):

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from meshrl.v1 import reward_pb2
 from services.common.packed import I32, as_list, field_of
-from services.reward.engine import ScoreItem, Scored
+from services.reward.types import ScoreItem, Scored
 
 
 def items_from_pb(request: reward_pb2.ScoreRequest) -> list[ScoreItem]:

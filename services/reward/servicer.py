@@ -6,7 +6,8 @@ from meshrl.v1 import reward_pb2, reward_pb2_grpc
 from services.common.convert import info_to_pb
 from services.common.server import MeshServer, create_server
 from services.reward import convert
-from services.reward.engine import RewardEngine, RewardSettings
+from services.reward.config import RewardSettings
+from services.reward.engine import RewardEngine
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):

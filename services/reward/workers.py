@@ -1,4 +1,4 @@
-"""Worker processes that run a user reward function, with a per-call timeout and replacement after failure.
+"""User reward functions as components: worker processes with a per-call timeout, replaced after a failure.
 
 Each worker is a spawned process holding one end of a pipe: it receives a chunk of samples and sends
 back one result per sample as it goes, so the parent can time every single call. A call that runs
@@ -18,9 +18,14 @@ import multiprocessing as mp
 import queue
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from services.common.errors import DeadlineExceeded, FailedPrecondition, MeshError
+from services.reward.plugins import load_function
+
+if TYPE_CHECKING:  # annotations only: a spawned worker imports this module and need not load pydantic
+    from services.reward.config import ComponentConfig
+    from services.reward.types import ScoreItem
 
 log = logging.getLogger("meshrl.reward")
 
@@ -37,8 +42,6 @@ class RewardFunctionError(MeshError):
 def _worker_main(conn, path: str, params: dict) -> None:
     """Body of a worker process: load the function, then score chunks until the pipe closes."""
     import signal
-
-    from services.reward.plugins import load_function
 
     # Ctrl-C reaches the whole process group; the service decides when workers stop (it kills them,
     # or they see the pipe close when it exits), so a worker does not die mid-call with a traceback.
@@ -211,3 +214,28 @@ class WorkerPool:
                 self._idle.get_nowait().kill()
             except queue.Empty:
                 break
+
+
+class UserFunctionComponent:
+    """A reward component backed by a user function running in a pool of worker processes."""
+
+    def __init__(self, config: ComponentConfig, *, timeout_s: float, num_workers: int):
+        assert config.function is not None
+        self.key, self.weight, self.path = config.key, config.weight, config.function
+        self.params = dict(config.params)
+        # Import and check here, in the service process, so a broken function fails at start.
+        load_function(self.path, params=list(self.params))
+        self.pool = WorkerPool(self.path, self.params, num_workers=num_workers, timeout_s=timeout_s)
+        log.info("user reward function %s: %d worker processes, %.3g s per call", self.path, num_workers, timeout_s)
+
+    async def score(self, items: Sequence[ScoreItem]) -> list[float]:
+        return await self.pool.score([it.kwargs() for it in items], names=[it.where for it in items])
+
+    def describe(self) -> str:
+        return f"function={self.path}" + "".join(f" {k}={v!r}" for k, v in self.params.items())
+
+    async def close(self) -> None:
+        self.pool.close()
+
+    def close_now(self) -> None:
+        self.pool.close()

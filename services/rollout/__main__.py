@@ -1,7 +1,7 @@
 """`python -m services.rollout --config FILE [--port N]`: run one rollout replica."""
 
 from services.common.launch import serve_main
-from services.rollout.engine import RolloutSettings
+from services.rollout.config import RolloutSettings
 from services.rollout.servicer import start
 
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 from meshrl.v1 import common_pb2, rollout_pb2
 from services.common.packed import F32, I32, as_list, field_of, pack_f32, pack_i32, set_rows, unpack_rows
 from services.common.weights import Manifest, manifest_from_kwargs
-from services.rollout.engine import (GenerateBatch, PromptInput, PromptResult, RolloutConfig, SampleResult,
-                                     SamplingParams)
+from services.rollout.config import RolloutConfig
+from services.rollout.types import GenerateBatch, PromptInput, PromptResult, SampleResult, SamplingParams
 
 
 def sampling_from_pb(pb: rollout_pb2.SamplingParams | None, defaults: RolloutConfig) -> SamplingParams:
     """Unset (0 / empty) fields take the replica's `rollout:` defaults, except temperature: 0 is greedy.
 
-    With no SamplingParams message at all, every field (temperature included) is the default.
+    With no SamplingParams message at all, every field (temperature included) is the default. Bad values are
+    ValueErrors naming the field (SamplingParams checks itself), so they never reach an engine.
     """
     if pb is None:
-        return SamplingParams(n=defaults.n, temperature=defaults.temperature, top_p=defaults.top_p,
-                              max_tokens=defaults.max_tokens, stop=list(defaults.stop), seed=defaults.seed)
+        return defaults.sampling()
     return SamplingParams(
         n=pb.n if pb.n != 0 else defaults.n,
         temperature=pb.temperature,
@@ -34,6 +34,7 @@ def request_from_pb(request: rollout_pb2.GenerateRequest, defaults: RolloutConfi
 
 
 def sampling_to_pb(p: SamplingParams) -> rollout_pb2.SamplingParams:
+    """The wire form of `p`; top_logprobs stays behind (the HTTP API's alone) and seed None travels as 0."""
     return rollout_pb2.SamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens,
                                       stop=p.stop, seed=p.seed or 0)
 

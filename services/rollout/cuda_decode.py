@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from services.rollout import decode_attention, fused_sample
-from services.rollout.engine import top_p_filter
+from services.rollout.sampling import left_padded, top_p_filter
 
 log = logging.getLogger("meshrl.rollout")
 
@@ -281,12 +281,7 @@ class GraphDecoder:
 
         dev, R = self.device, len(fan)
         lens = [len(q) for q in prompts]
-        ids = torch.full((len(prompts), L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), L), dtype=torch.long)
-        for i, q in enumerate(prompts):
-            ids[i, L - len(q):] = torch.tensor(q, dtype=torch.long)
-            mask[i, L - len(q):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, pos = left_padded(prompts, self.pad_id, L)
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
                          past_key_values=cache, use_cache=True, logits_to_keep=1)

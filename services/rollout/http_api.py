@@ -19,8 +19,8 @@ from typing import Any
 from aiohttp import web
 
 from services.common.errors import MeshError, NotFound
-from services.rollout.engine import (GenerateBatch, PromptInput, PromptResult, RolloutConfig, RolloutEngine,
-                                     SamplingParams)
+from services.rollout.config import RolloutConfig
+from services.rollout.types import GenerateBatch, PromptInput, PromptResult, RolloutEngine, SamplingParams
 
 log = logging.getLogger("meshrl.rollout.http")
 

@@ -16,8 +16,9 @@ from typing import AsyncIterable
 
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.weights import Manifest
-from services.rollout.engine import (GenerateBatch, PromptInput, PromptResult, RolloutEngine, RolloutSettings,
-                                     SampleResult, SamplingParams, _try_tokenizer, validate_sampling)
+from services.rollout.config import RolloutSettings
+from services.rollout.local_model import try_tokenizer
+from services.rollout.types import GenerateBatch, PromptInput, PromptResult, RolloutEngine, SampleResult, SamplingParams
 
 log = logging.getLogger("meshrl.rollout.openai")
 
@@ -39,7 +40,7 @@ class OpenAIEngine(RolloutEngine):
         self.config = r
         self.server_url = r.server_url
         self.model_path = settings.model.path
-        self.tokenizer = _try_tokenizer(self.model_path) if os.path.isdir(self.model_path) else None
+        self.tokenizer = try_tokenizer(self.model_path) if os.path.isdir(self.model_path) else None
         self.max_model_len = r.max_model_len
         self.weight_version = 0
         self._openai = openai
@@ -68,7 +69,6 @@ class OpenAIEngine(RolloutEngine):
     async def generate(self, batch: GenerateBatch) -> list[PromptResult]:
         if not batch.prompts:
             raise ValueError("prompts: empty batch")
-        validate_sampling(batch.sampling)
         for i, p in enumerate(batch.prompts):
             if not p.prompt_ids and not p.text:
                 raise ValueError(f"prompts[{i}]: needs prompt_ids or text")

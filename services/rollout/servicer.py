@@ -14,7 +14,9 @@ from services.common import convert as common_convert
 from services.common.server import MeshServer, create_server
 from services.common.weight_transport import decode_bucket
 from services.rollout import convert
-from services.rollout.engine import RolloutEngine, RolloutSettings, build_engine
+from services.rollout.config import RolloutSettings
+from services.rollout.engines import build_engine
+from services.rollout.types import RolloutEngine
 from services.rollout.weight_receivers import DeviceBucketSpec, DeviceReceivers, IpcHandle
 
 log = logging.getLogger("meshrl.rollout")

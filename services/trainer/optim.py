@@ -1,5 +1,5 @@
-"""AdamW construction (fused / foreach where the parameters allow), the global gradient-norm clip, and
-dynamic loss scaling for fp16 compute.
+"""AdamW construction (fused / foreach where the parameters allow), its learning-rate schedule, the global
+gradient-norm clip, and dynamic loss scaling for fp16 compute.
 
 Both work on any mix the mesh produces: plain tensors (one process, DDP), DTensors of FSDP2 shards and
 TP shards, possibly on different meshes (FSDP x TP leaves norm weights on the DP mesh alone).
@@ -8,11 +8,14 @@ TP shards, possibly on different meshes (FSDP x TP leaves norm weights on the DP
 from __future__ import annotations
 
 import logging
+import math
 from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from services.trainer.config import OptimSection
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -59,6 +62,18 @@ def build_adamw(params: Iterable[nn.Parameter], *, lr: float, betas, eps: float,
         opt = torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=True)
     log.info("%s: AdamW (%s) over %d parameters", name, impl, len(params))
     return opt
+
+
+def lr_lambda(cfg: OptimSection):
+    """Multiplier of the base lr after `step` optimizer steps: linear warm-up, then constant or cosine."""
+    def fn(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return fn
 
 
 @torch.no_grad()

@@ -12,26 +12,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from services.common.codec import DTYPES
+from services.common.compile import apply_compile, blocks_container, transformer_blocks
 
 log = logging.getLogger("meshrl.trainer")
-
-
-def _blocks_container(model: nn.Module) -> nn.Module:
-    for path in ("model.layers", "model.model.layers", "layers"):
-        node = model
-        try:
-            for part in path.split("."):
-                node = getattr(node, part)
-        except AttributeError:
-            continue
-        return node
-    raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.layers)")
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated decoder layers of a HF causal LM, a value model, or a pipeline stage (a ModuleDict)."""
-    node = _blocks_container(model)
-    return list(node.values()) if isinstance(node, nn.ModuleDict) else list(node)
 
 
 def apply_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
@@ -39,26 +22,11 @@ def apply_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    parent = _blocks_container(model)
+    parent = blocks_container(model)
     keys = list(parent.keys()) if isinstance(parent, nn.ModuleDict) else range(len(parent))
     for k in keys:
         parent[k] = checkpoint_wrapper(parent[k])
     log.info("Applied activation checkpointing to %d blocks", len(keys))
-
-
-def apply_compile(model: nn.Module, enabled: bool, *, backend: str = "inductor") -> None:
-    """torch.compile each decoder block in place (Module.compile: names and state dicts unchanged).
-
-    Regional compilation: the blocks share one code object and their parameters are graph inputs, so
-    one compiled graph (per shape regime and grad mode) serves every block; compiling the whole model
-    would trace embeddings, head and loss too, for little gain and much longer start-up.
-    """
-    if not enabled:
-        return
-    blocks = transformer_blocks(model)
-    for block in blocks:
-        block.compile(backend=backend)
-    log.info("Applied torch.compile to %d blocks", len(blocks))
 
 
 def tp_plan(model: nn.Module) -> tuple[dict, dict]:

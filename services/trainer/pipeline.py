@@ -21,11 +21,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-log = logging.getLogger("meshrl.trainer")
+from services.trainer.config import MULTI_STAGE_SCHEDULES, check_microbatches
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-# Schedules that run several stages per rank.
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b",)
+log = logging.getLogger("meshrl.trainer")
 
 
 def stage_layer_range(num_layers: int, stage: int, num_stages: int) -> range:
@@ -47,18 +45,6 @@ def check_stage_split(num_layers: int, pp_size: int, stages_per_rank: int) -> No
         key = "actor.pp_stages_per_rank" if stages_per_rank > 1 else "actor.pp_size"
         raise ValueError(f"{key}: pp_size={pp_size} x pp_stages_per_rank={stages_per_rank} = {num_stages} "
                          f"pipeline stages for {num_layers} decoder layers (each stage needs at least one)")
-
-
-def check_microbatches(schedule: str, num_microbatches: int, pp_size: int) -> None:
-    """Interleaved 1F1B runs micro-batches in rounds of pp_size: their count must split into whole rounds
-    (torch's ScheduleInterleaved1F1B: max(1, n // pp) rounds must divide n)."""
-    if schedule != "interleaved_1f1b" or pp_size == 1:
-        return
-    rounds = max(1, num_microbatches // pp_size)
-    if num_microbatches % rounds:
-        raise ValueError(f"actor.num_microbatches: interleaved_1f1b runs micro-batches in {rounds} rounds of "
-                         f"pp_size={pp_size}; {num_microbatches} does not split into them (use a multiple of "
-                         f"{pp_size}, or fewer than {2 * pp_size})")
 
 
 def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ from meshrl.v1 import trainer_pb2, trainer_pb2_grpc
 from services.common import convert as common_convert
 from services.common.server import MeshServer, create_server
 from services.trainer import convert
-from services.trainer.engine import TrainerEngine, TrainerSettings
+from services.trainer.config import TrainerSettings
+from services.trainer.engine import TrainerEngine
 from services.trainer.weight_sync import WeightSender, build_sender
 
 

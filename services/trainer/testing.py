@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from services.trainer.batch import TrainSample
+from services.trainer.types import TrainSample
 
 
 def make_tiny_model(path: str | Path, *, seed: int = 0, vocab_size: int = 32, num_hidden_layers: int = 2) -> str:

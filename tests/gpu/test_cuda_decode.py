@@ -9,8 +9,10 @@ import torch
 
 from services.common.modeling import response_logprobs
 from services.common.weights import build_manifest, iter_buckets
-from services.rollout.engine import GenerateBatch, PromptInput, RolloutSettings, SamplingParams, TorchEngine
+from services.rollout.config import RolloutSettings
 from services.rollout.testing import make_tiny_model, random_state_like
+from services.rollout.torch_engine import TorchEngine
+from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -16,10 +16,11 @@ import torch
 
 from services.common.config import load_config
 from services.common.weights import named_weights
-from services.trainer import fused
-from services.trainer.batch import ActorLoss
-from services.trainer.engine import TrainerEngine, TrainerSettings
+from services.common import fused
+from services.trainer.config import TrainerSettings
+from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples
+from services.trainer.types import ActorLoss
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(fused.triton is None, reason="needs Triton")]

@@ -29,8 +29,8 @@ from meshrl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grp
 from services.common.channel import create_channel
 from services.common.config import load_config
 from services.trainer import convert
-from services.trainer.batch import ActorLoss
 from services.trainer.testing import random_samples, sequences_pb
+from services.trainer.types import ActorLoss
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -86,7 +86,7 @@ def replica_process(model_dir: str, device: str, tmp_path: Path):
 
 @contextlib.asynccontextmanager
 async def trainer(model_dir: str, transport: str, **weight_sync):
-    from services.trainer.engine import TrainerSettings
+    from services.trainer.config import TrainerSettings
     from services.trainer.servicer import start
 
     settings = load_config(TrainerSettings, data={"model": {"path": model_dir, "device": "cuda"}, "actor": {"lr": 1e-3},

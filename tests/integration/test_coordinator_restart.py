@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from coordinator.client import Client
-from coordinator.local import start_local_mesh
 from coordinator.service import CoordinatorSettings, start as start_coordinator
 from coordinator.store import RedisStore
 from services.common.config import load_config
+from services.local import start_local_mesh
 
 from tests.integration.test_coordinator_run_api import base_config
 

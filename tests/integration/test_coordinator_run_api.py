@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from coordinator.client import Client
-from coordinator.local import start_local_mesh
 from coordinator.service import CoordinatorSettings, start as start_coordinator
 from services.common.config import load_config
+from services.local import start_local_mesh
 
 pytestmark = pytest.mark.slow
 

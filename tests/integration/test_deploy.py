@@ -158,10 +158,10 @@ def test_the_gpu_override_reserves_the_documented_devices_and_runs_the_trainer_u
 def settings_class(role: str):
     """The settings each process builds from the environment; the coordinator's env also shapes its runs."""
     from coordinator.config import RunConfig
-    from services.reference.engine import ReferenceSettings
-    from services.reward.engine import RewardSettings
-    from services.rollout.engine import RolloutSettings
-    from services.trainer.engine import TrainerSettings
+    from services.reference.config import ReferenceSettings
+    from services.reward.config import RewardSettings
+    from services.rollout.config import RolloutSettings
+    from services.trainer.config import TrainerSettings
 
     return {"coordinator": RunConfig, "trainer": TrainerSettings, "rollout": RolloutSettings,
             "reward": RewardSettings, "reference": ReferenceSettings}[role]

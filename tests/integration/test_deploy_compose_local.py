@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.client import Client
-from coordinator.registry import Registry
+from services.common.registry import Registry
 from tests.integration.test_deploy import COMPOSE, REPO, compose_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]

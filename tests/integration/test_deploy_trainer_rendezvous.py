@@ -37,6 +37,33 @@ def healthy(port: int) -> bool:
     return subprocess.run(check, capture_output=True, timeout=30).returncode == 0
 
 
+def wait_until_serving(port: int, procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None:
+    """Until the trainer answers health checks; fails with the log of a node that exited meanwhile."""
+    deadline = time.monotonic() + 90
+    while not healthy(port):
+        for name, p in procs.items():
+            assert p.poll() is None, f"{name} exited:\n{logs[name].read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "trainer never served"
+        time.sleep(1.0)
+
+
+def stop(procs: dict[str, subprocess.Popen]) -> None:
+    """SIGTERM to every node, then SIGKILL to whatever of its session is left after 15 s."""
+    for p in procs.values():
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs.values():
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)       # torchrun and its ranks share its session
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
 def test_the_k8s_trainer_command_puts_rank_0_on_trainer_0_even_when_a_worker_joins_first(arith_model_path, tmp_path):
     namespace = kustomization()["namespace"]
     sets = {o["metadata"]["name"]: o for o in render_k8s() if o["kind"] == "StatefulSet"}
@@ -74,27 +101,10 @@ def test_the_k8s_trainer_command_puts_rank_0_on_trainer_0_even_when_a_worker_joi
                 procs[name] = subprocess.Popen(argv, env={**base_env, **env}, cwd=REPO, stdout=log,
                                                stderr=subprocess.STDOUT, start_new_session=True)
             time.sleep(2.0 if name == "trainer-worker-0" else 0)
-        deadline = time.monotonic() + 90
-        while not healthy(grpc_port):
-            for name, p in procs.items():
-                assert p.poll() is None, f"{name} exited:\n{logs[name].read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "trainer never served"
-            time.sleep(1.0)
+        wait_until_serving(grpc_port, procs, logs)
         head_log, worker_log = logs["trainer-0"].read_text(), logs["trainer-worker-0"].read_text()
         assert f"meshrl trainer listening on 127.0.0.1:{grpc_port}" in head_log
         assert "listening on" not in worker_log
         assert "Rank 0: actor loaded" in head_log and "Rank 1: actor loaded" in worker_log
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)       # torchrun and its ranks share its session
-            except ProcessLookupError:
-                pass
-            p.wait()
+        stop(procs)

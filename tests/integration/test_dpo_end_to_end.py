@@ -16,11 +16,11 @@ from coordinator import remote
 from coordinator.client import Client
 from coordinator.config import RunConfig
 from coordinator.dpo import load_pairs
-from coordinator.local import start_local_mesh, start_role
 from coordinator.service import CoordinatorSettings, start as start_coordinator
 from services.common.channel import create_channel
 from services.common.config import load_config
 from services.common.modeling import load_tokenizer
+from services.local import start_local_mesh, start_role
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,10 @@ from meshrl.v1 import common_pb2, trainer_pb2_grpc
 from services.common.channel import create_channel
 from services.common.config import load_config
 from services.trainer import convert
-from services.trainer.batch import DPOLoss
-from services.trainer.engine import TrainerEngine, TrainerSettings
+from services.trainer.config import TrainerSettings
+from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model
+from services.trainer.types import DPOLoss
 from tests.multiproc.test_trainer_mesh import Launched
 from tests.unit.test_trainer_dpo import random_pairs
 

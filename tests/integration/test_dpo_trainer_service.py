@@ -13,10 +13,10 @@ from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.channel import create_channel
 from services.common.config import load_config
 from services.trainer import convert
-from services.trainer.batch import DPOLoss, PreferencePair
-from services.trainer.engine import TrainerSettings
+from services.trainer.config import TrainerSettings
 from services.trainer.servicer import start
 from services.trainer.testing import make_tiny_model
+from services.trainer.types import DPOLoss, PreferencePair
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy", "logps/chosen",
            "logps/rejected", "grad_norm", "lr")

@@ -4,10 +4,11 @@ import asyncio
 
 import pytest
 
-from coordinator import loop, phases, remote
+from coordinator import loop, remote
+from coordinator.algorithms import open_context
 from coordinator.config import RunConfig
-from coordinator.local import start_local_mesh
 from services.common.config import load_config
+from services.local import start_local_mesh
 from services.reward.functions import exact_match
 
 pytestmark = pytest.mark.slow
@@ -30,7 +31,7 @@ def test_three_grpo_steps_sync_weights_to_every_replica_with_logprob_parity(arit
         mesh = await start_local_mesh(_config(arith_model_path, tmp_path), num_rollout=2)
         try:
             cfg = load_config(RunConfig, data=mesh.config)
-            ctx = await phases.open_context("e2e", cfg)
+            ctx = await open_context("e2e", cfg)
             assert len(ctx.rollout.healthy()) == 2
             for step in range(1, 4):
                 metrics = await loop.rl_step(ctx)

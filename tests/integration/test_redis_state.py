@@ -5,8 +5,8 @@ import uuid
 
 import pytest
 
-from coordinator.registry import Registry
 from coordinator.store import RedisStore, RunRecord
+from services.common.registry import Registry
 
 pytestmark = pytest.mark.redis
 

@@ -4,10 +4,11 @@ import asyncio
 
 import pytest
 
-from coordinator import loop, phases
+from coordinator import loop
+from coordinator.algorithms import open_context
 from coordinator.config import RunConfig
-from coordinator.local import start_local_mesh
 from services.common.config import load_config
+from services.local import start_local_mesh
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +22,7 @@ def test_two_reward_and_two_reference_replicas_share_the_calls_round_robin(arith
     async def main():
         mesh = await start_local_mesh(config, num_rollout=2, num_reward=2, num_reference=2)
         try:
-            ctx = await phases.open_context("pools", load_config(RunConfig, data=mesh.config))
+            ctx = await open_context("pools", load_config(RunConfig, data=mesh.config))
             counts = {}
             for _ in range(4):
                 await loop.rl_step(ctx)

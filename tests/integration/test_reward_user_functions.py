@@ -10,7 +10,7 @@ import pytest
 from meshrl.v1 import reward_pb2, reward_pb2_grpc
 from services.common.channel import create_channel
 from services.common.config import load_config
-from services.reward.engine import RewardSettings
+from services.reward.config import RewardSettings
 from services.reward.servicer import start
 
 REPO = Path(__file__).resolve().parents[2]

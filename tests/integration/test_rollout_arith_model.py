@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from services.common.modeling import response_logprobs
-from services.rollout.engine import GenerateBatch, PromptInput, RolloutSettings, SamplingParams, TorchEngine
+from services.rollout.config import RolloutSettings
+from services.rollout.torch_engine import TorchEngine
+from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
 
 ARITH_MODEL = Path(__file__).resolve().parents[2] / "examples" / "arith" / "model"
 pytestmark = pytest.mark.skipif(not (ARITH_MODEL / "config.json").exists(),

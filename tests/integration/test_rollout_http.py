@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from services.rollout.engine import RolloutSettings
+from services.rollout.config import RolloutSettings
 from services.rollout.servicer import start
 from services.rollout.testing import make_tiny_model
 

@@ -10,7 +10,7 @@ import pytest
 
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.channel import create_channel
-from services.rollout.engine import RolloutSettings
+from services.rollout.config import RolloutSettings
 from services.rollout.servicer import start
 from services.rollout.testing import make_tiny_model, random_state_like
 from services.rollout.weights_client import push_weights
@@ -137,7 +137,7 @@ def test_an_unreachable_upstream_is_unavailable(model_dir):
 
 
 def test_the_openai_engine_needs_a_server_url(model_dir):
-    from services.rollout.engine import build_engine
+    from services.rollout.engines import build_engine
     with pytest.raises(ValueError, match="rollout.server_url"):
         build_engine(RolloutSettings(model={"path": model_dir}, rollout={"engine": "openai"}))
 

@@ -17,7 +17,7 @@ import torch
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.channel import create_channel
 from services.common.weights import iter_buckets
-from services.rollout.engine import RolloutSettings
+from services.rollout.config import RolloutSettings
 from services.rollout.servicer import start
 from services.rollout.testing import make_tiny_model, random_state_like
 from services.rollout.weights_client import push_weights, weight_messages

@@ -17,8 +17,10 @@ import torch
 
 from services.common.modeling import load_causal_lm, response_logprobs
 from services.common.weights import apply_weights, build_manifest, iter_buckets
-from services.rollout.engine import GenerateBatch, PromptInput, RolloutSettings, SamplingParams, TorchEngine
+from services.rollout.config import RolloutSettings
 from services.rollout.testing import make_tiny_model, random_state_like
+from services.rollout.torch_engine import TorchEngine
+from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")]
@@ -159,7 +161,7 @@ def test_vllm_rejects_a_bad_update_naming_the_tensor_and_keeps_weights_and_versi
         engine.update_weights_sync(bad, version + 1)
     # Past the trainer-side check (as a buggy sender or another model's names would be), the worker's own
     # check still stops it before any copy.
-    from services.rollout.vllm_engine import pack_tensors
+    from services.rollout.vllm_weights import pack_tensors
     done = engine._loop.call(engine.llm.collective_rpc("meshrl_swap_weights", args=pack_tensors(bad)))[0]
     assert "model.layers.1.mlp.up_proj.weight" in done["error"] and "gate_up_proj" in done["error"]
     with pytest.raises(ValueError, match="lacks tensor 'model.norm.weight'"):

@@ -12,10 +12,10 @@ from meshrl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grp
 from services.common.channel import create_channel
 from services.common.config import load_config
 from services.trainer import convert
-from services.trainer.batch import ActorLoss
-from services.trainer.engine import TrainerSettings
+from services.trainer.config import TrainerSettings
 from services.trainer.servicer import start
 from services.trainer.testing import random_samples, sequences_pb
+from services.trainer.types import ActorLoss
 
 TOKEN = "s3cret"
 
@@ -119,7 +119,7 @@ def test_calls_without_the_token_are_unauthenticated(model_dir):
 
 @pytest.mark.slow
 def test_push_weights_reaches_every_live_replica_and_reports_the_dead_one(model_dir):
-    from services.rollout.engine import RolloutSettings
+    from services.rollout.config import RolloutSettings
     from services.rollout.servicer import start as start_rollout
 
     samples = random_samples(4, vocab_size=32)

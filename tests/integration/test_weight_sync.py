@@ -29,8 +29,8 @@ from services.common.config import load_config
 from services.common.weight_transport import COMMIT_MESSAGE, DataBucket, HostPayload, decode_bucket, encode_bucket
 from services.common.weights import iter_buckets
 from services.trainer import convert
-from services.trainer.batch import ActorLoss
 from services.trainer.testing import random_samples
+from services.trainer.types import ActorLoss
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret"
@@ -51,9 +51,9 @@ def sequences_pb(samples) -> common_pb2.LogProbsRequest:
 
 @contextlib.asynccontextmanager
 async def trainer_and_replicas(model_dir: str, num_replicas: int):
-    from services.rollout.engine import RolloutSettings
+    from services.rollout.config import RolloutSettings
     from services.rollout.servicer import start as start_rollout
-    from services.trainer.engine import TrainerSettings
+    from services.trainer.config import TrainerSettings
     from services.trainer.servicer import start as start_trainer
 
     replicas = []
@@ -131,7 +131,8 @@ def test_three_replicas_end_every_sync_on_the_trainers_version_and_logprobs(mode
 
 def _slow_replica_main(model_dir: str) -> None:
     """A rollout replica that takes its weight updates slowly (so a test can kill it mid-sync)."""
-    from services.rollout.engine import RolloutSettings, TorchEngine
+    from services.rollout.config import RolloutSettings
+    from services.rollout.torch_engine import TorchEngine
     from services.rollout.servicer import start
 
     class SlowEngine(TorchEngine):
@@ -263,7 +264,7 @@ def test_the_bucket_codec_agrees_with_protobuf_and_the_payload_with_iter_buckets
 
 
 def test_a_grpc_update_with_a_device_bucket_or_a_short_payload_is_invalid_argument(model_dir):
-    from services.rollout.engine import RolloutSettings
+    from services.rollout.config import RolloutSettings
     from services.rollout.servicer import start
 
     async def main():

@@ -9,9 +9,10 @@ import time
 import torch
 
 from services.common.config import load_config
-from services.trainer.batch import ActorLoss
-from services.trainer.engine import TrainerEngine, TrainerSettings
+from services.trainer.config import TrainerSettings
+from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples
+from services.trainer.types import ActorLoss
 
 out = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
 d = tempfile.mkdtemp()

@@ -28,9 +28,10 @@ from services.common.channel import create_channel
 from services.common.config import load_config
 from services.common.weights import named_weights
 from services.trainer import convert
-from services.trainer.batch import ActorLoss
-from services.trainer.engine import TrainerEngine, TrainerSettings
+from services.trainer.config import TrainerSettings
+from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples
+from services.trainer.types import ActorLoss
 
 REPO = Path(__file__).resolve().parents[2]
 LOSS = ActorLoss(mini_batch_size=4, kl_coef=0.05, entropy_coef=0.01)
@@ -110,6 +111,34 @@ def _sequences(samples):
         for i, s in enumerate(samples)], temperature=1.0)
 
 
+async def _drive(port: int, first, second, tmp_path):
+    """What the mesh answers: its info, log-probs of `first`, a step on `first`, and (after a checkpoint and an
+    HF export) a step on `second`."""
+    async with create_channel(f"127.0.0.1:{port}") as channel:
+        stub = trainer_pb2_grpc.TrainerStub(channel)
+        info = await stub.GetInfo(common_pb2.GetInfoRequest())
+        lp = await stub.ComputeLogProbs(_sequences(first))
+        trained = await stub.TrainActor(convert.train_actor_to_pb(first, LOSS))
+        await stub.SaveCheckpoint(trainer_pb2.CheckpointRequest(path=str(tmp_path / "ck")))
+        await stub.ExportHF(trainer_pb2.CheckpointRequest(path=str(tmp_path / "hf")))
+        trained_next = await stub.TrainActor(convert.train_actor_to_pb(second, LOSS))
+        return info, lp, trained, trained_next
+
+
+def _check_layout(info, trained, log: str, *, dp: int, tp: int, pp: int, schedule: str, dp_mode: str, device: str):
+    """The mesh reports the layout it was asked for, each rank logs where it loaded, the bubble is the schedule's."""
+    world = dp * tp * pp
+    assert (info.details["dp"], info.details["tp"], info.details["pp"], info.details["world_size"]) == (
+        str(dp), str(tp), str(pp), str(world))
+    rank_devices = [f"cuda:{r}" for r in range(world)] if device == "cuda" else ["cpu"] * world
+    assert info.details["devices"] == ",".join(rank_devices) and info.details["dp_mode"] == dp_mode
+    stages_per_rank = 2 if schedule == "interleaved_1f1b" and pp > 1 else 1
+    assert info.details["pp_stages_per_rank"] == str(stages_per_rank)
+    assert trained.metrics["pipeline_bubble_fraction"] == pytest.approx((pp - 1) / (stages_per_rank * 2 + pp - 1))
+    for rank in range(world):
+        assert f"Rank {rank}: actor loaded on {rank_devices[rank]} (tp={tp} pp={pp} dp={dp})" in log
+
+
 def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1, tp: int = 1, pp: int = 1,
                                  schedule: str = "1f1b", budget: int = 16384, fused: bool | None = False,
                                  device: str = "cpu", dtype: str = "float32"):
@@ -137,34 +166,11 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
         second = _samples(2, single)
         expected_next = single.train_actor(second, LOSS)
 
-        port = launched.wait_ready()
-
-        async def drive():
-            async with create_channel(f"127.0.0.1:{port}") as channel:
-                stub = trainer_pb2_grpc.TrainerStub(channel)
-                info = await stub.GetInfo(common_pb2.GetInfoRequest())
-                lp = await stub.ComputeLogProbs(_sequences(first))
-                trained = await stub.TrainActor(convert.train_actor_to_pb(first, LOSS))
-                await stub.SaveCheckpoint(trainer_pb2.CheckpointRequest(path=str(tmp_path / "ck")))
-                await stub.ExportHF(trainer_pb2.CheckpointRequest(path=str(tmp_path / "hf")))
-                trained_next = await stub.TrainActor(convert.train_actor_to_pb(second, LOSS))
-                return info, lp, trained, trained_next
-
-        info, lp, trained, trained_next = asyncio.run(drive())
+        info, lp, trained, trained_next = asyncio.run(_drive(launched.wait_ready(), first, second, tmp_path))
     finally:
         launched.stop()
-
-    world = dp * tp * pp
-    assert (info.details["dp"], info.details["tp"], info.details["pp"], info.details["world_size"]) == (
-        str(dp), str(tp), str(pp), str(world))
-    rank_devices = [f"cuda:{r}" for r in range(world)] if device == "cuda" else ["cpu"] * world
-    assert info.details["devices"] == ",".join(rank_devices) and info.details["dp_mode"] == dp_mode
-    stages_per_rank = 2 if schedule == "interleaved_1f1b" and pp > 1 else 1
-    assert info.details["pp_stages_per_rank"] == str(stages_per_rank)
-    assert trained.metrics["pipeline_bubble_fraction"] == pytest.approx((pp - 1) / (stages_per_rank * 2 + pp - 1))
-    log = (tmp_path / "torchrun.log").read_text()
-    for rank in range(world):
-        assert f"Rank {rank}: actor loaded on {rank_devices[rank]} (tp={tp} pp={pp} dp={dp})" in log
+    _check_layout(info, trained, (tmp_path / "torchrun.log").read_text(), dp=dp, tp=tp, pp=pp, schedule=schedule,
+                  dp_mode=dp_mode, device=device)
 
     for got, want in zip(lp.results, expected_lp):
         assert list(got.logprobs) == pytest.approx(want, abs=tol.logprob)

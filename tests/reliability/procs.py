@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from coordinator.client import Client
 from coordinator.launcher import Child, Launcher
+from coordinator.service import CoordinatorSettings, start as start_coordinator
+from services.common.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "examples" / "arith" / "data" / "train.jsonl")
@@ -121,6 +126,21 @@ class Procs:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@contextlib.asynccontextmanager
+async def coordinator(redis_url: str):
+    """A coordinator on port 0 that keeps its runs under a fresh Redis prefix, and a client of it."""
+    settings = load_config(CoordinatorSettings, data={"run": {"redis_url": redis_url,
+                                                              "redis_prefix": f"meshrl-rel-{uuid.uuid4().hex[:8]}"}})
+    server, port, engine = await start_coordinator(settings, "127.0.0.1:0")
+    client = Client(f"127.0.0.1:{port}")
+    try:
+        yield engine, client
+    finally:
+        client.close()
+        await engine.close()
+        await server.stop(0)
 
 
 def comparable(metrics: dict) -> dict:

@@ -2,7 +2,6 @@
 and the restarted replica comes back into the pool with the run's current weights."""
 
 import asyncio
-import uuid
 from collections import Counter
 
 import grpc
@@ -11,11 +10,9 @@ import yaml
 
 from coordinator import phases
 from coordinator.client import Client
-from coordinator.service import CoordinatorSettings, start as start_coordinator
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
-from services.common.config import load_config
 
-from tests.reliability.procs import Procs, run_config, with_addresses, write_config
+from tests.reliability.procs import Procs, coordinator, run_config, with_addresses, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -28,13 +25,8 @@ async def _logprobs(address: str, prompt_ids, response_ids) -> tuple[list[float]
     return list(reply.results[0].logprobs), reply.weight_version
 
 
-def test_killing_one_of_three_rollout_replicas_mid_generation_loses_no_sample_and_it_rejoins_current(
-        arith_model_path, tmp_path, redis_url, monkeypatch):
-    cfg = run_config(arith_model_path, tmp_path / "runs", run={"num_steps": 10_000},
-                     data={"rollout_batch_size": 6}, rollout={"n": 4, "max_tokens": 8})
-    path = write_config(tmp_path / "run.yaml", cfg)
-
-    # Every generation the loop asks for, with the step it belongs to.
+def _record_generations(monkeypatch) -> list[tuple[int, list, list]]:
+    """Every generation the loop asks for (held-out ones aside), with the step it belongs to."""
     generations: list[tuple[int, list, list]] = []
     real_generate = phases.generate
 
@@ -45,6 +37,55 @@ def test_killing_one_of_three_rollout_replicas_mid_generation_loses_no_sample_an
         return samples
 
     monkeypatch.setattr(phases, "generate", recording_generate)
+    return generations
+
+
+async def _kill_mid_generation(ctx, slow) -> int:
+    """Kills the slow replica while a training step's chunk is in flight on it; returns that step once it is done."""
+    for _ in range(6000):
+        rep = ctx.rollout.replicas.get(slow.address)
+        if ctx.step >= 1 and rep is not None and rep.load > 0:
+            break
+        await asyncio.sleep(0.005)
+    else:
+        raise AssertionError("the slow replica never had a generation in flight")
+    killed_in_step = ctx.step + 1
+    Procs.kill9(slow)
+    for _ in range(1200):
+        if ctx.step >= killed_in_step:
+            break
+        await asyncio.sleep(0.05)
+    assert ctx.step >= killed_in_step, "the step with the killed replica did not complete"
+    assert ctx.rollout.replicas[slow.address].failures >= 1   # its call failed and moved
+    return killed_in_step
+
+
+async def _restart_until_current(procs: Procs, slow, ctx, manager, run_id: str) -> None:
+    """Restarts the killed replica on its port; waits until the pool has it back, healthy, at the run's weights."""
+    await asyncio.to_thread(procs.restart, slow)
+    for _ in range(1200):
+        rep = ctx.rollout.replicas.get(slow.address)
+        if rep and rep.healthy and rep.weight_version == ctx.weight_version and ctx.weight_version > 1:
+            return
+        assert run_id in manager.tasks, (await manager.get(run_id)).message
+        await asyncio.sleep(0.05)
+    raise AssertionError("the restarted replica did not rejoin with the current weights")
+
+
+async def _pause(client: Client, manager, run_id: str) -> None:
+    await asyncio.to_thread(client.pause_run, run_id)
+    for _ in range(600):
+        if (await manager.get(run_id)).state == "PAUSED":
+            return
+        await asyncio.sleep(0.05)
+
+
+def test_killing_one_of_three_rollout_replicas_mid_generation_loses_no_sample_and_it_rejoins_current(
+        arith_model_path, tmp_path, redis_url, monkeypatch):
+    cfg = run_config(arith_model_path, tmp_path / "runs", run={"num_steps": 10_000},
+                     data={"rollout_batch_size": 6}, rollout={"n": 4, "max_tokens": 8})
+    path = write_config(tmp_path / "run.yaml", cfg)
+    generations = _record_generations(monkeypatch)
 
     with Procs(path, tmp_path / "logs") as procs:
         # The third replica decodes one row at a time: its chunk is in flight long enough to be killed in.
@@ -53,31 +94,12 @@ def test_killing_one_of_three_rollout_replicas_mid_generation_loses_no_sample_an
              ("rollout", ["--rollout.max_batch_size", "1"])])
         addresses = {"trainer": [trainer.address], "reward": [reward.address],
                      "rollout": [fast1.address, fast2.address, slow.address]}
-        settings = load_config(CoordinatorSettings, data={"run": {"redis_url": redis_url,
-                                                                  "redis_prefix": f"meshrl-rel-{uuid.uuid4().hex[:8]}"}})
 
         async def main():
-            server, port, engine = await start_coordinator(settings, "127.0.0.1:0")
-            client = Client(f"127.0.0.1:{port}")
-            try:
+            async with coordinator(redis_url) as (engine, client):
                 run_id = await asyncio.to_thread(client.start_run, yaml.safe_dump(with_addresses(cfg, addresses)))
                 ctx = engine.manager.contexts[run_id]
-                # Wait for a training step's generation with the slow replica's chunk in flight.
-                for _ in range(6000):
-                    rep = ctx.rollout.replicas.get(slow.address)
-                    if ctx.step >= 1 and rep is not None and rep.load > 0:
-                        break
-                    await asyncio.sleep(0.005)
-                else:
-                    raise AssertionError("the slow replica never had a generation in flight")
-                killed_in_step = ctx.step + 1
-                Procs.kill9(slow)
-                for _ in range(1200):
-                    if ctx.step >= killed_in_step:
-                        break
-                    await asyncio.sleep(0.05)
-                assert ctx.step >= killed_in_step, "the step with the killed replica did not complete"
-                assert ctx.rollout.replicas[slow.address].failures >= 1   # its call failed and moved
+                killed_in_step = await _kill_mid_generation(ctx, slow)
 
                 step, problems, samples = next(g for g in generations if g[0] == killed_in_step)
                 expected = Counter({f"{p.id}#{g}": cfg["rollout"]["n"] for g, p in enumerate(problems)})
@@ -86,20 +108,8 @@ def test_killing_one_of_three_rollout_replicas_mid_generation_loses_no_sample_an
                 metrics = await engine.manager.metrics(run_id, killed_in_step)
                 assert metrics[0]["step"] == killed_in_step and metrics[0]["num_samples"] == 24
 
-                await asyncio.to_thread(procs.restart, slow)
-                for _ in range(1200):
-                    rep = ctx.rollout.replicas.get(slow.address)
-                    if rep and rep.healthy and rep.weight_version == ctx.weight_version and ctx.weight_version > 1:
-                        break
-                    assert run_id in engine.manager.tasks, (await engine.manager.get(run_id)).message
-                    await asyncio.sleep(0.05)
-                else:
-                    raise AssertionError("the restarted replica did not rejoin with the current weights")
-                await asyncio.to_thread(client.pause_run, run_id)
-                for _ in range(600):
-                    if (await engine.manager.get(run_id)).state == "PAUSED":
-                        break
-                    await asyncio.sleep(0.05)
+                await _restart_until_current(procs, slow, ctx, engine.manager, run_id)
+                await _pause(client, engine.manager, run_id)
                 version = ctx.weight_version
                 services = await asyncio.to_thread(client.list_services, run_id)
                 restarted = next(r for r in services if r.address == slow.address)
@@ -115,9 +125,5 @@ def test_killing_one_of_three_rollout_replicas_mid_generation_loses_no_sample_an
                 assert final.state == "STOPPED"
                 steps = [int(m["step"]) for m in await engine.manager.metrics(run_id) if "reward_mean" in m]
                 assert steps == list(range(1, final.step + 1))
-            finally:
-                client.close()
-                await engine.close()
-                await server.stop(0)
 
         asyncio.run(main())

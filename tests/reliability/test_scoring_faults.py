@@ -2,16 +2,11 @@
 number of the run equals an undisturbed run with the same seed."""
 
 import asyncio
-import uuid
 
 import pytest
 import yaml
 
-from coordinator.client import Client
-from coordinator.service import CoordinatorSettings, start as start_coordinator
-from services.common.config import load_config
-
-from tests.reliability.procs import Procs, comparable, run_config, with_addresses, write_config
+from tests.reliability.procs import Procs, comparable, coordinator, run_config, with_addresses, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -37,13 +32,9 @@ def test_killing_a_scoring_replica_mid_call_retries_elsewhere_and_changes_no_num
                      "reward": [reward1.address, reward2.address], "reference": [ref1.address, ref2.address]}
         victims = {"reward": (reward1, reward2), "reference": (ref1, ref2)}[role]
         config_text = yaml.safe_dump(with_addresses(cfg, addresses))
-        settings = load_config(CoordinatorSettings, data={"run": {"redis_url": redis_url,
-                                                                  "redis_prefix": f"meshrl-rel-{uuid.uuid4().hex[:8]}"}})
 
         async def main():
-            server, port, engine = await start_coordinator(settings, "127.0.0.1:0")
-            client = Client(f"127.0.0.1:{port}")
-            try:
+            async with coordinator(redis_url) as (engine, client):
                 calm = await asyncio.to_thread(client.start_run, config_text, "undisturbed")
                 assert (await asyncio.to_thread(client.wait, calm)).state == "COMPLETED"
                 undisturbed = await engine.manager.metrics(calm)
@@ -72,9 +63,5 @@ def test_killing_a_scoring_replica_mid_call_retries_elsewhere_and_changes_no_num
                 for a, b in zip(undisturbed, disturbed):
                     assert comparable(a) == comparable(b), a["step"]
                 assert "kl" in disturbed[1] and "reward_mean" in disturbed[1]
-            finally:
-                client.close()
-                await engine.close()
-                await server.stop(0)
 
         asyncio.run(main())

@@ -18,11 +18,11 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.client import Client
-from coordinator.local import start_local_mesh
 from coordinator.service import CoordinatorSettings, start as start_coordinator
 from meshrl.v1 import coordinator_pb2, reference_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, trainer_pb2
 from services.common.channel import ClientTLS, set_default_tls
 from services.common.config import load_config
+from services.local import start_local_mesh
 
 from tests.reliability.certs import CA
 from tests.reliability.procs import REPO, Procs, run_config, wait_until, write_config

@@ -7,31 +7,41 @@ from coordinator.advantages import (AdaptiveKLController, gae_advantages, grpo_a
                                     reinforce_pp_advantages, reinforce_pp_baseline_advantages, rloo_advantages)
 
 
+def _row_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """Group ids of [num_groups, group_size] rewards flattened row by row: one group per row."""
+    return torch.arange(rewards.size(0)).repeat_interleave(rewards.size(1))
+
+
+def _by_rows(estimator, rewards: torch.Tensor, **kwargs) -> torch.Tensor:
+    """A per-sample group estimator on [num_groups, group_size] rewards, one group per row; same shape back."""
+    return estimator(rewards.reshape(-1), _row_groups(rewards), **kwargs).reshape(rewards.shape)
+
+
 def test_grpo_advantage_is_zero_when_all_rewards_equal():
-    adv = grpo_advantages(torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]))
+    adv = _by_rows(grpo_advantages, torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]))
     assert torch.equal(adv, torch.zeros(2, 4))
 
 
 def test_grpo_advantage_of_one_hand_computed_group():
     # mean 0.25; unbiased std of [1,0,0,0] = sqrt(0.75/3) = 0.5
-    adv = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), eps=0.0)
+    adv = _by_rows(grpo_advantages, torch.tensor([[1.0, 0.0, 0.0, 0.0]]), eps=0.0)
     assert torch.allclose(adv, torch.tensor([[1.5, -0.5, -0.5, -0.5]]))
 
 
 def test_dr_grpo_advantage_is_mean_centred_without_std():
-    adv = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), norm_by_std=False)
+    adv = _by_rows(grpo_advantages, torch.tensor([[1.0, 0.0, 0.0, 0.0]]), norm_by_std=False)
     assert torch.allclose(adv, torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
 
 
 def test_rloo_subtracts_the_mean_of_the_other_samples():
-    adv = rloo_advantages(torch.tensor([[1.0, 0.0, 2.0]]))
+    adv = _by_rows(rloo_advantages, torch.tensor([[1.0, 0.0, 2.0]]))
     # 1 - (0+2)/2 = 0 ; 0 - (1+2)/2 = -1.5 ; 2 - (1+0)/2 = 1.5
     assert torch.allclose(adv, torch.tensor([[0.0, -1.5, 1.5]]))
 
 
 def test_rloo_rejects_groups_of_one():
     with pytest.raises(ValueError, match="rollout.n"):
-        rloo_advantages(torch.tensor([[1.0]]))
+        _by_rows(rloo_advantages, torch.tensor([[1.0]]))
 
 
 def test_reinforce_pp_returns_are_whitened_reward_to_go():
@@ -47,7 +57,7 @@ def test_reinforce_pp_returns_are_whitened_reward_to_go():
 def test_reinforce_pp_group_baseline_centres_each_group():
     rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     mask = torch.ones(4, 3)
-    adv = reinforce_pp_baseline_advantages(rewards, mask)
+    adv = reinforce_pp_baseline_advantages(rewards.reshape(-1), _row_groups(rewards), mask)
     # centred: [0.5, -0.5, 0, 0] per sequence; whitened over 12 tokens: mean 0, std sqrt(0.125)
     assert torch.allclose(adv[:, 0], torch.tensor([0.5, -0.5, 0.0, 0.0]) / 0.125 ** 0.5, atol=1e-4)
 

@@ -11,9 +11,10 @@ from coordinator.config import RunConfig
 from coordinator.phases import needs_old_logprobs
 from services.common.config import load_config
 from services.common.weights import named_weights
-from services.trainer.batch import ActorLoss
-from services.trainer.engine import TrainerEngine, TrainerSettings
+from services.trainer.config import TrainerSettings
+from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples
+from services.trainer.types import ActorLoss
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,8 @@ def test_old_logprobs_are_skipped_only_when_one_optimizer_step_needs_none(algori
 
 
 def test_the_fused_reference_path_equals_the_plain_one(model_path):
-    from services.reference.engine import ReferenceEngine, ReferenceSettings
+    from services.reference.config import ReferenceSettings
+    from services.reference.engine import ReferenceEngine
 
     plain = ReferenceEngine(load_config(ReferenceSettings, data={"model": {"path": model_path}}))
     fused = ReferenceEngine(load_config(ReferenceSettings, data={"model": {"path": model_path},
@@ -106,17 +108,18 @@ def test_the_fused_reference_path_equals_the_plain_one(model_path):
 
 
 def test_the_compiled_reference_wraps_every_block_and_gives_the_same_logprobs(model_path, monkeypatch):
-    from services.reference.engine import ReferenceEngine, ReferenceSettings
-    from services.trainer import parallelize
+    from services.common import compile as block_compile
+    from services.reference.config import ReferenceSettings
+    from services.reference.engine import ReferenceEngine
 
     # Inductor's C++ codegen takes minutes on a 2-core CPU: dynamo's graphs on the eager backend instead.
-    real = parallelize.apply_compile
-    monkeypatch.setattr(parallelize, "apply_compile", lambda model, enabled: real(model, enabled, backend="eager"))
+    real = block_compile.apply_compile
+    monkeypatch.setattr(block_compile, "apply_compile", lambda model, enabled: real(model, enabled, backend="eager"))
     plain = ReferenceEngine(load_config(ReferenceSettings, data={"model": {"path": model_path}}))
     compiled = ReferenceEngine(load_config(ReferenceSettings, data={"model": {"path": model_path},
                                                                     "reference": {"compile": True}}))
     assert not plain.info()["compile"] and compiled.info()["compile"]
-    assert all(b._compiled_call_impl is not None for b in parallelize.transformer_blocks(compiled.model))
+    assert all(b._compiled_call_impl is not None for b in block_compile.transformer_blocks(compiled.model))
     samples = random_samples(6, seed=5)
     prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     a, b = plain.logprobs_sync(prompts, responses), compiled.logprobs_sync(prompts, responses)

@@ -14,11 +14,13 @@ from services.common.config import load_config
 from services.common.modeling import validate_sequences
 from services.common.packed import F32, I32, field_of, pack_f32, pack_i32
 from services.rollout import convert as rollout_convert
-from services.rollout.engine import PromptResult, SampleResult
+from services.rollout.types import PromptResult, SampleResult, SamplingParams
 from services.trainer import convert as trainer_convert
-from services.trainer.batch import ActorLoss, is_on_policy, validate_actor_batch
-from services.trainer.engine import TrainerEngine, TrainerSettings
+from services.trainer.batch import is_on_policy, validate_actor_batch
+from services.trainer.config import TrainerSettings
+from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples
+from services.trainer.types import ActorLoss
 
 
 def test_field_of_reads_either_form_and_names_bad_packed_input():
@@ -258,7 +260,7 @@ def test_the_coordinator_reads_every_generate_answer_form_alike(form):
             return rollout_pb2.GenerateResponse.FromString(answer.SerializeToString())
 
     problems = [Problem(id=f"q{i}", prompt=f"{i}+1", ground_truth="1", data_source="arith") for i in range(2)]
-    samples = asyncio.run(remote.generate(Replica(), problems, [0, 1], remote.Sampling(
+    samples = asyncio.run(remote.generate(Replica(), problems, [0, 1], SamplingParams(
         n=2, temperature=1.0, top_p=1.0, max_tokens=4)))
     assert [(s.group, list(s.prompt_ids), list(s.response_ids), list(s.rollout_logprobs), s.text) for s in samples] \
         == [(i, [4, 5 + i], [7 + i, 8, 9][:2 + j], [-0.25, -1.5, -3.0][:2 + j], f"t{i}{j}")

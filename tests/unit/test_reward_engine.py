@@ -6,7 +6,9 @@ import math
 import pytest
 
 from services.common.config import load_config
-from services.reward.engine import RewardEngine, RewardSettings, ScoreItem
+from services.reward.config import RewardSettings
+from services.reward.engine import RewardEngine
+from services.reward.types import ScoreItem
 
 
 def engine_for(reward: dict) -> RewardEngine:

@@ -7,7 +7,9 @@ import random
 import pytest
 
 from services.common.config import load_config
-from services.reward.engine import RewardEngine, RewardSettings, ScoreItem
+from services.reward.config import RewardSettings
+from services.reward.engine import RewardEngine
+from services.reward.types import ScoreItem
 
 POSITIVE = ["sunny", "happy", "bright", "warm", "joy"]
 NEGATIVE = ["rainy", "sad", "dark", "cold", "gloom"]

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from services.common.config import load_config
-from services.reward.engine import RewardEngine, RewardSettings
+from services.reward.config import RewardSettings
+from services.reward.engine import RewardEngine
 from services.reward.plugins import load_function
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +61,7 @@ def test_a_user_function_with_params_is_scored_in_worker_processes():
     async def run():
         engine = RewardEngine(settings)
         try:
-            from services.reward.engine import ScoreItem
+            from services.reward.types import ScoreItem
             return await engine.score([ScoreItem(id=str(i), response="x" * i, ground_truth="xx") for i in range(5)])
         finally:
             await engine.close()

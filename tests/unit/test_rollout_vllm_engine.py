@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from services.rollout.engine import RolloutSettings, build_engine
+from services.rollout.config import RolloutSettings
+from services.rollout.engines import build_engine
 from services.rollout.vllm_engine import _kv_cache_bytes, _SwapGate, prompt_seed
 
 

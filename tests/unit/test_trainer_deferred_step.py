@@ -8,9 +8,10 @@ import torch
 
 from services.common.config import load_config
 from services.common.weights import named_weights
-from services.trainer.batch import ActorLoss
-from services.trainer.engine import TrainerEngine, TrainerSettings
+from services.trainer.config import TrainerSettings
+from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples
+from services.trainer.types import ActorLoss
 
 LOSS = ActorLoss(kl_coef=0.0, entropy_coef=0.01)
 

@@ -13,9 +13,10 @@ from meshrl.v1 import trainer_pb2
 from services.common.config import load_config
 from services.common.weights import named_weights
 from services.trainer import convert
-from services.trainer.batch import DPOLoss, PreferencePair
-from services.trainer.engine import TrainerEngine, TrainerSettings
+from services.trainer.config import TrainerSettings
+from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model
+from services.trainer.types import DPOLoss, PreferencePair
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,11 @@ import torch
 from services.common.config import load_config
 from services.common.errors import FailedPrecondition, NotFound
 from services.common.weights import named_weights
-from services.trainer.batch import ActorLoss, CriticLoss, CriticSample, TrainSample
-from services.trainer.engine import TrainerEngine, TrainerSettings, lr_lambda, ActorConfig
+from services.trainer.config import ActorConfig, TrainerSettings
+from services.trainer.engine import TrainerEngine
+from services.trainer.optim import lr_lambda
 from services.trainer.testing import make_tiny_model, random_samples
+from services.trainer.types import ActorLoss, CriticLoss, CriticSample, TrainSample
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +131,8 @@ def test_bad_train_input_is_a_value_error_naming_the_field_and_nothing_is_applie
 
 
 def test_trainer_logprobs_equal_the_reference_services_bit_for_bit(model_path):
-    from services.reference.engine import ReferenceEngine, ReferenceSettings
+    from services.reference.config import ReferenceSettings
+    from services.reference.engine import ReferenceEngine
 
     ref = ReferenceEngine(load_config(ReferenceSettings, data={"model": {"path": model_path}}))
     e = engine(model_path)

@@ -9,9 +9,10 @@ import torch
 
 from services.common.config import load_config
 from services.trainer import nvtx
-from services.trainer.batch import ActorLoss, CriticLoss, CriticSample
-from services.trainer.engine import TrainerEngine, TrainerSettings
+from services.trainer.config import TrainerSettings
+from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples
+from services.trainer.types import ActorLoss, CriticLoss, CriticSample
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU no-op")

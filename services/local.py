@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,23 +34,23 @@ class LocalMesh:
                         await result
 
 
+# Each role's settings class and the servicer module whose `start(settings, address)` serves it, imported
+# when that role first starts (a test that starts one reward service loads no trainer).
+ROLES: dict[str, tuple[str, str]] = {
+    "trainer": ("services.trainer.config:TrainerSettings", "services.trainer.servicer"),
+    "reference": ("services.reference.config:ReferenceSettings", "services.reference.servicer"),
+    "reward": ("services.reward.config:RewardSettings", "services.reward.servicer"),
+    "rollout": ("services.rollout.config:RolloutSettings", "services.rollout.servicer"),
+}
+
+
 async def start_role(role: str, data: dict):
-    if role == "rollout":
-        from services.rollout.engine import RolloutSettings as S
-        from services.rollout.servicer import start
-    elif role == "reward":
-        from services.reward.engine import RewardSettings as S
-        from services.reward.servicer import start
-    elif role == "reference":
-        from services.reference.engine import ReferenceSettings as S
-        from services.reference.servicer import start
-    elif role == "trainer":
-        from services.trainer.engine import TrainerSettings as S
-        from services.trainer.servicer import start
-    else:
+    if role not in ROLES:
         raise ValueError(f"role: unknown role {role!r}")
-    settings = load_config(S, data=data)
-    return await start(settings, "127.0.0.1:0")
+    settings_path, servicer = ROLES[role]
+    module, _, name = settings_path.partition(":")
+    settings = load_config(getattr(importlib.import_module(module), name), data=data)
+    return await importlib.import_module(servicer).start(settings, "127.0.0.1:0")
 
 
 async def start_local_mesh(config: dict, *, num_rollout: int = 2, num_reward: int = 1, num_reference: int = 1

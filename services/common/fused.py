@@ -1,4 +1,4 @@
-"""The actor's LM head fused with its log-softmax: response log-probs and entropy from hidden states.
+"""An LM head fused with its log-softmax: response log-probs and entropy from hidden states (trainer, reference).
 
 The plain path (services.common.modeling.response_logprobs) materialises [B, L, V] logits, gathers a
 [B, R, V] copy, casts it to fp32, log-softmaxes and exps it: several fp32 tensors of tokens x vocab

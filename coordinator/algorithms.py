@@ -1,0 +1,80 @@
+"""Training families by `algorithm.kind`, and a run opened for one: its data loaded, its pools reachable.
+
+A new family is one file defining its Algorithm (coordinator/context.py) and one line in ALGORITHMS (and
+its name in AlgorithmConfig.kind). GRPO, PPO, RLOO and REINFORCE++ are one family that differs only in its
+advantage estimator (ADVANTAGE_ESTIMATORS in coordinator/advantages.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coordinator import advantages as adv_fns
+from coordinator import dpo, loop, remote
+from coordinator.config import RunConfig, trainer_losses
+from coordinator.context import Algorithm, GuardedTrainer, RunContext
+from coordinator.data import load_problems
+from coordinator.pools import ReplicaPool
+from services.common.channel import create_channel
+
+ALGORITHMS: dict[str, Algorithm] = {"rl": loop.RL, "dpo": dpo.DPO}
+
+STUBS = {"rollout": remote.rollout_stub, "reward": remote.reward_stub, "reference": remote.reference_stub}
+
+
+def _configured(section) -> bool:
+    return bool(section.servers or section.dns or section.registry)
+
+
+def _pools(cfg: RunConfig, algorithm: Algorithm, token: str | None, registry) -> dict[str, ReplicaPool | None]:
+    """A pool per role the run uses: rollout and reward when the algorithm needs them or they are configured,
+    reference when configured."""
+    pools = {}
+    for role, stub_factory in STUBS.items():
+        section = getattr(cfg, role)
+        used = _configured(section) or (algorithm.needs_rollout and role != "reference")
+        pools[role] = ReplicaPool(role, stub_factory, servers=list(section.servers), dns=section.dns,
+                                  registry=registry if section.registry else None,
+                                  load_balancer=section.load_balancer, timeout_s=section.timeout_s,
+                                  token=token) if used else None
+    return pools
+
+
+def _heldout(cfg: RunConfig, tokenizer) -> list:
+    d = cfg.data
+    heldout = load_problems(d.heldout_files, prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer,
+                            apply_chat_template=d.apply_chat_template) if d.heldout_files else []
+    return heldout[:d.heldout_size] if d.heldout_size else heldout
+
+
+async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: int = 0) -> RunContext:
+    """Loads the run's data, connects to every pool and the trainer; fails early when a pool is empty."""
+    from services.common.modeling import load_tokenizer
+
+    algorithm = ALGORITHMS[cfg.algorithm.kind]
+    token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None
+    tokenizer = load_tokenizer(cfg.model.path)
+    data, state = algorithm.load(cfg, tokenizer, position)
+    heldout = _heldout(cfg, tokenizer)
+    pools = _pools(cfg, algorithm, token, registry)
+    why = algorithm.reference_needed(cfg, state)
+    if why and pools["reference"] is None:
+        raise ValueError(f"reference.servers: {why}")
+    if not cfg.trainer.address:
+        raise ValueError("trainer.address: no trainer address configured")
+    trainer_channel = create_channel(cfg.trainer.address, token=token, timeout=cfg.trainer.timeout_s)
+    run_dir = Path(cfg.run.run_dir) / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ctx = RunContext(run_id, cfg, algorithm, run_dir, pools["rollout"], pools["reward"], pools["reference"],
+                     trainer_channel, GuardedTrainer(remote.trainer_stub(trainer_channel), cfg.trainer.address),
+                     data, heldout, trainer_losses(cfg), state)
+    a = cfg.algorithm
+    ctx.kl_coef = a.kl_coef
+    if a.use_kl_in_reward and a.kl_ctrl == "adaptive":
+        ctx.kl_controller = adv_fns.AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon)
+    for pool in pools.values():
+        if pool is not None and not await pool.refresh():
+            await ctx.close()
+            raise ValueError(f"{pool.role}.servers: no healthy {pool.role} replica reachable "
+                             f"(tried {sorted(pool.replicas) or 'none configured'})")
+    return ctx

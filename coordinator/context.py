@@ -1,0 +1,138 @@
+"""One run's connections, data and mutable state (RunContext), and the interface of a training family
+(Algorithm) that the run carries. Opening a run lives in coordinator/algorithms.py, beside the registry."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import grpc
+
+from coordinator import advantages as adv_fns
+from coordinator.config import RunConfig, TrainerLosses
+from coordinator.data import Problem, PromptStream
+from coordinator.pools import ReplicaPool
+from services.rollout.types import SamplingParams
+
+
+class TrainerUnavailable(Exception):
+    """The trainer cannot be reached (it died or is restarting): the run pauses instead of failing."""
+
+
+class GuardedTrainer:
+    """The trainer stub, with UNAVAILABLE raised as TrainerUnavailable.
+
+    So the run manager can tell a lost trainer (pause, resume from a checkpoint) from a lost replica
+    (the pools retry elsewhere) or a bad request (the run fails).
+    """
+
+    def __init__(self, stub, address: str):
+        self._stub = stub
+        self._address = address
+
+    def __getattr__(self, name: str):
+        method = getattr(self._stub, name)
+
+        async def call(*args, **kwargs):
+            try:
+                return await method(*args, **kwargs)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise TrainerUnavailable(f"trainer {self._address} unavailable during {name}: "
+                                             f"{e.details()}") from None
+                raise
+
+        return call
+
+
+class PhaseTimer:
+    """Wall seconds per phase; phases that run concurrently are timed separately."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    async def run(self, name: str, coro):
+        with self(name):
+            return await coro
+
+
+def no_summary(history: list[dict], final_evals: dict) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """A training family as a run drives it: RL (GRPO, PPO, RLOO, REINFORCE++: coordinator/loop.py) or DPO
+    (coordinator/dpo.py). ALGORITHMS in coordinator/algorithms.py holds one per `algorithm.kind`."""
+
+    # (config, tokenizer, data position) -> (the stream the steps take from, the family's own state or None).
+    load: Callable[[RunConfig, Any, int], tuple[PromptStream, Any]]
+    # One step; its metrics are recorded and the step committed by the run manager.
+    step: Callable[[RunContext], Awaitable[dict[str, float]]]
+    # Held-out metrics: `heldout_accuracy` always, plus the family's own.
+    evaluate: Callable[[RunContext], Awaitable[dict[str, float]]]
+    # (config, own state) -> why the run needs a reference pool, "" when it can do without one.
+    reference_needed: Callable[[RunConfig, Any], str]
+    # Rollout and reward pools: required (they make the samples), or used only when configured.
+    needs_rollout: bool = True
+    # (metrics history, last evaluation) -> extra keys of summary.json.
+    summary: Callable[[list[dict], dict], dict] = no_summary
+
+
+@dataclass
+class RunContext:
+    """Connections, data and mutable state of one run."""
+
+    run_id: str
+    cfg: RunConfig
+    algorithm: Algorithm
+    run_dir: Path
+    rollout: ReplicaPool | None
+    reward: ReplicaPool | None
+    reference: ReplicaPool | None
+    trainer_channel: object
+    trainer: object
+    # The training stream (prompts, or preference pairs for DPO); its position is run state.
+    data: PromptStream
+    heldout: list[Problem]
+    losses: TrainerLosses
+    # The algorithm's own state (DPO: held-out pairs and the reference cache); None for RL.
+    state: Any = None
+    step: int = 0
+    weight_version: int = 0
+    kl_coef: float = 0.0
+    kl_controller: adv_fns.AdaptiveKLController | None = None
+    prefetched: asyncio.Task | None = None
+    # The last step's samples, for tests and debugging.
+    last_samples: list = field(default_factory=list)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        r = self.cfg.rollout
+        # With rollout.seed set, each step has its own seed, so a run (and a step retried on another
+        # replica) is reproducible; None leaves the replicas unseeded.
+        seed = None
+        if r.seed is not None:
+            seed = ((r.seed * 1_000_003 + self.step + 1) & (2**63 - 1)) or 1
+        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                              stop=list(r.stop), seed=seed)
+
+    async def close(self) -> None:
+        if self.prefetched:
+            self.prefetched.cancel()
+        for pool in (self.rollout, self.reward, self.reference):
+            if pool is not None:
+                await pool.close()
+        await self.trainer_channel.close()

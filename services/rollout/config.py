@@ -1,0 +1,105 @@
+"""Settings of a rollout replica: the `rollout:` section and the replica's whole settings file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, SecretStr, field_validator
+
+from services.common.config import MeshSettings, ModelConfig, PoolConfig, ServerConfig
+from services.rollout.types import SamplingParams
+
+
+# The engine class of each `rollout.engine` name, as a dotted path that services/rollout/engines.py imports only
+# when a replica starts with that engine (so vLLM loads only where chosen, and a client of these settings loads
+# none). A new engine is its own file and one line here.
+ENGINES: dict[str, str] = {
+    "torch": "services.rollout.torch_engine:TorchEngine",
+    "vllm": "services.rollout.vllm_engine:VLLMEngine",
+    "openai": "services.rollout.openai_engine:OpenAIEngine",
+}
+
+
+class RolloutConfig(PoolConfig):
+    """`rollout:` section: the engine and the default sampling settings of a replica."""
+
+    engine: str = "torch"              # a name in ENGINES
+    # Defaults for requests that leave a sampling field unset (0 / empty in the proto).
+    n: int = Field(1, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(16, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = None
+    # Rows (prompts x samples) decoded together; larger requests run in several chunks.
+    max_batch_size: int = Field(64, ge=1)
+    # Prompt + response token limit; None = the model's max_position_embeddings.
+    max_model_len: int | None = Field(None, ge=2)
+    # Micro-batch token budget of ComputeLogProbs.
+    logprobs_token_budget: int = Field(16384, ge=1)
+    # OpenAI-compatible HTTP API port (0 = any free port); None = no HTTP API.
+    http_port: int | None = Field(None, ge=0, le=65535)
+    # engine "openai": base URL of the OpenAI-compatible server to proxy (http://host:port/v1).
+    server_url: str | None = None
+    # Model name the HTTP API answers to; None = model.path.
+    served_model_name: str | None = None
+    # engine "openai": model name requested upstream; None = the first one the server's /v1/models lists.
+    upstream_model: str | None = None
+    # engine "openai": seconds per upstream request, retries of failed ones, and the bearer token
+    # the upstream needs (env MESHRL_ROLLOUT__API_KEY).
+    request_timeout_s: float = Field(600.0, gt=0)
+    request_retries: int = Field(2, ge=0)
+    api_key: SecretStr | None = None
+    # engine "openai": ask for token ids with vLLM's return_token_ids / return_tokens_as_token_ids
+    # (turn off for servers that reject unknown fields; the local tokenizer then maps tokens to ids).
+    request_token_ids: bool = True
+    # engine "vllm": share of accelerator memory vLLM takes for weights + KV cache; None = 0.9. On CPU it is
+    # the share of RAM given to the KV cache alone (None = 0.1), passed to vLLM as an explicit size: vLLM's own
+    # CPU reading subtracts the worker's resident memory from the share, which fails on small hosts.
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    # engine "vllm": KV cache size in GiB; overrides gpu_memory_utilization's share for the cache (on CPU the
+    # environment variable VLLM_CPU_KVCACHE_SPACE, in GiB, overrides both).
+    kv_cache_gib: float | None = Field(None, gt=0)
+    # engine "vllm": more vllm.AsyncEngineArgs ({tensor_parallel_size: 2, enforce_eager: false, ...}); they
+    # override the ones meshrl sets.
+    vllm_engine_args: dict[str, Any] = Field(default_factory=dict)
+    # engine "torch" on CUDA: decode unseeded requests without stop strings or top-logprobs with one captured
+    # CUDA graph per step over a static KV cache (services/rollout/cuda_decode.py); others use the eager loop.
+    cuda_graphs: bool = False
+    # With cuda_graphs: torch.compile the decode step's layers first (fewer, fused kernels; compiles at first use).
+    cuda_graph_compile: bool = True
+    # With cuda_graphs: sample (temperature / greedy, not top-p) with one fused Triton kernel per step
+    # (services/rollout/fused_sample.py) instead of torch ops over fp32 copies of the logits.
+    cuda_graph_fused_sampler: bool = True
+    # With cuda_graphs: attention over each row's filled cache slots only, in one Triton kernel per layer
+    # (services/rollout/decode_attention.py), instead of torch ops over the whole length bucket.
+    cuda_graph_triton_attention: bool = True
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str) -> str:
+        if v not in ENGINES:
+            raise ValueError(f"must be one of {', '.join(map(repr, ENGINES))}, got {v!r}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def sampling(self, **overrides: Any) -> SamplingParams:
+        """The default sampling settings of this section as SamplingParams; `overrides` replace fields by name
+        (a client's per-step seed, greedy evaluation: `sampling(n=1, temperature=0.0)`)."""
+        defaults = dict(n=self.n, temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
+                        stop=list(self.stop), seed=self.seed)
+        return SamplingParams(**{**defaults, **overrides})
+
+
+class RolloutSettings(MeshSettings):
+    """A replica's settings file: the model it serves, its `rollout:` section and its gRPC server."""
+
+    model: ModelConfig = ModelConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    server: ServerConfig = ServerConfig()

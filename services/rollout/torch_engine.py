@@ -1,0 +1,397 @@
+"""The `torch` rollout engine: a Hugging Face causal LM with its own batched decode loop.
+
+Left padding and a KV cache, so that every sampled token's log-prob is the raw-model log-prob the
+trainer will recompute; requests that queue while one decodes are decoded together, and weight swaps
+land whole between decodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from services.common.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
+from services.common.weight_transport import receive_host
+from services.common.weights import Manifest, apply_weights, check_against, named_weights
+from services.rollout.config import RolloutSettings
+from services.rollout.local_model import LocalModelEngine, find_eos_ids, model_len_limit, try_tokenizer
+from services.rollout.sampling import left_padded, row_generator, sample_tokens
+from services.rollout.types import (GenerateBatch, PromptResult, SampleResult, SamplingParams,
+                                    check_weight_version)
+
+log = logging.getLogger("meshrl.rollout")
+
+
+@dataclass
+class _Row:
+    """Decode state of one (prompt, sample) row, with its request's sampling settings."""
+
+    prompt: list[int]
+    budget: int                                   # new tokens this row may produce
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str | None = None                       # set when a stop string cut it
+    top: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class _Job:
+    """One queued Generate request: its validated prompts and the future its caller awaits."""
+
+    batch: GenerateBatch
+    prompt_ids: list[list[int]]
+    future: asyncio.Future | None
+
+
+@dataclass
+class _Outputs:
+    """What a decode produced per row, kept in tensors (one op per step, not one Python step per row)."""
+
+    tokens: torch.Tensor                          # [R, T]
+    logprobs: torch.Tensor                        # [R, T]
+    top_ids: torch.Tensor | None                  # [R, T, k] when some row asked for top-logprobs
+    top_logprobs: torch.Tensor | None             # [R, T, k]
+    lengths: torch.Tensor                         # [R]
+    stopped: torch.Tensor                         # [R] eos or a stop string
+
+    @classmethod
+    def empty(cls, rows: list[_Row], vocab_size: int, device) -> _Outputs:
+        R, T = len(rows), max(r.budget for r in rows)
+        k = min(max(r.sampling.top_logprobs for r in rows), vocab_size)
+        return cls(torch.zeros((R, T), dtype=torch.long, device=device),
+                   torch.zeros((R, T), dtype=torch.float32, device=device),
+                   torch.zeros((R, T, k), dtype=torch.long, device=device) if k else None,
+                   torch.zeros((R, T, k), dtype=torch.float32, device=device) if k else None,
+                   torch.zeros(R, dtype=torch.long, device=device), torch.zeros(R, dtype=torch.bool, device=device))
+
+    def record(self, active: torch.Tensor, step: int, tok: torch.Tensor, logp: torch.Tensor) -> None:
+        """The sampled tokens of the running rows at `step`, their raw log-probs and the top-k."""
+        self.tokens[active, step] = tok
+        self.logprobs[active, step] = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+        if self.top_ids is not None:
+            top_v, top_i = logp.topk(self.top_ids.size(-1), dim=-1)
+            self.top_ids[active, step], self.top_logprobs[active, step] = top_i, top_v
+
+    def write_to(self, rows: list[_Row]) -> None:
+        tok_l, lp_l = self.tokens.tolist(), self.logprobs.tolist()
+        len_l, stop_l = self.lengths.tolist(), self.stopped.tolist()
+        if self.top_ids is not None:
+            ti_l, tv_l = self.top_ids.tolist(), self.top_logprobs.tolist()
+        for a, row in enumerate(rows):
+            L = len_l[a]
+            row.tokens, row.logprobs = tok_l[a][:L], lp_l[a][:L]
+            row.finish_reason = "stop" if stop_l[a] else "length"
+            k = row.sampling.top_logprobs
+            if k:
+                row.top = [list(zip(ti_l[a][t][:k], tv_l[a][t][:k])) for t in range(L)]
+
+
+class TorchEngine(LocalModelEngine):
+    """Generates with a transformers model and a batched KV-cache decode loop; no gRPC here."""
+
+    def __init__(self, settings: RolloutSettings, *, model=None, tokenizer=None):
+        m, r = settings.model, settings.rollout
+        self.config = r
+        self.model_path = m.path
+        self.dtype = m.dtype
+        self.device = m.device
+        set_threads(m.num_threads)
+        self.model = model if model is not None else load_causal_lm(m.path, dtype=m.dtype, device=m.device)
+        self.model.eval()
+        self.tokenizer = tokenizer if tokenizer is not None else try_tokenizer(m.path)
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.pad_id = _first_id(cfg.pad_token_id) if cfg.pad_token_id is not None else 0
+        self.eos_ids = find_eos_ids(self.model, self.tokenizer)
+        self.max_model_len = model_len_limit(r.max_model_len, cfg)
+        self.weight_version = 0
+        # CPU models: the buffer the served weights are views of (after a grpc update), and the one before it.
+        self._weights_buffer: torch.Tensor | None = None
+        self._spare_buffer: torch.Tensor | None = None
+        # One torch job at a time (generation, scoring, weight swap): a swap never lands mid-generation.
+        self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
+        self._pending: list[_Job] = []
+        self.stats = {"requests": 0, "decode_batches": 0, "samples": 0, "generated_tokens": 0}
+        self._graph_decoder = None
+        if r.cuda_graphs:
+            if not str(self.device).startswith("cuda"):
+                raise ValueError(f"rollout.cuda_graphs: needs a CUDA device, model.device is {self.device!r}")
+            from services.rollout.cuda_decode import GraphDecoder
+            self._graph_decoder = GraphDecoder(self.model, pad_id=self.pad_id, eos_ids=sorted(self.eos_ids),
+                                               max_batch_size=r.max_batch_size, compile=r.cuda_graph_compile,
+                                               fused_sampler=r.cuda_graph_fused_sampler,
+                                               triton_attention=r.cuda_graph_triton_attention)
+        log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer=%s",
+                 self.model_path, self.device, self.dtype, self.max_model_len, r.max_batch_size,
+                 "yes" if self.tokenizer is not None else "none")
+
+    @property
+    def _lock(self) -> asyncio.Lock:
+        """The engine lock of the running event loop (a server has one loop; scripts may run several in turn)."""
+        loop = asyncio.get_running_loop()
+        lock = self._locks.get(loop)
+        if lock is None:
+            self._locks = {lp: lk for lp, lk in self._locks.items() if not lp.is_closed()}
+            lock = self._locks[loop] = asyncio.Lock()
+        return lock
+
+    # ---- RolloutEngine
+
+    def info(self) -> dict:
+        return {"engine": "torch", "max_model_len": self.max_model_len, "max_batch_size": self.config.max_batch_size,
+                "device": self.device, "dtype": self.dtype, "vocab_size": self.vocab_size,
+                "tokenizer": self.tokenizer is not None, **self.stats}
+
+    async def generate(self, batch: GenerateBatch) -> list[PromptResult]:
+        prompt_ids = self.check_batch(batch)   # before queueing behind the lock
+        job = _Job(batch, prompt_ids, asyncio.get_running_loop().create_future())
+        self._pending.append(job)
+        try:
+            async with self._lock:
+                # Requests that queued while the previous batch ran are decoded together with this one,
+                # each row with its own sampling settings; a request already served by such a batch skips.
+                if not job.future.done():
+                    jobs, self._pending = [j for j in self._pending if not j.future.done()], []
+                    await self._run_locked(self._generate_jobs, jobs, on_done=lambda work: _deliver(jobs, work))
+        finally:
+            if job in self._pending:
+                self._pending.remove(job)
+        return await job.future
+
+    def generate_sync(self, batch: GenerateBatch) -> list[PromptResult]:
+        """generate() for scripts and benchmarks: same checks and decode, in this thread, without the lock."""
+        return self._generate_jobs([_Job(batch, self.check_batch(batch), None)])[0]
+
+    async def logprobs(self, prompts, responses, temperature: float = 1.0):
+        validate_sequences(prompts, responses, vocab_size=self.vocab_size, max_len=self.max_model_len)
+        async with self._lock:
+            out = await self._run_locked(batched_logprobs, self.model, prompts, responses, pad_id=self.pad_id,
+                                         temperature=temperature, token_budget=self.config.logprobs_token_budget)
+            return out, self.weight_version
+
+    async def update_weights(self, manifest: Manifest, buckets: AsyncIterable[tuple[bytes, int]]) -> dict:
+        start = time.perf_counter()
+        check_weight_version(manifest.version)
+        # Every bucket lands CRC-checked in one preallocated buffer (off the event loop) before any weight moves;
+        # the buffer the weights lived in before the last swap is that buffer when its size fits. Taken, not
+        # shared: an update that runs alongside gets its own.
+        spare, self._spare_buffer = self._spare_buffer, None
+        try:
+            received = await receive_host(manifest, buckets, buffer=spare)
+        except BaseException:
+            self._spare_buffer = spare
+            raise
+        await self.apply_update(manifest.version, received.tensors, flat=received.buffer)
+        seconds = time.perf_counter() - start
+        log.info("weights version %d applied: %d tensors, %.1f MiB in %.2fs", manifest.version,
+                 len(received.tensors), received.num_bytes / 2**20, seconds)
+        return {"weight_version": self.weight_version, "num_bytes": received.num_bytes, "seconds": seconds}
+
+    async def apply_update(self, version: int, tensors: Mapping[str, torch.Tensor], *,
+                           flat: torch.Tensor | None = None) -> None:
+        """flat: the CPU buffer every tensor is a view of, which this engine may keep: a CPU model then takes
+        the tensors themselves as its weights (no copy) and the buffer of its old weights becomes the spare."""
+        check_weight_version(version)
+        params = named_weights(self.model)
+        check_against(tensors, params)
+        adopt = flat is not None and flat.device.type == "cpu" and self._graph_decoder is None and all(
+            p.device.type == "cpu" for p in params.values())
+        def swap_and_tag():
+            # Weights and version change in the same worker thread, so a caller cancelled while the swap
+            # runs cannot leave new weights under the old version.
+            swap_in(self.model, tensors, adopt=adopt)
+            if adopt:
+                self._spare_buffer, self._weights_buffer = self._weights_buffer, flat
+            self.weight_version = version
+
+        async with self._lock:
+            await self._run_locked(swap_and_tag)
+
+    async def _run_locked(self, fn, *args, on_done=None, **kwargs):
+        """Runs fn in a worker thread; call with the lock held. A thread cannot be interrupted, so when the
+        caller is cancelled (a client went away) this still waits for it: the lock is never released
+        while torch work runs, and a weight swap never overlaps a generation. on_done(work) runs either way
+        (so requests coalesced into a cancelled caller's batch still get their results)."""
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+        cancelled = False
+        while not work.done():
+            try:
+                await asyncio.wait({work})
+            except asyncio.CancelledError:
+                cancelled = True
+        if on_done is not None:
+            on_done(work)
+        if cancelled:
+            raise asyncio.CancelledError
+        return work.result()
+
+    # ---- generation (runs in a worker thread under the lock)
+
+    def _generate_jobs(self, jobs: list[_Job]) -> list[list[PromptResult]]:
+        """Decodes the rows of several requests together (chunks of max_batch_size rows)."""
+        rows: list[_Row] = []
+        for job in jobs:
+            p = job.batch.sampling
+            for ids in job.prompt_ids:     # prompt-major: row = prompt * n + sample
+                for j in range(p.n):
+                    rows.append(_Row(prompt=ids, budget=min(p.max_tokens, self.max_model_len - len(ids)), sampling=p,
+                                     generator=row_generator(p.seed, ids, j) if p.seed is not None else None))
+        chunk = self.config.max_batch_size
+        for start in range(0, len(rows), chunk):
+            self._decode(rows[start:start + chunk])
+        version = self.weight_version
+        out, it = [], iter(rows)
+        for job in jobs:
+            results = []
+            for prompt, ids in zip(job.batch.prompts, job.prompt_ids):
+                samples = []
+                for _ in range(job.batch.sampling.n):
+                    row = next(it)
+                    text = row.text if row.text is not None else self.decode(row.tokens)
+                    samples.append(SampleResult(response_ids=row.tokens, logprobs=row.logprobs, text=text,
+                                                finish_reason=row.finish_reason or "length", weight_version=version,
+                                                top_logprobs=row.top))
+                results.append(PromptResult(prompt_id=prompt.id, prompt_ids=ids, samples=samples))
+            out.append(results)
+        self.stats["requests"] += len(jobs)
+        self.stats["decode_batches"] += 1
+        self.stats["samples"] += len(rows)
+        self.stats["generated_tokens"] += sum(len(r.tokens) for r in rows)
+        return out
+
+    @torch.inference_mode()
+    def _decode(self, rows: list[_Row]) -> None:
+        """Decodes rows together: left-padded prefill, then one token per step for the rows still running.
+
+        Rows that finish are dropped from the batch (and the KV cache), so long tails do not pay for
+        finished rows.
+        """
+        if self._graph_decoder is not None and all(
+                self._graph_decoder.can_decode(seeded=r.generator is not None, has_stops=bool(r.sampling.stop),
+                                               top_logprobs=r.sampling.top_logprobs) for r in rows):
+            return self._graph_decode(rows)
+        dev = self.device
+        cache, logits, mask, next_pos = self._prefill(rows)
+        out = _Outputs.empty(rows, self.vocab_size, dev)
+        budget = torch.tensor([r.budget for r in rows], dtype=torch.long, device=dev)
+        eos = torch.tensor(sorted(self.eos_ids) or [-1], dtype=torch.long, device=dev)
+        temperature = torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=dev)
+        top_p = torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32, device=dev)
+        gens = [r.generator for r in rows]
+        with_stops = any(r.sampling.stop for r in rows)
+        active = torch.arange(len(rows), device=dev)                       # row index of each batch row
+        step = 0
+        while True:
+            logp = F.log_softmax(logits, dim=-1)                              # raw distribution, fp32
+            act = active.tolist()
+            tok = sample_tokens(logits, temperature=temperature[active], top_p=top_p[active],
+                                generators=[gens[a] for a in act])
+            out.record(active, step, tok, logp)
+            hit = torch.isin(tok, eos)
+            if with_stops:
+                self._mark_stop_strings(hit, rows, act, out.tokens, step)
+            done = hit | (step + 1 >= budget[active])
+            out.stopped[active[hit]] = True
+            out.lengths[active[done]] = step + 1
+            if bool(done.all()):
+                break
+            if bool(done.any()):
+                keep = (~done).nonzero().flatten()
+                cache.batch_select_indices(keep)
+                tok, mask, next_pos, active = tok[keep], mask[keep], next_pos[keep], active[keep]
+            mask = torch.cat([mask, mask.new_ones((mask.size(0), 1))], dim=1)
+            logits = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
+                                past_key_values=cache, use_cache=True).logits[:, -1, :].float()
+            next_pos = next_pos + 1
+            step += 1
+        out.write_to(rows)
+
+    def _prefill(self, rows: list[_Row]):
+        """Runs each distinct prompt once (left-padded), then fans its KV cache out to its samples.
+
+        Returns the cache, the last logits [R, V] (fp32), the attention mask [R, L] and the next positions [R, 1].
+        """
+        from transformers import DynamicCache
+
+        dev = self.device
+        uniq: dict[tuple[int, ...], int] = {}
+        fan = [uniq.setdefault(tuple(r.prompt), len(uniq)) for r in rows]
+        prompts = list(uniq)
+        L = max(len(q) for q in prompts)
+        ids, mask, pos = left_padded(prompts, self.pad_id, L)
+        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :].float()
+        fan_t = torch.tensor(fan, dtype=torch.long, device=dev)
+        if len(prompts) != len(rows) or fan != list(range(len(rows))):
+            cache.batch_select_indices(fan_t)
+            logits, mask, pos = logits[fan_t], mask[fan_t], pos[fan_t]
+        return cache, logits, mask, pos[:, -1:] + 1
+
+    def _mark_stop_strings(self, hit: torch.Tensor, rows: list[_Row], act: list[int], tokens: torch.Tensor,
+                           step: int) -> None:
+        """Sets `hit` for the running rows whose response now holds one of their stop strings."""
+        for b in (~hit).nonzero().flatten().tolist():
+            row = rows[act[b]]
+            stops = row.sampling.stop
+            if stops and self._hit_stop(row, tokens[act[b], :step + 1].tolist(), stops):
+                hit[b] = True
+
+    def _graph_decode(self, rows: list[_Row]) -> None:
+        """The same decode as _decode, each step one CUDA graph replay (rows stay in the batch until all end)."""
+        tokens, logprobs, stopped = self._graph_decoder.decode(
+            [r.prompt for r in rows], [r.budget for r in rows], [r.sampling.temperature for r in rows],
+            [r.sampling.top_p for r in rows])
+        for row, t, lp, s in zip(rows, tokens, logprobs, stopped):
+            row.tokens, row.logprobs, row.finish_reason = t, lp, "stop" if s else "length"
+
+    def _hit_stop(self, row: _Row, tokens: list[int], stops: Sequence[str]) -> bool:
+        """True when the decoded response contains a stop string; the text is cut before it (as in vLLM)."""
+        text = self.decode(tokens)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        row.text = text[:cut]
+        return True
+
+
+@torch.no_grad()
+def swap_in(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, adopt: bool = False) -> None:
+    """The weight swap (call with the engine lock held): copies checked tensors into the parameters, or with
+    adopt makes them the parameters' data (CPU models: no copy; they are views of the received buffer)."""
+    if adopt:
+        params = named_weights(model)
+        for name, t in tensors.items():
+            params[name].data = t
+        return
+    apply_weights(model, tensors)
+    device = next(iter(model.parameters())).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)     # the swap is done, and the staging buffer free, before the version moves
+
+
+def _deliver(jobs: list[_Job], work: asyncio.Future) -> None:
+    """Hands each coalesced request its results, or the batch's error."""
+    error = work.exception()
+    for i, j in enumerate(jobs):
+        if j.future.done():
+            continue
+        if error is not None:
+            j.future.set_exception(error)
+        else:
+            j.future.set_result(work.result()[i])
+
+
+def _first_id(x) -> int:
+    return int(x[0]) if isinstance(x, (list, tuple)) else int(x)

@@ -1,0 +1,88 @@
+"""What the trainer is asked to train on: samples, preference pairs and the loss settings of each update.
+
+Plain dataclasses, no tensors: the servicer and the coordinator build them, services/trainer/convert.py
+moves them over the wire, services/trainer/batch.py validates them before any rank runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainSample:
+    """One scored sample of a policy update; per-token lists are aligned with response_ids."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    advantages: list[float]
+    # Empty in every sample of a batch that is one optimizer step (one epoch, one mini-batch): the update's
+    # own detached log-probs stand in (the ratio is exactly 1), which saves a forward pass over the batch.
+    old_logprobs: list[float]
+    # Required when kl_coef > 0.
+    ref_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ActorLoss:
+    """Loss settings of one TrainActor call (the ActorLoss message, with proto zeros read as defaults)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    # Dual-clip constant c > 1 for negative advantages; 0 turns it off.
+    dual_clip: float = 0.0
+    kl_coef: float = 0.0
+    # A key of services.trainer.losses.KL_PENALTIES (or one of verl's aliases).
+    kl_type: str = "k3"
+    entropy_coef: float = 0.0
+    # A key of services.trainer.losses.AGG_MODES.
+    loss_agg_mode: str = "token-mean"
+    ppo_epochs: int = 1
+    # Samples per optimizer step; 0 = the whole batch.
+    mini_batch_size: int = 0
+    temperature: float = 1.0
+
+
+@dataclass
+class CriticSample:
+    """One sample of a critic update: return targets and pre-update values per response token."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    returns: list[float]
+    old_values: list[float] = field(default_factory=list)
+
+
+@dataclass
+class CriticLoss:
+    """Settings of one TrainCritic call."""
+
+    # Value clip range; 0 turns clipping off (old_values are then optional).
+    clip_value: float = 0.0
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0
+
+
+@dataclass
+class PreferencePair:
+    """One preference pair of a DPO update: a prompt, a preferred and a dispreferred response, and the
+    reference policy's summed log-probs of both responses (given the prompt)."""
+
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    ref_chosen_logprob: float
+    ref_rejected_logprob: float
+
+
+@dataclass
+class DPOLoss:
+    """Settings of one TrainDPO call (the DPOLoss message, with proto zeros read as defaults)."""
+
+    # A key of services.trainer.losses.DPO_LOSSES.
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    # cdpo only: probability that a preference label is flipped.
+    label_smoothing: float = 0.0
+    # Pairs per optimizer step; 0 = the whole batch.
+    mini_batch_size: int = 0

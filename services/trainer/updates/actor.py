@@ -1,0 +1,113 @@
+"""The policy update of PPO / GRPO and their relatives (TrainActor): a clipped surrogate with optional KL and
+entropy terms over each micro-batch; the loop is runner.py's."""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.fused import fused_response_logprobs
+from services.common.modeling import response_logprobs
+from services.trainer.batch import is_on_policy
+from services.trainer.layout import RankLayout
+from services.trainer.losses import AGG_MODES, aggregate, clipped_policy_loss, kl_penalty, logprobs_from_logits
+from services.trainer.trained import Trained
+from services.trainer.types import ActorLoss, TrainSample
+from services.trainer.updates.runner import Update
+
+STAT_KEYS = ("pg_loss", "kl_loss", "entropy_loss", "loss", "clipped", "approx_kl", "entropy", "tokens")
+
+
+def actor_loss(logp, mask, entropy, old, adv, ref, loss: ActorLoss, denom: float):
+    """Loss of one micro-batch (normalised by the whole mini-batch's `denom`) and its stats [8]."""
+    pg, clipped = clipped_policy_loss(logp, old, adv, clip_low=loss.clip_low, clip_high=loss.clip_high,
+                                      dual_clip=loss.dual_clip)
+    pg_loss = aggregate(pg, mask, loss.loss_agg_mode, denom=denom)
+    ent_loss = aggregate(entropy, mask, loss.loss_agg_mode, denom=denom)
+    total = pg_loss - loss.entropy_coef * ent_loss
+    kl_loss = torch.zeros((), device=logp.device)
+    if ref is not None:
+        kl_loss = aggregate(kl_penalty(logp, ref, loss.kl_type), mask, loss.loss_agg_mode, denom=denom)
+        total = total + loss.kl_coef * kl_loss
+    with torch.no_grad():
+        # Stays on the device: read once per TrainActor call, not once per micro-batch.
+        m = mask.float()
+        stats = torch.stack([x.double() for x in (pg_loss, kl_loss, ent_loss, total, (clipped * m).sum(),
+                                                  ((old - logp) * m).sum(), (entropy * m).sum(), m.sum())])
+    return total, stats
+
+
+class ActorUpdate(Update):
+    """ppo_epochs over the samples' mini-batches. Without old log-probs (one optimizer step per batch) the
+    update's own detached log-probs stand in."""
+
+    stat_keys = STAT_KEYS
+
+    def __init__(self, layout: RankLayout, trained: Trained, samples: list[TrainSample], loss: ActorLoss, *,
+                 fused: bool):
+        super().__init__(layout, trained, samples, epochs=loss.ppo_epochs, mini_batch_size=loss.mini_batch_size,
+                         lengths=[len(s.prompt_ids) + len(s.response_ids) for s in samples])
+        self.settings = loss
+        # Log-probs and entropy through the fused LM head (services/common/fused.py).
+        self.fused = fused
+        self.use_kl = loss.kl_coef > 0 or all(len(s.ref_logprobs) == len(s.response_ids) for s in samples)
+        self.on_policy = is_on_policy(samples)
+
+    def denom(self, idx: list[int]) -> float:
+        if AGG_MODES[self.settings.loss_agg_mode].unit == "token":
+            return sum(len(self.items[i].response_ids) for i in idx)
+        return len(idx)
+
+    def dummy(self) -> TrainSample:
+        pad = self.layout.pad_id
+        return TrainSample([pad], [pad], [0.0], [0.0], [0.0])
+
+    def loss(self, rows: list[TrainSample], denom: float):
+        layout, width = self.layout, max(len(s.response_ids) for s in rows)
+        with layout.amp():
+            logp, mask, entropy = self._logprobs([s.prompt_ids for s in rows], [s.response_ids for s in rows])
+        ref = layout.padded([s.ref_logprobs for s in rows], width) if self.use_kl else None
+        old = logp.detach() if self.on_policy else layout.padded([s.old_logprobs for s in rows], width)
+        return actor_loss(logp, mask, entropy, old, layout.padded([s.advantages for s in rows], width), ref,
+                          self.settings, denom)
+
+    def _logprobs(self, prompts, responses):
+        """(logp, mask, entropy) [B, R] of one micro-batch, with gradients: the fused head when on."""
+        forward, pad, temperature = self.trained.forward, self.layout.pad_id, self.settings.temperature
+        if self.fused:
+            return fused_response_logprobs(forward, prompts, responses, pad_id=pad, device=self.layout.device,
+                                           temperature=temperature)
+        return response_logprobs(forward, prompts, responses, pad_id=pad, temperature=temperature, with_entropy=True)
+
+    def pipeline_inputs(self, rows: list[TrainSample], real: list[bool]):
+        layout = self.layout
+        input_ids, positions, mask, targets = layout.pp_inputs([s.prompt_ids for s in rows],
+                                                               [s.response_ids for s in rows], real)
+        width = positions.shape[1]
+
+        def pick(attr: str) -> torch.Tensor:
+            return layout.padded([getattr(s, attr) for s in rows], width)
+
+        # Everything the loss needs per token rides in one target tensor, split into micro-batches with the ids.
+        ref = pick("ref_logprobs") if self.use_kl else torch.zeros_like(mask.float())
+        target = torch.stack([positions.float(), targets.float(), mask.float(), pick("old_logprobs"),
+                              pick("advantages"), ref], dim=-1)                                 # [B, R, 6]
+        return input_ids, target
+
+    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor, denom: float):
+        positions, tokens, mask = target[..., 0].long(), target[..., 1].long(), target[..., 2] > 0
+        logp, entropy = logprobs_from_logits(logits, positions, tokens, mask, self.settings.temperature)
+        old = logp.detach() if self.on_policy else target[..., 3]
+        ref = target[..., 5] if self.use_kl else None
+        return actor_loss(logp, mask, entropy, old, target[..., 4], ref, self.settings, denom)
+
+    def metrics(self, totals: dict[str, float], num_mini: int, seconds: float) -> dict[str, float]:
+        t, tokens = totals, totals["tokens"]
+        return {
+            "pg_loss": t["pg_loss"] / num_mini, "kl_loss": t["kl_loss"] / num_mini,
+            "entropy_loss": t["entropy_loss"] / num_mini, "loss": t["loss"] / num_mini,
+            "entropy": t["entropy"] / max(tokens, 1), "clip_frac": t["clipped"] / max(tokens, 1),
+            "approx_kl": t["approx_kl"] / max(tokens, 1),
+            "num_tokens": float(sum(len(s.response_ids) for s in self.items)),
+            "tokens_per_s": self.epochs * sum(self.lengths) / max(seconds, 1e-9),
+            "pipeline_bubble_fraction": self.layout.bubble_fraction(len(self.trained.stages)),
+        }

@@ -1,0 +1,62 @@
+"""The value update of PPO (TrainCritic): a clipped squared error to the returns over each micro-batch; the loop
+is runner.py's. Also the value model's forward, which ComputeValues shares."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.common.modeling import pad_batch
+from services.trainer.layout import RankLayout
+from services.trainer.losses import aggregate, clipped_value_loss
+from services.trainer.trained import Trained
+from services.trainer.types import CriticLoss, CriticSample
+from services.trainer.updates.runner import Update
+
+
+def response_values(layout: RankLayout, model: nn.Module, prompts, responses) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values [B, R] of the response tokens under a ValueModel (padded entries 0), and the response mask."""
+    input_ids, attention_mask, positions, mask, _ = pad_batch(prompts, responses, pad_id=layout.pad_id,
+                                                              device=layout.device)
+    with layout.amp():
+        values = model(input_ids=input_ids, attention_mask=attention_mask)                 # [B, L]
+    return torch.gather(values.float(), 1, positions) * mask, mask                          # [B, R]
+
+
+class CriticUpdate(Update):
+    """ppo_epochs over the samples' mini-batches, the loss a token mean over each mini-batch."""
+
+    # The value loss (summed over mini-batches); clipped tokens, values and tokens (summed over tokens).
+    stat_keys = ("vf_loss", "clipped", "values", "tokens")
+
+    def __init__(self, layout: RankLayout, trained: Trained, samples: list[CriticSample], loss: CriticLoss):
+        super().__init__(layout, trained, samples, epochs=loss.ppo_epochs, mini_batch_size=loss.mini_batch_size,
+                         lengths=[len(s.prompt_ids) + len(s.response_ids) for s in samples])
+        self.settings = loss
+
+    def denom(self, idx: list[int]) -> float:
+        return sum(len(self.items[i].response_ids) for i in idx)
+
+    def dummy(self) -> CriticSample:
+        pad = self.layout.pad_id
+        return CriticSample([pad], [pad], [0.0], [0.0])
+
+    def loss(self, rows: list[CriticSample], denom: float):
+        layout, width = self.layout, max(len(s.response_ids) for s in rows)
+        values, mask = response_values(layout, self.trained.forward, [s.prompt_ids for s in rows],
+                                       [s.response_ids for s in rows])
+        returns = layout.padded([s.returns for s in rows], width)
+        clip = self.settings.clip_value
+        old = layout.padded([s.old_values for s in rows], width) if clip > 0 else values.detach()
+        vf, clipped = clipped_value_loss(values, old, returns, clip_value=clip)
+        vf_loss = aggregate(vf, mask, "token-mean", denom=denom)
+        with torch.no_grad():
+            m = mask.float()
+            stats = torch.stack([x.double() for x in (vf_loss, (clipped * m).sum(), (values * m).sum(), m.sum())])
+        return vf_loss, stats
+
+    def metrics(self, totals: dict[str, float], num_mini: int, seconds: float) -> dict[str, float]:
+        tokens = max(totals["tokens"], 1.0)
+        return {"vf_loss": totals["vf_loss"] / num_mini, "vf_clip_frac": totals["clipped"] / tokens,
+                "values_mean": totals["values"] / tokens,
+                "num_tokens": float(sum(len(s.response_ids) for s in self.items))}
