@@ -128,6 +128,8 @@ class Estimator:
     fn: EstimatorFn
     # GAE: the critic's values before the advantages, critic training on the returns after.
     needs_critic: bool = False
+    # Its baseline is the other samples of the same prompt: one sample per prompt (rollout.n 1) has none.
+    needs_groups: bool = False
 
 
 def _grpo(b: AdvantageBatch, a) -> tuple[torch.Tensor, None]:
@@ -152,10 +154,10 @@ def _gae(b: AdvantageBatch, a) -> tuple[torch.Tensor, torch.Tensor]:
 
 # Keys are exactly AlgorithmConfig.adv_estimator's values (a unit test holds them equal).
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
-    "grpo": Estimator(_grpo),
-    "rloo": Estimator(_rloo),
+    "grpo": Estimator(_grpo, needs_groups=True),
+    "rloo": Estimator(_rloo, needs_groups=True),
     "reinforce_plus_plus": Estimator(_reinforce_pp),
-    "reinforce_plus_plus_baseline": Estimator(_reinforce_pp_baseline),
+    "reinforce_plus_plus_baseline": Estimator(_reinforce_pp_baseline, needs_groups=True),
     "gae": Estimator(_gae, needs_critic=True),
 }
 

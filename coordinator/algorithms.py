@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from coordinator import advantages as adv_fns
-from coordinator import dpo, loop, remote
+from coordinator import dpo, loop, remote, run_settings
 from coordinator.config import RunConfig, trainer_losses
 from coordinator.context import Algorithm, GuardedTrainer, RunContext
 from coordinator.data import load_problems
@@ -47,15 +47,14 @@ def _heldout(cfg: RunConfig, tokenizer) -> list:
     return heldout[:d.heldout_size] if d.heldout_size else heldout
 
 
-async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: int = 0) -> RunContext:
-    """Loads the run's data, connects to every pool and the trainer; fails early when a pool is empty."""
-    from services.common.modeling import load_tokenizer
-
+async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: int = 0,
+                       recorded: dict | None = None, resume: bool = False) -> RunContext:
+    """Loads the run's data, connects to every pool and the trainer (fails early when a pool is empty), and
+    settles the run's settings with the running services (coordinator/run_settings.py): fixed keys checked,
+    the trainer's optimizer configured; the context carries the effective config."""
     algorithm = ALGORITHMS[cfg.algorithm.kind]
     token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None
-    tokenizer = load_tokenizer(cfg.model.path)
-    data, state = algorithm.load(cfg, tokenizer, position)
-    heldout = _heldout(cfg, tokenizer)
+    data, state, heldout = _load(cfg, algorithm, position)
     pools = _pools(cfg, algorithm, token, registry)
     why = algorithm.reference_needed(cfg, state)
     if why and pools["reference"] is None:
@@ -63,18 +62,45 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
     if not cfg.trainer.address:
         raise ValueError("trainer.address: no trainer address configured")
     trainer_channel = create_channel(cfg.trainer.address, token=token, timeout=cfg.trainer.timeout_s)
+    trainer = GuardedTrainer(remote.trainer_stub(trainer_channel), cfg.trainer.address)
+    try:
+        await _reach(pools)
+        asked, cfg = cfg, await run_settings.settle(cfg, pools.values(), trainer, cfg.trainer.address,
+                                                    recorded=recorded, resume=resume)
+        if cfg.model.path != asked.model.path:      # the running services' model: its tokenizer
+            data, state, heldout = _load(cfg, algorithm, position)
+    except BaseException:
+        await _close(pools, trainer_channel)
+        raise
     run_dir = Path(cfg.run.run_dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     ctx = RunContext(run_id, cfg, algorithm, run_dir, pools["rollout"], pools["reward"], pools["reference"],
-                     trainer_channel, GuardedTrainer(remote.trainer_stub(trainer_channel), cfg.trainer.address),
-                     data, heldout, trainer_losses(cfg), state)
+                     trainer_channel, trainer, data, heldout, trainer_losses(cfg), state)
     a = cfg.algorithm
     ctx.kl_coef = a.kl_coef
     if a.use_kl_in_reward and a.kl_ctrl == "adaptive":
         ctx.kl_controller = adv_fns.AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon)
+    return ctx
+
+
+def _load(cfg: RunConfig, algorithm: Algorithm, position: int):
+    """The run's data with the model's tokenizer: the family's stream, its own state and the held-out set."""
+    from services.common.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.path)
+    data, state = algorithm.load(cfg, tokenizer, position)
+    return data, state, _heldout(cfg, tokenizer)
+
+
+async def _reach(pools: dict[str, ReplicaPool | None]) -> None:
     for pool in pools.values():
         if pool is not None and not await pool.refresh():
-            await ctx.close()
             raise ValueError(f"{pool.role}.servers: no healthy {pool.role} replica reachable "
                              f"(tried {sorted(pool.replicas) or 'none configured'})")
-    return ctx
+
+
+async def _close(pools: dict[str, ReplicaPool | None], trainer_channel) -> None:
+    for pool in pools.values():
+        if pool is not None:
+            await pool.close()
+    await trainer_channel.close()

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import math
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Optional
 
+import click
 import typer
 import yaml
 from rich.console import Console
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="meshrl: RL post-training (PPO, GRPO, RLOO, REINFORCE++, DPO) as a mesh of gRPC services.")
 console = Console()
 
@@ -25,8 +28,61 @@ ROLES = {"coordinator": "coordinator.__main__", "trainer": "services.trainer.__m
 DEFAULT_COORDINATOR = os.environ.get("MESHRL_COORDINATOR", "127.0.0.1:50050")
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
+# gRPC statuses that say the user's input (a config, a run id, a token) is wrong: exit 2, like a config error.
+# Any other status (UNAVAILABLE, INTERNAL, DEADLINE_EXCEEDED, ...) is a failure of the system: exit 1.
+INPUT_STATUSES = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "OUT_OF_RANGE", "FAILED_PRECONDITION",
+                            "UNAUTHENTICATED", "PERMISSION_DENIED"})
+_options = {"debug": False}
 
-@app.command(context_settings=PASSTHROUGH)
+
+@app.callback()
+def _global_options(debug: bool = typer.Option(False, "--debug", envvar="MESHRL_DEBUG",
+                                               help="print the traceback of an error, not just its line")):
+    _options["debug"] = debug
+
+
+def error_line(e: Exception) -> tuple[str, int]:
+    """An error as the one line a user sees, and the exit code: 2 for bad input, 1 for a failure of the system."""
+    import grpc
+
+    if isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None)):
+        code = e.code().name
+        line, exit_code = f"{code}: {e.details() or ''}".rstrip(), 2 if code in INPUT_STATUSES else 1
+    elif isinstance(e, ValueError):   # config errors and the checks before anything starts
+        line, exit_code = str(e), 2
+    elif isinstance(e, RuntimeError):  # a service that died, or did not start (coordinator/launcher.py)
+        line, exit_code = str(e), 1
+    else:
+        line, exit_code = f"{type(e).__name__}: {e} (--debug prints the traceback)", 1
+    return " ".join(line.split("\n")), exit_code
+
+
+def command(name: str | None = None, **kwargs):
+    """app.command whose errors end the command with one line `meshrl NAME: ...` on stderr and the exit code
+    of error_line; `--debug` prints the traceback first. The one place exceptions meet the user."""
+    def register(fn):
+        cmd = name or fn.__name__
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kw):
+            try:
+                return fn(*args, **kw)
+            except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+                raise
+            except KeyboardInterrupt:
+                typer.echo(f"meshrl {cmd}: interrupted", err=True)
+                raise typer.Exit(130) from None
+            except Exception as e:  # noqa: BLE001 - every error becomes its line and exit code here
+                if _options["debug"]:
+                    traceback.print_exc()
+                line, exit_code = error_line(e)
+                typer.echo(f"meshrl {cmd}: {line}", err=True)
+                raise typer.Exit(exit_code) from None
+        return app.command(name, **kwargs)(wrapper)
+    return register
+
+
+@command(context_settings=PASSTHROUGH)
 def serve(ctx: typer.Context, role: str = typer.Argument(..., help="coordinator, trainer, rollout, reward, reference")):
     """Run one service: `meshrl serve rollout --config FILE [--port N] [--section.key value ...]`."""
     if role not in ROLES:
@@ -37,7 +93,10 @@ def serve(ctx: typer.Context, role: str = typer.Argument(..., help="coordinator,
 def _overrides(args: list[str]) -> dict[str, str]:
     from services.common.launch import parse_dotted_flags
 
-    return parse_dotted_flags(args)
+    try:
+        return parse_dotted_flags(args)
+    except SystemExit as e:  # the services' parser exits; here a bad flag is bad input like any other (exit 2)
+        raise ValueError(str(e)) from None
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
@@ -56,58 +115,65 @@ def step_line(m: dict, num_steps: int) -> str:
             f"{_fmt(m.get('time/step'), '.2f')}s")
 
 
-@app.command(context_settings=PASSTHROUGH)
-def up(ctx: typer.Context, config: Path = typer.Argument(..., exists=True, dir_okay=False, help="recipe YAML"),
+@command(context_settings=PASSTHROUGH)
+def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, help="recipe YAML"),
        run_dir: Optional[Path] = typer.Option(None, help="where run directories go (default: run.run_dir)"),
        threads: int = typer.Option(1, help="OMP threads per service process")):
     """Start every service as a process on 127.0.0.1, run the recipe to the end, stop everything."""
-    from coordinator.client import Client
     from coordinator.config import RunConfig
     from coordinator.launcher import Launcher
-    from services.common.config import load_config
+    from coordinator.preflight import check_run
+    from services.common.config import load_config, read_yaml
 
     overrides = _overrides(list(ctx.args))
     if run_dir is not None:
         overrides["run.run_dir"] = str(run_dir)
-    try:
-        cfg = load_config(RunConfig, config, overrides=overrides)
-    except ValueError as e:
-        console.print(f"[red]meshrl up: {e}[/red]")
-        raise typer.Exit(2)
-    raw = yaml.safe_load(config.read_text()) or {}
-    try:  # every replica's GPUs before any process starts, so a bad `devices:` starts nothing
-        placement, trainer_devices = _placement(cfg, raw, overrides)
-    except ValueError as e:
-        console.print(f"[red]meshrl up: {e}[/red]")
-        raise typer.Exit(2)
+    # Everything that can be checked is checked before the first process starts: a config that was going to
+    # fail wastes no service start.
+    raw = read_yaml(config)
+    cfg = load_config(RunConfig, config, overrides=overrides)
+    check_run(cfg, world_size=cfg.trainer.nproc_per_node)
+    placement, trainer_devices = _placement(cfg, raw, overrides)
     log_dir = Path(cfg.run.run_dir) / "logs" / time.strftime("%Y%m%d-%H%M%S")
     token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None
     with Launcher(str(config), log_dir=log_dir, overrides=overrides, num_threads=threads) as launcher:
-        try:
-            children = [launcher.start("trainer", nproc=cfg.trainer.nproc_per_node, devices=trainer_devices)]
-            for role, devices in placement.items():
-                children += [launcher.start(role, i, devices=d) for i, d in enumerate(devices)]
-            children.append(launcher.start("coordinator"))
-            addresses: dict[str, list[str]] = {}
-            for c in children:
-                addresses.setdefault(c.role, []).append(launcher.wait_ready(c))
-            console.print(f"mesh up: {json.dumps(addresses)} (logs in {log_dir})")
-            data = _with_addresses(raw, overrides, addresses)
-            with Client(addresses["coordinator"][0], token=token) as client:
-                run_id = client.start_run(yaml.safe_dump(data, sort_keys=False))
-                console.print(f"run {run_id} started")
-                _follow_while_alive(launcher, client, run_id, cfg.run.num_steps)
-                status = client.get_run(run_id)
-            _report(status.run_dir)
-        except KeyboardInterrupt:
-            console.print("[yellow]interrupted: stopping every service[/yellow]")
-            raise typer.Exit(130)
-        except RuntimeError as e:
-            console.print(f"[red]meshrl up: {e}[/red]")
-            raise typer.Exit(1)
+        addresses = _start_mesh(launcher, cfg, raw, overrides, placement, trainer_devices)
+        console.print(f"mesh up: {json.dumps(addresses)} (logs in {log_dir})")
+        status = _drive(launcher, _with_addresses(raw, overrides, addresses), addresses["coordinator"][0], token,
+                        cfg.run.num_steps)
+    _report(status.run_dir)
     _print_result(status)
     if status.state != "COMPLETED":
         raise typer.Exit(1)
+
+
+def _start_mesh(launcher, cfg, raw: dict, overrides: dict[str, str], placement: dict[str, list[str]],
+                trainer_devices: str) -> dict[str, list[str]]:
+    """Starts the trainer, every replica, then the coordinator; returns each role's addresses once all serve."""
+    children = [launcher.start("trainer", nproc=cfg.trainer.nproc_per_node, devices=trainer_devices)]
+    for role, devices in placement.items():
+        children += [launcher.start(role, i, devices=d) for i, d in enumerate(devices)]
+    addresses: dict[str, list[str]] = {}
+    for c in children:
+        addresses.setdefault(c.role, []).append(launcher.wait_ready(c))
+    # The coordinator reads the recipe with the replicas' addresses filled in: they are its default pools
+    # (ListServices with no run id, `meshrl services`). The later --config wins over the launcher's.
+    own = launcher.log_dir / "coordinator.yaml"
+    own.write_text(yaml.safe_dump(_with_addresses(raw, overrides, addresses), sort_keys=False))
+    own.chmod(0o600)  # the recipe may carry the auth token
+    coordinator = launcher.start("coordinator", extra_args=["--config", str(own)])
+    return {**addresses, "coordinator": [launcher.wait_ready(coordinator)]}
+
+
+def _drive(launcher, data: dict, address: str, token: str | None, num_steps: int):
+    """Starts the run on the coordinator and follows it to the end; returns its final status."""
+    from coordinator.client import Client
+
+    with Client(address, token=token) as client:
+        run_id = client.start_run(yaml.safe_dump(data, sort_keys=False))
+        console.print(f"run {run_id} started")
+        _follow_while_alive(launcher, client, run_id, num_steps)
+        return client.get_run(run_id)
 
 
 def _placement(cfg, raw: dict, overrides: dict[str, str]) -> tuple[dict[str, list[str]], str]:
@@ -168,7 +234,7 @@ def _follow_while_alive(launcher, client, run_id: str, num_steps: int) -> None:
     """Follows the run; a service process that dies ends `meshrl up` with its log instead of a hang."""
     import threading
 
-    from coordinator.launcher import tail
+    from coordinator.launcher import ServiceFailed, failure
 
     done = threading.Event()
     errors: list[BaseException] = []
@@ -185,9 +251,7 @@ def _follow_while_alive(launcher, client, run_id: str, num_steps: int) -> None:
     while not done.wait(1.0):
         dead = [c for c in launcher.children if c.proc.poll() is not None]
         if dead:
-            c = dead[0]
-            raise RuntimeError(f"{c.role}-{c.index} exited with code {c.proc.returncode} during the run; "
-                               f"see {c.log_path}:\n{tail(c.log_path)}")
+            raise ServiceFailed(failure(dead[0], "during the run"))
     if errors:
         raise errors[0]
 
@@ -227,24 +291,35 @@ def _print_result(status) -> None:
                       f"({(after - before) * 100:+.1f} points)", highlight=False)
 
 
-@app.command()
-def run(config: Path = typer.Argument(..., exists=True, dir_okay=False),
+@command()
+def run(config: Path = typer.Argument(..., dir_okay=False),
         coordinator: str = typer.Option(DEFAULT_COORDINATOR, help="coordinator address"),
         token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN"),
         follow: bool = typer.Option(True, help="stream metrics until the run ends")):
     """Start a run on a running coordinator (services listed in the YAML)."""
     from coordinator.client import Client
+    from coordinator.config import RunConfig
+    from coordinator.preflight import check_run
+    from coordinator.run_settings import user_keys
+    from services.common.config import load_config
 
+    # The config is checked here before anything is sent, as far as its own keys go; model folders, data files
+    # and keys it leaves to the running services are checked by StartRun, on the coordinator's machine.
+    cfg = load_config(RunConfig, config)
+    check_run(cfg, files="none", keys=set(user_keys(cfg)))
     with Client(coordinator, token=token) as client:
         run_id = client.start_run(config.read_text())
         console.print(run_id)
         if follow:
             num_steps = client.get_run(run_id).num_steps
             _follow(client, run_id, num_steps)
-            _print_result(client.get_run(run_id))
+            status = client.get_run(run_id)
+            _print_result(status)
+            if status.state != "COMPLETED":  # as `meshrl up`: a run that failed or was stopped is exit 1
+                raise typer.Exit(1)
 
 
-@app.command()
+@command()
 def status(run_id: Optional[str] = typer.Argument(None), coordinator: str = typer.Option(DEFAULT_COORDINATOR),
            token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN")):
     """Show one run, or every run the coordinator knows."""
@@ -261,7 +336,7 @@ def status(run_id: Optional[str] = typer.Argument(None), coordinator: str = type
     console.print(table)
 
 
-@app.command()
+@command()
 def watch(run_id: str, coordinator: str = typer.Option(DEFAULT_COORDINATOR),
           token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN")):
     """Live progress bar with reward, KL and throughput until the run ends."""
@@ -272,7 +347,7 @@ def watch(run_id: str, coordinator: str = typer.Option(DEFAULT_COORDINATOR),
         watch_run(client, run_id)
 
 
-@app.command()
+@command()
 def stop(run_id: str, coordinator: str = typer.Option(DEFAULT_COORDINATOR),
          token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN")):
     """Stop a run after its current step."""
@@ -282,8 +357,9 @@ def stop(run_id: str, coordinator: str = typer.Option(DEFAULT_COORDINATOR),
         console.print(client.stop_run(run_id).state)
 
 
-@app.command()
-def services(coordinator: str = typer.Option(DEFAULT_COORDINATOR),
+@command()
+def services(run_id: Optional[str] = typer.Argument(None, help="a run's pools (default: the coordinator's own)"),
+             coordinator: str = typer.Option(DEFAULT_COORDINATOR),
              token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN")):
     """Replicas of every pool with health, weight version and load."""
     from rich.table import Table
@@ -291,14 +367,14 @@ def services(coordinator: str = typer.Option(DEFAULT_COORDINATOR),
     from coordinator.client import Client
 
     with Client(coordinator, token=token) as client:
-        replicas = client.list_services()
+        replicas = client.list_services(run_id or "")
     table = Table("pool", "address", "healthy", "weight version", "load")
     for r in replicas:
         table.add_row(r.pool, r.address, "yes" if r.healthy else "no", str(r.weight_version), str(r.load))
     console.print(table)
 
 
-@app.command()
+@command()
 def plot(run_dir: Path = typer.Argument(..., exists=True, file_okay=False),
          out: Optional[Path] = typer.Option(None, "--out", "-o", help="PNG path (default RUN_DIR/report.png)")):
     """PNG curves of reward, accuracy, KL, entropy, response length and the step-time breakdown."""
@@ -308,7 +384,7 @@ def plot(run_dir: Path = typer.Argument(..., exists=True, file_okay=False),
     console.print(str(path))
 
 
-@app.command("profile-model")
+@command("profile-model")
 def profile_model_cmd(model_path: str = typer.Argument(..., help="local Hugging Face model folder"),
                       seq_len: int = typer.Option(2048, help="sequence length for attention FLOPs"),
                       pp_size: int = typer.Option(1, help="pipeline stages to balance"),
@@ -320,9 +396,8 @@ def profile_model_cmd(model_path: str = typer.Argument(..., help="local Hugging 
 
     try:
         prof = profile_model(model_path, seq_len=seq_len, pp_size=pp_size)
-    except (OSError, ValueError) as e:
-        console.print(f"[red]meshrl profile-model: {e}[/red]")
-        raise typer.Exit(2)
+    except OSError as e:  # a folder that holds no model is the user's input, like a ValueError
+        raise ValueError(str(e)) from e
     if as_json:
         print(json.dumps(prof, indent=2))
         return

@@ -30,6 +30,8 @@ class RunStatus:
     message: str
     run_dir: str
     last_metrics: dict[str, float] = field(default_factory=dict)
+    # The effective config as YAML (docs/coordinator.md, "Run-scoped settings").
+    config: str = ""
 
     @property
     def finished(self) -> bool:
@@ -47,7 +49,7 @@ class Replica:
 
 def _status(pb: coordinator_pb2.RunStatus) -> RunStatus:
     return RunStatus(pb.run_id, STATE_NAMES[pb.state], pb.step, pb.num_steps, pb.weight_version, pb.data_position,
-                     pb.checkpoint_path, pb.message, pb.run_dir, dict(pb.last_metrics))
+                     pb.checkpoint_path, pb.message, pb.run_dir, dict(pb.last_metrics), pb.config)
 
 
 def _plain(value: Any) -> Any:

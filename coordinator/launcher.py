@@ -131,13 +131,13 @@ class Launcher:
             except queue.Empty:
                 continue
             if line is None:
-                raise RuntimeError(f"{child.role}-{child.index} exited with code {child.proc.wait()} before "
-                                   f"serving; see {child.log_path}:\n{tail(child.log_path)}")
+                child.proc.wait()
+                raise ServiceFailed(failure(child, "before serving"))
             if marker in line:
                 child.address = line.split(marker, 1)[1].strip()
                 return child.address
-        raise RuntimeError(f"{child.role}-{child.index} did not announce an address within {timeout}s; "
-                           f"see {child.log_path}")
+        raise ServiceFailed(f"{child.role}-{child.index} did not announce an address within {timeout}s "
+                            f"(log: {child.log_path})")
 
     def stop_all(self, grace: float = 10.0) -> None:
         """SIGTERM every child (they drain), then SIGKILL what is left after `grace` seconds."""
@@ -159,11 +159,35 @@ class Launcher:
         self.stop_all()
 
 
-def tail(path: Path, lines: int = 20) -> str:
+class ServiceFailed(RuntimeError):
+    """A service process exited or never announced its address; the message is one line with the cause."""
+
+
+# A Python exception line ("ValueError: actor.model_path: ...", "torch.OutOfMemoryError: ..."), as a service
+# prints it, or as torchrun's ranks print it ("[rank0]: ...").
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit)(?::\s.*)?)$")
+# torchrun's report that a rank failed: the rank's own error line above it is the cause.
+_LAUNCHER_ERRORS = ("ChildFailedError", "SignalException")
+
+
+def cause_line(path: Path) -> str:
+    """The last error line a service's log names, skipping torchrun's own; else the last line."""
     try:
-        return "\n".join(path.read_text().splitlines()[-lines:])
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
         return ""
+    for line in reversed(lines):
+        m = _ERROR_LINE.match(line)
+        if m and not any(name in line for name in _LAUNCHER_ERRORS):
+            return m.group(1)
+    return lines[-1] if lines else ""
+
+
+def failure(child: Child, when: str) -> str:
+    """One line: which service exited, when, with what code, its cause line and where its log is."""
+    cause = cause_line(child.log_path)
+    return (f"{child.role}-{child.index} exited with code {child.proc.returncode} {when}"
+            + (f": {cause}" if cause else "") + f" (log: {child.log_path})")
 
 
 def torchrun_available() -> bool:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from coordinator import advantages as adv_fns
-from coordinator import remote
+from coordinator import remote, run_settings
 from coordinator.context import PhaseTimer, RunContext
 from coordinator.data import Problem
 from coordinator.pools import split_round_robin
@@ -94,7 +94,8 @@ async def refresh_pools(ctx: RunContext) -> None:
 # --- score, reference, old log-probs, values (concurrently) ---------------------------------------------
 
 async def score(ctx: RunContext, samples: list[remote.Sample]) -> None:
-    results = await ctx.reward.call(lambda stub: remote.score(stub, samples))
+    components = run_settings.score_components(ctx.cfg)
+    results = await ctx.reward.call(lambda stub: remote.score(stub, samples, components))
     for s, (value, components) in zip(samples, results):
         if not math.isfinite(value):
             raise ValueError(f"reward for sample {s.id} is not finite ({value})")

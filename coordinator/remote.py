@@ -12,6 +12,8 @@ from meshrl.v1 import (common_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_gr
 from coordinator.data import Problem
 from services.common.convert import SequenceBatch, logprobs_from_pb, sequences_to_pb
 from services.common.packed import I32, pack_i32
+from services.reward.config import ComponentConfig
+from services.reward.convert import components_to_pb
 from services.rollout.convert import sample_rows, sampling_to_pb
 from services.rollout.types import SamplingParams
 from services.trainer.convert import actor_loss_to_pb, train_columns_to_pb, train_critic_to_pb, train_dpo_to_pb
@@ -87,12 +89,14 @@ async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sam
     return samples
 
 
-async def score(stub, samples: Sequence[Sample]) -> list[tuple[float, dict[str, float]]]:
+async def score(stub, samples: Sequence[Sample], components: Sequence[ComponentConfig] = ()
+                ) -> list[tuple[float, dict[str, float]]]:
+    """Scores of the samples; `components` (a run's rule components) replace the replica's own list."""
     request = reward_pb2.ScoreRequest(items=[
         reward_pb2.ScoreItem(id=s.id, prompt=s.problem.prompt, response=s.text,
                              response_ids_packed=pack_i32(s.response_ids), ground_truth=s.problem.ground_truth,
                              data_source=s.problem.data_source)
-        for s in samples])
+        for s in samples], components=components_to_pb(components))
     response = await stub.Score(request)
     return [(r.score, dict(r.components)) for r in response.results]
 

@@ -11,10 +11,11 @@ import uuid
 
 import yaml
 
-from coordinator import phases, remote
+from coordinator import phases, remote, run_settings
 from coordinator.algorithms import open_context
 from coordinator.config import RunConfig
 from coordinator.context import RunContext, TrainerUnavailable
+from coordinator.preflight import check_run
 from coordinator.store import UNFINISHED, RunRecord, RunStore
 from services.common.config import load_config
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
@@ -54,16 +55,29 @@ class RunManager:
 
     async def start_run(self, config_text: str, run_id: str = "") -> str:
         cfg = parse_run_config(config_text)
+        # The checks `meshrl up` makes, on the keys this config sets, before any service is called; the keys it
+        # leaves out come from the running services and are checked with them (run_settings.settle).
+        check_run(cfg, files="coordinator", keys=set(run_settings.user_keys(cfg)))
         run_id = run_id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         if await self.store.get(run_id):
             raise ValueError(f"run_id: run {run_id!r} already exists")
+        self._check_trainer_free(cfg)
         # Connect before accepting, so an unreachable server list fails StartRun itself.
         ctx = await open_context(run_id, cfg, registry=self.registry)
         record = RunRecord(run_id=run_id, config=config_text, state="RUNNING", num_steps=cfg.run.num_steps,
-                           run_dir=str(ctx.run_dir))
+                           run_dir=str(ctx.run_dir), effective_config=run_settings.config_text(ctx.cfg))
         await self.store.put(record)
         self._launch(record, ctx)
         return run_id
+
+    def _check_trainer_free(self, cfg: RunConfig) -> None:
+        """A trainer trains one run at a time: a second run would change the first one's weights and, through
+        ConfigureRun, its optimizer settings."""
+        for other, ctx in self.contexts.items():
+            if ctx.cfg.trainer.address == cfg.trainer.address:
+                raise FailedPrecondition(f"trainer.address: the trainer at {cfg.trainer.address} is training run "
+                                         f"{other!r}; a trainer trains one run at a time (stop that run or wait "
+                                         f"for its end, or start another trainer)")
 
     def _launch(self, record: RunRecord, ctx: RunContext) -> None:
         self.contexts[record.run_id] = ctx
@@ -88,7 +102,11 @@ class RunManager:
     async def _reopen(self, record: RunRecord) -> RunContext:
         """Reconnects a run at its last completed step; a trainer that restarted gets the last checkpoint."""
         cfg = parse_run_config(record.config)
-        ctx = await open_context(record.run_id, cfg, registry=self.registry, position=record.data_position)
+        # The services are held to the settings the run trained with so far (a record from before effective
+        # configs were recorded: to the keys the run set).
+        recorded = yaml.safe_load(record.effective_config) if record.effective_config else None
+        ctx = await open_context(record.run_id, cfg, registry=self.registry, position=record.data_position,
+                                 recorded=recorded, resume=True)
         ctx.step, ctx.weight_version = record.step, record.weight_version
         try:
             info = await remote.info(ctx.trainer)

@@ -7,11 +7,15 @@ import logging
 
 from pydantic import Field
 
+from coordinator.default_pools import DefaultPools, replica_statuses
 from coordinator.runs import RunManager
 from coordinator.store import RunRecord, open_store
 from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.common.config import MeshSettings, Section, ServerConfig
 from services.common.server import MeshServer, create_server
+from services.reference.config import ReferenceConfig
+from services.reward.config import RewardConfig
+from services.rollout.config import RolloutConfig
 
 log = logging.getLogger("meshrl.coordinator")
 
@@ -32,13 +36,17 @@ class CoordinatorRunSection(Section):
 class CoordinatorSettings(MeshSettings):
     run: CoordinatorRunSection = CoordinatorRunSection()
     server: ServerConfig = ServerConfig()
+    # The coordinator's default pools (ListServices with no run id); each run's config brings its own.
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    reference: ReferenceConfig = ReferenceConfig()
 
 
 def record_to_pb(r: RunRecord) -> coordinator_pb2.RunStatus:
     return coordinator_pb2.RunStatus(run_id=r.run_id, state=STATES[r.state], step=r.step, num_steps=r.num_steps,
                                      weight_version=r.weight_version, data_position=r.data_position,
                                      checkpoint_path=r.checkpoint_path, message=r.message, run_dir=r.run_dir,
-                                     last_metrics=r.last_metrics)
+                                     last_metrics=r.last_metrics, config=r.effective_config)
 
 
 def metrics_to_pb(run_id: str, m: dict) -> coordinator_pb2.StepMetrics:
@@ -47,8 +55,9 @@ def metrics_to_pb(run_id: str, m: dict) -> coordinator_pb2.StepMetrics:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, manager: RunManager):
+    def __init__(self, manager: RunManager, default_pools: DefaultPools | None = None):
         self.manager = manager
+        self.default_pools = default_pools or DefaultPools({})
 
     async def StartRun(self, request, context):
         return coordinator_pb2.StartRunResponse(run_id=await self.manager.start_run(request.config, request.run_id))
@@ -100,19 +109,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return record_to_pb(record)
 
     async def ListServices(self, request, context):
-        replicas = []
-        contexts = ([self.manager.contexts[request.run_id]] if request.run_id in self.manager.contexts
-                    else list(self.manager.contexts.values())[:1])
-        for ctx in contexts:
-            for pool in (ctx.rollout, ctx.reward, ctx.reference):
-                if pool is None:
-                    continue
-                for rep in pool.replicas.values():
-                    replicas.append(coordinator_pb2.ReplicaStatus(pool=pool.role, address=rep.address,
-                                                                  healthy=rep.healthy,
-                                                                  weight_version=max(rep.weight_version, 0),
-                                                                  load=rep.load))
-        return coordinator_pb2.ListServicesResponse(replicas=replicas)
+        if request.run_id:
+            await self.manager.get(request.run_id)  # NOT_FOUND for a run this coordinator does not know
+            ctx = self.manager.contexts.get(request.run_id)  # a finished run has no pools left
+            pools = [p for p in (ctx.rollout, ctx.reward, ctx.reference) if p is not None] if ctx else []
+        else:
+            pools = await self.default_pools.refresh()
+        return coordinator_pb2.ListServicesResponse(replicas=replica_statuses(pools, self.manager.contexts.values()))
 
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -121,11 +124,14 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 class CoordinatorEngine:
     """What `start` returns: the manager plus its shutdown."""
 
-    def __init__(self, manager: RunManager):
+    def __init__(self, manager: RunManager, default_pools: DefaultPools | None = None):
         self.manager = manager
+        self.default_pools = default_pools
 
     async def close(self) -> None:
         await self.manager.close()
+        if self.default_pools is not None:
+            await self.default_pools.close()
 
 
 async def start(settings: CoordinatorSettings, address: str | None = None
@@ -136,8 +142,11 @@ async def start(settings: CoordinatorSettings, address: str | None = None
 
         registry = Registry(settings.run.redis_url)
     manager = RunManager(open_store(settings.run.redis_url, settings.run.redis_prefix), registry=registry)
+    token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None
+    pools = DefaultPools({"rollout": settings.rollout, "reward": settings.reward, "reference": settings.reference},
+                         registry=registry, token=token)
     mesh, port = await create_server([(coordinator_pb2_grpc.add_CoordinatorServicer_to_server,
-                                       CoordinatorServicer(manager))], [SERVICE_NAME], address=address,
+                                       CoordinatorServicer(manager, pools))], [SERVICE_NAME], address=address,
                                      config=settings.server)
     if settings.run.resume:
         try:
@@ -146,4 +155,4 @@ async def start(settings: CoordinatorSettings, address: str | None = None
                 log.info("resumed runs: %s", resumed)
         except Exception:  # noqa: BLE001 - a run that cannot resume must not stop the API from serving
             log.exception("could not resume unfinished runs")
-    return mesh, port, CoordinatorEngine(manager)
+    return mesh, port, CoordinatorEngine(manager, pools)

@@ -31,6 +31,9 @@ class RunRecord:
     last_metrics: dict = field(default_factory=dict)
     # Commands from the run API, read between steps: "", "pause", "stop".
     command: str = ""
+    # The config it trains with, as YAML: `config` plus the running services' values of the keys fixed when a
+    # service starts that it left out (coordinator/run_settings.py); secrets left out.
+    effective_config: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -8,6 +8,7 @@ One YAML file describes a whole run (sections `model`, `rollout`, `reward`, `ref
 from __future__ import annotations
 
 import contextvars
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -114,6 +115,12 @@ def read_yaml(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(p)!r}: top level must be a mapping of sections")
     return data
+
+
+def settings_json(settings: BaseModel) -> str:
+    """A service's settings as it started, for GetInfo's details["settings"]: every section but `server:` (where
+    it listens), as JSON (secrets masked). The coordinator compares a run's keys fixed at start with these."""
+    return json.dumps(settings.model_dump(mode="json", exclude={"server"}), sort_keys=True)
 
 
 def format_validation_error(err: ValidationError, source: str = "config") -> str:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 from typing import Any, Awaitable, Callable, Sequence
 
 from services.common.config import MeshSettings, load_config
@@ -58,7 +59,9 @@ def serve_main(role: str, settings_cls: type[MeshSettings], start: StartFn, argv
     try:
         settings = load_config(settings_cls, args.config, overrides=overrides)
     except ValueError as e:
-        raise SystemExit(f"meshrl serve {role}: {e}") from None
+        # One line and exit code 2, as every `meshrl` command reports bad input (docs/coordinator.md).
+        print(f"meshrl serve {role}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     asyncio.run(_serve(role, settings, start, host_for_announce))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from meshrl.v1 import reference_pb2, reference_pb2_grpc
 from services.common import convert
+from services.common.config import settings_json
 from services.common.server import MeshServer, create_server
 from services.reference.config import ReferenceSettings
 from services.reference.engine import ReferenceEngine
@@ -11,8 +12,9 @@ from services.reference.types import LogProbEngine
 
 
 class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
-    def __init__(self, engine: LogProbEngine):
+    def __init__(self, engine: LogProbEngine, settings: ReferenceSettings):
         self.engine = engine
+        self.settings = settings
 
     async def ComputeLogProbs(self, request, context):
         batch = convert.sequences_from_pb(request)
@@ -22,7 +24,8 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
                                       columnar=batch.columnar)
 
     async def GetInfo(self, request, context):
-        return convert.info_to_pb("reference", self.engine.model_path, 0, self.engine.info())
+        return convert.info_to_pb("reference", self.engine.model_path, 0,
+                                  {**self.engine.info(), "settings": settings_json(self.settings)})
 
 
 SERVICE_NAME = reference_pb2.DESCRIPTOR.services_by_name["Reference"].full_name
@@ -31,6 +34,6 @@ SERVICE_NAME = reference_pb2.DESCRIPTOR.services_by_name["Reference"].full_name
 async def start(settings: ReferenceSettings, address: str | None = None) -> tuple[MeshServer, int, ReferenceEngine]:
     engine = ReferenceEngine(settings)
     mesh, port = await create_server([(reference_pb2_grpc.add_ReferenceServicer_to_server,
-                                       ReferenceServicer(engine))], [SERVICE_NAME], address=address,
+                                       ReferenceServicer(engine, settings))], [SERVICE_NAME], address=address,
                                      config=settings.server)
     return mesh, port, engine

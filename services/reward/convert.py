@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
+from pydantic import ValidationError
+
 from meshrl.v1 import reward_pb2
+from services.common.config import format_validation_error
 from services.common.packed import I32, as_list, field_of
+from services.reward.config import ComponentConfig
 from services.reward.types import ScoreItem, Scored
 
 
@@ -28,3 +33,28 @@ def results_to_pb(items: Sequence[ScoreItem], scored: Sequence[Scored]) -> rewar
 
 def results_from_pb(response: reward_pb2.ScoreResponse) -> list[Scored]:
     return [Scored(r.score, dict(r.components)) for r in response.results]
+
+
+def components_to_pb(components: Sequence[ComponentConfig]) -> list[reward_pb2.RewardComponent]:
+    """A run's rule components for ScoreRequest.components."""
+    return [reward_pb2.RewardComponent(name=c.name, weight=c.weight, label=c.label or "",
+                                       params_json=json.dumps(c.params) if c.params else "") for c in components]
+
+
+def components_from_pb(request: reward_pb2.ScoreRequest) -> list[ComponentConfig] | None:
+    """ScoreRequest.components as ComponentConfigs, None when the request sets none; errors name the field."""
+    if not request.components:
+        return None
+    out = []
+    for i, c in enumerate(request.components):
+        try:
+            params = json.loads(c.params_json) if c.params_json else {}
+        except ValueError as e:
+            raise ValueError(f"components[{i}].params_json: not JSON ({e})") from None
+        if not isinstance(params, dict):
+            raise ValueError(f"components[{i}].params_json: must be a JSON object")
+        try:
+            out.append(ComponentConfig(name=c.name, weight=c.weight, params=params, label=c.label or None))
+        except ValidationError as e:
+            raise ValueError(format_validation_error(e, f"components[{i}]")) from None
+    return out

@@ -9,18 +9,22 @@ is the weighted sum. No gRPC here.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 from dataclasses import replace
 from typing import Any, Sequence
 
-from services.reward.config import ComponentConfig, RewardConfig, RewardSettings, list_key
+from services.reward.config import ComponentConfig, RewardConfig, RewardSettings, check_component_list, list_key
 from services.reward.functions import REWARD_FUNCTIONS
 from services.reward.models import build_model_component
 from services.reward.types import Component, Scored, ScoreItem
 from services.reward.workers import UserFunctionComponent
 
 log = logging.getLogger("meshrl.reward")
+
+# Distinct component lists of runs kept built; rules are cheap to build, the cap only bounds memory.
+MAX_RUN_COMPONENT_SETS = 64
 
 
 class RuleComponent:
@@ -66,6 +70,8 @@ class RewardEngine:
         # Components by data source; None is the default list, also exposed as `self.components`.
         self.groups: dict[str | None, list[Component]] = {source: [] for source in lists}
         self.components = self.groups[None]
+        # Rule components runs sent with their Score requests, by their JSON.
+        self._run_components: dict[str, list[Component]] = {}
         if any(c.is_model for cs in lists.values() for c in cs):
             from services.common.modeling import set_threads
 
@@ -91,16 +97,33 @@ class RewardEngine:
         if len(items) > self.config.max_batch_size:
             raise ValueError(f"items: {len(items)} exceed reward.max_batch_size={self.config.max_batch_size}")
 
-    async def score(self, items: Sequence[ScoreItem]) -> list[Scored]:
-        """Weighted score and per-component scores of every item, in order."""
+    def run_components(self, configs: Sequence[ComponentConfig]) -> list[Component]:
+        """A run's own rule components (ScoreRequest.components), built once per distinct list."""
+        key = json.dumps([c.model_dump() for c in configs], sort_keys=True)
+        if key not in self._run_components:
+            check_component_list(configs, "components")
+            for i, c in enumerate(configs):
+                if c.function is not None or c.is_model:
+                    raise ValueError(f"components[{i}]: {c.key!r} is not a built-in rule; reward models and user "
+                                     f"functions are loaded when the reward replica starts (its reward.components)")
+            if len(self._run_components) >= MAX_RUN_COMPONENT_SETS:
+                self._run_components.clear()
+            self._run_components[key] = [RuleComponent(c) for c in configs]
+        return self._run_components[key]
+
+    async def score(self, items: Sequence[ScoreItem], components: Sequence[ComponentConfig] | None = None
+                    ) -> list[Scored]:
+        """Weighted score and per-component scores of every item, in order; `components` (a run's rule
+        components) replace the default list."""
         self.validate(items)
+        groups = self.groups if components is None else {**self.groups, None: self.run_components(components)}
         items = [it if it.index == i else replace(it, index=i) for i, it in enumerate(items)]
         by_group: dict[str | None, list[ScoreItem]] = {}
         for it in items:
-            by_group.setdefault(it.data_source if it.data_source in self.groups else None, []).append(it)
+            by_group.setdefault(it.data_source if it.data_source in groups else None, []).append(it)
 
         async def score_group(source, group):
-            components = self.groups[source]
+            components = groups[source]
             return group, components, await asyncio.gather(*(c.score(group) for c in components))
 
         results: list[Scored | None] = [None] * len(items)

@@ -11,6 +11,7 @@ import grpc
 
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common import convert as common_convert
+from services.common.config import settings_json
 from services.common.server import MeshServer, create_server
 from services.common.weight_transport import decode_bucket
 from services.rollout import convert
@@ -26,6 +27,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, engine: RolloutEngine, settings: RolloutSettings):
         self.engine = engine
         self.defaults = settings.rollout
+        self.settings = settings
         # ipc / nccl receivers, made on first use on the engine's device.
         self.receivers = DeviceReceivers(getattr(engine, "device", "cpu"))
 
@@ -40,7 +42,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                                              columnar=batch.columnar)
 
     async def GetInfo(self, request, context):
-        details = {**self.engine.info(), "weight_transports": ",".join(self.receivers.available())}
+        details = {**self.engine.info(), "weight_transports": ",".join(self.receivers.available()),
+                   "settings": settings_json(self.settings)}
         return common_convert.info_to_pb("rollout", self.engine.model_path, self.engine.weight_version, details)
 
     async def UpdateWeights(self, request_iterator, context):

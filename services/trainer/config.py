@@ -26,6 +26,20 @@ def check_microbatches(schedule: str, num_microbatches: int, pp_size: int) -> No
                          f"{pp_size}, or fewer than {2 * pp_size})")
 
 
+def check_mesh(tp: int, pp: int, dp: int, world_size: int, *, launch: str) -> None:
+    """tp_size * pp_size * dp_size must be the trainer's rank count (`launch` says where that count is set);
+    the ValueError gives the dp_size that fits, or says that none does."""
+    if tp * pp * dp == world_size:
+        return
+    if world_size % (tp * pp) == 0:
+        advice = f"set actor.dp_size to {world_size // (tp * pp)}, or change {launch}"
+    else:
+        advice = (f"no actor.dp_size fits: make {launch} a multiple of tp_size * pp_size = {tp * pp}, "
+                  f"or lower actor.tp_size / actor.pp_size")
+    raise ValueError(f"actor.tp_size * actor.pp_size * actor.dp_size = {tp} * {pp} * {dp} = {tp * pp * dp}, "
+                     f"but the trainer has {world_size} rank(s) ({launch}); {advice}")
+
+
 class OptimSection(Section):
     """AdamW and its learning-rate schedule."""
 

@@ -8,7 +8,8 @@ import numpy as np
 from services.common.packed import (F32, I32, concat, field_of, pack_f32, pack_i32, row_lengths, row_lengths_of,
                                     set_rows, split_rows, unpack, unpack_rows)
 from services.common.weights import Manifest
-from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample
+from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, OptimSettings, PreferencePair,
+                                    RunOptim, TrainSample)
 
 
 def actor_loss_from_pb(pb: trainer_pb2.ActorLoss) -> ActorLoss:
@@ -184,3 +185,33 @@ def manifest_to_pb(m: Manifest) -> common_pb2.WeightManifest:
     return common_pb2.WeightManifest(version=m.version, total_bytes=m.total_bytes, tensors=[
         common_pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), offset=t.offset, nbytes=t.nbytes)
         for t in m.tensors])
+
+
+def optim_to_pb(o: OptimSettings) -> trainer_pb2.OptimSettings:
+    return trainer_pb2.OptimSettings(lr=o.lr, weight_decay=o.weight_decay, betas=list(o.betas), eps=o.eps,
+                                     grad_clip=o.grad_clip, lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps,
+                                     total_steps=o.total_steps, min_lr_ratio=o.min_lr_ratio)
+
+
+def optim_from_pb(pb: trainer_pb2.OptimSettings) -> OptimSettings:
+    return OptimSettings(lr=pb.lr, weight_decay=pb.weight_decay, betas=tuple(pb.betas), eps=pb.eps,
+                         grad_clip=pb.grad_clip, lr_schedule=pb.lr_schedule, warmup_steps=pb.warmup_steps,
+                         total_steps=pb.total_steps, min_lr_ratio=pb.min_lr_ratio)
+
+
+def run_optim_to_pb(r: RunOptim, *, response: bool = False):
+    """A ConfigureRunRequest, or with response=True the ConfigureRunResponse that echoes the values in effect."""
+    critic = optim_to_pb(r.critic) if r.critic is not None else None
+    if response:
+        return trainer_pb2.ConfigureRunResponse(actor=optim_to_pb(r.actor), critic=critic, actor_lr=r.actor_lr)
+    return trainer_pb2.ConfigureRunRequest(actor=optim_to_pb(r.actor), critic=critic,
+                                           reset_schedule=r.reset_schedule)
+
+
+def run_optim_from_pb(pb) -> RunOptim:
+    """A ConfigureRunRequest or ConfigureRunResponse as RunOptim; an unset actor is refused by name."""
+    if not pb.HasField("actor"):
+        raise ValueError("actor: ConfigureRun needs the actor's optimizer settings")
+    critic = optim_from_pb(pb.critic) if pb.HasField("critic") else None
+    return RunOptim(optim_from_pb(pb.actor), critic, reset_schedule=getattr(pb, "reset_schedule", True),
+                    actor_lr=getattr(pb, "actor_lr", 0.0))

@@ -14,11 +14,13 @@ import math
 import shutil
 import threading
 from contextlib import nullcontext
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 from torch import nn
 
 from services.common.codec import DTYPES
@@ -32,10 +34,12 @@ from services.trainer.config import CriticConfig, TrainerSettings
 from services.trainer.layout import RankLayout
 from services.trainer.losses import logprobs_from_logits
 from services.trainer.nvtx import phase
+from services.trainer.optim import apply_hyperparams
 from services.trainer.parallel import (CommandChannel, ParallelDims, gather_to_rank0, init_distributed,
                                        launched_world_size, local_device)
 from services.trainer.trained import Trained, ValueModel, build_trained
-from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample
+from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, OptimSettings, PreferencePair,
+                                    RunOptim, TrainSample)
 from services.trainer.updates.actor import ActorUpdate
 from services.trainer.updates.critic import CriticUpdate, response_values
 from services.trainer.updates.dpo import DPOUpdate
@@ -53,6 +57,25 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _with_optim(cfg, optim: OptimSettings, section: str):
+    """`cfg` (the trainer's actor or critic section) with a run's optimizer settings, validated; errors name the
+    key (`actor.lr: ...`)."""
+    try:
+        return type(cfg)(**{**cfg.model_dump(), **asdict(optim)})
+    except ValidationError as e:
+        raise ValueError("; ".join(".".join([section, *map(str, err["loc"])]) + f": {err['msg']}"
+                                   for err in e.errors())) from None
+
+
+def _optim_of(trained: Trained) -> OptimSettings:
+    """The settings in effect, read back from the optimizer (AdamW's) and the section the schedule follows."""
+    group, cfg = trained.optimizer.param_groups[0], trained.cfg
+    return OptimSettings(lr=trained.scheduler.base_lrs[0], weight_decay=group["weight_decay"],
+                         betas=tuple(group["betas"]), eps=group["eps"], grad_clip=cfg.grad_clip,
+                         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps,
+                         min_lr_ratio=cfg.min_lr_ratio)
+
+
 class TrainerEngine:
     """The trainer on one rank. Public methods are called on rank 0 and run on every rank."""
 
@@ -66,8 +89,8 @@ class TrainerEngine:
         self.cfg = a
         self.model_path = a.model_path or m.path
         if not (Path(self.model_path) / "config.json").is_file():
-            raise ValueError(f"actor.model_path: {self.model_path!r} is not a Hugging Face model folder "
-                             f"(no config.json)")
+            key = "actor.model_path" if a.model_path else "model.path"  # the key the user set
+            raise ValueError(f"{key}: {self.model_path!r} is not a Hugging Face model folder (no config.json)")
         self.param_dtype = a.param_dtype or m.dtype
         self.compute_dtype = a.dtype or self.param_dtype
         set_threads(m.num_threads)
@@ -219,6 +242,17 @@ class TrainerEngine:
         self._run("export_hf", path)
         return self._checkpoint_result(path)
 
+    def configure_run(self, run: RunOptim) -> RunOptim:
+        """Sets a run's optimizer hyperparameters on every rank; answers with the values now in effect."""
+        if (run.critic is None) != (self.critic is None):
+            raise FailedPrecondition("critic: this trainer has " + ("a critic; the run must give its optimizer "
+                                     "settings" if self.critic else "no critic (set when the trainer starts)"))
+        actor = _with_optim(self.cfg, run.actor, "actor")
+        critic = _with_optim(self.critic.cfg, run.critic, "critic") if self.critic else None
+        self._run("configure_run", actor, critic, run.reset_schedule)
+        return RunOptim(_optim_of(self.actor), _optim_of(self.critic) if self.critic else None,
+                        reset_schedule=run.reset_schedule, actor_lr=self.actor.optimizer.param_groups[0]["lr"])
+
     def bubble_fraction(self) -> float:
         """Idle share of the actor's pipeline step (0 without PP)."""
         return self.layout.bubble_fraction(len(self.actor.stages))
@@ -280,6 +314,13 @@ class TrainerEngine:
         metrics = self._update(DPOUpdate(self.layout, self.actor, pairs, loss))
         self.weight_version += 1
         return metrics
+
+    def _local_configure_run(self, actor, critic, reset_schedule: bool) -> None:
+        self.cfg = actor
+        for trained, cfg in ((self.actor, actor), (self.critic, critic)):
+            if trained is not None:
+                trained.cfg = cfg
+                apply_hyperparams(trained.optimizer, trained.scheduler, cfg, reset_schedule=reset_schedule)
 
     def _local_train_critic(self, samples: list[CriticSample], loss: CriticLoss) -> dict[str, float]:
         return self._update(CriticUpdate(self.layout, self.critic, samples, loss))

@@ -190,3 +190,20 @@ class DynamicLossScaler:
         self.backoff_factor = float(state["backoff_factor"])
         self.growth_interval = int(state["growth_interval"])
         self._growth_tracker = int(state["_growth_tracker"])
+
+
+def apply_hyperparams(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                      cfg: OptimSection, *, reset_schedule: bool) -> None:
+    """Sets a run's AdamW hyperparameters and lr schedule on a live optimizer, keeping its moments.
+
+    reset_schedule (a new run) restarts the schedule at step 0, as a freshly built LambdaLR; otherwise (a
+    resumed run) the schedule keeps its step and only its shape and peak change."""
+    if reset_schedule:
+        scheduler.last_epoch = 0
+    fn = lr_lambda(cfg)
+    scheduler.lr_lambdas = [fn for _ in optimizer.param_groups]
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group.update(initial_lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        group["lr"] = cfg.lr * fn(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from services.trainer.config import check_mesh
+
 log = logging.getLogger("meshrl.trainer")
 
 # Ranks > 0 wait on the command channel while the service is idle; that wait must not time out.
@@ -45,11 +47,7 @@ class ParallelDims:
         for name, value in (("dp_size", self.dp), ("pp_size", self.pp), ("tp_size", self.tp)):
             if value < 1:
                 raise ValueError(f"actor.{name}: must be >= 1, got {value}")
-        if self.dp * self.pp * self.tp != self.world_size:
-            raise ValueError(f"actor: tp_size * pp_size * dp_size = {self.tp} * {self.pp} * {self.dp} = "
-                             f"{self.dp * self.pp * self.tp}, but the world size is {self.world_size} "
-                             f"(torchrun --nproc_per_node x --nnodes); set actor.dp_size to "
-                             f"{self.world_size // max(1, self.tp * self.pp)} or change the launch")
+        check_mesh(self.tp, self.pp, self.dp, self.world_size, launch="torchrun --nproc_per_node x --nnodes")
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """A (pp, dp, tp) mesh: tp innermost so a TP group shares a host's fast links."""

@@ -7,6 +7,7 @@ import time
 
 from meshrl.v1 import trainer_pb2, trainer_pb2_grpc
 from services.common import convert as common_convert
+from services.common.config import settings_json
 from services.common.server import MeshServer, create_server
 from services.trainer import convert
 from services.trainer.config import TrainerSettings
@@ -76,7 +77,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def GetInfo(self, request, context):
         return common_convert.info_to_pb("trainer", self.engine.model_path, self.engine.weight_version,
-                                         {**self.engine.info(), "weight_transport": self.sender.transport})
+                                         {**self.engine.info(), "weight_transport": self.sender.transport,
+                                          "settings": settings_json(self.engine.settings)})
+
+    async def ConfigureRun(self, request, context):
+        applied = await asyncio.to_thread(self.engine.configure_run, convert.run_optim_from_pb(request))
+        return convert.run_optim_to_pb(applied, response=True)
 
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name

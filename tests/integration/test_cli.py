@@ -53,7 +53,7 @@ def test_meshrl_up_rejects_a_bad_config_before_starting_anything(tmp_path):
     bad.write_text("rollout: {n: 0}\n")
     result = _meshrl("up", str(bad), timeout=120)
     assert result.returncode == 2
-    assert "rollout.n" in result.stdout
+    assert result.stderr == f"meshrl up: {bad}: rollout.n: Input should be greater than or equal to 1\n"
 
 
 def test_meshrl_plot_writes_a_valid_png_of_non_trivial_size(tmp_path):

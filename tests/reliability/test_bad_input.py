@@ -82,7 +82,7 @@ def test_a_malformed_dataset_fails_start_run_naming_the_file_and_the_line(arith_
                                                                           expected):
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(lines) + ("\n" if lines else ""))
-    config = {"model": {"path": arith_model_path}, "data": {"train_files": [str(data)]},
+    config = {"model": {"path": arith_model_path}, "data": {"train_files": [str(data)]}, "rollout": {"n": 2},
               "run": {"run_dir": str(tmp_path / "runs")}}
 
     async def main():
@@ -103,7 +103,8 @@ def test_a_malformed_dataset_fails_start_run_naming_the_file_and_the_line(arith_
 
 
 def test_a_dataset_path_that_does_not_exist_is_named(arith_model_path, tmp_path):
-    config = {"model": {"path": arith_model_path}, "data": {"train_files": [TRAIN, str(tmp_path / "nope.jsonl")]}}
+    config = {"model": {"path": arith_model_path}, "data": {"train_files": [TRAIN, str(tmp_path / "nope.jsonl")]},
+              "rollout": {"n": 2}}
 
     async def main():
         server, port, engine = await start_coordinator(load_config(CoordinatorSettings, data={}), "127.0.0.1:0")

@@ -145,8 +145,21 @@ def test_trainer_logprobs_equal_the_reference_services_bit_for_bit(model_path):
 def test_a_mesh_that_does_not_match_the_world_size_fails_before_the_model_loads(tmp_path):
     settings = load_config(TrainerSettings, data={"model": {"path": str(tmp_path / "missing")},
                                                   "actor": {"dp_size": 2, "tp_size": 2}})
-    with pytest.raises(ValueError, match=r"actor: tp_size \* pp_size \* dp_size = .* = 4, but the world size is 1"):
+    with pytest.raises(ValueError) as err:
         TrainerEngine(settings)
+    assert str(err.value) == ("actor.tp_size * actor.pp_size * actor.dp_size = 2 * 1 * 2 = 4, but the trainer has 1 "
+                              "rank(s) (torchrun --nproc_per_node x --nnodes); no actor.dp_size fits: make torchrun "
+                              "--nproc_per_node x --nnodes a multiple of tp_size * pp_size = 2, or lower "
+                              "actor.tp_size / actor.pp_size")
+
+
+@pytest.mark.parametrize("section, key", [("model", "path"), ("actor", "model_path")])
+def test_a_model_folder_without_config_is_named_by_the_key_the_user_set(tmp_path, section, key):
+    missing = str(tmp_path / "missing")
+    settings = load_config(TrainerSettings, data={section: {key: missing}})
+    with pytest.raises(ValueError) as err:
+        TrainerEngine(settings)
+    assert str(err.value) == f"{section}.{key}: {missing!r} is not a Hugging Face model folder (no config.json)"
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])

@@ -26,10 +26,24 @@ class ScoreItem(_message.Message):
     def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., response_ids: _Optional[_Iterable[int]] = ..., ground_truth: _Optional[str] = ..., data_source: _Optional[str] = ..., response_ids_packed: _Optional[bytes] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "components")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ScoreItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ...) -> None: ...
+    components: _containers.RepeatedCompositeFieldContainer[RewardComponent]
+    def __init__(self, items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ..., components: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ...) -> None: ...
+
+class RewardComponent(_message.Message):
+    __slots__ = ("name", "weight", "params_json", "label")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: float
+    params_json: str
+    label: str
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., params_json: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
 
 class ScoreResult(_message.Message):
     __slots__ = ("id", "score", "components")

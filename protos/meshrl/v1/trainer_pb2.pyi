@@ -7,6 +7,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class OptimSettings(_message.Message):
+    __slots__ = ("lr", "weight_decay", "betas", "eps", "grad_clip", "lr_schedule", "warmup_steps", "total_steps", "min_lr_ratio")
+    LR_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    BETAS_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_FIELD_NUMBER: _ClassVar[int]
+    LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MIN_LR_RATIO_FIELD_NUMBER: _ClassVar[int]
+    lr: float
+    weight_decay: float
+    betas: _containers.RepeatedScalarFieldContainer[float]
+    eps: float
+    grad_clip: float
+    lr_schedule: str
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float
+    def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., betas: _Optional[_Iterable[float]] = ..., eps: _Optional[float] = ..., grad_clip: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., min_lr_ratio: _Optional[float] = ...) -> None: ...
+
+class ConfigureRunRequest(_message.Message):
+    __slots__ = ("actor", "critic", "reset_schedule")
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    CRITIC_FIELD_NUMBER: _ClassVar[int]
+    RESET_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    actor: OptimSettings
+    critic: OptimSettings
+    reset_schedule: bool
+    def __init__(self, actor: _Optional[_Union[OptimSettings, _Mapping]] = ..., critic: _Optional[_Union[OptimSettings, _Mapping]] = ..., reset_schedule: _Optional[bool] = ...) -> None: ...
+
+class ConfigureRunResponse(_message.Message):
+    __slots__ = ("actor", "critic", "actor_lr")
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    CRITIC_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_LR_FIELD_NUMBER: _ClassVar[int]
+    actor: OptimSettings
+    critic: OptimSettings
+    actor_lr: float
+    def __init__(self, actor: _Optional[_Union[OptimSettings, _Mapping]] = ..., critic: _Optional[_Union[OptimSettings, _Mapping]] = ..., actor_lr: _Optional[float] = ...) -> None: ...
+
 class TrainSample(_message.Message):
     __slots__ = ("prompt_ids", "response_ids", "advantages", "old_logprobs", "ref_logprobs", "response_ids_packed", "advantages_packed", "old_logprobs_packed", "ref_logprobs_packed")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -85,6 +85,11 @@ class TrainerStub:
                 request_serializer=meshrl_dot_v1_dot_common__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_common__pb2.ServiceInfo.FromString,
                 _registered_method=True)
+        self.ConfigureRun = channel.unary_unary(
+                '/meshrl.v1.Trainer/ConfigureRun',
+                request_serializer=meshrl_dot_v1_dot_trainer__pb2.ConfigureRunRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_trainer__pb2.ConfigureRunResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -160,6 +165,14 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConfigureRun(self, request, context):
+        """Sets a run's optimizer hyperparameters (learning rate and schedule, AdamW's, the gradient clip) on every
+        rank and answers with the values now in effect; the coordinator calls it when it opens or resumes a run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -212,6 +225,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=meshrl_dot_v1_dot_common__pb2.GetInfoRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_common__pb2.ServiceInfo.SerializeToString,
+            ),
+            'ConfigureRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfigureRun,
+                    request_deserializer=meshrl_dot_v1_dot_trainer__pb2.ConfigureRunRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_trainer__pb2.ConfigureRunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -484,6 +502,33 @@ class Trainer:
             '/meshrl.v1.Trainer/GetInfo',
             meshrl_dot_v1_dot_common__pb2.GetInfoRequest.SerializeToString,
             meshrl_dot_v1_dot_common__pb2.ServiceInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfigureRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Trainer/ConfigureRun',
+            meshrl_dot_v1_dot_trainer__pb2.ConfigureRunRequest.SerializeToString,
+            meshrl_dot_v1_dot_trainer__pb2.ConfigureRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

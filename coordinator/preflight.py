@@ -1,0 +1,155 @@
+"""Checks of a whole run config before anything starts: `meshrl up`, `meshrl run` and StartRun call `check_run`.
+
+pydantic has already checked keys, types and ranges; these checks need several keys at once or the model
+folder: the folder holds a model, the trainer mesh fits the launch, every mini-batch splits over the
+data-parallel ranks, group estimators get groups, prompt + response fit the model. Each failure is one
+ValueError whose message starts with the key the user wrote (`model.path`, not the `actor.model_path` it
+fills in).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from coordinator.advantages import ADVANTAGE_ESTIMATORS
+from coordinator.config import RunConfig
+from services.trainer.config import check_mesh
+
+# The weight files transformers' from_pretrained loads: shards, single files, or the index of shards.
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def _model_folders(cfg: RunConfig) -> dict[str, str]:
+    """Each model folder the services load, by the key the user set; unset ones default to model.path and
+    are checked under that key (once)."""
+    folders = {"model.path": cfg.model.path, "actor.model_path": cfg.actor.model_path,
+               "critic.model_path": cfg.critic.model_path if cfg.critic else None,
+               "reference.model_path": cfg.reference.model_path}
+    return {key: path for key, path in folders.items() if path}
+
+
+def _data_files(cfg: RunConfig) -> dict[str, list[str]]:
+    """The data files the coordinator reads, by key."""
+    return {"data.train_files": cfg.data.train_files, "data.heldout_files": cfg.data.heldout_files,
+            "dpo.heldout_files": cfg.dpo.heldout_files}
+
+
+# The files a caller can see, by key: `meshrl up` starts every service here; the coordinator itself reads
+# the data and model.path's tokenizer (the trainer and reference may run on other machines); `meshrl run`
+# may talk to a coordinator elsewhere, so it leaves the files to StartRun.
+_DATA_KEYS = ("data.train_files", "data.heldout_files", "dpo.heldout_files")
+FILE_SCOPES = {"all": ("model.path", "actor.model_path", "critic.model_path", "reference.model_path", *_DATA_KEYS),
+               "coordinator": ("model.path", *_DATA_KEYS), "none": ()}
+
+
+def check_model_folder(key: str, path: str) -> None:
+    """A Hugging Face model folder: a config.json and weights."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"{key}: {path!r} is not a folder (a local Hugging Face model folder is expected)")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{key}: {path!r} is not a Hugging Face model folder (no config.json)")
+    if not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+        raise ValueError(f"{key}: {path!r} holds no weights (no *.safetensors or *.bin file, nor their index)")
+
+
+def check_data_files(key: str, paths: list[str]) -> None:
+    for path in paths:
+        if not Path(path).is_file():
+            raise ValueError(f"{key}: data file {path!r} does not exist")
+
+
+def _smallest_mini_batch(num_samples: int, mini_batch_size: int) -> int:
+    """The trainer's cut (services/trainer/batch.py: mini_batches): consecutive mini_batch_size slices, the
+    last one shorter; 0 = one mini-batch of everything."""
+    size = mini_batch_size or num_samples
+    return num_samples % size or size
+
+
+def check_batches(cfg: RunConfig) -> None:
+    """Every mini-batch needs one sample per data-parallel rank (the trainer refuses the step otherwise)."""
+    dp = cfg.actor.dp_size
+    if cfg.algorithm.kind == "dpo":
+        d = cfg.dpo
+        num, mbs, keys, what = d.batch_size, d.mini_batch_size, ("dpo.batch_size", "dpo.mini_batch_size"), "pairs"
+    else:
+        b, n = cfg.data.rollout_batch_size, cfg.rollout.n
+        num, mbs = b * n, cfg.algorithm.ppo_mini_batch_size
+        keys, what = ("data.rollout_batch_size", "algorithm.ppo_mini_batch_size"), \
+            f"samples (data.rollout_batch_size {b} x rollout.n {n})"
+    smallest = _smallest_mini_batch(num, mbs)
+    if smallest >= dp:
+        return
+    if not mbs or mbs >= num:
+        raise ValueError(f"{keys[0]}: {num} {what} per step cannot be split over actor.dp_size={dp} "
+                         f"data-parallel ranks; each rank needs at least one")
+    raise ValueError(f"{keys[1]}: {mbs} cuts the step's {num} {what} into mini-batches the smallest of which "
+                     f"holds {smallest}, fewer than actor.dp_size={dp} data-parallel ranks; each rank needs at "
+                     f"least one of every mini-batch")
+
+
+def check_groups(cfg: RunConfig) -> None:
+    a = cfg.algorithm
+    if a.kind == "rl" and ADVANTAGE_ESTIMATORS[a.adv_estimator].needs_groups and cfg.rollout.n < 2:
+        raise ValueError(f"rollout.n: algorithm.adv_estimator {a.adv_estimator} compares the samples of each "
+                         f"prompt and needs rollout.n >= 2, got {cfg.rollout.n} (one sample has no baseline "
+                         f"and trains on nothing)")
+
+
+def _max_positions(path: str) -> int | None:
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings") or config.get("n_positions")
+    return int(value) if isinstance(value, int) else None
+
+
+def check_lengths(cfg: RunConfig) -> None:
+    """Prompt + response fit the model (and rollout.max_model_len) that generates and trains on them."""
+    model_len = _max_positions(cfg.model.path)
+    if cfg.algorithm.kind != "rl" or model_len is None:
+        return
+    r, prompt = cfg.rollout, cfg.data.max_prompt_length
+    if r.max_model_len and r.max_model_len > model_len:
+        raise ValueError(f"rollout.max_model_len: {r.max_model_len} exceeds the model's max_position_embeddings "
+                         f"{model_len} (model.path {cfg.model.path!r})")
+    limit, where = (r.max_model_len, "rollout.max_model_len") if r.max_model_len else \
+        (model_len, f"the model's max_position_embeddings (model.path {cfg.model.path!r})")
+    if prompt is not None and prompt + r.max_tokens > limit:
+        raise ValueError(f"data.max_prompt_length: {prompt} + rollout.max_tokens {r.max_tokens} = "
+                         f"{prompt + r.max_tokens} tokens, over {limit}, {where}")
+    if r.max_tokens >= limit:
+        raise ValueError(f"rollout.max_tokens: {r.max_tokens} new tokens leave no room for a prompt within "
+                         f"{limit} tokens, {where}")
+
+
+def check_run(cfg: RunConfig, *, world_size: int | None = None, files: str = "all",
+              keys: set[str] | None = None) -> None:
+    """Raises ValueError (one line, starting with the user's key) for the first check that fails.
+
+    world_size: the trainer ranks the caller launches (`meshrl up`), None when the trainer already runs.
+    files: which model folders and data files are on this machine (a key of FILE_SCOPES).
+    keys: the keys whose values are final here; a cross-key failure naming another key is left to StartRun,
+    which checks again once the running services have filled in the keys the run leaves out (None: all final,
+    as in `meshrl up`, which starts the services from this same config).
+    """
+    scope = FILE_SCOPES[files]
+    for key, path in _model_folders(cfg).items():
+        if key in scope:
+            check_model_folder(key, path)
+    for key, paths in _data_files(cfg).items():
+        if key in scope:
+            check_data_files(key, paths)
+    a = cfg.actor
+    checks = [lambda: check_batches(cfg), lambda: check_groups(cfg), lambda: check_lengths(cfg)]
+    if world_size is not None:
+        checks.insert(0, lambda: check_mesh(a.tp_size, a.pp_size, a.dp_size, world_size,
+                                            launch="trainer.nproc_per_node"))
+    for check in checks:
+        try:
+            check()
+        except ValueError as e:
+            if keys is None or str(e).partition(":")[0] in keys:
+                raise

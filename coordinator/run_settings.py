@@ -1,0 +1,338 @@
+"""Which config keys a run applies and which are fixed when a service starts, and what follows from that.
+
+Every key of the RunConfig schema has a kind in SETTINGS:
+- run: the run applies it on running services: it travels with each request (SamplingParams with every
+  Generate, ActorLoss with every TrainActor), is set by ConfigureRun when the run opens (the trainer's
+  optimizer hyperparameters, echoed back), or only the coordinator reads it (advantages, data, pools);
+- fixed: a service reads it when it starts (model, dtype, mesh sizes, engine, reward components, ...); a run
+  that sets a different value is refused with the key, the running value and the asked one;
+- launch: only `meshrl up` (or the coordinator process) reads it, to start processes: where they listen, their
+  GPUs, how many replicas; a run never reads it, whatever it says.
+
+A fixed key is compared only when the run sets it (pydantic's model_fields_set): a run that leaves it out gets
+the running service's value, and the effective config (GetRun, the run record) shows that value. Comparing
+defaults instead would refuse every run that omits a key the services were started with (model.path of a
+recipe's own model), which is the common case of a script that only changes the learning rate. Run keys a
+service also holds from its start config (`held`: the optimizer's, sampling, reward components) follow the
+same rule: left out, the service's start value applies, so the services' config is the runs' default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+from dataclasses import dataclass, fields
+from typing import Any, Iterable, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from coordinator import remote
+from coordinator.config import RunConfig
+from coordinator.preflight import check_run
+from services.common.config import format_validation_error
+from services.reward.config import ComponentConfig
+from services.reward.functions import REWARD_FUNCTIONS
+from services.trainer.convert import run_optim_from_pb, run_optim_to_pb
+from services.trainer.types import OptimSettings, RunOptim
+
+RUN, FIXED, LAUNCH = "run", "fixed", "launch"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The kind of a key, who reads it, and how a run's value reaches it."""
+
+    kind: str
+    owner: str
+    how: str
+    # A run key a running service also holds (from its start config): a run that leaves it out gets the
+    # service's value, as it does for a fixed key.
+    held: bool = False
+
+    @property
+    def from_service(self) -> bool:
+        return self.kind == FIXED or self.held
+
+
+# The trainer applies these per run (ConfigureRun); the rest of `actor:` and `critic:` is fixed at its start.
+OPTIM_KEYS = tuple(f.name for f in fields(OptimSettings))
+SAMPLING_KEYS = ("n", "temperature", "top_p", "max_tokens", "stop", "seed")
+POOL_KEYS = ("servers", "dns", "registry", "load_balancer", "timeout_s")
+POOLS = ("rollout", "reward", "reference")
+
+_SAMPLING = Setting(RUN, "rollout", "SamplingParams of every Generate; left out: the replica's", held=True)
+_OPTIM = Setting(RUN, "trainer", "ConfigureRun when the run opens or resumes (echoed back); left out: the "
+                                 "trainer's start value", held=True)
+_POOL = Setting(RUN, "coordinator", "the run's replica pool")
+_PLACEMENT = Setting(LAUNCH, "meshrl up", "how many replicas it starts, on which GPUs")
+
+# "section.key" entries win over their section's "section.*".
+SETTINGS: dict[str, Setting] = {
+    "model.*": Setting(FIXED, "trainer, rollout, reference", "loaded when the service starts"),
+    "actor.*": Setting(FIXED, "trainer", "read when the trainer starts"),
+    **{f"actor.{k}": _OPTIM for k in OPTIM_KEYS},
+    "critic.*": Setting(FIXED, "trainer", "read when the trainer starts (a critic exists or not)"),
+    **{f"critic.{k}": _OPTIM for k in OPTIM_KEYS},
+    "weight_sync.*": Setting(FIXED, "trainer", "read when the trainer starts"),
+    "rollout.*": Setting(FIXED, "rollout", "read when the replica starts"),
+    **{f"rollout.{k}": _SAMPLING for k in SAMPLING_KEYS},
+    "reward.*": Setting(FIXED, "reward", "read when the replica starts (workers, user functions, models)"),
+    "reward.components": Setting(RUN, "reward", "built-in rules travel with every Score request; a list that "
+                                                "differs from a replica's and holds a reward model or a user "
+                                                "function is refused (loaded when the replica starts); left "
+                                                "out: the replica's", held=True),
+    "reference.*": Setting(FIXED, "reference", "read when the replica starts"),
+    **{f"{pool}.{k}": _POOL for pool in POOLS for k in POOL_KEYS},
+    **{f"{pool}.{k}": _PLACEMENT for pool in POOLS for k in ("replicas", "devices")},
+    "algorithm.*": Setting(RUN, "coordinator, trainer", "advantages and KL in the coordinator; loss settings with "
+                                                        "every TrainActor/TrainCritic (ActorLoss, CriticLoss)"),
+    "dpo.*": Setting(RUN, "coordinator, trainer", "pairs in the coordinator; DPOLoss with every TrainDPO"),
+    "data.*": Setting(RUN, "coordinator", "the run's datasets"),
+    "run.*": Setting(RUN, "coordinator", "the run's length, outputs, checkpoints, async mode"),
+    "run.redis_url": Setting(LAUNCH, "coordinator", "the coordinator process's state store, read at its start"),
+    "trainer.*": Setting(LAUNCH, "meshrl up", "how many trainer ranks it starts, on which GPUs"),
+    "trainer.address": Setting(RUN, "coordinator", "the trainer the run calls"),
+    "trainer.timeout_s": Setting(RUN, "coordinator", "deadline of the run's trainer calls"),
+    "coordinator.*": Setting(LAUNCH, "meshrl up / meshrl run", "where the coordinator listens"),
+    "server.*": Setting(LAUNCH, "every service", "how each service's server listens, read at its start"),
+    "server.auth_token": Setting(RUN, "coordinator", "the bearer token of the run's calls"),
+}
+
+
+def classify(key: str) -> Setting:
+    """The setting of a dotted schema key; KeyError for a key no entry covers."""
+    section = key.split(".", 1)[0]
+    return SETTINGS.get(key) or SETTINGS[f"{section}.*"]
+
+
+def _model_of(annotation) -> type[BaseModel] | None:
+    """The pydantic model a field holds (unwrapping `X | None`), None for a leaf."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        models = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        return models[0] if models else None
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def schema_keys(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """Every leaf key of a config schema, dotted (`actor.lr`); lists and maps of sections are leaves."""
+    keys = []
+    for name, info in model.model_fields.items():
+        sub = _model_of(info.annotation)
+        keys += schema_keys(sub, f"{prefix}{name}.") if sub else [f"{prefix}{name}"]
+    return keys
+
+
+def user_keys(cfg: BaseModel, prefix: str = "") -> list[str]:
+    """The leaf keys a config sets (YAML, env or flags), not the defaults it falls back on."""
+    keys = []
+    for name in sorted(cfg.model_fields_set):
+        value = getattr(cfg, name)
+        keys += user_keys(value, f"{prefix}{name}.") if isinstance(value, BaseModel) else [f"{prefix}{name}"]
+    return keys
+
+
+def settings_table() -> str:
+    """The Markdown table of every key by section and kind, as docs/coordinator.md shows it."""
+    groups: dict[tuple[str, Setting], list[str]] = {}
+    for key in schema_keys():
+        section, leaf = key.split(".", 1)
+        groups.setdefault((section, classify(key)), []).append(leaf)
+    lines = ["| section | kind | keys | read by: how a run's value reaches it |", "|---|---|---|---|"]
+    for (section, setting), leaves in groups.items():
+        keys = ", ".join(f"`{k}`" for k in leaves)
+        lines.append(f"| `{section}` | {setting.kind} | {keys} | {setting.owner}: {setting.how} |")
+    return "\n".join(lines)
+
+
+_MISSING = object()
+
+# Secret keys: never written to the run record nor shown by GetRun.
+SECRETS = (("server", "auth_token"), ("rollout", "api_key"))
+
+
+def value_at(tree: Any, key: str, default: Any = _MISSING) -> Any:
+    """The value at a dotted key of nested dicts, `default` where the path ends early."""
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return default
+        tree = tree[part]
+    return tree
+
+
+@dataclass
+class Running:
+    """A running service and the settings it started with (GetInfo's details["settings"])."""
+
+    role: str
+    address: str
+    settings: dict
+
+    @property
+    def noun(self) -> str:
+        return "trainer" if self.role == "trainer" else "replica"
+
+    @property
+    def name(self) -> str:
+        return "trainer" if self.role == "trainer" else f"{self.role} replica {self.address}"
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def check_fixed(asked: dict[str, Any], running: Iterable[Running]) -> None:
+    """ValueError for the first fixed key whose asked value differs from a running service's."""
+    running = list(running)
+    for key, value in asked.items():
+        if classify(key).kind != FIXED:
+            continue
+        for svc in running:
+            have = value_at(svc.settings, key)
+            if have is not _MISSING and have != value:
+                raise ValueError(f"{key}: the running {svc.name} has {_show(have)}, this run asks {_show(value)} "
+                                 f"(set when the {svc.noun} starts; restart it to change)")
+
+
+def _rules_only(components: list) -> bool:
+    return all(c.get("function") is None and c["name"] in REWARD_FUNCTIONS for c in components)
+
+
+def check_components(asked: dict[str, Any], running: Iterable[Running]) -> None:
+    """reward.components travel with each Score request when they are built-in rules; a reward model or a
+    user function is loaded when a replica starts, so a list holding one must be the replica's own."""
+    value = asked.get("reward.components", _MISSING)
+    for svc in running:
+        have = value_at(svc.settings, "reward.components")
+        if value is _MISSING or have is _MISSING or have == value or _rules_only(value):
+            continue
+        raise ValueError(f"reward.components: the running {svc.name} has {_show(have)}, this run asks "
+                         f"{_show(value)} (reward models and user functions are loaded when the replica "
+                         f"starts; restart it to change, or use built-in rules only)")
+
+
+def score_components(cfg: RunConfig) -> list[ComponentConfig]:
+    """The components a run sends with each Score request: its own when they are all built-in rules (the
+    replica builds them), none otherwise (the replica's own list, which check_components held equal)."""
+    components = cfg.reward.components
+    return list(components) if all(c.function is None and not c.is_model for c in components) else []
+
+
+def check_critic(cfg: RunConfig, running: Iterable[Running]) -> None:
+    """A run with a `critic:` section needs a trainer started with one."""
+    for svc in running:
+        if svc.role == "trainer" and cfg.critic is not None and svc.settings.get("critic") is None:
+            raise ValueError("critic: the running trainer has no critic, this run asks for one (set when the "
+                             "trainer starts; restart it with a `critic:` section)")
+
+
+def effective_data(cfg: RunConfig, running: Iterable[Running]) -> dict:
+    """The run's config as plain data, with every fixed key it left out taken from the running services."""
+    data = cfg.model_dump(mode="json")
+    set_keys = set(user_keys(cfg))
+    running = list(running)
+    for key in schema_keys():
+        if key in set_keys or not classify(key).from_service:
+            continue
+        for svc in running:
+            have = value_at(svc.settings, key)
+            if have is not _MISSING:
+                section, leaf = key.split(".", 1)
+                if data.get(section) is None:
+                    data[section] = {}
+                data[section][leaf] = have
+                break
+    trainer = next((s for s in running if s.role == "trainer"), None)
+    if trainer is not None and cfg.critic is None and trainer.settings.get("critic") is not None:
+        data["critic"] = trainer.settings["critic"]      # the trainer's critic trains with its own settings
+    # `reward.function` is shorthand for a component, already expanded into reward.components.
+    data["reward"].pop("function", None)
+    return data
+
+
+def validated(data: dict, *, secrets_from: RunConfig) -> RunConfig:
+    """A whole config from plain data (every key set), its secrets (never dumped) taken from `secrets_from`."""
+    data = {section: dict(v) if isinstance(v, dict) else v for section, v in data.items()}
+    for section, key in SECRETS:
+        data[section].pop(key, None)
+    try:
+        # Init values (every key present) win over MESHRL_* env; the asked config already holds those.
+        cfg = RunConfig(**data)
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e, "effective config")) from None
+    for section, key in SECRETS:
+        setattr(getattr(cfg, section), key, getattr(getattr(secrets_from, section), key))
+    return cfg
+
+
+def effective_config(cfg: RunConfig, running: Iterable[Running]) -> RunConfig:
+    """The config the run trains with: its own keys, and the running services' values of those it left out."""
+    return validated(effective_data(cfg, running), secrets_from=cfg)
+
+
+def config_text(cfg: RunConfig) -> str:
+    """The effective config as the YAML that GetRun shows and the run record stores (secrets left out)."""
+    data = cfg.model_dump(mode="json", exclude={section: {key} for section, key in SECRETS})
+    data["reward"].pop("function", None)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+async def _report(role: str, address: str, stub) -> Running:
+    info = await remote.info(stub)
+    text = info.details.get("settings")
+    if text is None:
+        key = "trainer.address" if role == "trainer" else f"{role}.servers"
+        raise ValueError(f"{key}: the {role} at {address} does not report its settings (GetInfo "
+                         f"details['settings']); it is older than this coordinator")
+    return Running(role, address, json.loads(text))
+
+
+async def running_services(trainer, trainer_address: str, pools) -> list[Running]:
+    """The start settings of the trainer and of every healthy replica of the run's pools."""
+    calls = [_report("trainer", trainer_address, trainer)]
+    for pool in pools:
+        if pool is not None:
+            calls += [_report(pool.role, rep.address, rep.stub) for rep in pool.healthy()]
+    return list(await asyncio.gather(*calls))
+
+
+def run_optim(cfg: RunConfig, *, reset_schedule: bool) -> RunOptim:
+    """The run's optimizer settings as ConfigureRun carries them."""
+    def optim(section) -> OptimSettings:
+        return OptimSettings(**{k: getattr(section, k) for k in OPTIM_KEYS})
+    return RunOptim(optim(cfg.actor), optim(cfg.critic) if cfg.critic is not None else None,
+                    reset_schedule=reset_schedule)
+
+
+async def configure_trainer(trainer, cfg: RunConfig, *, reset_schedule: bool) -> RunOptim:
+    """Sets the run's optimizer settings on the trainer; RuntimeError when its answer differs from them."""
+    asked = run_optim(cfg, reset_schedule=reset_schedule)
+    applied = run_optim_from_pb(await trainer.ConfigureRun(run_optim_to_pb(asked)))
+    for name, want, got in (("actor", asked.actor, applied.actor), ("critic", asked.critic, applied.critic)):
+        if want != got:
+            raise RuntimeError(f"{name}: the trainer applied {got}, not the run's {want}")
+    return applied
+
+
+async def settle(cfg: RunConfig, pools, trainer, trainer_address: str, *, recorded: dict | None = None,
+                 resume: bool = False) -> RunConfig:
+    """Checks a run's fixed keys against the running services and configures the trainer for it; returns the
+    effective config. At a resume, `recorded` (the run's effective config as first recorded) is compared key
+    by key, so a service restarted with other settings is refused; otherwise the keys the run sets are."""
+    running = await running_services(trainer, trainer_address, pools)
+    if recorded is not None:
+        cfg = validated(recorded, secrets_from=cfg)     # every key set: all are held to the record
+    dump = cfg.model_dump(mode="json")
+    asked = {k: value_at(dump, k) for k in user_keys(cfg)}
+    check_fixed(asked, running)
+    check_components(asked, running)
+    check_critic(cfg, running)
+    effective = effective_config(cfg, running)
+    check_run(effective, files="none")     # before the trainer is configured: nothing is half-applied
+    await configure_trainer(trainer, effective, reset_schedule=not resume)
+    return effective
+
+
+if __name__ == "__main__":
+    print(settings_table())
