@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -123,13 +124,29 @@ def settings_json(settings: BaseModel) -> str:
     return json.dumps(settings.model_dump(mode="json", exclude={"server"}), sort_keys=True)
 
 
-def format_validation_error(err: ValidationError, source: str = "config") -> str:
+def format_validation_error(err: ValidationError, source: str = "config", *, section: str = "") -> str:
+    """One line naming each bad key: `config: rollout.n: ...`; `section` goes in front of every key (a section
+    validated on its own), an empty `source` leaves the prefix out."""
     parts = []
     for e in err.errors():
-        key = ".".join(str(x) for x in e["loc"]) or "<root>"
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        parts.append(f"{key}: {msg}")
-    return f"{source}: " + "; ".join(parts)
+        key = ".".join([section, *map(str, e["loc"])] if section else map(str, e["loc"])) or "<root>"
+        if e["type"] == "value_error" and "ctx" in e:
+            parts.append(_keyed(key, str(e["ctx"]["error"])))
+        else:
+            parts.append(f"{key}: {'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}")
+    return f"{source}: " + "; ".join(parts) if source else "; ".join(parts)
+
+
+def _keyed(key: str, msg: str) -> str:
+    """A section validator's own message under its section's key, without pydantic's "Value error, ": one that
+    names its whole key (`reward.components[1]: ...`) stays as it is, one that names a key inside the section
+    (`total_steps: ...`) gets the section in front (`actor.total_steps: ...`)."""
+    if msg.startswith(key + ".") or msg.startswith(key + "[") or msg.startswith(key + ":"):
+        return msg
+    head, colon, _ = msg.partition(": ")
+    if colon and re.fullmatch(r"[A-Za-z_][\w.\[\]]*", head):
+        return f"{key}.{msg}"
+    return f"{key}: {msg}"
 
 
 def nest_overrides(flat: dict[str, Any]) -> dict:

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from services.common.codec import DTYPES
+from services.common.config import format_validation_error
 from services.common.errors import FailedPrecondition, NotFound
 from services.common.fused import enable_fused_head, supports_fused_head
 from services.common.modeling import load_causal_lm, response_logprobs, set_threads, validate_sequences
@@ -63,8 +64,7 @@ def _with_optim(cfg, optim: OptimSettings, section: str):
     try:
         return type(cfg)(**{**cfg.model_dump(), **asdict(optim)})
     except ValidationError as e:
-        raise ValueError("; ".join(".".join([section, *map(str, err["loc"])]) + f": {err['msg']}"
-                                   for err in e.errors())) from None
+        raise ValueError(format_validation_error(e, source="", section=section)) from None
 
 
 def _optim_of(trained: Trained) -> OptimSettings:

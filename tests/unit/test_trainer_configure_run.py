@@ -51,7 +51,7 @@ def test_an_invalid_run_setting_is_refused_by_its_key_and_nothing_changes(model_
     e = engine(model_path)
     with pytest.raises(ValueError) as err:
         e.configure_run(RunOptim(OptimSettings(lr=0.1, lr_schedule="cosine", warmup_steps=5, total_steps=3)))
-    assert str(err.value) == ("actor: Value error, total_steps: the cosine schedule needs total_steps > "
+    assert str(err.value) == ("actor.total_steps: the cosine schedule needs total_steps > "
                               "warmup_steps (3 <= 5)")
     assert e.actor.optimizer.param_groups[0]["lr"] == 2e-5
 
