@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import json
 import math
 import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import click
 import typer
 import yaml
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from services.common.channel import ClientTLS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="meshrl: RL post-training (PPO, GRPO, RLOO, REINFORCE++, DPO) as a mesh of gRPC services.")
@@ -67,7 +71,7 @@ def command(name: str | None = None, **kwargs):
         def wrapper(*args, **kw):
             try:
                 return fn(*args, **kw)
-            except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            except (typer.Exit, typer.Abort, typer.TyperException):  # typer's own: exit codes, usage errors
                 raise
             except KeyboardInterrupt:
                 typer.echo(f"meshrl {cmd}: interrupted", err=True)
@@ -80,6 +84,83 @@ def command(name: str | None = None, **kwargs):
                 raise typer.Exit(exit_code) from None
         return app.command(name, **kwargs)(wrapper)
     return register
+
+
+# The options of every command that calls a running coordinator, with the environment variables the services
+# read for the same thing (services/common/config.py ServerConfig: tls_ca, tls_client_cert, ...).
+CONNECTION = {
+    "coordinator": (str, typer.Option(DEFAULT_COORDINATOR, "--coordinator",
+                                      help="coordinator address (env MESHRL_COORDINATOR)")),
+    "token": (Optional[str], typer.Option(None, "--token", envvar="MESHRL_SERVER__AUTH_TOKEN", help="bearer token")),
+    "tls_ca": (Optional[str], typer.Option(None, "--tls-ca", envvar="MESHRL_SERVER__TLS_CA",
+                                           help="speak TLS, trusting this CA's PEM for the coordinator")),
+    "tls_cert": (Optional[str], typer.Option(None, "--tls-cert", envvar="MESHRL_SERVER__TLS_CLIENT_CERT",
+                                             help="client certificate PEM (mutual TLS)")),
+    "tls_key": (Optional[str], typer.Option(None, "--tls-key", envvar="MESHRL_SERVER__TLS_CLIENT_KEY",
+                                            help="client key PEM (mutual TLS)")),
+    "tls_server_name": (Optional[str], typer.Option(None, "--tls-server-name",
+                                                    envvar="MESHRL_SERVER__TLS_SERVER_NAME",
+                                                    help="name in the coordinator's certificate, if not its host")),
+}
+
+
+def client_tls(tls_ca: str | None, tls_cert: str | None, tls_key: str | None, tls_server_name: str | None,
+               ctx: typer.Context | None = None):
+    """The ClientTLS of the connection options (None: plaintext); a setting that cannot be used is refused by the
+    name the user gave it: its flag, or its environment variable when it came from there."""
+    from services.common.channel import ClientTLS, read_pem
+
+    def _source_name(param: str) -> str:
+        info = CONNECTION[param][1]
+        source = ctx.get_parameter_source(param) if ctx is not None else None
+        return info.envvar if source is not None and source.name == "ENVIRONMENT" else info.param_decls[0]
+
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError(f"{_source_name('tls_cert')} and {_source_name('tls_key')}: set both or neither")
+    if not tls_ca:
+        given = next((p for p, v in (("tls_cert", tls_cert), ("tls_server_name", tls_server_name)) if v), None)
+        if given:
+            raise ValueError(f"{_source_name(given)}: needs {_source_name('tls_ca')} as well (TLS trusts the CA "
+                             f"that signs the coordinator's certificate)")
+        return None
+    return ClientTLS(read_pem(tls_ca, _source_name("tls_ca")), read_pem(tls_key, _source_name("tls_key")),
+                     read_pem(tls_cert, _source_name("tls_cert")), tls_server_name)
+
+
+@dataclass
+class Connection:
+    """Where a command's coordinator is and how to reach it (token, TLS)."""
+
+    address: str
+    token: str | None = None
+    tls: ClientTLS | None = None  # None = plaintext
+
+    def client(self):
+        from coordinator.client import Client
+
+        return Client(self.address, token=self.token, tls=self.tls)
+
+
+def connects(fn):
+    """Gives a command the CONNECTION options; it receives them as one `conn: Connection` keyword."""
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.name != "conn"]
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=kind)
+               for name, (kind, info) in CONNECTION.items()]
+    params.append(inspect.Parameter("connection_ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context))
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        opts = {name: kw.pop(name) for name in CONNECTION}
+        tls = client_tls(opts["tls_ca"], opts["tls_cert"], opts["tls_key"], opts["tls_server_name"],
+                         kw.pop("connection_ctx"))
+        return fn(*args, **kw, conn=Connection(opts["coordinator"], opts["token"], tls))
+
+    wrapper.__signature__ = sig.replace(parameters=params)
+    wrapper.__annotations__ = {**{k: v for k, v in fn.__annotations__.items() if k != "conn"},
+                               **{name: kind for name, (kind, _) in CONNECTION.items()},
+                               "connection_ctx": typer.Context}
+    return wrapper
 
 
 @command(context_settings=PASSTHROUGH)
@@ -123,6 +204,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     from coordinator.config import RunConfig
     from coordinator.launcher import Launcher
     from coordinator.preflight import check_run
+    from services.common.channel import ClientTLS
     from services.common.config import load_config, read_yaml
 
     overrides = _overrides(list(ctx.args))
@@ -135,12 +217,14 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     check_run(cfg, world_size=cfg.trainer.nproc_per_node)
     placement, trainer_devices = _placement(cfg, raw, overrides)
     log_dir = Path(cfg.run.run_dir) / "logs" / time.strftime("%Y%m%d-%H%M%S")
-    token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None
+    # The launcher calls its coordinator as the services call each other: the recipe's token and client TLS.
+    conn = Connection("", cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None,
+                      ClientTLS.from_server_config(cfg.server))
     with Launcher(str(config), log_dir=log_dir, overrides=overrides, num_threads=threads) as launcher:
         addresses = _start_mesh(launcher, cfg, raw, overrides, placement, trainer_devices)
-        console.print(f"mesh up: {json.dumps(addresses)} (logs in {log_dir})")
-        status = _drive(launcher, _with_addresses(raw, overrides, addresses), addresses["coordinator"][0], token,
-                        cfg.run.num_steps)
+        console.print(f"mesh up: {json.dumps(addresses)} (logs in {log_dir})", highlight=False, soft_wrap=True)
+        conn.address = addresses["coordinator"][0]
+        status = _drive(launcher, _with_addresses(raw, overrides, addresses), conn, cfg.run.num_steps)
     _report(status.run_dir)
     _print_result(status)
     if status.state != "COMPLETED":
@@ -165,11 +249,9 @@ def _start_mesh(launcher, cfg, raw: dict, overrides: dict[str, str], placement: 
     return {**addresses, "coordinator": [launcher.wait_ready(coordinator)]}
 
 
-def _drive(launcher, data: dict, address: str, token: str | None, num_steps: int):
+def _drive(launcher, data: dict, conn: Connection, num_steps: int):
     """Starts the run on the coordinator and follows it to the end; returns its final status."""
-    from coordinator.client import Client
-
-    with Client(address, token=token) as client:
+    with conn.client() as client:
         run_id = client.start_run(yaml.safe_dump(data, sort_keys=False))
         console.print(f"run {run_id} started")
         _follow_while_alive(launcher, client, run_id, num_steps)
@@ -231,11 +313,13 @@ def _follow(client, run_id: str, num_steps: int) -> None:
 
 
 def _follow_while_alive(launcher, client, run_id: str, num_steps: int) -> None:
-    """Follows the run; a service process that dies ends `meshrl up` with its log instead of a hang."""
+    """Follows the run while coordinator/supervisor.py restarts replicas that die; the loss of the coordinator,
+    the trainer or every replica of a role ends `meshrl up` with the dead process's cause line, not a hang."""
     import threading
 
-    from coordinator.launcher import ServiceFailed, failure
+    from coordinator.supervisor import Supervisor
 
+    supervisor = Supervisor(launcher, say=lambda line: console.print(line, highlight=False, soft_wrap=True))
     done = threading.Event()
     errors: list[BaseException] = []
 
@@ -248,10 +332,8 @@ def _follow_while_alive(launcher, client, run_id: str, num_steps: int) -> None:
             done.set()
 
     threading.Thread(target=follow, daemon=True).start()
-    while not done.wait(1.0):
-        dead = [c for c in launcher.children if c.proc.poll() is not None]
-        if dead:
-            raise ServiceFailed(failure(dead[0], "during the run"))
+    while not done.wait(0.5):
+        supervisor.check()
     if errors:
         raise errors[0]
 
@@ -292,12 +374,10 @@ def _print_result(status) -> None:
 
 
 @command()
+@connects
 def run(config: Path = typer.Argument(..., dir_okay=False),
-        coordinator: str = typer.Option(DEFAULT_COORDINATOR, help="coordinator address"),
-        token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN"),
-        follow: bool = typer.Option(True, help="stream metrics until the run ends")):
+        follow: bool = typer.Option(True, help="stream metrics until the run ends"), *, conn: Connection):
     """Start a run on a running coordinator (services listed in the YAML)."""
-    from coordinator.client import Client
     from coordinator.config import RunConfig
     from coordinator.preflight import check_run
     from coordinator.run_settings import user_keys
@@ -307,7 +387,7 @@ def run(config: Path = typer.Argument(..., dir_okay=False),
     # and keys it leaves to the running services are checked by StartRun, on the coordinator's machine.
     cfg = load_config(RunConfig, config)
     check_run(cfg, files="none", keys=set(user_keys(cfg)))
-    with Client(coordinator, token=token) as client:
+    with conn.client() as client:
         run_id = client.start_run(config.read_text())
         console.print(run_id)
         if follow:
@@ -320,14 +400,12 @@ def run(config: Path = typer.Argument(..., dir_okay=False),
 
 
 @command()
-def status(run_id: Optional[str] = typer.Argument(None), coordinator: str = typer.Option(DEFAULT_COORDINATOR),
-           token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN")):
+@connects
+def status(run_id: Optional[str] = typer.Argument(None), *, conn: Connection):
     """Show one run, or every run the coordinator knows."""
     from rich.table import Table
 
-    from coordinator.client import Client
-
-    with Client(coordinator, token=token) as client:
+    with conn.client() as client:
         runs = [client.get_run(run_id)] if run_id else client.list_runs()
     table = Table("run", "state", "step", "weight version", "data position", "reward", "message")
     for r in runs:
@@ -337,36 +415,55 @@ def status(run_id: Optional[str] = typer.Argument(None), coordinator: str = type
 
 
 @command()
-def watch(run_id: str, coordinator: str = typer.Option(DEFAULT_COORDINATOR),
-          token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN")):
+@connects
+def watch(run_id: str, *, conn: Connection):
     """Live progress bar with reward, KL and throughput until the run ends."""
-    from coordinator.client import Client
     from coordinator.progress import watch_run
 
-    with Client(coordinator, token=token) as client:
+    with conn.client() as client:
         watch_run(client, run_id)
 
 
 @command()
-def stop(run_id: str, coordinator: str = typer.Option(DEFAULT_COORDINATOR),
-         token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN")):
+@connects
+def stop(run_id: str, *, conn: Connection):
     """Stop a run after its current step."""
-    from coordinator.client import Client
-
-    with Client(coordinator, token=token) as client:
+    with conn.client() as client:
         console.print(client.stop_run(run_id).state)
 
 
+def command_line(status, asked: str) -> str:
+    """What `meshrl pause` / `meshrl resume` print: the run's state now, or the step it pauses after."""
+    at = f"{status.step}/{status.num_steps}"
+    if asked == "pause" and status.state == "RUNNING":
+        return f"run {status.run_id} pauses after its current step (steps done: {at}); `meshrl resume` continues it"
+    return f"run {status.run_id} {status.state} at step {at}" + (f" ({status.message})" if status.message else "")
+
+
 @command()
-def services(run_id: Optional[str] = typer.Argument(None, help="a run's pools (default: the coordinator's own)"),
-             coordinator: str = typer.Option(DEFAULT_COORDINATOR),
-             token: Optional[str] = typer.Option(None, envvar="MESHRL_SERVER__AUTH_TOKEN")):
+@connects
+def pause(run_id: str, *, conn: Connection):
+    """Pause a run after its current step; `meshrl resume RUN_ID` continues it."""
+    with conn.client() as client:
+        console.print(command_line(client.pause_run(run_id), "pause"), highlight=False)
+
+
+@command()
+@connects
+def resume(run_id: str, *, conn: Connection):
+    """Resume a paused run (one paused for a lost trainer reconnects, restoring its last checkpoint)."""
+    with conn.client() as client:
+        console.print(command_line(client.resume_run(run_id), "resume"), highlight=False)
+
+
+@command()
+@connects
+def services(run_id: Optional[str] = typer.Argument(None, help="a run's pools (default: the coordinator's own)"), *,
+             conn: Connection):
     """Replicas of every pool with health, weight version and load."""
     from rich.table import Table
 
-    from coordinator.client import Client
-
-    with Client(coordinator, token=token) as client:
+    with conn.client() as client:
         replicas = client.list_services(run_id or "")
     table = Table("pool", "address", "healthy", "weight version", "load")
     for r in replicas:

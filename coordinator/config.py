@@ -127,6 +127,9 @@ class RunSection(Section):
     max_staleness: int = Field(1, ge=0)
     # Run state store; empty = in memory (lost with the coordinator).
     redis_url: str = ""
+    # Key prefix of the run state and of the service registry in Redis (read by the coordinator and by every
+    # replica that registers): two deployments sharing a Redis database keep apart by it.
+    redis_prefix: str = "meshrl"
     # TensorBoard event files in <run_dir>/tensorboard (needs the tensorboard package).
     tensorboard: bool = True
     # Log metrics to this Weights & Biases project when wandb is installed ("" = off).

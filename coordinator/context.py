@@ -16,11 +16,32 @@ from coordinator import advantages as adv_fns
 from coordinator.config import RunConfig, TrainerLosses
 from coordinator.data import Problem, PromptStream
 from coordinator.pools import ReplicaPool
+from services.common.errors import FailedPrecondition
 from services.rollout.types import SamplingParams
 
 
 class TrainerUnavailable(Exception):
     """The trainer cannot be reached (it died or is restarting): the run pauses instead of failing."""
+
+    advice = "restart the trainer"     # what the paused run's message tells the user to do before ResumeRun
+
+    def resumes_from(self, step: int, checkpoint_step: int) -> str:
+        """Where ResumeRun picks up: a restarted trainer that lost the weights goes back to the last checkpoint."""
+        return f"step {step} (from the last checkpoint's step {checkpoint_step} if the trainer lost its weights)"
+
+
+class CheckpointFailed(TrainerUnavailable, FailedPrecondition):
+    """The trainer refused a checkpoint save or load (damaged, unwritable, disk full): the run pauses, naming the
+    path and the cause, instead of failing; the user fixes the checkpoint's folder and resumes."""
+
+    advice = "fix that checkpoint folder (free space, permissions, or restore an intact copy)"
+
+    def resumes_from(self, step: int, checkpoint_step: int) -> str:
+        return f"step {step}"               # the trainer kept its weights
+
+
+# Checkpoint RPCs whose refusal pauses the run (CheckpointFailed), with the word for the message.
+CHECKPOINT_CALLS = {"SaveCheckpoint": "saving", "LoadCheckpoint": "loading"}
 
 
 class GuardedTrainer:
@@ -44,6 +65,9 @@ class GuardedTrainer:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     raise TrainerUnavailable(f"trainer {self._address} unavailable during {name}: "
                                              f"{e.details()}") from None
+                if name in CHECKPOINT_CALLS and e.code() != grpc.StatusCode.INTERNAL:
+                    raise CheckpointFailed(f"{CHECKPOINT_CALLS[name]} checkpoint {args[0].path!r} failed: "
+                                           f"{e.details()}") from None
                 raise
 
         return call

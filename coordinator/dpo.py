@@ -125,14 +125,16 @@ async def dpo_step(ctx: RunContext) -> dict[str, float]:
     pairs = ctx.data.take(d.batch_size)
     with timer("reference"):
         await fill_reference(ctx, pairs)
+    # Before the update: the trainer records the data position after it with the step (services/trainer/steps.py).
+    ctx.data.advance(d.batch_size)
     with timer("train"):
-        _, metrics = await remote.train_dpo(ctx.trainer, pairs, ctx.losses.dpo)
+        _, metrics = await remote.train_dpo(ctx.trainer, pairs, ctx.losses.dpo,
+                                            remote.RunStep(ctx.run_id, ctx.step + 1, ctx.data.position))
     out = {f"dpo/{k}": v for k, v in metrics.items()}
     # TrainDPO bumps the trainer's weight version. Rollout replicas only serve held-out evaluation here, so
     # they are not pushed every step: phases.generate brings them to this version before they generate.
     ctx.weight_version += 1
     out["weight_version"] = float(ctx.weight_version)
-    ctx.data.advance(d.batch_size)
     ctx.step += 1
     seconds = time.perf_counter() - start
     # The RL-shaped keys let the same CLI lines, plots and summaries show DPO runs.

@@ -1,4 +1,5 @@
-"""`meshrl up`: every service as its own process on 127.0.0.1, then one run driven to the end."""
+"""`meshrl up`: every service as its own process on 127.0.0.1, then one run driven to the end, with the replicas
+supervised (a dead one is restarted on its port while the coordinator's pools fail over)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 
 MODULES = {"coordinator": "coordinator", "trainer": "services.trainer", "rollout": "services.rollout",
            "reward": "services.reward", "reference": "services.reference"}
+# Roles whose replicas the coordinator's pools fail over between: one that dies is restarted, the run goes on.
+REPLICATED = ("rollout", "reward", "reference")
 
 
 # A CUDA_VISIBLE_DEVICES entry: an index, or a GPU / MIG UUID as nvidia-smi -L prints it.
@@ -72,6 +75,7 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     address: str = ""
+    devices: str = ""
     _lines: queue.Queue = field(default_factory=queue.Queue)
 
 
@@ -89,7 +93,7 @@ class Launcher:
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, role: str, index: int = 0, *, devices: str = "", nproc: int = 1,
-              extra_args: list[str] | None = None) -> Child:
+              extra_args: list[str] | None = None, log_name: str = "") -> Child:
         module = MODULES[role]
         args = ["-m", module, "--config", self.config_path, "--port", "0", "--host", self.host]
         for key, value in self.overrides.items():
@@ -103,10 +107,10 @@ class Launcher:
                    TOKENIZERS_PARALLELISM="false")
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices
-        log_path = self.log_dir / f"{role}-{index}.log"
+        log_path = self.log_dir / (log_name or f"{role}-{index}.log")
         proc = subprocess.Popen(_die_with_parent(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env)
-        child = Child(role, index, proc, log_path)
+        child = Child(role, index, proc, log_path, devices=devices)
         threading.Thread(target=self._pump, args=(child,), daemon=True).start()
         self.children.append(child)
         return child
@@ -124,7 +128,6 @@ class Launcher:
 
     def wait_ready(self, child: Child, timeout: float = 180.0) -> str:
         deadline = time.time() + timeout
-        marker = f"meshrl {child.role} listening on "
         while time.time() < deadline:
             try:
                 line = child._lines.get(timeout=0.5)
@@ -133,11 +136,27 @@ class Launcher:
             if line is None:
                 child.proc.wait()
                 raise ServiceFailed(failure(child, "before serving"))
-            if marker in line:
-                child.address = line.split(marker, 1)[1].strip()
+            if _announced(child, line):
                 return child.address
         raise ServiceFailed(f"{child.role}-{child.index} did not announce an address within {timeout}s "
                             f"(log: {child.log_path})")
+
+    @staticmethod
+    def poll_ready(child: Child) -> bool:
+        """wait_ready without waiting: whether the child has announced its address by now."""
+        while not child.address:
+            try:
+                line = child._lines.get_nowait()
+            except queue.Empty:
+                return False
+            if line is None or _announced(child, line):
+                return bool(child.address)
+        return True
+
+    def restart(self, child: Child, attempt: int, port: int) -> Child:
+        """The same replica again on `port` (the coordinator's server list names it), logging to its own file."""
+        return self.start(child.role, child.index, devices=child.devices, extra_args=["--port", str(port)],
+                          log_name=f"{child.role}-{child.index}.restart-{attempt}.log")
 
     def stop_all(self, grace: float = 10.0) -> None:
         """SIGTERM every child (they drain), then SIGKILL what is left after `grace` seconds."""
@@ -159,6 +178,13 @@ class Launcher:
         self.stop_all()
 
 
+def _announced(child: Child, line: str) -> bool:
+    marker = f"meshrl {child.role} listening on "
+    if marker in line:
+        child.address = line.split(marker, 1)[1].strip()
+    return bool(child.address)
+
+
 class ServiceFailed(RuntimeError):
     """A service process exited or never announced its address; the message is one line with the cause."""
 
@@ -170,8 +196,9 @@ _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:E
 _LAUNCHER_ERRORS = ("ChildFailedError", "SignalException")
 
 
-def cause_line(path: Path) -> str:
-    """The last error line a service's log names, skipping torchrun's own; else the last line."""
+def cause_line(path: Path, *, last_line: bool = True) -> str:
+    """The last error line a service's log names, skipping torchrun's own; else the last line (or "" when not
+    `last_line`)."""
     try:
         lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
@@ -180,12 +207,16 @@ def cause_line(path: Path) -> str:
         m = _ERROR_LINE.match(line)
         if m and not any(name in line for name in _LAUNCHER_ERRORS):
             return m.group(1)
-    return lines[-1] if lines else ""
+    return lines[-1] if lines and last_line else ""
 
 
 def failure(child: Child, when: str) -> str:
     """One line: which service exited, when, with what code, its cause line and where its log is."""
-    cause = cause_line(child.log_path)
+    code = child.proc.returncode
+    # A process killed by a signal printed no cause: its last log line would be any line, so the signal is named.
+    cause = cause_line(child.log_path, last_line=code is None or code >= 0)
+    if not cause and code is not None and code < 0:
+        cause = f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else "killed"
     return (f"{child.role}-{child.index} exited with code {child.proc.returncode} {when}"
             + (f": {cause}" if cause else "") + f" (log: {child.log_path})")
 

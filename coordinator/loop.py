@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from coordinator import phases
+from coordinator import faults, phases
 from coordinator.config import RunConfig
 from coordinator.context import Algorithm, PhaseTimer, RunContext
 from coordinator.data import PromptStream, load_problems
@@ -21,6 +21,7 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
 
     with timer("generate"):
         samples = await next_rollouts(ctx, batch_size)
+    faults.kill_point("after_generate", ctx.step + 1)
     await phases.score_and_measure(ctx, samples, timer)
     adv_metrics = phases.compute_advantages(ctx, samples)
 
@@ -28,11 +29,14 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
         # Step t+1's generation runs on the current weights while step t trains.
         ctx.prefetched = asyncio.create_task(
             phases.generate(ctx, ctx.data.take(2 * batch_size)[batch_size:]))
+    # Before the update: the trainer records the data position after it with the step (services/trainer/steps.py).
+    ctx.data.advance(batch_size)
     train_metrics = await phases.train(ctx, samples, timer)
+    faults.kill_point("after_train", ctx.step + 1)
     with timer("weight_sync"):
         sync_metrics = await phases.sync_weights(ctx)
+    faults.kill_point("after_sync", ctx.step + 1)
 
-    ctx.data.advance(batch_size)
     ctx.step += 1
     ctx.last_samples = samples
     seconds = time.perf_counter() - start

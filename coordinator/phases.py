@@ -203,12 +203,15 @@ def compute_advantages(ctx: RunContext, samples: list[remote.Sample]) -> dict[st
 
 async def train(ctx: RunContext, samples: list[remote.Sample], timer: PhaseTimer) -> dict[str, float]:
     metrics: dict[str, float] = {}
+    # Recorded by the trainer as this step, with the data position after it (advanced by the caller). The critic
+    # goes first: an actor update on record means the step's critic update is too (coordinator/recovery.py).
+    run_step = remote.RunStep(ctx.run_id, ctx.step + 1, ctx.data.position)
     if estimator(ctx).needs_critic:
         with timer("train_critic"):
-            critic = await remote.train_critic(ctx.trainer, samples, ctx.losses.critic)
+            critic = await remote.train_critic(ctx.trainer, samples, ctx.losses.critic, run_step)
         metrics.update({f"critic/{k}": v for k, v in critic.items()})
     with timer("train"):
-        _, actor = await remote.train_actor(ctx.trainer, samples, ctx.losses.actor)
+        _, actor = await remote.train_actor(ctx.trainer, samples, ctx.losses.actor, run_step)
     metrics.update({f"actor/{k}": v for k, v in actor.items()})
     return metrics
 

@@ -16,8 +16,9 @@ from services.reward.config import ComponentConfig
 from services.reward.convert import components_to_pb
 from services.rollout.convert import sample_rows, sampling_to_pb
 from services.rollout.types import SamplingParams
-from services.trainer.convert import actor_loss_to_pb, train_columns_to_pb, train_critic_to_pb, train_dpo_to_pb
-from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair
+from services.trainer.convert import (actor_loss_to_pb, run_step_to_pb, train_columns_to_pb, train_critic_to_pb,
+                                      train_dpo_to_pb)
+from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, RunStep
 
 
 @dataclass
@@ -125,16 +126,20 @@ async def values(stub, samples: Sequence[Sample]) -> list[list[float]]:
     return [r.values[:] for r in response.results]
 
 
-async def train_actor(stub, samples: Sequence[Sample], loss: ActorLoss) -> tuple[int, dict[str, float]]:
-    request = trainer_pb2.TrainActorRequest(loss=actor_loss_to_pb(loss))
+async def train_actor(stub, samples: Sequence[Sample], loss: ActorLoss, run_step: RunStep | None = None
+                      ) -> tuple[int, dict[str, float]]:
+    """One update, recorded by the trainer as `run_step` (a repeat of its last one is not applied again)."""
+    request = trainer_pb2.TrainActorRequest(loss=actor_loss_to_pb(loss), run_step=run_step_to_pb(run_step))
     train_columns_to_pb(samples, into=request.columns)
     response = await stub.TrainActor(request)
     return response.step, dict(response.metrics)
 
 
-async def train_critic(stub, samples: Sequence[Sample], loss: CriticLoss) -> dict[str, float]:
+async def train_critic(stub, samples: Sequence[Sample], loss: CriticLoss, run_step: RunStep | None = None
+                       ) -> dict[str, float]:
     request = train_critic_to_pb([CriticSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
-                                               returns=s.returns, old_values=s.values) for s in samples], loss)
+                                               returns=s.returns, old_values=s.values) for s in samples], loss,
+                                 run_step)
     response = await stub.TrainCritic(request)
     return dict(response.metrics)
 
@@ -161,15 +166,18 @@ async def save_checkpoint(stub, path: str) -> trainer_pb2.CheckpointResponse:
     return await stub.SaveCheckpoint(trainer_pb2.CheckpointRequest(path=path))
 
 
-async def load_checkpoint(stub, path: str) -> trainer_pb2.CheckpointResponse:
-    return await stub.LoadCheckpoint(trainer_pb2.CheckpointRequest(path=path))
+async def load_checkpoint(stub, path: str, run_step: RunStep | None = None) -> trainer_pb2.CheckpointResponse:
+    """Restores `path`; `run_step` is the run step whose weights it holds (the trainer's new record)."""
+    return await stub.LoadCheckpoint(trainer_pb2.CheckpointRequest(path=path, run_step=run_step_to_pb(run_step)))
 
 
-async def train_dpo(stub, pairs, loss: DPOLoss) -> tuple[int, dict[str, float]]:
+async def train_dpo(stub, pairs, loss: DPOLoss, run_step: RunStep | None = None) -> tuple[int, dict[str, float]]:
     """pairs: objects with prompt_ids, chosen_ids, rejected_ids and the filled ref_chosen, ref_rejected."""
     request = train_dpo_to_pb([PreferencePair(prompt_ids=p.prompt_ids, chosen_ids=p.chosen_ids,
                                               rejected_ids=p.rejected_ids, ref_chosen_logprob=p.ref_chosen,
                                               ref_rejected_logprob=p.ref_rejected) for p in pairs], loss)
+    if run_step is not None:
+        request.run_step.CopyFrom(run_step_to_pb(run_step))
     response = await stub.TrainDPO(request)
     return response.step, dict(response.metrics)
 

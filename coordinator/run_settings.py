@@ -91,7 +91,9 @@ SETTINGS: dict[str, Setting] = {
     "dpo.*": Setting(RUN, "coordinator, trainer", "pairs in the coordinator; DPOLoss with every TrainDPO"),
     "data.*": Setting(RUN, "coordinator", "the run's datasets"),
     "run.*": Setting(RUN, "coordinator", "the run's length, outputs, checkpoints, async mode"),
-    "run.redis_url": Setting(LAUNCH, "coordinator", "the coordinator process's state store, read at its start"),
+    **dict.fromkeys(("run.redis_url", "run.redis_prefix"),
+                    Setting(LAUNCH, "coordinator, replicas", "the state store and service registry (keys under "
+                                                             "redis_prefix), read at each process's start")),
     "trainer.*": Setting(LAUNCH, "meshrl up", "how many trainer ranks it starts, on which GPUs"),
     "trainer.address": Setting(RUN, "coordinator", "the trainer the run calls"),
     "trainer.timeout_s": Setting(RUN, "coordinator", "deadline of the run's trainer calls"),

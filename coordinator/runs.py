@@ -11,7 +11,7 @@ import uuid
 
 import yaml
 
-from coordinator import phases, remote, run_settings
+from coordinator import faults, phases, recovery, run_settings
 from coordinator.algorithms import open_context
 from coordinator.config import RunConfig
 from coordinator.context import RunContext, TrainerUnavailable
@@ -92,7 +92,12 @@ class RunManager:
             try:
                 ctx = await self._reopen(record)
             except TrainerUnavailable as e:
-                record.state, record.message = "PAUSED", f"{e}; restart the trainer, then ResumeRun"
+                record.state, record.message = "PAUSED", f"{e}; {e.advice}, then ResumeRun"
+                await self.store.put(record)
+                continue
+            except FailedPrecondition as e:
+                # The trainer holds weights the run cannot continue from (recovery.py says which).
+                record.state, record.message = "PAUSED", str(e)
                 await self.store.put(record)
                 continue
             self._launch(record, ctx)
@@ -100,7 +105,9 @@ class RunManager:
         return resumed
 
     async def _reopen(self, record: RunRecord) -> RunContext:
-        """Reconnects a run at its last completed step; a trainer that restarted gets the last checkpoint."""
+        """Reconnects a run at the step it and the trainer agree on (coordinator/recovery.py): its last committed
+        step, the step the trainer applied after it, or the last checkpoint's step when the trainer lost its
+        weights."""
         cfg = parse_run_config(record.config)
         # The services are held to the settings the run trained with so far (a record from before effective
         # configs were recorded: to the keys the run set).
@@ -109,19 +116,7 @@ class RunManager:
                                  recorded=recorded, resume=True)
         ctx.step, ctx.weight_version = record.step, record.weight_version
         try:
-            info = await remote.info(ctx.trainer)
-            if info.weight_version != record.weight_version:
-                # The trainer restarted (behind) or trained a step that was never recorded (ahead).
-                if record.checkpoint_path and info.weight_version < record.weight_version:
-                    restored = await remote.load_checkpoint(ctx.trainer, record.checkpoint_path)
-                    log.info("run %s: trainer restored from %s (weight version %d)", record.run_id,
-                             record.checkpoint_path, restored.weight_version)
-                    ctx.weight_version = restored.weight_version
-                else:
-                    log.warning("run %s: trainer is at weight version %d, run state at %d and there is no "
-                                "checkpoint; continuing from the trainer's weights", record.run_id,
-                                info.weight_version, record.weight_version)
-                    ctx.weight_version = info.weight_version
+            await recovery.settle_trainer(self.store, record, ctx)
         except BaseException:
             await ctx.close()
             raise
@@ -141,7 +136,8 @@ class RunManager:
             self._detach(run_id, ctx)   # before it reads PAUSED, so ResumeRun reconnects
             record = await self.store.get(run_id)
             record.state, record.command = "PAUSED", ""
-            record.message = f"{e}; restart the trainer, then ResumeRun continues from step {record.step}"
+            record.message = (f"{e}; {e.advice}, then ResumeRun continues from "
+                              f"{e.resumes_from(record.step, record.checkpoint_step)}")
             await self.store.put(record)
         except Exception as e:  # noqa: BLE001 - the run fails with its reason, the coordinator keeps serving
             log.exception("run %s failed", run_id)
@@ -193,12 +189,11 @@ class RunManager:
                 metrics.update(await ctx.algorithm.evaluate(ctx))
             record = await self.store.get(run_id)
             if cfg.run.checkpoint_every and ctx.step % cfg.run.checkpoint_every == 0:
-                path = str(ctx.run_dir / "checkpoints" / f"step_{ctx.step}")
-                await remote.save_checkpoint(ctx.trainer, path)
-                record.checkpoint_path = path
+                await recovery.save_checkpoint(ctx, record)
             record.step, record.weight_version, record.data_position = ctx.step, ctx.weight_version, \
                 ctx.data.position
             await self._record(record, {"step": ctx.step, **metrics})
+            faults.kill_point("after_commit", ctx.step)
         record = await self.store.get(run_id)
         evals = await ctx.algorithm.evaluate(ctx)
         acc = evals["heldout_accuracy"]

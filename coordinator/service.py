@@ -93,7 +93,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return record_to_pb(await self.manager.command(request.run_id, "stop"))
 
     async def SaveCheckpoint(self, request, context):
-        from coordinator import remote
+        from coordinator import recovery, remote
 
         record = await self.manager.get(request.run_id)
         ctx = self.manager.contexts.get(request.run_id)
@@ -101,10 +101,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             from services.common.errors import FailedPrecondition
 
             raise FailedPrecondition(f"run {request.run_id!r} is not active")
-        path = str(ctx.run_dir / "checkpoints" / f"step_{ctx.step}")
-        await remote.save_checkpoint(ctx.trainer, path)
+        saved = await remote.save_checkpoint(ctx.trainer, str(ctx.run_dir / "checkpoints" / f"step_{ctx.step}"))
         record = await self.manager.get(request.run_id)
-        record.checkpoint_path = path
+        recovery.note_checkpoint(record, saved)     # with the run step the trainer says the weights are
         await self.manager.store.put(record)
         return record_to_pb(record)
 
@@ -140,7 +139,7 @@ async def start(settings: CoordinatorSettings, address: str | None = None
     if settings.run.redis_url:
         from services.common.registry import Registry
 
-        registry = Registry(settings.run.redis_url)
+        registry = Registry(settings.run.redis_url, prefix=settings.run.redis_prefix)
     manager = RunManager(open_store(settings.run.redis_url, settings.run.redis_prefix), registry=registry)
     token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None
     pools = DefaultPools({"rollout": settings.rollout, "reward": settings.reward, "reference": settings.reference},

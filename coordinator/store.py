@@ -24,6 +24,10 @@ class RunRecord:
     weight_version: int = 0
     data_position: int = 0
     checkpoint_path: str = ""
+    # The run step whose weights checkpoint_path holds, and the data position after it: a trainer that lost its
+    # weights is restored there and the run replays from that step on the same prompts (coordinator/recovery.py).
+    checkpoint_step: int = 0
+    checkpoint_data_position: int = 0
     message: str = ""
     run_dir: str = ""
     created_at: float = field(default_factory=time.time)
@@ -49,6 +53,7 @@ class RunStore(Protocol):
     async def list(self) -> list[RunRecord]: ...
     async def append_metrics(self, run_id: str, record: dict) -> None: ...
     async def commit(self, record: RunRecord, metrics: dict) -> None: ...
+    async def rollback(self, record: RunRecord) -> None: ...
     async def metrics(self, run_id: str, from_step: int = 0) -> list[dict]: ...
     async def close(self) -> None: ...
 
@@ -79,6 +84,10 @@ class MemoryStore:
         await self.append_metrics(record.run_id, metrics)
         await self.put(record)
 
+    async def rollback(self, record: RunRecord) -> None:
+        self._metrics[record.run_id] = [m for m in self._metrics.get(record.run_id, []) if m["step"] <= record.step]
+        await self.put(record)
+
     async def metrics(self, run_id: str, from_step: int = 0) -> list[dict]:
         return [m for m in self._metrics.get(run_id, []) if m["step"] >= from_step]
 
@@ -93,6 +102,18 @@ _COMMIT = """
 if redis.call('LINDEX', KEYS[1], -1) ~= ARGV[1] then redis.call('RPUSH', KEYS[1], ARGV[1]) end
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[3])
+return 1
+"""
+
+# A run set back to a checkpoint's step: the metrics of the steps after it (their updates are gone from the
+# weights, and they run again) are dropped and the record set, in one atomic script.
+_ROLLBACK = """
+local items = redis.call('LRANGE', KEYS[1], 0, -1)
+redis.call('DEL', KEYS[1])
+for _, item in ipairs(items) do
+  if cjson.decode(item)['step'] <= tonumber(ARGV[1]) then redis.call('RPUSH', KEYS[1], item) end
+end
+redis.call('SET', KEYS[2], ARGV[2])
 return 1
 """
 
@@ -118,6 +139,7 @@ class RedisStore:
                                         retry_on_error=[ConnectionError, TimeoutError, ConnectionResetError,
                                                         OSError])
         self._commit = self._redis.register_script(_COMMIT)
+        self._rollback = self._redis.register_script(_ROLLBACK)
         self._prefix = prefix
 
     def _key(self, *parts: str) -> str:
@@ -153,6 +175,12 @@ class RedisStore:
         await self._commit(keys=[self._key("run", record.run_id, "metrics"), self._key("run", record.run_id),
                                  self._key("runs")],
                            args=[json.dumps(metrics), record.to_json(), record.run_id])
+
+    async def rollback(self, record: RunRecord) -> None:
+        """Metrics of steps after `record.step` dropped and the record set, atomically."""
+        record.updated_at = time.time()
+        await self._rollback(keys=[self._key("run", record.run_id, "metrics"), self._key("run", record.run_id)],
+                             args=[record.step, record.to_json()])
 
     async def metrics(self, run_id: str, from_step: int = 0) -> list[dict]:
         items = await self._redis.lrange(self._key("run", run_id, "metrics"), 0, -1)

@@ -4,6 +4,9 @@ Engines never import grpc: they raise `ValueError` for bad input (INVALID_ARGUME
 errors below, and `services.common.server` turns the class into a status code in one place.
 """
 
+import asyncio
+import errno
+
 
 class MeshError(Exception):
     """Base of meshrl's domain errors; `status` names the grpc.StatusCode member it maps to."""
@@ -45,3 +48,34 @@ def require(condition: bool, message: str) -> None:
     """Raises ValueError(message) unless condition holds: input checks that name the field."""
     if not condition:
         raise ValueError(message)
+
+
+# What stops a process or a task: never turned into a status. Every other BaseException a library raises (torch's
+# CheckpointException derives from BaseException) is answered like any error, so no call goes unanswered.
+PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)
+
+
+def passes_through(exc: BaseException) -> bool:
+    return isinstance(exc, PASS_THROUGH)
+
+
+# errno -> (error class, cause): how a file-system failure on a path the caller named is answered.
+OS_ERRORS = {
+    errno.ENOENT: (NotFound, "does not exist"),
+    errno.ENOTDIR: (ValueError, "a file is where a folder belongs"),
+    errno.EEXIST: (ValueError, "a file is where a folder belongs"),
+    errno.EISDIR: (ValueError, "a folder is where a file belongs"),
+    errno.EACCES: (FailedPrecondition, "permission denied"),
+    errno.EPERM: (FailedPrecondition, "permission denied"),
+    errno.EROFS: (FailedPrecondition, "read-only file system"),
+    errno.ENOSPC: (ResourceExhausted, "no space left on device"),
+    errno.EDQUOT: (ResourceExhausted, "disk quota exceeded"),
+}
+
+
+def path_error(key: str, what: str, exc: OSError) -> Exception:
+    """A file-system error on a path the caller gave, as a domain error naming the key, the path and the cause:
+    `path: cannot save checkpoint '/ck': no space left on device ('/ck/dcp/__0_0.distcp')`."""
+    cls, cause = OS_ERRORS.get(exc.errno, (FailedPrecondition, exc.strerror or type(exc).__name__))
+    where = f" ({exc.filename!r})" if exc.filename else ""
+    return cls(f"{key}: cannot {what}: {cause}{where}")

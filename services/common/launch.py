@@ -62,10 +62,23 @@ def serve_main(role: str, settings_cls: type[MeshSettings], start: StartFn, argv
         # One line and exit code 2, as every `meshrl` command reports bad input (docs/coordinator.md).
         print(f"meshrl serve {role}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    asyncio.run(_serve(role, settings, start, host_for_announce))
+    prefix = _registry_prefix(role, args.config, overrides) if settings.server.registry_url else ""
+    asyncio.run(_serve(role, settings, start, host_for_announce, prefix))
 
 
-async def _serve(role: str, settings: Any, start: StartFn, host_for_announce: str | None) -> None:
+def _registry_prefix(role: str, config: str | None, overrides: dict[str, str]) -> str:
+    """`run.redis_prefix` as the coordinator reads it (YAML < env < flags): the registry keys go under it."""
+    from services.common.registry import RegistrySettings
+
+    try:
+        return load_config(RegistrySettings, config, overrides=overrides).run.redis_prefix
+    except ValueError as e:
+        print(f"meshrl serve {role}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+async def _serve(role: str, settings: Any, start: StartFn, host_for_announce: str | None,
+                 registry_prefix: str) -> None:
     server_cfg = settings.server
     mesh, port, engine = await start(settings, f"{server_cfg.host}:{server_cfg.port}")
     announce(role, host_for_announce or server_cfg.host, port)
@@ -82,10 +95,10 @@ async def _serve(role: str, settings: Any, start: StartFn, host_for_announce: st
     if server_cfg.registry_url:
         from services.common.registry import Registry
 
-        registry = Registry(server_cfg.registry_url)
+        registry = Registry(server_cfg.registry_url, prefix=registry_prefix)
         advertised = f"{advertise_host(server_cfg)}:{port}"
         heartbeat = asyncio.create_task(registry.heartbeat(role, advertised, stop_heartbeat))
-        log.info("registered %s %s in the service registry", role, advertised)
+        log.info("registered %s %s in the service registry (keys under %r)", role, advertised, registry_prefix)
 
     async def leave():
         # Leave the registry first so the coordinator stops routing here while calls drain.

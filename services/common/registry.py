@@ -6,13 +6,34 @@ import asyncio
 import logging
 import time
 
+from pydantic import Field
+
+from services.common.config import MeshSettings, Section
+
 log = logging.getLogger("meshrl.registry")
+
+DEFAULT_PREFIX = "meshrl"
+
+
+class RegistryRunSection(Section):
+    """The one key of `run:` a replica reads: the Redis key prefix its deployment's coordinator uses too."""
+
+    model_config = Section.model_config | {"extra": "ignore"}
+    # Registry keys are `<redis_prefix>:services:<role>`, beside the run state (`run.redis_prefix`), so two
+    # deployments sharing a Redis database never see each other's replicas.
+    redis_prefix: str = Field(DEFAULT_PREFIX, min_length=1)
+
+
+class RegistrySettings(MeshSettings):
+    """`run.redis_prefix` from the same config, env (MESHRL_RUN__REDIS_PREFIX) and flags a service starts with."""
+
+    run: RegistryRunSection = RegistryRunSection()
 
 
 class Registry:
-    """`meshrl:services:<role>` is a sorted set of address -> expiry time; stale entries are ignored and pruned."""
+    """`<prefix>:services:<role>` is a sorted set of address -> expiry time; stale entries are ignored and pruned."""
 
-    def __init__(self, url: str, *, prefix: str = "meshrl", ttl_s: float = 10.0):
+    def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX, ttl_s: float = 10.0):
         import redis.asyncio as aioredis
 
         self._redis = aioredis.from_url(url, decode_responses=True)

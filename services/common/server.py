@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.channel import ClientTLS, read_pem, set_default_tls
 from services.common.config import ServerConfig
-from services.common.errors import MeshError
+from services.common.errors import MeshError, passes_through
 
 log = logging.getLogger("meshrl.server")
 
@@ -36,7 +36,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if _out_of_memory(exc):
         # The request asked for more memory than the service has; the next one may well fit.
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory serving this request ({type(exc).__name__})"
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    # A library's BaseException (torch's CheckpointException) may carry tracebacks: its first line is the message.
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {text}"
 
 
 def _out_of_memory(exc: BaseException) -> bool:
@@ -73,7 +75,7 @@ async def _deny(context):
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
 
-async def _abort_for(exc: Exception, context, method: str):
+async def _abort_for(exc: BaseException, context, method: str):
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.error("%s failed:\n%s", method, "".join(traceback.format_exception(exc)))
@@ -148,7 +150,9 @@ def _wrap_one_response(handler: grpc.RpcMethodHandler, deny, parse, kwargs: dict
                 return await inner(parse(raw), context)
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
-            except Exception as e:  # noqa: BLE001 - mapped to a status, never swallowed
+            except BaseException as e:  # noqa: BLE001 - mapped to a status, never swallowed
+                if passes_through(e):
+                    raise
                 await _abort_for(e, context, inner.__qualname__)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
@@ -161,7 +165,9 @@ def _wrap_one_response(handler: grpc.RpcMethodHandler, deny, parse, kwargs: dict
             return await inner_su(_parsed(request_iterator, parse, context), context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
-        except Exception as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001
+            if passes_through(e):
+                raise
             await _drain(request_iterator)
             await _abort_for(e, context, inner_su.__qualname__)
 
@@ -183,7 +189,9 @@ def _wrap_streamed_response(handler: grpc.RpcMethodHandler, deny, parse, kwargs:
                     yield item
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
-            except Exception as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001
+                if passes_through(e):
+                    raise
                 await _abort_for(e, context, inner_us.__qualname__)
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, **kwargs)
@@ -198,7 +206,9 @@ def _wrap_streamed_response(handler: grpc.RpcMethodHandler, deny, parse, kwargs:
                 yield item
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
-        except Exception as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001
+            if passes_through(e):
+                raise
             await _drain(request_iterator)
             await _abort_for(e, context, inner_ss.__qualname__)
 

@@ -9,7 +9,7 @@ from services.common.packed import (F32, I32, concat, field_of, pack_f32, pack_i
                                     set_rows, split_rows, unpack, unpack_rows)
 from services.common.weights import Manifest
 from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, OptimSettings, PreferencePair,
-                                    RunOptim, TrainSample)
+                                    RunOptim, RunStep, TrainSample)
 
 
 def actor_loss_from_pb(pb: trainer_pb2.ActorLoss) -> ActorLoss:
@@ -127,11 +127,13 @@ def train_critic_from_pb(request: trainer_pb2.TrainCriticRequest) -> tuple[list[
                                mini_batch_size=request.mini_batch_size)
 
 
-def train_critic_to_pb(samples: list[CriticSample], loss: CriticLoss) -> trainer_pb2.TrainCriticRequest:
+def train_critic_to_pb(samples: list[CriticSample], loss: CriticLoss,
+                       run_step: RunStep | None = None) -> trainer_pb2.TrainCriticRequest:
     return trainer_pb2.TrainCriticRequest(
         samples=[trainer_pb2.CriticSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, returns=s.returns,
                                           old_values=s.old_values) for s in samples],
-        clip_value=loss.clip_value, ppo_epochs=loss.ppo_epochs, mini_batch_size=loss.mini_batch_size)
+        clip_value=loss.clip_value, ppo_epochs=loss.ppo_epochs, mini_batch_size=loss.mini_batch_size,
+        run_step=run_step_to_pb(run_step))
 
 
 def dpo_loss_from_pb(pb: trainer_pb2.DPOLoss) -> DPOLoss:
@@ -162,8 +164,28 @@ def train_dpo_to_pb(pairs: list[PreferencePair], loss: DPOLoss) -> trainer_pb2.T
         loss=dpo_loss_to_pb(loss))
 
 
-def train_response_to_pb(step: int, metrics: dict[str, float]) -> trainer_pb2.TrainResponse:
-    return trainer_pb2.TrainResponse(step=step, metrics={k: float(v) for k, v in metrics.items()})
+def train_response_to_pb(step: int, metrics: dict[str, float], repeated: bool = False) -> trainer_pb2.TrainResponse:
+    return trainer_pb2.TrainResponse(step=step, metrics={k: float(v) for k, v in metrics.items()}, repeated=repeated)
+
+
+def run_step_to_pb(run_step: RunStep | None) -> trainer_pb2.RunStep | None:
+    if run_step is None:
+        return None
+    return trainer_pb2.RunStep(run_id=run_step.run_id, step=run_step.step, data_position=run_step.data_position)
+
+
+def run_step_from_pb(request) -> RunStep | None:
+    """The request's `run_step`, None when unset; a set one needs a run id."""
+    if not request.HasField("run_step"):
+        return None
+    pb = request.run_step
+    if not pb.run_id:
+        raise ValueError("run_step.run_id: empty")
+    if pb.step < 0:
+        raise ValueError(f"run_step.step: must be >= 0, got {pb.step}")
+    if pb.data_position < 0:
+        raise ValueError(f"run_step.data_position: must be >= 0, got {pb.data_position}")
+    return RunStep(pb.run_id, pb.step, pb.data_position)
 
 
 def values_request_from_pb(request: trainer_pb2.ValuesRequest) -> tuple[list[str], list[list[int]], list[list[int]]]:
@@ -178,7 +200,8 @@ def values_to_pb(ids: list[str], values: list[list[float]]) -> trainer_pb2.Value
 
 def checkpoint_to_pb(result: dict) -> trainer_pb2.CheckpointResponse:
     return trainer_pb2.CheckpointResponse(path=result["path"], step=result["step"],
-                                          weight_version=result["weight_version"])
+                                          weight_version=result["weight_version"],
+                                          run_step=run_step_to_pb(result.get("run_step")))
 
 
 def manifest_to_pb(m: Manifest) -> common_pb2.WeightManifest:

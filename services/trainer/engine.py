@@ -25,7 +25,7 @@ from torch import nn
 
 from services.common.codec import DTYPES
 from services.common.config import format_validation_error
-from services.common.errors import FailedPrecondition, NotFound
+from services.common.errors import FailedPrecondition, passes_through
 from services.common.fused import enable_fused_head, supports_fused_head
 from services.common.modeling import load_causal_lm, response_logprobs, set_threads, validate_sequences
 from services.common.weights import named_weights
@@ -38,9 +38,10 @@ from services.trainer.nvtx import phase
 from services.trainer.optim import apply_hyperparams
 from services.trainer.parallel import (CommandChannel, ParallelDims, gather_to_rank0, init_distributed,
                                        launched_world_size, local_device)
+from services.trainer.steps import StepRecord
 from services.trainer.trained import Trained, ValueModel, build_trained
 from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, OptimSettings, PreferencePair,
-                                    RunOptim, TrainSample)
+                                    RunOptim, RunStep, TrainSample)
 from services.trainer.updates.actor import ActorUpdate
 from services.trainer.updates.critic import CriticUpdate, response_values
 from services.trainer.updates.dpo import DPOUpdate
@@ -121,6 +122,8 @@ class TrainerEngine:
                                         settings.critic, a, self.param_dtype, self.compute_dtype,
                                         compile=compile_blocks)
         self.weight_version = 0
+        self.steps = StepRecord()
+        self.critic_steps = StepRecord("critic")
         self._lock = threading.Lock()
         self._closed = False
         devices = gather_to_rank0(str(self.device), self.channel.group)
@@ -192,23 +195,44 @@ class TrainerEngine:
         self._check_sequences(prompts, responses)
         return self._run("compute_values", [list(p) for p in prompts], [list(r) for r in responses])
 
-    def train_actor(self, samples: Sequence[TrainSample], loss: ActorLoss) -> dict[str, float]:
+    def train_actor(self, samples: Sequence[TrainSample], loss: ActorLoss,
+                    run_step: RunStep | None = None) -> dict[str, float]:
         """One policy update (ppo_epochs over mini-batches); bumps the weight version."""
+        return self.train_actor_step(samples, loss, run_step)[0]
+
+    def train_actor_step(self, samples: Sequence[TrainSample], loss: ActorLoss,
+                         run_step: RunStep | None) -> tuple[dict[str, float], bool]:
+        """train_actor recorded as `run_step` (services/trainer/steps.py): -> (metrics, repeated)."""
         self._check_batch_size("samples", len(samples))
         validate_actor_batch(samples, loss, vocab_size=self.vocab_size, max_len=self.max_len, dp_size=self.dims.dp)
-        return self._run("train_actor", list(samples), loss)
+        return self.steps.apply(run_step, lambda: self._run("train_actor", list(samples), loss),
+                                lambda: self.weight_version)
 
-    def train_dpo(self, pairs: Sequence[PreferencePair], loss: DPOLoss) -> dict[str, float]:
+    def train_dpo(self, pairs: Sequence[PreferencePair], loss: DPOLoss,
+                  run_step: RunStep | None = None) -> dict[str, float]:
         """One preference update (DPO / IPO / cDPO) over mini-batches of pairs; bumps the weight version."""
+        return self.train_dpo_step(pairs, loss, run_step)[0]
+
+    def train_dpo_step(self, pairs: Sequence[PreferencePair], loss: DPOLoss,
+                       run_step: RunStep | None) -> tuple[dict[str, float], bool]:
+        """train_dpo recorded as `run_step`: -> (metrics, repeated)."""
         self._check_batch_size("pairs", len(pairs))
         validate_dpo_batch(pairs, loss, vocab_size=self.vocab_size, max_len=self.max_len, dp_size=self.dims.dp)
-        return self._run("train_dpo", list(pairs), loss)
+        return self.steps.apply(run_step, lambda: self._run("train_dpo", list(pairs), loss),
+                                lambda: self.weight_version)
 
-    def train_critic(self, samples: Sequence[CriticSample], loss: CriticLoss) -> dict[str, float]:
+    def train_critic(self, samples: Sequence[CriticSample], loss: CriticLoss,
+                     run_step: RunStep | None = None) -> dict[str, float]:
+        return self.train_critic_step(samples, loss, run_step)[0]
+
+    def train_critic_step(self, samples: Sequence[CriticSample], loss: CriticLoss,
+                          run_step: RunStep | None) -> tuple[dict[str, float], bool]:
+        """train_critic recorded as `run_step` in the critic's own record: -> (metrics, repeated)."""
         self._require_critic()
         self._check_batch_size("samples", len(samples))
         validate_critic_batch(samples, loss, vocab_size=self.vocab_size, max_len=self.max_len, dp_size=self.dims.dp)
-        return self._run("train_critic", list(samples), loss)
+        return self.critic_steps.apply(run_step, lambda: self._run("train_critic", list(samples), loss),
+                                       lambda: self.weight_version)
 
     def state_for_sync(self, on_device: bool = False) -> tuple[dict[str, torch.Tensor], int]:
         """Full copies of the actor's weights (HF names, no tied duplicates) and their version: on CPU, or on
@@ -219,27 +243,30 @@ class TrainerEngine:
         return self._run("state_for_sync", on_device), self.weight_version
 
     def save_checkpoint(self, path: str) -> dict:
-        if not path:
-            raise ValueError("path: empty")
-        self._run("save_checkpoint", path, self.weight_version)
-        return self._checkpoint_result(path)
+        checkpoint.check_target(path, "save checkpoint")
+        # Held so no update lands between the save and the run step it reports.
+        with self.steps.hold():
+            self._run("save_checkpoint", path, self.weight_version)
+            return self._checkpoint_result(path)
 
-    def load_checkpoint(self, path: str) -> dict:
-        if not path:
-            raise ValueError("path: empty")
-        if not checkpoint.exists(path):
-            raise NotFound(f"path: no trainer checkpoint at {path!r}")
-        meta = checkpoint.read_meta(path)
+    def load_checkpoint(self, path: str, run_step: RunStep | None = None) -> dict:
+        # Every file against the manifest before any rank reads one: a damaged checkpoint is refused by name.
+        meta = checkpoint.verify(path)
         if bool(meta.get("has_critic")) != (self.critic is not None):
             raise FailedPrecondition(f"path: checkpoint {'has' if meta.get('has_critic') else 'has no'} critic, "
                                      f"this trainer {'has' if self.critic else 'has none'}")
-        self._run("load_checkpoint", path)
-        return self._checkpoint_result(path)
+        with self.steps.hold():
+            self._run("load_checkpoint", path)
+            # The weights are now the checkpoint's: the record of the last applied step is the caller's word for
+            # which run step they are, or nothing.
+            self.steps.restored(run_step)
+            self.critic_steps.restored(run_step)
+            return self._checkpoint_result(path)
 
     def export_hf(self, path: str) -> dict:
-        if not path:
-            raise ValueError("path: empty")
-        self._run("export_hf", path)
+        checkpoint.check_target(path, "export to")
+        with checkpoint.file_errors(f"export to {path!r}"):
+            self._run("export_hf", path)
         return self._checkpoint_result(path)
 
     def configure_run(self, run: RunOptim) -> RunOptim:
@@ -264,7 +291,8 @@ class TrainerEngine:
                 "pipeline_schedule": self.cfg.pipeline_schedule, "num_microbatches": self.layout.num_microbatches,
                 "pp_stages_per_rank": len(self.actor.stages),
                 "critic": self.critic is not None, "critic_step": self.critic.step if self.critic else 0,
-                "micro_batch_token_budget": self.cfg.micro_batch_token_budget, "max_model_len": self.max_len}
+                "micro_batch_token_budget": self.cfg.micro_batch_token_budget, "max_model_len": self.max_len,
+                **self.steps.details()}
 
     def close(self) -> None:
         """Releases ranks > 0 from their loop; the engine takes no commands afterwards."""
@@ -281,7 +309,9 @@ class TrainerEngine:
                 return
             try:
                 self._local(name, args)
-            except Exception:  # noqa: BLE001 - rank 0 validated the input; keep serving and say why
+            except BaseException as e:  # noqa: BLE001 - rank 0 validated the input; keep serving and say why
+                if passes_through(e):
+                    raise
                 log.exception("Rank %d: command %s failed", self.rank, name)
 
     def _require_critic(self) -> None:
@@ -297,7 +327,8 @@ class TrainerEngine:
         self._check_batch_size("sequences", len(prompts))
 
     def _checkpoint_result(self, path: str) -> dict:
-        return {"path": path, "step": self.actor.step, "weight_version": self.weight_version}
+        return {"path": path, "step": self.actor.step, "weight_version": self.weight_version,
+                "run_step": self.steps.last}
 
     # ---- per-rank work ----------------------------------------------------------------------------
 

@@ -34,18 +34,21 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def TrainActor(self, request, context):
         samples, loss = convert.train_actor_from_pb(request)
-        metrics = await asyncio.to_thread(self.engine.train_actor, samples, loss)
-        return convert.train_response_to_pb(self.engine.actor.step, metrics)
+        metrics, repeated = await asyncio.to_thread(self.engine.train_actor_step, samples, loss,
+                                                    convert.run_step_from_pb(request))
+        return convert.train_response_to_pb(self.engine.actor.step, metrics, repeated)
 
     async def TrainCritic(self, request, context):
         samples, loss = convert.train_critic_from_pb(request)
-        metrics = await asyncio.to_thread(self.engine.train_critic, samples, loss)
-        return convert.train_response_to_pb(self.engine.critic.step, metrics)
+        metrics, repeated = await asyncio.to_thread(self.engine.train_critic_step, samples, loss,
+                                                    convert.run_step_from_pb(request))
+        return convert.train_response_to_pb(self.engine.critic.step, metrics, repeated)
 
     async def TrainDPO(self, request, context):
         pairs, loss = convert.train_dpo_from_pb(request)
-        metrics = await asyncio.to_thread(self.engine.train_dpo, pairs, loss)
-        return convert.train_response_to_pb(self.engine.actor.step, metrics)
+        metrics, repeated = await asyncio.to_thread(self.engine.train_dpo_step, pairs, loss,
+                                                    convert.run_step_from_pb(request))
+        return convert.train_response_to_pb(self.engine.actor.step, metrics, repeated)
 
     async def PushWeights(self, request, context):
         targets = list(request.targets)
@@ -70,7 +73,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.save_checkpoint, request.path))
 
     async def LoadCheckpoint(self, request, context):
-        return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.load_checkpoint, request.path))
+        run_step = convert.run_step_from_pb(request)
+        return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.load_checkpoint, request.path, run_step))
 
     async def ExportHF(self, request, context):
         return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.export_hf, request.path))

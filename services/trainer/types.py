@@ -114,3 +114,14 @@ class RunOptim:
     reset_schedule: bool = True
     # In an answer: the lr of the actor's next optimizer step.
     actor_lr: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunStep:
+    """A run's step as the trainer records it with the update that made it (the RunStep message)."""
+
+    run_id: str
+    # 1 = the run's first update.
+    step: int
+    # The run's data position once this step's prompts (or pairs) are used.
+    data_position: int = 0

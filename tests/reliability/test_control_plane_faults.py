@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
 
 def _steps(records) -> list[int]:
-    return [int(m["step"]) for m in records if "reward_mean" in m]
+    """Committed steps: training metrics, or a step the trainer applied before a coordinator died (recovered)."""
+    return [int(m["step"]) for m in records if "reward_mean" in m or m.get("recovered")]
 
 
 def _mesh(procs: Procs, num_rollout: int = 2, rollout_args=()) -> dict[str, list[str]]:
@@ -53,8 +54,13 @@ def test_a_coordinator_killed_mid_run_resumes_from_its_last_completed_step_witho
             final = client.wait(run_id)
             assert final.state == "COMPLETED", final.message
             assert final.step == 6 and final.data_position == 6 * 4
-            assert _steps(client.stream_metrics(run_id)) == [1, 2, 3, 4, 5, 6]    # no gap, no repeat
-        assert f"resuming run {run_id} at step {killed['step']}" in Procs.log(restarted)
+            records = list(client.stream_metrics(run_id))
+            assert _steps(records) == [1, 2, 3, 4, 5, 6]    # no gap, no repeat
+            assert final.weight_version == 6                # no step trained twice
+        # Killed between an update and its commit, that step is committed as recovered, not trained again.
+        recovered = [int(m["step"]) for m in records if m.get("recovered")]
+        assert recovered in ([], [killed["step"] + 1])
+        assert f"resuming run {run_id} at step {killed['step'] + len(recovered)}" in Procs.log(restarted)
         lines = (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()
         assert _steps(map(json.loads, lines)) == [1, 2, 3, 4, 5, 6]
         store.close()
@@ -79,6 +85,8 @@ def test_a_killed_trainer_pauses_the_run_with_the_reason_and_resume_run_continue
             assert "trainer" in paused.message and "unavailable" in paused.message
             at = paused.step
             assert at >= 3 and paused.checkpoint_path.endswith(f"step_{at - at % 2}")
+            assert paused.message.endswith(f"then ResumeRun continues from step {at} (from the last checkpoint's "
+                                           f"step {at - at % 2} if the trainer lost its weights)")
             saved_at = at - at % 2
             time.sleep(1.0)
             assert client.get_run(run_id).step == at                       # nothing runs without a trainer
@@ -93,16 +101,20 @@ def test_a_killed_trainer_pauses_the_run_with_the_reason_and_resume_run_continue
             final = client.wait(run_id)
             assert final.state == "COMPLETED", final.message
             assert final.step == 6
-            # Steps after the resume trained on the checkpoint's weights (a fresh trainer would be at 6 - at).
-            assert final.weight_version == saved_at + (6 - at)
+            # The run went back to the checkpoint's step and data position and replayed the steps after it on
+            # the checkpoint's weights: every step's update is in the final weights once (a fresh trainer
+            # would be at 6 - at, the checkpoint's weights kept at the run's step at saved_at + 6 - at).
+            assert final.weight_version == 6 and final.data_position == 6 * 4
             records = list(client.stream_metrics(run_id))
         assert _steps(records) == [1, 2, 3, 4, 5, 6]
         assert f"trainer restored from {paused.checkpoint_path}" in Procs.log(coordinator)
+        assert (f"run {run_id}: the trainer lost the weights of step {at}; replaying from step {saved_at} (data "
+                f"position {saved_at * 4}) on checkpoint {paused.checkpoint_path}") in Procs.log(coordinator)
         by_step = {int(m["step"]): m for m in records if "reward_mean" in m}
         # The replicas got the restored weights pushed: they and the trainer score tokens alike again
         # (weights one update apart would differ by orders of magnitude more).
-        normal = max(by_step[s]["rollout_vs_trainer/logprob_abs_diff"] for s in range(1, at + 1))
-        assert by_step[at + 1]["rollout_vs_trainer/logprob_abs_diff"] <= max(10 * normal, 1e-4)
+        normal = max(by_step[s]["rollout_vs_trainer/logprob_abs_diff"] for s in range(1, saved_at + 1))
+        assert by_step[saved_at + 1]["rollout_vs_trainer/logprob_abs_diff"] <= max(10 * normal, 1e-4)
 
 
 class RedisServer:

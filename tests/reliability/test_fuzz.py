@@ -9,9 +9,12 @@ requests to those methods are always unparseable.
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import os
+import pickle
 import resource
+import shutil
 import signal
 import struct
 import subprocess
@@ -249,9 +252,56 @@ def _run_configs(base: dict, root: Path):
     return st.one_of(TEXT, mutated, st.sampled_from(["{", "- - -", "run: [", "a: b: c", "!!python/object:os.system"]))
 
 
+class _Crafted:
+    """A pickle that would create its marker file when unpickled by an unrestricted loader."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _rewrite_manifest(ck: Path) -> None:
+    """What a crafter can do too: a manifest that matches the crafted files."""
+    from isal import isal_zlib
+    files = {str(f.relative_to(ck)): {"bytes": f.stat().st_size, "crc32": isal_zlib.crc32(f.read_bytes())}
+             for f in ck.rglob("*") if f.is_file() and f.name != "manifest.json"}
+    (ck / "manifest.json").write_text(json.dumps({"files": files}))
+
+
+def _checkpoint_paths(mesh) -> list[str]:
+    """Paths that exist as files, lie under a file, or hold a truncated, flipped, unfinished or crafted checkpoint
+    (made once from a real save)."""
+    if "checkpoint_paths" not in mesh:
+        root = mesh["root"] / "ckfaults"
+        good = root / "good"
+        root.mkdir()
+        code, details = _call(mesh["channels"]["trainer"], "trainer", "SaveCheckpoint",
+                              trainer_pb2.CheckpointRequest(path=str(good)).SerializeToString())
+        assert code == grpc.StatusCode.OK, details
+        (root / "file").write_text("x")
+        damaged = {name: Path(shutil.copytree(good, root / name)) for name in ("truncated", "flipped", "unfinished",
+                                                                              "crafted", "dcp_is_a_file")}
+        shard = next((damaged["truncated"] / "dcp").glob("*.distcp"))
+        os.truncate(shard, shard.stat().st_size // 2)
+        shard = next((damaged["flipped"] / "dcp").glob("*.distcp"))
+        shard.write_bytes(bytes([shard.read_bytes()[0] ^ 0xFF]) + shard.read_bytes()[1:])
+        (damaged["unfinished"] / "manifest.json").unlink()
+        (damaged["crafted"] / "dcp" / ".metadata").write_bytes(pickle.dumps(_Crafted(mesh["root"] / "PWNED")))
+        _rewrite_manifest(damaged["crafted"])
+        shutil.rmtree(damaged["dcp_is_a_file"] / "dcp")
+        (damaged["dcp_is_a_file"] / "dcp").write_text("x")
+        mesh["checkpoint_paths"] = [str(root / "file"), str(root / "file" / "sub"), str(root / "file" / "a" / "b"),
+                                    *map(str, damaged.values())]
+    return mesh["checkpoint_paths"]
+
+
 def _overrides(role: str, method: str, mesh) -> dict:
     root = mesh["root"]
     paths = st.one_of(st.just(""), SAFE_NAME.map(lambda n: str(root / "ckpt" / n)))
+    if role == "trainer" and method in ("SaveCheckpoint", "LoadCheckpoint", "ExportHF"):
+        paths = st.one_of(paths, st.sampled_from(_checkpoint_paths(mesh)))
     if (role, method) == ("trainer", "PushWeights"):
         return {"targets": st.lists(LOOPBACK, max_size=4)}
     if role == "trainer" and method in ("SaveCheckpoint", "LoadCheckpoint", "ExportHF"):
@@ -344,6 +394,7 @@ def test_every_rpc_answers_fuzzed_requests_with_ok_or_a_clear_client_error_and_k
         if role == "coordinator":
             _stop_runs(mesh)
     assert service.proc.poll() is None, f"{role} died:\n{service.log_path.read_text()[-3000:]}"
+    assert not (mesh["root"] / "PWNED").exists(), "a crafted checkpoint ran its pickle payload"
     assert _serving(channel)
     assert service.rss() - mesh["rss"][role] < RSS_GROWTH_LIMIT
     assert any(code != grpc.StatusCode.OK for code, _ in seen)          # the fuzzing reached the checks

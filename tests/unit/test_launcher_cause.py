@@ -57,3 +57,12 @@ def test_the_failure_line_names_the_service_its_exit_code_cause_and_log(tmp_path
     assert failure(Child("trainer", 0, proc, log), "before serving") == (
         f"trainer-0 exited with code 1 before serving: ValueError: critic: a critic with actor.pp_size > 1 is not "
         f"implemented yet (log: {log})")
+
+
+def test_a_process_killed_by_a_signal_is_named_by_the_signal_not_its_last_log_line(tmp_path):
+    log = tmp_path / "rollout-1.log"
+    log.write_text("INFO meshrl.rollout: weights version 1 applied\n")
+    proc = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    proc.wait()
+    assert failure(Child("rollout", 1, proc, log), "during the run") == (
+        f"rollout-1 exited with code -9 during the run: killed by SIGKILL (log: {log})")

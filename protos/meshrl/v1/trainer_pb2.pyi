@@ -96,14 +96,26 @@ class ActorLoss(_message.Message):
     def __init__(self, clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_type: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_agg_mode: _Optional[str] = ..., ppo_epochs: _Optional[int] = ..., mini_batch_size: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class TrainActorRequest(_message.Message):
-    __slots__ = ("samples", "loss", "columns")
+    __slots__ = ("samples", "loss", "columns", "run_step")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEP_FIELD_NUMBER: _ClassVar[int]
     samples: _containers.RepeatedCompositeFieldContainer[TrainSample]
     loss: ActorLoss
     columns: TrainColumns
-    def __init__(self, samples: _Optional[_Iterable[_Union[TrainSample, _Mapping]]] = ..., loss: _Optional[_Union[ActorLoss, _Mapping]] = ..., columns: _Optional[_Union[TrainColumns, _Mapping]] = ...) -> None: ...
+    run_step: RunStep
+    def __init__(self, samples: _Optional[_Iterable[_Union[TrainSample, _Mapping]]] = ..., loss: _Optional[_Union[ActorLoss, _Mapping]] = ..., columns: _Optional[_Union[TrainColumns, _Mapping]] = ..., run_step: _Optional[_Union[RunStep, _Mapping]] = ...) -> None: ...
+
+class RunStep(_message.Message):
+    __slots__ = ("run_id", "step", "data_position")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DATA_POSITION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    data_position: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., data_position: _Optional[int] = ...) -> None: ...
 
 class TrainColumns(_message.Message):
     __slots__ = ("prompt_ids", "response_ids", "advantages", "old_logprobs", "ref_logprobs")
@@ -152,19 +164,21 @@ class CriticSample(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., returns: _Optional[_Iterable[float]] = ..., old_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TrainCriticRequest(_message.Message):
-    __slots__ = ("samples", "clip_value", "ppo_epochs", "mini_batch_size")
+    __slots__ = ("samples", "clip_value", "ppo_epochs", "mini_batch_size", "run_step")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CLIP_VALUE_FIELD_NUMBER: _ClassVar[int]
     PPO_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     MINI_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEP_FIELD_NUMBER: _ClassVar[int]
     samples: _containers.RepeatedCompositeFieldContainer[CriticSample]
     clip_value: float
     ppo_epochs: int
     mini_batch_size: int
-    def __init__(self, samples: _Optional[_Iterable[_Union[CriticSample, _Mapping]]] = ..., clip_value: _Optional[float] = ..., ppo_epochs: _Optional[int] = ..., mini_batch_size: _Optional[int] = ...) -> None: ...
+    run_step: RunStep
+    def __init__(self, samples: _Optional[_Iterable[_Union[CriticSample, _Mapping]]] = ..., clip_value: _Optional[float] = ..., ppo_epochs: _Optional[int] = ..., mini_batch_size: _Optional[int] = ..., run_step: _Optional[_Union[RunStep, _Mapping]] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
-    __slots__ = ("step", "metrics")
+    __slots__ = ("step", "metrics", "repeated")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -174,9 +188,11 @@ class TrainResponse(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    REPEATED_FIELD_NUMBER: _ClassVar[int]
     step: int
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    repeated: bool
+    def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., repeated: _Optional[bool] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
     __slots__ = ("targets", "bucket_bytes")
@@ -211,20 +227,24 @@ class PushWeightsResponse(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ..., results: _Optional[_Iterable[_Union[PushResult, _Mapping]]] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "run_step")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEP_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    run_step: RunStep
+    def __init__(self, path: _Optional[str] = ..., run_step: _Optional[_Union[RunStep, _Mapping]] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
-    __slots__ = ("path", "step", "weight_version")
+    __slots__ = ("path", "step", "weight_version", "run_step")
     PATH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEP_FIELD_NUMBER: _ClassVar[int]
     path: str
     step: int
     weight_version: int
-    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    run_step: RunStep
+    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., run_step: _Optional[_Union[RunStep, _Mapping]] = ...) -> None: ...
 
 class PreferencePair(_message.Message):
     __slots__ = ("prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logprob", "ref_rejected_logprob")
@@ -253,9 +273,11 @@ class DPOLoss(_message.Message):
     def __init__(self, loss_type: _Optional[str] = ..., beta: _Optional[float] = ..., label_smoothing: _Optional[float] = ..., mini_batch_size: _Optional[int] = ...) -> None: ...
 
 class TrainDPORequest(_message.Message):
-    __slots__ = ("pairs", "loss")
+    __slots__ = ("pairs", "loss", "run_step")
     PAIRS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEP_FIELD_NUMBER: _ClassVar[int]
     pairs: _containers.RepeatedCompositeFieldContainer[PreferencePair]
     loss: DPOLoss
-    def __init__(self, pairs: _Optional[_Iterable[_Union[PreferencePair, _Mapping]]] = ..., loss: _Optional[_Union[DPOLoss, _Mapping]] = ...) -> None: ...
+    run_step: RunStep
+    def __init__(self, pairs: _Optional[_Iterable[_Union[PreferencePair, _Mapping]]] = ..., loss: _Optional[_Union[DPOLoss, _Mapping]] = ..., run_step: _Optional[_Union[RunStep, _Mapping]] = ...) -> None: ...

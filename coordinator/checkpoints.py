@@ -1,0 +1,63 @@
+"""Restoring a run's trainer from its newest checkpoint that loads: a damaged one falls back to the one before.
+
+A run checkpoints into `<run_dir>/checkpoints/step_<N>`; the record keeps the newest (path, step, data position).
+When the trainer refuses that one (a missing manifest: the save never finished; a file that differs from its
+manifest; the folder is gone), the earlier `step_<M>` folders are tried newest first, each with the data position
+step M recorded in its metrics. Falling back is said twice: a WARNING log line per refused checkpoint and the
+run's message (the note returned). When none loads, the newest refusal is raised (CheckpointFailed: the run pauses naming it).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from coordinator import remote
+from coordinator.context import CheckpointFailed, RunContext
+from coordinator.store import RunRecord, RunStore
+from services.trainer.types import RunStep
+
+log = logging.getLogger("meshrl.runs")
+
+STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def earlier_checkpoints(run_dir: Path, before_step: int) -> list[tuple[int, Path]]:
+    """The run's checkpoint folders of steps before `before_step`, newest first."""
+    found = [(int(m.group(1)), p) for p in (run_dir / "checkpoints").glob("step_*")
+             if (m := STEP_DIR.fullmatch(p.name)) and int(m.group(1)) < before_step and p.is_dir()]
+    return sorted(found, reverse=True)
+
+
+async def _positions(store: RunStore, run_id: str) -> dict[int, int]:
+    """Data position after each step, from the run's stored metrics."""
+    return {int(m["step"]): int(m["data_position"]) for m in await store.metrics(run_id) if "data_position" in m}
+
+
+async def restore_latest(store: RunStore, record: RunRecord, ctx: RunContext):
+    """Loads the newest checkpoint the trainer accepts; -> (LoadCheckpoint answer, step, data position, note).
+
+    When it is not the newest, `record`'s checkpoint fields name the one loaded and the note says why."""
+    newest = (record.checkpoint_path, record.checkpoint_step, record.checkpoint_data_position)
+    try:
+        return await remote.load_checkpoint(ctx.trainer, newest[0], RunStep(record.run_id, *newest[1:])), \
+            *newest[1:], ""
+    except CheckpointFailed as refused:
+        positions = await _positions(store, record.run_id)
+        log.warning("run %s: %s; trying the checkpoint before it", record.run_id, refused)
+        for step, path in earlier_checkpoints(ctx.run_dir, newest[1]):
+            if step not in positions:
+                continue
+            try:
+                restored = await remote.load_checkpoint(ctx.trainer, str(path),
+                                                        RunStep(record.run_id, step, positions[step]))
+            except CheckpointFailed as e:
+                log.warning("run %s: %s; trying the checkpoint before it", record.run_id, e)
+                continue
+            log.warning("run %s: fell back from checkpoint %s to %s (step %d)", record.run_id, newest[0], path,
+                        step)
+            record.checkpoint_path, record.checkpoint_step, record.checkpoint_data_position = \
+                str(path), step, positions[step]
+            return restored, step, positions[step], f"; {newest[0]} was refused: {refused}"
+        raise

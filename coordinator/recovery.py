@@ -1,0 +1,113 @@
+"""Exactly-once steps across restarts: bringing a reopened run and its trainer to the same run step.
+
+The trainer records the run step (run id, step, data position after it) with each update it applies and reports
+the last one (services/trainer/steps.py). A reopened run compares it with its stored record at step k:
+- the trainer's last step is k: they agree, the run continues at k + 1;
+- it is k + 1: the trainer applied a step the store never recorded (the coordinator died between the update and
+  its commit). That step is committed now, flagged `recovered` (its metrics died with the coordinator), and the
+  run continues at k + 2 with the prompts after it: the update is not applied twice, its prompts not reused;
+- anything else (a restarted trainer lost its weights): the last checkpoint is loaded and the run is set back to
+  the checkpoint's step and data position, dropping the metrics of the steps after it, which run again on the
+  same prompts. Without a checkpoint a fresh trainer replays from step 0; a trainer holding other weights is
+  refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from coordinator import checkpoints, phases, remote
+from coordinator.context import RunContext
+from coordinator.store import RunRecord, RunStore
+from services.common.errors import FailedPrecondition
+from services.trainer.types import RunStep
+
+log = logging.getLogger("meshrl.runs")
+
+
+def applied_step(info) -> RunStep | None:
+    """The trainer's record of its last applied run step, from its GetInfo details (None: it has none)."""
+    d = info.details
+    if not d.get("run_id"):
+        return None
+    return RunStep(d["run_id"], int(d.get("run_step", 0)), int(d.get("run_data_position", 0)))
+
+
+async def settle_trainer(store: RunStore, record: RunRecord, ctx: RunContext) -> None:
+    """Makes `record`, `ctx` and the trainer agree on the run's last step (see the module docstring)."""
+    info = await remote.info(ctx.trainer)
+    applied = applied_step(info)
+    if applied is not None and applied.run_id == record.run_id:
+        if applied.step == record.step:
+            return
+        if applied.step == record.step + 1:
+            await _commit_recovered(store, record, ctx, applied, info.weight_version)
+            return
+    elif record.step == 0:
+        return          # nothing of this run was applied: the trainer's weights are the ones it started from
+    await _replay_from_checkpoint(store, record, ctx, fresh=applied is None and info.weight_version == 0)
+
+
+async def _commit_recovered(store: RunStore, record: RunRecord, ctx: RunContext, applied: RunStep,
+                            weight_version: int) -> None:
+    log.warning("run %s: the trainer applied step %d before the coordinator stopped; step %d is committed as "
+                "recovered (its metrics were lost) and the run continues at step %d", record.run_id, applied.step,
+                applied.step, applied.step + 1)
+    ctx.step, ctx.data.position, ctx.weight_version = applied.step, applied.data_position, weight_version
+    record.step, record.data_position, record.weight_version = applied.step, applied.data_position, weight_version
+    every = ctx.cfg.run.checkpoint_every
+    if every and ctx.step % every == 0:
+        await save_checkpoint(ctx, record)
+    metrics = {"step": float(ctx.step), "recovered": 1.0, "weight_version": float(weight_version),
+               "data_position": float(ctx.data.position), "timestamp": time.time()}
+    await store.commit(record, metrics)
+    phases.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)
+
+
+async def _replay_from_checkpoint(store: RunStore, record: RunRecord, ctx: RunContext, *, fresh: bool) -> None:
+    if record.checkpoint_path:
+        # A refused (damaged, unfinished) checkpoint falls back to the one before it, said in the message.
+        restored, step, position, fallback = await checkpoints.restore_latest(store, record, ctx)
+        version, source = restored.weight_version, f"checkpoint {record.checkpoint_path}{fallback}"
+        log.info("run %s: trainer restored from %s (weight version %d)", record.run_id, record.checkpoint_path,
+                 version)
+    elif fresh:
+        step, position, version = 0, 0, 0
+        source = "the trainer's initial weights: the run has no checkpoint (run.checkpoint_every: 0)"
+    else:
+        raise FailedPrecondition(
+            f"run {record.run_id!r}: the trainer holds no weights of step {record.step} and the run has no "
+            f"checkpoint (run.checkpoint_every: 0); restart the trainer to replay the run from step 0")
+    log.warning("run %s: the trainer lost the weights of step %d; replaying from step %d (data position %d) "
+                "on %s", record.run_id, record.step, step, position, source)
+    if record.step > step:
+        record.message = f"the trainer lost its weights: steps {step + 1}..{record.step} replayed from {source}"
+    record.step, record.data_position, record.weight_version = step, position, version
+    ctx.step, ctx.data.position, ctx.weight_version = step, position, version
+    await store.rollback(record)
+    _drop_jsonl_after(ctx, step)
+
+
+def _drop_jsonl_after(ctx: RunContext, step: int) -> None:
+    """metrics.jsonl keeps the store's records: the steps after `step` are dropped there too."""
+    path = ctx.run_dir / "metrics.jsonl"
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+async def save_checkpoint(ctx: RunContext, record: RunRecord) -> None:
+    """The trainer's state to the run's checkpoint folder of this step, noted in `record`."""
+    saved = await remote.save_checkpoint(ctx.trainer, str(ctx.run_dir / "checkpoints" / f"step_{ctx.step}"))
+    note_checkpoint(record, saved)
+
+
+def note_checkpoint(record: RunRecord, saved) -> None:
+    """The record's checkpoint fields from a SaveCheckpoint answer: the run step it holds is the trainer's word."""
+    own = saved.HasField("run_step") and saved.run_step.run_id == record.run_id
+    record.checkpoint_path = saved.path
+    record.checkpoint_step = saved.run_step.step if own else 0
+    record.checkpoint_data_position = saved.run_step.data_position if own else 0
