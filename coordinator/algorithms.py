@@ -36,7 +36,7 @@ def _pools(cfg: RunConfig, algorithm: Algorithm, token: str | None, registry) ->
         pools[role] = ReplicaPool(role, stub_factory, servers=list(section.servers), dns=section.dns,
                                   registry=registry if section.registry else None,
                                   load_balancer=section.load_balancer, timeout_s=section.timeout_s,
-                                  token=token) if used else None
+                                  rejoin_wait_s=section.rejoin_wait_s, token=token) if used else None
     return pools
 
 

@@ -30,6 +30,9 @@ ROLES = {"coordinator": "coordinator.__main__", "trainer": "services.trainer.__m
          "rollout": "services.rollout.__main__", "reward": "services.reward.__main__",
          "reference": "services.reference.__main__"}
 DEFAULT_COORDINATOR = os.environ.get("MESHRL_COORDINATOR", "127.0.0.1:50050")
+# How long `meshrl up`'s pools wait for a restarting replica (the supervisor's back-off, 1 + 2 + 4 s, plus a
+# model load) before a call fails.
+REJOIN_WAIT_S = 60.0
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 # gRPC statuses that say the user's input (a config, a run id, a token) is wrong: exit 2, like a config error.
@@ -284,6 +287,9 @@ def _with_addresses(raw: dict, overrides: dict[str, str], addresses: dict[str, l
         if addresses.get(role):
             data.setdefault(role, {})
             data[role]["servers"] = addresses[role]
+            # A replica that dies is restarted (coordinator/supervisor.py): calls wait for it rather than fail
+            # the step when it was the role's only one.
+            data[role].setdefault("rejoin_wait_s", REJOIN_WAIT_S)
     data.setdefault("trainer", {})["address"] = addresses["trainer"][0]
     return data
 

@@ -35,7 +35,7 @@ async def generate(ctx: RunContext, problems: Sequence[Problem], sampling: Sampl
     """
     sampling = sampling or ctx.sampling
     await bring_new_replicas_up_to_date(ctx)
-    replicas = ctx.rollout.healthy() or await ctx.rollout.refresh()
+    replicas = await ctx.rollout.wait_for_replica()
     if not replicas:
         raise Unavailable(f"rollout pool: no healthy replica (known: {sorted(ctx.rollout.replicas) or 'none'})")
     groups = list(range(len(problems)))

@@ -64,6 +64,7 @@ class ReplicaPool:
     load_balancer: str = "round_robin"
     timeout_s: float = 300.0
     token: str | None = None
+    rejoin_wait_s: float = 0.0                # how long a call waits for a replica to come back when none is healthy
     max_attempts: int = 3
     replicas: dict[str, Replica] = field(default_factory=dict)
     _rr: itertools.count = field(default_factory=itertools.count)
@@ -119,6 +120,20 @@ class ReplicaPool:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy]
 
+    async def wait_for_replica(self) -> list[Replica]:
+        """The healthy replicas, waiting up to rejoin_wait_s for one to come back (health-checked every half
+        second) when none is; empty when none came back."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.rejoin_wait_s
+        healthy = self.healthy() or await self.refresh()
+        if not healthy and self.rejoin_wait_s:
+            log.warning("%s pool: no healthy replica; waiting up to %.0fs for one to come back", self.role,
+                        self.rejoin_wait_s)
+        while not healthy and loop.time() < deadline:
+            await asyncio.sleep(0.5)
+            healthy = await self.refresh()
+        return healthy
+
     def pick(self, exclude: set[str] = frozenset()) -> Replica:
         candidates = [r for r in self.healthy() if r.address not in exclude] or \
                      [r for r in self.healthy()]
@@ -134,6 +149,8 @@ class ReplicaPool:
         first = [prefer]
 
         async def attempt() -> T:
+            if self.rejoin_wait_s and not self.healthy():
+                await self.wait_for_replica()
             rep = first.pop() if first and first[0] is not None and first[0].healthy else self.pick(tried)
             first.clear()
             tried.add(rep.address)

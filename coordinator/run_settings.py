@@ -59,7 +59,7 @@ class Setting:
 # The trainer applies these per run (ConfigureRun); the rest of `actor:` and `critic:` is fixed at its start.
 OPTIM_KEYS = tuple(f.name for f in fields(OptimSettings))
 SAMPLING_KEYS = ("n", "temperature", "top_p", "max_tokens", "stop", "seed")
-POOL_KEYS = ("servers", "dns", "registry", "load_balancer", "timeout_s")
+POOL_KEYS = ("servers", "dns", "registry", "load_balancer", "timeout_s", "rejoin_wait_s")
 POOLS = ("rollout", "reward", "reference")
 
 _SAMPLING = Setting(RUN, "rollout", "SamplingParams of every Generate; left out: the replica's", held=True)

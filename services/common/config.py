@@ -207,6 +207,9 @@ class PoolConfig(Section):
     replicas: int = Field(1, ge=0, le=64)
     # Deadline of one call to a replica, seconds.
     timeout_s: float = Field(300.0, gt=0)
+    # Seconds a call waits for a replica to come back when none is healthy (a replica restarting); 0 fails the
+    # call at once. `meshrl up`, which restarts a dead replica, makes it 60 unless the recipe sets it.
+    rejoin_wait_s: float = Field(0.0, ge=0)
     # GPUs of this role's replicas (CUDA_VISIBLE_DEVICES), e.g. "4,5"; "" = inherit. `meshrl up` shares one
     # listed GPU among all replicas and splits several evenly (replicas 2, "4,5": one GPU each).
     devices: str = ""
