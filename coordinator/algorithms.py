@@ -14,16 +14,12 @@ from coordinator import dpo, loop, remote, run_settings
 from coordinator.config import RunConfig, trainer_losses
 from coordinator.context import Algorithm, GuardedTrainer, RunContext
 from coordinator.data import load_problems
-from coordinator.pools import ReplicaPool
+from coordinator.pools import ReplicaPool, configured
 from services.common.channel import create_channel
 
 ALGORITHMS: dict[str, Algorithm] = {"rl": loop.RL, "dpo": dpo.DPO}
 
 STUBS = {"rollout": remote.rollout_stub, "reward": remote.reward_stub, "reference": remote.reference_stub}
-
-
-def _configured(section) -> bool:
-    return bool(section.servers or section.dns or section.registry)
 
 
 def _pools(cfg: RunConfig, algorithm: Algorithm, token: str | None, registry) -> dict[str, ReplicaPool | None]:
@@ -32,11 +28,9 @@ def _pools(cfg: RunConfig, algorithm: Algorithm, token: str | None, registry) ->
     pools = {}
     for role, stub_factory in STUBS.items():
         section = getattr(cfg, role)
-        used = _configured(section) or (algorithm.needs_rollout and role != "reference")
-        pools[role] = ReplicaPool(role, stub_factory, servers=list(section.servers), dns=section.dns,
-                                  registry=registry if section.registry else None,
-                                  load_balancer=section.load_balancer, timeout_s=section.timeout_s,
-                                  rejoin_wait_s=section.rejoin_wait_s, token=token) if used else None
+        used = configured(section) or (algorithm.needs_rollout and role != "reference")
+        pools[role] = ReplicaPool.from_section(role, stub_factory, section, registry=registry,
+                                               token=token) if used else None
     return pools
 
 

@@ -30,34 +30,32 @@ def earlier_checkpoints(run_dir: Path, before_step: int) -> list[tuple[int, Path
     return sorted(found, reverse=True)
 
 
-async def _positions(store: RunStore, run_id: str) -> dict[int, int]:
-    """Data position after each step, from the run's stored metrics."""
-    return {int(m["step"]): int(m["data_position"]) for m in await store.metrics(run_id) if "data_position" in m}
+async def _candidates(store: RunStore, record: RunRecord, run_dir: Path):
+    """(step, path, data position) of the record's newest checkpoint, then of the earlier ones whose step has
+    its data position in the run's stored metrics, newest first (the metrics are read only if asked for)."""
+    yield record.checkpoint_step, record.checkpoint_path, record.checkpoint_data_position
+    positions = {int(m["step"]): int(m["data_position"]) for m in await store.metrics(record.run_id)
+                 if "data_position" in m}
+    for step, path in earlier_checkpoints(run_dir, record.checkpoint_step):
+        if step in positions:
+            yield step, str(path), positions[step]
 
 
 async def restore_latest(store: RunStore, record: RunRecord, ctx: RunContext):
     """Loads the newest checkpoint the trainer accepts; -> (LoadCheckpoint answer, step, data position, note).
 
     When it is not the newest, `record`'s checkpoint fields name the one loaded and the note says why."""
-    newest = (record.checkpoint_path, record.checkpoint_step, record.checkpoint_data_position)
-    try:
-        return await remote.load_checkpoint(ctx.trainer, newest[0], RunStep(record.run_id, *newest[1:])), \
-            *newest[1:], ""
-    except CheckpointFailed as refused:
-        positions = await _positions(store, record.run_id)
-        log.warning("run %s: %s; trying the checkpoint before it", record.run_id, refused)
-        for step, path in earlier_checkpoints(ctx.run_dir, newest[1]):
-            if step not in positions:
-                continue
-            try:
-                restored = await remote.load_checkpoint(ctx.trainer, str(path),
-                                                        RunStep(record.run_id, step, positions[step]))
-            except CheckpointFailed as e:
-                log.warning("run %s: %s; trying the checkpoint before it", record.run_id, e)
-                continue
-            log.warning("run %s: fell back from checkpoint %s to %s (step %d)", record.run_id, newest[0], path,
-                        step)
-            record.checkpoint_path, record.checkpoint_step, record.checkpoint_data_position = \
-                str(path), step, positions[step]
-            return restored, step, positions[step], f"; {newest[0]} was refused: {refused}"
-        raise
+    newest, refused = record.checkpoint_path, None
+    async for step, path, position in _candidates(store, record, ctx.run_dir):
+        try:
+            restored = await remote.load_checkpoint(ctx.trainer, path, RunStep(record.run_id, step, position))
+        except CheckpointFailed as e:
+            log.warning("run %s: %s; trying the checkpoint before it", record.run_id, e)
+            refused = refused or e
+            continue
+        if refused is None:
+            return restored, step, position, ""
+        log.warning("run %s: fell back from checkpoint %s to %s (step %d)", record.run_id, newest, path, step)
+        record.checkpoint_path, record.checkpoint_step, record.checkpoint_data_position = path, step, position
+        return restored, step, position, f"; {newest} was refused: {refused}"
+    raise refused

@@ -11,7 +11,7 @@ from typing import Iterable
 
 from coordinator.algorithms import STUBS
 from coordinator.context import RunContext
-from coordinator.pools import ReplicaPool
+from coordinator.pools import ReplicaPool, configured
 from meshrl.v1 import coordinator_pb2
 from services.common.config import PoolConfig
 
@@ -20,10 +20,8 @@ class DefaultPools:
     """One ReplicaPool per role the coordinator's config names, health-checked on each listing."""
 
     def __init__(self, sections: dict[str, PoolConfig], *, registry=None, token: str | None = None):
-        self.pools = [ReplicaPool(role, STUBS[role], servers=list(s.servers), dns=s.dns,
-                                  registry=registry if s.registry else None, load_balancer=s.load_balancer,
-                                  timeout_s=s.timeout_s, token=token)
-                      for role, s in sections.items() if s.servers or s.dns or s.registry]
+        self.pools = [ReplicaPool.from_section(role, STUBS[role], s, registry=registry, token=token)
+                      for role, s in sections.items() if configured(s)]
 
     async def refresh(self) -> list[ReplicaPool]:
         for pool in self.pools:

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from services.common.channel import create_channel
+from services.common.config import PoolConfig
 from services.common.errors import Unavailable
 
 log = logging.getLogger("meshrl.pools")
@@ -43,6 +44,11 @@ class Replica:
     failures: int = 0
 
 
+def configured(section: PoolConfig) -> bool:
+    """The section names replicas: a server list, a DNS name or the registry."""
+    return bool(section.servers or section.dns or section.registry)
+
+
 def resolve_dns(name: str) -> list[str]:
     """host:port -> one host:port per address the name resolves to (a headless Service's pods)."""
     host, _, port = name.rpartition(":")
@@ -68,6 +74,14 @@ class ReplicaPool:
     max_attempts: int = 3
     replicas: dict[str, Replica] = field(default_factory=dict)
     _rr: itertools.count = field(default_factory=itertools.count)
+
+    @classmethod
+    def from_section(cls, role: str, stub_factory, section: PoolConfig, *, registry=None,
+                     token: str | None = None) -> "ReplicaPool":
+        """The pool a config section (`rollout:`, `reward:`, `reference:`) names."""
+        return cls(role, stub_factory, servers=list(section.servers), dns=section.dns,
+                   registry=registry if section.registry else None, load_balancer=section.load_balancer,
+                   timeout_s=section.timeout_s, rejoin_wait_s=section.rejoin_wait_s, token=token)
 
     async def discover(self) -> list[str]:
         addresses = list(self.servers)
