@@ -103,7 +103,7 @@ def test_compose_v2_rejects_a_copy_that_depends_on_an_undefined_service(tmp_path
 
 def test_every_meshrl_service_runs_its_role_with_a_grpc_health_check_and_a_restart_policy():
     services = compose_model(COMPOSE)["services"]
-    assert set(services) == {"redis", *MESHRL_ROLES}
+    assert set(services) == {"redis", "run", *MESHRL_ROLES}
     for role in MESHRL_ROLES:
         svc = services[role]
         assert svc["command"][:3] == ["meshrl", "serve", role], role
@@ -195,6 +195,30 @@ def test_every_meshrl_variable_in_compose_sets_a_real_config_key(files, monkeypa
     for role in MESHRL_ROLES:
         with monkeypatch.context() as m:
             assert_meshrl_env_sets_real_keys(role, services[role]["environment"], m)
+
+
+def test_the_run_service_starts_the_mounted_recipe_once_after_the_coordinator_is_healthy():
+    run = compose_model(COMPOSE)["services"]["run"]
+    assert run["command"][:3] == ["python", "deploy/compose_run.py", "/etc/meshrl/run.yaml"]
+    args = dict(zip(run["command"][3::2], run["command"][4::2]))
+    assert args["--coordinator"] == "coordinator:50051" and args["--run-id"] == "compose"
+    # a one-shot: restarted it would follow the same run (fixed id), but compose must not loop it
+    assert run["restart"] == "no" and run["healthcheck"]["disable"] is True
+    assert run["depends_on"]["coordinator"]["condition"] == "service_healthy"
+    assert {v["target"] for v in run["volumes"]} == {"/etc/meshrl/run.yaml", "/app/runs"}
+    # both images ship the driver where the command finds it (working directory /app)
+    for dockerfile in DOCKERFILES:
+        assert ("COPY", "deploy/compose_run.py deploy/compose_run.py") in instructions(dockerfile), dockerfile.name
+        ignore = dockerfile.with_name(dockerfile.name + ".dockerignore")
+        assert "!deploy/compose_run.py" in ignore.read_text().split(), ignore.name
+    assert compose_model(COMPOSE, COMPOSE_GPU)["services"]["run"]["image"] == "meshrl:cuda"
+
+
+def test_redis_image_is_a_variable_for_the_offline_build_and_accepts_other_containers():
+    redis = yaml.safe_load(COMPOSE.read_text())["services"]["redis"]
+    assert redis["image"] == "${MESHRL_REDIS_IMAGE:-redis:7.4-alpine}"
+    # Debian's redis-server refuses non-loopback clients without a password unless protected mode is off
+    assert redis["command"][-2:] == ["--protected-mode", "no"]
 
 
 def test_advertise_host_is_the_container_hostname_when_binding_all_interfaces():
@@ -433,6 +457,17 @@ def test_the_cpu_image_takes_torch_from_the_pytorch_cpu_index():
                for op, args in steps)
 
 
+def test_the_cpu_image_installs_from_the_wheel_folder_with_no_index_when_it_holds_wheels():
+    steps = instructions(DEPLOY / "docker" / "Dockerfile")
+    assert ("COPY", "deploy/wheels/ /wheels/") in steps
+    runs = [args for op, args in steps if op == "RUN" and "/wheels/*.whl" in args]
+    assert any('--no-index --find-links /wheels "torch==${TORCH_VERSION}"' in r for r in runs)
+    assert any("--no-index --find-links /wheels /src" in r for r in runs)
+    # deploy/build-images.sh sends its cached wheels as this folder; in the repository it holds only its README,
+    # so a plain `docker build` takes the index branch
+    assert (DEPLOY / "wheels" / "README.md").is_file()
+
+
 def test_the_compose_health_check_module_ships_in_the_installed_package():
     # The image installs meshrl with `pip install /src`: the module must be inside a listed package.
     import tomllib
@@ -440,3 +475,18 @@ def test_the_compose_health_check_module_ships_in_the_installed_package():
     packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     assert "services.common" in packages
     assert (REPO / "services" / "common" / "healthcheck.py").is_file()
+
+
+def test_every_committed_python_package_ships_in_the_installed_package():
+    # The images install meshrl with `pip install /src` (not editable): a package missing from this list is
+    # missing in every container (services.trainer.updates once was).
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    tracked = subprocess.run(["git", "ls-files", "*/__init__.py"], cwd=REPO, capture_output=True, text=True,
+                             timeout=60).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    found = {str(Path(f).parent).replace("/", ".").replace("protos.meshrl", "meshrl") for f in tracked
+             if not f.startswith(("tests/", "bench/"))}
+    assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"

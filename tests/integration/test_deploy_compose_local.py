@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +25,14 @@ from tests.integration.test_deploy import COMPOSE, REPO, compose_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
-REDIS_DB = 12              # spare DB: other tests use 15; the registry's keys have a fixed prefix
 NUM_ROLLOUT = 3
-START_TIMEOUT_S = 150.0
+START_POLLS = 750            # a bound on the start loop's passes (0.2 s apart), not a timing assertion
 BIN = Path(sys.executable).parent
 
 
 def free_port() -> int:
+    # Kept here: compose addresses each service by a port fixed before any of them starts (the coordinator's
+    # and the replicas' settings name it), which is what this test checks; a service cannot pick its own.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -83,15 +85,18 @@ class Localizer:
         return out
 
 
-def plan(model: dict, redis_url: str, app_dir: Path, logs: Path) -> list[Service]:
+def plan(model: dict, redis_url: str, app_dir: Path, logs: Path, prefix: str) -> list[Service]:
     services = model["services"]
     order = ["trainer", "reference", "reward", "rollout", "coordinator"]
-    assert set(order) | {"redis"} == set(services)
+    # `run` (the one-shot driver that starts the recipe) is left out: this test starts its own run;
+    # tests/integration/test_compose_up.py runs the real thing
+    assert set(order) | {"redis", "run"} == set(services)
     replicas = {name: NUM_ROLLOUT if name == "rollout" else 1 for name in order}
     ports = {name: free_port() for name in order}          # how other services address it (one replica)
     loc = Localizer(model, ports, redis_url, app_dir)
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("MESHRL_")}
-    base_env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    base_env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                    MESHRL_RUN__REDIS_PREFIX=prefix)   # this test's own keys: registry and run state
     planned = []
     for name in order:
         svc = services[name]
@@ -140,21 +145,8 @@ def stop(services: list[Service]) -> None:
         s.proc.wait()
 
 
-def clear_meshrl_keys(redis_url: str) -> None:
-    """DB REDIS_DB belongs to this test: no run left unfinished there for the coordinator to resume."""
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter("meshrl:*"))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
-
-
-async def registered(redis_url: str) -> dict[str, list[str]]:
-    registry = Registry(redis_url)
+async def registered(redis_url: str, prefix: str) -> dict[str, list[str]]:
+    registry = Registry(redis_url, prefix=prefix)
     try:
         return {r: await registry.list(r) for r in ("rollout", "reward", "reference")}
     finally:
@@ -164,20 +156,21 @@ async def registered(redis_url: str) -> dict[str, list[str]]:
 def test_every_compose_command_runs_locally_becomes_healthy_and_rollout_replicas_register(
         arith_model_path, redis_url, tmp_path):
     model = compose_model(COMPOSE)
-    local_redis = redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
+    # A fresh key prefix: no run left unfinished by another test for the coordinator to resume.
+    local_redis, prefix = redis_url, f"meshrl-compose-{uuid.uuid4().hex[:8]}"
     # The image's working directory: the example files (recipes name them relative to it) and a runs volume.
     app_dir = tmp_path / "app"
     app_dir.mkdir()
     (app_dir / "examples").symlink_to(REPO / "examples")
     (tmp_path / "logs").mkdir()
-    services = plan(model, local_redis, app_dir, tmp_path / "logs")
-    clear_meshrl_keys(local_redis)
+    services = plan(model, local_redis, app_dir, tmp_path / "logs", prefix)
     assert sum(role(s) == "rollout" for s in services) == NUM_ROLLOUT
-    started_at = time.monotonic()
+    polls = 0
     try:
         while not all(s.healthy for s in services):
-            now = time.monotonic()
-            assert now - started_at < START_TIMEOUT_S, "not healthy in time: " + ", ".join(
+            now = time.monotonic()                  # schedules the health checks; asserts nothing
+            polls += 1
+            assert polls < START_POLLS, "not healthy in time: " + ", ".join(
                 f"{s.name} ({'started' if s.proc else 'waiting'})" for s in services if not s.healthy)
             unhealthy_roles = {role(s) for s in services if not s.healthy}
             for s in services:
@@ -196,7 +189,7 @@ def test_every_compose_command_runs_locally_becomes_healthy_and_rollout_replicas
                 s.next_check = time.monotonic() + 2.0      # the compose file's start_interval
             time.sleep(0.2)
 
-        listed = asyncio.run(registered(local_redis))
+        listed = asyncio.run(registered(local_redis, prefix))
         for r in ("rollout", "reward", "reference"):
             ours = {f"127.0.0.1:{s.port}" for s in services if role(s) == r}
             assert listed[r] == sorted(ours), f"{r}: registry lists {listed[r]}, expected {sorted(ours)}"
@@ -216,6 +209,5 @@ def test_every_compose_command_runs_locally_becomes_healthy_and_rollout_replicas
     finally:
         stop(services)
     # a replica that stops leaves the registry at once, so the coordinator stops routing to it
-    listed = asyncio.run(registered(local_redis))
+    listed = asyncio.run(registered(local_redis, prefix))
     assert not {f"127.0.0.1:{s.port}" for s in services} & set(listed["rollout"] + listed["reward"])
-    clear_meshrl_keys(local_redis)
