@@ -8,6 +8,11 @@ Variants of services/rollout/cuda_decode.GraphDecoder, all in one process on the
   fused_sampler    the one-pass Triton sampler (services/rollout/fused_sample.py), torch attention
   fused            the Triton sampler and the length-aware Triton attention (services/rollout/decode_attention.py)
   fused_bn32, ...  the same with other attention tilings (slots per iteration, warps): for tuning
+  fused_seeded_stop  fused, every row seeded (its own Philox key) and a stop string checked on the host at each
+                   sync over the steps since the last one (as TorchEngine does: a tail decode per running row,
+                   here through a synthetic 151,936-entry vocabulary of 1-6 character strings; the stop string
+                   never occurs, so every row runs its full budget as in the unseeded variant)
+  fused_seeded_stop_top5  the same, each step's top-5 log-probs recorded too
 
 Every variant uses the decoder's one-GEMM q/k/v projection.
 
@@ -41,7 +46,9 @@ from services.rollout.cuda_decode import GraphDecoder  # noqa: E402
 
 VARIANTS = {"torch": dict(fused_sampler=False, triton_attention=False),
             "fused_sampler": dict(fused_sampler=True, triton_attention=False),
-            "fused": dict(fused_sampler=True, triton_attention=True)}
+            "fused": dict(fused_sampler=True, triton_attention=True),
+            "fused_seeded_stop": dict(fused_sampler=True, triton_attention=True),
+            "fused_seeded_stop_top5": dict(fused_sampler=True, triton_attention=True)}
 # Attention tilings tried beside the shipped one (decode_attention.BLOCK_N, NUM_WARPS): name -> (block, warps).
 ATTENTION_TILES = {"fused_bn64": (64, 4), "fused_bn128": (128, 4), "fused_bn64_w2": (64, 2), "fused_bn128_w8": (128, 8)}
 KINDS = (("sampler_triton", ("_sample_kernel", "_sample_part", "_sample_combine")), ("attention_triton", ("_decode_attn",)),
@@ -74,6 +81,26 @@ def kernel_breakdown(graph, steps: int) -> dict:
             "top_kernels": [{"ms_per_step": round(ms, 4), "calls_per_step": n, "name": k} for ms, n, k in top[:15]]}
 
 
+def stop_string_check(vocab_size: int, stop: str = "\x00STOP"):
+    """A host stop-string check with TorchEngine's cost: the tail since the last check (plus the stop string's
+    length) decoded through a vocabulary, then searched."""
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 7, (vocab_size,), generator=g).tolist()
+    vocab = ["abcdefghij"[:n] for n in lengths]
+
+    def check(row: int, tokens: list, since: int) -> bool:
+        return stop in "".join(vocab[t] for t in tokens[max(0, since - len(stop)):])
+    return check
+
+
+def decode_options(name: str, R: int, vocab_size: int) -> dict:
+    """The extra sampling options of a variant's decode call."""
+    if not name.startswith("fused_seeded_stop"):
+        return {}
+    return {"seeds": [1000 + i for i in range(R)], "stop_check": stop_string_check(vocab_size),
+            "top_logprobs": 5 if name.endswith("_top5") else 0}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
@@ -99,11 +126,12 @@ def main(argv=None) -> None:
         decode_attention.BLOCK_N, decode_attention.NUM_WARPS = ATTENTION_TILES.get(name, shipped)
         dec = GraphDecoder(model, pad_id=PAD, eos_ids=[EOS], max_batch_size=R,
                            **VARIANTS.get(name, VARIANTS["fused"]))
+        options = decode_options(name, R, model.config.vocab_size)
 
         def call():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            res = dec.decode(prompts, [T] * R, [1.0] * R, [1.0] * R)
+            res = dec.decode(prompts, [T] * R, [1.0] * R, [1.0] * R, **options)
             torch.cuda.synchronize()
             return time.perf_counter() - t0, res
 
@@ -136,6 +164,10 @@ def main(argv=None) -> None:
     for e in out["variants"].values():
         if base:
             e["speedup_vs_torch"] = round(base / e["seconds"], 3)
+    fast = out["variants"].get("fused", {}).get("tokens_per_s")
+    for name in ("fused_seeded_stop", "fused_seeded_stop_top5"):
+        if fast and name in out["variants"]:     # goal (issue 27): >= 0.9 of the unseeded fast path
+            out["variants"][name]["tokens_per_s_vs_fused"] = round(out["variants"][name]["tokens_per_s"] / fast, 3)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 

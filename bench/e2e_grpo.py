@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
+from bench.provenance import stamp  # noqa: E402
 from bench.peers.settings import HELDOUT_FILE, TRAIN_FILE, median, model_path, settings  # noqa: E402
 from coordinator import launcher as launcher_mod  # noqa: E402
 from coordinator.launcher import Launcher  # noqa: E402
@@ -241,6 +242,10 @@ def summarize_run(run_dir: Path, timing: list[dict], s: dict, extra: dict) -> di
             "compute_seconds_median": {k: median([x["compute_s"][k] for x in mesh]) for k in mesh[0]["compute_s"]},
             "overhead_seconds_median": {k: median([x["overhead_s"][k] for x in mesh]) for k in PHASES},
             "weight_sync_seconds_median": {k: median([x["weight_sync"][k] for x in mesh]) for k in mesh[0]["weight_sync"]},
+            # the handlers' protobuf conversion and the garbage collector's seconds, per phase
+            "server_convert_seconds_median": {k: median([x["server_convert_s"][k] for x in mesh])
+                                              for k in mesh[0]["server_convert_s"]},
+            "gc_seconds_median": {k: median([x["gc_s"][k] for x in mesh]) for k in mesh[0]["gc_s"]},
         }
     return out
 
@@ -370,6 +375,26 @@ def portable_recipe(data: dict) -> dict:
     return data
 
 
+def keep_earlier_calls(result: dict, out: Path) -> None:
+    """A new call goes on top; the file's previous headline call and its history move to `earlier_calls`."""
+    if not out.exists():
+        return
+    prev = json.loads(out.read_text())
+    m, t, r = prev.get("meshrl", {}), prev.get("trl", {}), prev.get("ratio_meshrl_over_trl", {})
+    headline = {"date": prev.get("date"), "git_commit": (prev.get("provenance") or {}).get("commit")
+                or (prev.get("machine") or {}).get("git_commit"),
+                "meshrl_seconds_per_step": m.get("seconds_per_step_median"),
+                "meshrl_samples_per_s": m.get("samples_per_s"),
+                "trl_seconds_per_step": t.get("seconds_per_step_median"), "trl_samples_per_s": t.get("samples_per_s"),
+                "ratio_steps_per_s": r.get("steps_per_s"), "ratio_samples_per_s": r.get("samples_per_s"),
+                "mesh_overhead_share_critical_path": m.get("mesh_overhead", {}).get("share_critical_path"),
+                "note": "the file's headline call before a newer one replaced it"}
+    result["earlier_calls"] = [headline, *prev.get("earlier_calls", [])]
+    for key in ("rechecks",):
+        if key in prev:
+            result[key] = prev[key]
+
+
 def cmd_combine(args) -> None:
     mesh = [json.loads(Path(p).read_text()) for p in args.meshrl]
     trl = [json.loads(Path(p).read_text()) for p in args.trl]
@@ -422,6 +447,10 @@ def cmd_combine(args) -> None:
         result["goals"]["meshrl_samples_per_s_at_least_5x_trl"] = result["ratio_meshrl_over_trl"]["samples_per_s"] >= 5
         result["goals"]["mesh_overhead_under_5_percent"] = (result["goals"]["mesh_overhead_share_critical_path"]
                                                             or 1.0) < 0.05
+    keep_earlier_calls(result, args.out)
+    # The runs' own stamp (made where they ran, `provenance.py stamp --as`), else this tree's.
+    stem = "vs_trl_gpu" if mesh[0].get("device") == "cuda" else "vs_trl_cpu"
+    result["provenance"] = mesh[0].get("provenance") or stamp(stem, {})["provenance"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # Paths relative to the repository: the JSON is committed.
     args.out.write_text(json.dumps(result, indent=1).replace(str(REPO) + "/", ""))

@@ -3,7 +3,12 @@
 # transformers 5.17, CuPy); each named part writes its log and JSON under $OUT.
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
-#   parts: versions gputests decodetests wstest meshtests multigpu decode mfu reference wsipc spy meshrl trl bundle
+#   parts: versions gputests decodetests packtests wstest wgather fit meshtests multigpu rollout decode mfu packing reference wsipc spy
+#          meshrl trl bundle
+#   the figures of the docs at HEAD (bench/README.md, "Keeping figures honest"): two calls of < 10 minutes,
+#     MESHRL_COMMIT=<short sha> bench/gpu_session.sh versions rollout decode mfu bundle
+#     MESHRL_COMMIT=<short sha> STEPS=8 WARMUP=2 bench/gpu_session.sh meshrl trl bundle
+#   each result JSON is stamped with the commit (git's, else $MESHRL_COMMIT) and a digest of the code it measures.
 #   multi-GPU hosts: OUT=/tmp/gpu bench/gpu_session.sh versions meshtests wstest multigpu bundle
 #
 # Python packages the image lacks travel as wheels: .whl/ (meshrl's: pydantic, pydantic-settings, tenacity,
@@ -35,6 +40,9 @@ part() {  # part NAME SECONDS CMD...: runs CMD with a time limit, output to $OUT
   echo "== $name: rc=$rc in $((SECONDS - t0))s"
   tail -n 6 "$OUT/$name.log"
 }
+stamp() {  # stamp FILE STEM: the commit and the digest of STEM's measured code (bench/provenance.py)
+  python3 bench/provenance.py stamp --as "$2" "$1"
+}
 
 for what in "$@"; do
   case "$what" in
@@ -45,24 +53,44 @@ for what in "$@"; do
     gputests) part gputests 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu ;;
     decodetests) part decodetests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_decode.py \
                    tests/gpu/test_fused_logprobs.py ;;
-    decode) part decode 240 python3 bench/decode_step.py ${DECODE_VARIANTS:+--variants "$DECODE_VARIANTS"} \
-              --out "$OUT/decode_step_gpu.json" ;;
-    mfu) part mfu 560 python3 bench/trainer_mfu.py --sizes "${MFU_SIZES:-0.5b,1.5b}" \
+    rollout) part rollout 360 python3 bench/rollout_gpu.py --out "$OUT/rollout_throughput_gpu.json"
+             stamp "$OUT/rollout_throughput_gpu.json" rollout_throughput_gpu ;;
+    decode) part decode 240 python3 bench/decode_step.py --variants "${DECODE_VARIANTS:-torch,fused,fused_bn64,fused_bn128}" \
+              --out "$OUT/decode_step_gpu.json"
+            stamp "$OUT/decode_step_gpu.json" decode_step_gpu ;;
+    mfu) # merged into the committed file: its `earlier_variants` (the engine before these features) stay
+         cp bench/results/trainer_mfu.json "$OUT/trainer_mfu.json"
+         part mfu 560 python3 bench/trainer_mfu.py --sizes "${MFU_SIZES:-0.5b,1.5b}" \
            --variants "${MFU_VARIANTS:-plain,engine,engine_amp,engine_eager,engine_unfused}" --profile engine \
-           --trace-dir "$WORK" --out "$OUT/trainer_mfu.json"
+           --trace-dir "$WORK" --merge --out "$OUT/trainer_mfu.json"
+         stamp "$OUT/trainer_mfu.json" trainer_mfu
          gzip -c "$WORK"/trace_0.5b_engine.json > "$OUT/trace_0.5b_engine.json.gz" 2>/dev/null ;;
+    packing) # remove padding (packed vs padded tokens/s, long-tailed lengths) and the fused head's memory (8 x 4,096,
+             # vocab 151,936), Qwen2.5-1.5B-shaped; PACK_PARTS=spread or memory splits it over two calls
+             part packing 560 python3 bench/trainer_packing.py --size "${PACK_SIZE:-1.5b}" \
+               --parts "${PACK_PARTS:-spread,memory}" --out "$OUT/trainer_packing.json"
+             stamp "$OUT/trainer_packing.json" trainer_packing ;;
+    packtests) part packtests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fused_logprobs.py ;;
     meshtests) part meshtests 560 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/multiproc/test_trainer_mesh.py ;;
     multigpu)  # MULTI_PARTS (mfu,sync,grpo), MULTI_LAYOUTS (bench/multi_gpu.py's LAYOUTS names) split it over calls;
                # MULTI_GRPO_STEPS: the GRPO run's length (default 10)
       part multigpu 580 python3 bench/multi_gpu.py --parts "${MULTI_PARTS:-mfu,sync,grpo}" \
         ${MULTI_LAYOUTS:+--layouts "$MULTI_LAYOUTS"} ${MULTI_GRPO_STEPS:+--grpo-steps "$MULTI_GRPO_STEPS"} --work-dir "$WORK/multi" --out "$OUT/multi_gpu.json"
       (cd "$WORK/multi" && tar czf "$OUT/multi-logs.tgz" logs-* *.log grpo-runs/logs 2>/dev/null) ;;
+    wgather) # the trainer side of a push, FSDP over every GPU, Qwen2.5-1.5B-shaped: full_tensor() on every rank vs
+             # the bucketed gather to the sender (services/trainer/gather.py)
+      part wgather 300 python3 -m torch.distributed.run --standalone --nproc_per_node="$(nvidia-smi -L | wc -l)" \
+        bench/weight_gather.py --size "${WGATHER_SIZE:-1.5b}" --out "$OUT/weight_gather_gpu.json" ;;
+    fit) # the largest Qwen2.5 shape whose GRPO actor step (AdamW, bf16 compute, fp32 master, checkpointing on,
+         # 8 x 2,048 tokens) fits one GPU, full fine-tuning and LoRA (bench/trainer_fit.py)
+      part fit 560 python3 bench/trainer_fit.py --sizes "${FIT_SIZES:-0.5b,1.5b,3b,7b}" --out "$OUT/trainer_fit_gpu.json" ;;
     wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py -s ;;
     reference) part reference 240 python3 bench/reference_gpu.py --out "$OUT/reference_gpu.json" ;;
     wsipc) part wsipc 240 python3 bench/weight_sync.py --transport ipc --device cuda:0 --repeats 10 \
              --out "$OUT/weight_sync.json" ;;
     meshrl) TORCH_LOGS="${TORCH_LOGS:-recompiles}" part meshrl 560 python3 bench/e2e_grpo.py run --device cuda --shape qwen2.5-0.5b --steps "$STEPS" \
               --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" --work-dir "$WORK" --out "$OUT/meshrl.json"
+            stamp "$OUT/meshrl.json" vs_trl_gpu   # e2e_grpo.py combine carries this stamp into vs_trl_gpu.json
             # the services' own logs, for a run that failed
             (cd "$WORK" && tar czf "$OUT/meshrl-logs.tgz" meshrl-*/logs meshrl-*/runs/*/metrics.jsonl meshrl-*/timing 2>/dev/null) ;;
     spy)  # py-spy (from .whl-spy/) samples every meshrl service for SPY_SECONDS while a `meshrl` part runs

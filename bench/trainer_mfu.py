@@ -23,6 +23,11 @@ mask); peak = 989 TFLOP/s, the H200 SXM datasheet's dense bf16 rate. The run als
     PYTHONPATH=.:protos python bench/trainer_mfu.py [--sizes 0.5b,1.5b] [--out bench/results/trainer_mfu.json]
     PYTHONPATH=.:protos python bench/trainer_mfu.py --device cpu --tiny      # smoke test of the script
     PYTHONPATH=.:protos python bench/trainer_mfu.py --device cpu --tiny --actor '{"fused_logprobs": true}'
+
+The engine variants run with the trainer's defaults, remove padding and the fused head included (one packed row
+of 8 x 2048 tokens per micro-batch). The length-spread workload (packed vs padded tokens/s on long-tailed
+lengths) and the fused head's peak memory against full logits are bench/trainer_packing.py, which reuses this
+file's model shapes: `bench/gpu_session.sh packing`.
 """
 
 from __future__ import annotations
@@ -383,6 +388,8 @@ def main(argv=None) -> None:
             validate_s = time.perf_counter() - t0
             flops = model_flops_per_step(shape, num_params, args.batch, args.seq)
             entry = results.setdefault(size, {"size": size, "variants": {}})
+            for note in ("remeasured", "measured_in"):  # notes about an earlier call of a merged file
+                entry.pop(note, None)
             entry.update({"size": size, "shape": shape, "num_parameters": num_params, "batch": args.batch,
                           "seq": args.seq, "tokens_per_step": args.batch * args.seq, "model_flops_per_step": flops,
                           "validate_actor_batch_seconds": round(validate_s, 4), "variants": entry["variants"]})

@@ -34,6 +34,8 @@ def redis_available(host: str = "127.0.0.1", port: int = 6379) -> bool:
 
 @pytest.fixture
 def redis_url() -> str:
+    """A database other tests share: each test keeps its keys under its own `uuid` prefix and never clears
+    keys it did not write (no `meshrl:*` sweeps)."""
     if not redis_available():
         pytest.skip("no Redis on 127.0.0.1:6379 (.ci/run starts one)")
     return "redis://127.0.0.1:6379/15"

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,37 +44,31 @@ def model_dir(tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("weight_sync_gpu_model"), hidden_size=256, num_hidden_layers=4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def replica_process(model_dir: str, device: str, tmp_path: Path):
     """`python -m services.rollout` on `device`, serving once GetInfo answers."""
     import grpc
 
-    port = _free_port()
-    cfg = tmp_path / f"rollout-{port}.yaml"
+    name = f"rollout-{device.replace(':', '')}"
+    cfg = tmp_path / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump({"model": {"path": model_dir, "device": device}}))
-    log = open(tmp_path / f"rollout-{port}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "services.rollout", "--config", str(cfg), "--port", str(port)],
+    log = open(tmp_path / f"{name}.log", "w")
+    # Port 0: the replica binds a free port and says which in its "listening on" line.
+    proc = subprocess.Popen([sys.executable, "-m", "services.rollout", "--config", str(cfg), "--port", "0"],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                 [str(REPO), str(REPO / "protos"), os.environ.get("PYTHONPATH", "")])})
-    address = f"127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with grpc.insecure_channel(address) as ch:
-                    rollout_pb2_grpc.RolloutStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=2)
+        for _ in range(360):                      # polls of the log, not a timing assertion
+            listening = re.search(r"listening on [\w.:\[\]]+:(\d+)", Path(log.name).read_text())
+            if listening or proc.poll() is not None:
                 break
-            except grpc.RpcError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"replica on {device} did not start: {(tmp_path / log.name).read_text()}")
-                time.sleep(0.5)
+            time.sleep(0.5)
+        if not listening:
+            raise RuntimeError(f"replica on {device} did not start: {Path(log.name).read_text()}")
+        address = f"127.0.0.1:{listening[1]}"
+        with grpc.insecure_channel(address) as ch:
+            rollout_pb2_grpc.RolloutStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=30)
         yield proc, address
     finally:
         if proc.poll() is None:
@@ -142,8 +136,9 @@ def test_ipc_pushes_land_in_a_replica_process_on_the_same_gpu_with_the_trainers_
         assert_parity(logprobs, want)
         print(f"ipc push {version}: {pushed.num_bytes} bytes, {pushed.results[0].seconds * 1e3:.1f} ms")
     assert "ipc" in rounds[0][2][0].details["weight_transports"]
-    # Handles are opened on the first push; later ones only copy on the device.
-    assert rounds[-1][0].results[0].seconds < 1.0
+    # That later pushes only copy on the device (handles opened once) is a speed: bench/weight_sync.py measures it
+    # (`first_push_seconds` beside `all_seconds` in bench/results/weight_sync.json).
+    assert all(r[0].results[0].seconds > 0 for r in rounds)
 
 
 def _two_gpus_and_cupy(gpus: int = 2) -> str:
@@ -166,23 +161,24 @@ def test_nccl_broadcast_reaches_a_replica_on_another_gpu_and_a_stalled_one_keeps
                 served1 = await served(target, samples)
                 second, want2 = await train_and_push(stub, samples, [target])   # the same group, no re-forming
                 os.kill(proc.pid, signal.SIGSTOP)                                # the replica stops answering
-                t0 = time.perf_counter()
                 stalled, _ = await train_and_push(stub, samples, [target])
-                stalled_seconds = time.perf_counter() - t0
+                # The push came back while the replica was still stopped: the probe and collective deadlines
+                # ended it, not the replica's return.
+                stalled_state = Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0]
                 os.kill(proc.pid, signal.SIGCONT)
                 kept = await served(target, samples)
                 again, want4 = await train_and_push(stub, samples, [target])     # a new group forms
-                return (first, want1, served1, second, stalled, stalled_seconds, kept, want2, again, want4,
+                return (first, want1, served1, second, stalled, stalled_state, kept, want2, again, want4,
                         await served(target, samples))
 
-        (first, want1, served1, second, stalled, stalled_seconds, kept, want2, again, want4,
+        (first, want1, served1, second, stalled, stalled_state, kept, want2, again, want4,
          served4) = asyncio.run(main())
     assert first.results[0].ok, first.results[0].error
     assert served1[0].weight_version == 1
     assert_parity(served1[1], want1)
     assert second.results[0].ok and second.weight_version == 2
     assert not stalled.results[0].ok and stalled.results[0].error
-    assert stalled_seconds < 60                       # bounded by the probe and collective deadlines
+    assert stalled_state == "T"                     # still stopped when the push returned
     assert kept[0].weight_version == 2                # the failed version 3 never landed
     assert_parity(kept[1], want2)
     assert again.results[0].ok, again.results[0].error
@@ -203,12 +199,10 @@ def test_nccl_broadcast_reaches_two_replicas_and_a_killed_one_is_left_out_cleanl
                 served_both = [await served(t, samples) for t in targets]
                 second.kill()
                 second.wait()
-                t0 = time.perf_counter()
                 after_kill, want_after = await train_and_push(stub, samples, targets)
-                seconds = time.perf_counter() - t0
-                return pushed, want, served_both, after_kill, want_after, seconds, await served(first_target, samples)
+                return pushed, want, served_both, after_kill, want_after, await served(first_target, samples)
 
-        pushed, want, served_both, after_kill, want_after, seconds, survivor = asyncio.run(main())
+        pushed, want, served_both, after_kill, want_after, survivor = asyncio.run(main())
     assert [r.ok for r in pushed.results] == [True, True], [r.error for r in pushed.results]
     for info, logprobs in served_both:
         assert info.weight_version == 1
@@ -217,6 +211,5 @@ def test_nccl_broadcast_reaches_two_replicas_and_a_killed_one_is_left_out_cleanl
     by_target = {r.target: r for r in after_kill.results}
     assert not by_target[second_target].ok and "unreachable" in by_target[second_target].error
     assert by_target[first_target].ok, by_target[first_target].error
-    assert seconds < 60
     assert survivor[0].weight_version == 2
     assert_parity(survivor[1], want_after)

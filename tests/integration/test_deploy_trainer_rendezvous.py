@@ -22,6 +22,7 @@ BIN = Path(sys.executable).parent
 
 
 def free_port() -> int:
+    # Only for the rendezvous endpoint: both nodes must be told it before either starts.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -39,12 +40,24 @@ def healthy(port: int) -> bool:
 
 def wait_until_serving(port: int, procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None:
     """Until the trainer answers health checks; fails with the log of a node that exited meanwhile."""
-    deadline = time.monotonic() + 90
-    while not healthy(port):
+    for _ in range(90):                # a bound on health checks, not a timing assertion
+        if healthy(port):
+            return
         for name, p in procs.items():
             assert p.poll() is None, f"{name} exited:\n{logs[name].read_text()[-3000:]}"
-        assert time.monotonic() < deadline, "trainer never served"
         time.sleep(1.0)
+    raise AssertionError("trainer never served")
+
+
+def wait_for_line(log: Path, text: str, proc: subprocess.Popen) -> str:
+    """The log once it holds `text` (a progress event of that node); fails if the node exits first."""
+    for _ in range(1200):              # a bound on polls, not a timing assertion
+        content = log.read_text() if log.exists() else ""
+        if text in content:
+            return content
+        assert proc.poll() is None, f"{log.name}: exited before {text!r}:\n{content[-3000:]}"
+        time.sleep(0.1)
+    raise AssertionError(f"{log.name}: never logged {text!r}")
 
 
 def stop(procs: dict[str, subprocess.Popen]) -> None:
@@ -74,7 +87,7 @@ def test_the_k8s_trainer_command_puts_rank_0_on_trainer_0_even_when_a_worker_joi
     names = sorted(pods)
     assert names[0] == "trainer-0"
     address = {name: f"127.0.0.{i + 2}" for i, name in enumerate(names)}
-    grpc_port, rdzv_port = free_port(), free_port()
+    rdzv_port = free_port()
     procs: dict[str, subprocess.Popen] = {}
     logs = {name: tmp_path / f"{name}.log" for name in pods}
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("MESHRL_")}
@@ -88,7 +101,8 @@ def test_the_k8s_trainer_command_puts_rank_0_on_trainer_0_even_when_a_worker_joi
                        # a CPU stand-in for each node's GPUs
                        MESHRL_MODEL__DEVICE="cpu", MESHRL_MODEL__DTYPE="float32",
                        MESHRL_ACTOR__DP_SIZE=str(num_nodes), MESHRL_SERVER__HOST="127.0.0.1",
-                       MESHRL_SERVER__PORT=str(grpc_port), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+                       MESHRL_SERVER__PORT="0", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                       LOGLEVEL="INFO")   # torchrun's elastic agent logs its rendezvous steps
             argv = [expand(a, env) for a in container["command"] + container["args"]]
             for pod in pods:
                 argv = [a.replace(f"{pod}.{governing}.{namespace}.svc.cluster.local", address[pod]) for a in argv]
@@ -100,7 +114,13 @@ def test_the_k8s_trainer_command_puts_rank_0_on_trainer_0_even_when_a_worker_joi
             with logs[name].open("w") as log:
                 procs[name] = subprocess.Popen(argv, env={**base_env, **env}, cwd=REPO, stdout=log,
                                                stderr=subprocess.STDOUT, start_new_session=True)
-            time.sleep(2.0 if name == "trainer-worker-0" else 0)
+            if name == "trainer-worker-0":
+                # The worker is in the rendezvous, and has not got through it, before the head starts.
+                waiting = wait_for_line(logs[name], "Rendezvous'ing worker group", procs[name])
+                assert "actor loaded" not in waiting
+        # The head binds port 0 and says which port it got.
+        served = wait_for_line(logs["trainer-0"], "meshrl trainer listening on 127.0.0.1:", procs["trainer-0"])
+        grpc_port = int(re.search(r"meshrl trainer listening on 127\.0\.0\.1:(\d+)", served)[1])
         wait_until_serving(grpc_port, procs, logs)
         head_log, worker_log = logs["trainer-0"].read_text(), logs["trainer-worker-0"].read_text()
         assert f"meshrl trainer listening on 127.0.0.1:{grpc_port}" in head_log

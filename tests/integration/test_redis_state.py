@@ -33,23 +33,49 @@ def test_run_records_and_metrics_survive_a_new_store_connection(redis_url):
 def test_registry_join_and_leave_with_heartbeats(redis_url):
     async def main():
         prefix = f"meshrl-test-{uuid.uuid4().hex[:8]}"
-        reg = Registry(redis_url, prefix=prefix, ttl_s=0.6)
+        ttl = 1.5
+        reg = Registry(redis_url, prefix=prefix, ttl_s=ttl)
+        beats: dict[str, list[float]] = {"10.0.0.1:1": [], "10.0.0.2:1": []}
+        beat = asyncio.Event()
+        register = reg.register
+
+        async def counted(role, address):  # every heartbeat's registration, as it lands
+            await register(role, address)
+            beats[address].append(asyncio.get_running_loop().time())
+            beat.set()
+
+        reg.register = counted
+
+        async def next_beat_of(address):
+            seen = len(beats[address])
+            while len(beats[address]) == seen:
+                beat.clear()
+                await asyncio.wait_for(beat.wait(), 30)
+
         stop_a, stop_b = asyncio.Event(), asyncio.Event()
         a = asyncio.create_task(reg.heartbeat("rollout", "10.0.0.1:1", stop_a))
         b = asyncio.create_task(reg.heartbeat("rollout", "10.0.0.2:1", stop_b))
-        await asyncio.sleep(0.1)
+        while not all(beats.values()):
+            await next_beat_of("10.0.0.1:1" if not beats["10.0.0.1:1"] else "10.0.0.2:1")
         assert await reg.list("rollout") == ["10.0.0.1:1", "10.0.0.2:1"]
         # a graceful stop deregisters at once
         stop_a.set()
         await a
         assert await reg.list("rollout") == ["10.0.0.2:1"]
-        # heartbeats keep b alive past its TTL
-        await asyncio.sleep(1.0)
+        # heartbeats keep b alive past its TTL: registered at its first beat, listed after beats spanning 2 TTLs
+        while beats["10.0.0.2:1"][-1] - beats["10.0.0.2:1"][0] < 2 * ttl:
+            await next_beat_of("10.0.0.2:1")
+        assert len(beats["10.0.0.2:1"]) >= 4
         assert await reg.list("rollout") == ["10.0.0.2:1"]
-        # a replica that dies without deregistering disappears when its TTL runs out
+        # a replica that dies without deregistering disappears when its TTL runs out (and only then)
         b.cancel()
-        await asyncio.sleep(0.8)
-        assert await reg.list("rollout") == []
+        listed_after_death = []
+        for _ in range(300):  # a bound on polls, not on seconds
+            listed_after_death.append(await reg.list("rollout"))
+            if not listed_after_death[-1]:
+                break
+            await asyncio.sleep(ttl / 10)
+        assert listed_after_death[0] == ["10.0.0.2:1"] and listed_after_death[-1] == []
         await reg.close()
 
     asyncio.run(main())

@@ -24,6 +24,12 @@ def test_two_reward_and_two_reference_replicas_share_the_calls_round_robin(arith
         try:
             ctx = await open_context("pools", load_config(RunConfig, data=mesh.config))
             counts = {}
+            reward_calls = [0] * len(mesh.engines["reward"])
+            for i, reward_engine in enumerate(mesh.engines["reward"]):  # the reward engine keeps no count
+                def counted(*args, _score=reward_engine.score, _i=i, **kwargs):
+                    reward_calls[_i] += 1
+                    return _score(*args, **kwargs)
+                reward_engine.score = counted
             for _ in range(4):
                 await loop.rl_step(ctx)
             for role in ("reward", "reference", "rollout"):
@@ -33,6 +39,7 @@ def test_two_reward_and_two_reference_replicas_share_the_calls_round_robin(arith
             ref_calls = [e.num_calls for e in mesh.engines["reference"]]
             assert all(c >= 1 for c in ref_calls), ref_calls
             assert sum(ref_calls) == 4
+            assert reward_calls == [2, 2], reward_calls   # one Score per step, alternating
             await ctx.close()
         finally:
             await mesh.stop()

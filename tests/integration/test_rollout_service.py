@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -236,19 +237,19 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_old_weights_and_the_ser
             old = await _old_state(stub)
             new = random_state_like(engine.model, seed=9)
             msgs = list(weight_messages(new, version=3, bucket_bytes=2048))
-            hang = asyncio.Event()
+            hang, sent = asyncio.Event(), asyncio.Event()
 
             async def partial():
                 for m in msgs[:4]:
                     yield m
+                sent.set()                 # gRPC asked for a fifth message: the four are on their way
                 await hang.wait()
 
             call = stub.UpdateWeights(partial())
-            await asyncio.sleep(0.5)
+            await asyncio.wait_for(sent.wait(), 30)
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
-            await asyncio.sleep(0.2)
             mid = await _old_state(stub)
             done = await push_weights(stub, new, version=4)
             return old, mid, done
@@ -264,8 +265,16 @@ def test_a_weight_swap_waits_for_running_generation_so_no_sample_mixes_versions(
             async def generate():
                 return await stub.Generate(greedy_request(n=16, temperature=1.0, max_tokens=50))
 
+            started = threading.Event()     # the generation runs, holding the engine lock
+            generate_jobs = engine._generate_jobs
+
+            def entered(*args, **kwargs):
+                started.set()
+                return generate_jobs(*args, **kwargs)
+
+            engine._generate_jobs = entered
             long_gen = asyncio.create_task(generate())
-            await asyncio.sleep(0.05)     # the generation holds the engine lock before the swap arrives
+            assert await asyncio.to_thread(started.wait, 60)
             await push_weights(stub, random_state_like(engine.model, seed=10), version=5)
             resp = await long_gen
             after = await stub.Generate(greedy_request())

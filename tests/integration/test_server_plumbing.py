@@ -21,13 +21,18 @@ class FaultyReward(reward_pb2_grpc.RewardServicer):
 
     def __init__(self):
         self.release = asyncio.Event()
+        self.entered = asyncio.Event()   # a "slow" call has reached the handler
 
     async def Score(self, request, context):
         if not request.items:
             raise ValueError("items: empty batch")
         if request.items[0].id == "precondition":
             raise FailedPrecondition("model not loaded")
+        if request.items[0].id == "echo":  # a large answer: as many characters as the request's response
+            text = request.items[0].response
+            return reward_pb2.ScoreResponse(results=[reward_pb2.ScoreResult(id="echo", score=len(text), error=text)])
         if request.items[0].id == "slow":
+            self.entered.set()
             await self.release.wait()
             return reward_pb2.ScoreResponse(results=[reward_pb2.ScoreResult(id="slow", score=1.0)])
         raise RuntimeError("boom")
@@ -111,11 +116,15 @@ def test_stop_flips_health_to_not_serving_and_lets_in_flight_calls_finish():
         addr = f"127.0.0.1:{port}"
         stub = reward_pb2_grpc.RewardStub(create_channel(addr))
         in_flight = asyncio.ensure_future(stub.Score(reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(id="slow")])))
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(servicer.entered.wait(), 30)
         stopping = asyncio.create_task(mesh.stop(grace=5.0))
-        await asyncio.sleep(0.2)
-        status = await mesh.health.Check(health_pb2.HealthCheckRequest(service=""), None)
+        for _ in range(1000):  # until stop() has flipped health; the call is still held by the handler
+            status = await mesh.health.Check(health_pb2.HealthCheckRequest(service=""), None)
+            if status.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            await asyncio.sleep(0.01)
         assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert not in_flight.done() and not stopping.done()
         servicer.release.set()
         result = await in_flight
         assert result.results[0].score == 1.0
@@ -124,10 +133,25 @@ def test_stop_flips_health_to_not_serving_and_lets_in_flight_calls_finish():
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("n", [0])
-def test_oversized_message_limit_is_raised_above_grpc_default(n):
-    cfg = ServerConfig()
-    assert cfg.max_message_bytes > 4 * 1024 * 1024
+def test_oversized_message_limit_is_raised_above_grpc_default():
+    # 6 MiB each way through a real server: over gRPC's 4 MiB default, under the mesh's limit.
+    big = "x" * (6 * 1024 * 1024)
+    request = reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(id="echo", response=big)])
+
+    async def main():
+        mesh, port, _ = await _serve()
+        try:
+            async with create_channel(f"127.0.0.1:{port}") as channel:
+                reply = await reward_pb2_grpc.RewardStub(channel).Score(request)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as plain:  # gRPC's default limits
+                code, _ = await _code(reward_pb2_grpc.RewardStub(plain).Score(request))
+        finally:
+            await mesh.stop(0)
+        return reply.results[0], code
+
+    result, default_code = asyncio.run(main())
+    assert result.score == len(big) and len(result.error) == len(big)
+    assert default_code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_a_new_channel_reaches_a_service_that_just_came_up_on_a_port_that_failed_before():

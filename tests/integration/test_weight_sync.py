@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -170,18 +169,16 @@ def test_a_replica_killed_mid_sync_fails_alone_and_the_others_take_the_version(m
         async def main():
             async with trainer_and_replicas(model_dir, 2) as (stub, targets):
                 await train_once(stub, samples)
-                t0 = time.perf_counter()
                 # ~60 buckets of 4 KiB at 50 ms each: the slow replica is still receiving when it is killed.
                 push = asyncio.ensure_future(stub.PushWeights(trainer_pb2.PushWeightsRequest(
                     targets=[targets[0], slow, targets[1]], bucket_bytes=4096)))
                 assert await asyncio.to_thread(proc.stdout.readline) == "receiving\n"
                 os.kill(proc.pid, signal.SIGKILL)
                 pushed = await push
-                seconds = time.perf_counter() - t0
                 want = [list(r.logprobs) for r in (await stub.ComputeLogProbs(sequences_pb(samples))).results]
-                return pushed, seconds, want, [await served(t, samples) for t in targets]
+                return pushed, want, [await served(t, samples) for t in targets]
 
-        pushed, seconds, want, replicas = asyncio.run(main())
+        pushed, want, replicas = asyncio.run(main())
     finally:
         proc.kill()
         proc.wait()
@@ -189,7 +186,7 @@ def test_a_replica_killed_mid_sync_fails_alone_and_the_others_take_the_version(m
     ok = {r.target: r.ok for r in pushed.results}
     assert ok == {pushed.results[0].target: True, slow: False, pushed.results[2].target: True}
     assert pushed.results[1].error                 # the dead one is reported, not hidden
-    assert seconds < 20                            # nobody waited for a deadline
+    assert "deadline" not in pushed.results[1].error.lower(), pushed.results[1].error   # the loss was seen, not waited out
     for version, logprobs, _ in replicas:
         assert version == 1
         assert_parity(logprobs, want)

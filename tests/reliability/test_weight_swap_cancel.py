@@ -1,7 +1,7 @@
 """A weight swap whose caller is cancelled while the swap runs leaves weights and version in step."""
 
 import asyncio
-import time
+import threading
 
 import pytest
 import torch
@@ -20,12 +20,14 @@ def test_a_swap_cancelled_midway_leaves_the_replica_on_one_version_with_its_own_
     engine = TorchEngine(load_config(RolloutSettings, data={"model": {"path": arith_model_path}}))
     state = {k: (v.detach() + 0.05).contiguous() for k, v in named_weights(engine.model).items()}
     real_swap = rollout_engine.swap_in
+    in_swap, release = threading.Event(), threading.Event()
 
-    def slow_swap(*args, **kwargs):
-        time.sleep(0.5)                         # the caller is cancelled meanwhile
+    def held_swap(*args, **kwargs):
+        in_swap.set()
+        assert release.wait(60)                 # the caller is cancelled meanwhile
         return real_swap(*args, **kwargs)
 
-    monkeypatch.setattr(rollout_engine, "swap_in", slow_swap)
+    monkeypatch.setattr(rollout_engine, "swap_in", held_swap)
 
     async def buckets():
         for data, crc in iter_buckets(state, 1 << 20):
@@ -34,13 +36,16 @@ def test_a_swap_cancelled_midway_leaves_the_replica_on_one_version_with_its_own_
     async def main():
         before = (await engine.logprobs([PROMPT], [RESPONSE]))[0][0]
         task = asyncio.create_task(engine.update_weights(build_manifest(state, 7), buckets()))
-        await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(in_swap.wait, 60)   # the swap runs in its worker thread
         task.cancel()
+        await asyncio.sleep(0)                             # the cancellation reaches the waiting caller
+        release.set()
         with pytest.raises(asyncio.CancelledError):
             await task
         after, version = await engine.logprobs([PROMPT], [RESPONSE])
         return before, after[0], version
 
     before, after, version = asyncio.run(main())
-    # Either the update landed (new weights, version 7) or it did not (old weights, version 0).
-    assert (version, after == before) in ((7, False), (0, True)), (version, after == before)
+    # Cancelled once the swap had started: a thread cannot be stopped, so the update lands whole (new weights
+    # under version 7) and the caller still sees its cancellation; never new weights under the old version.
+    assert (version, after != before) == (7, True), (version, after == before)

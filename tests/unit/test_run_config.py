@@ -38,6 +38,9 @@ def test_invalid_yaml_is_reported():
 def test_recipes_parse():
     from pathlib import Path
 
-    for recipe in sorted(Path("examples/arith").glob("*.yaml")):
+    # Anchored at the repository, not the directory pytest was started from.
+    recipes = sorted((Path(__file__).resolve().parents[2] / "examples" / "arith").glob("*.yaml"))
+    assert {r.name for r in recipes} >= {"grpo.yaml", "ppo.yaml", "dpo.yaml"}, recipes
+    for recipe in recipes:
         cfg = parse_run_config(recipe.read_text())
         assert cfg.run.num_steps >= 1, recipe

@@ -1,0 +1,143 @@
+"""Where a benchmark JSON came from: the commit and a digest of the code it measures, so a doc can say when it went stale.
+
+Each results file names the source paths whose change makes its figures stale (`SOURCES`). A benchmark
+stamps its JSON with `stamp()` (or `python bench/provenance.py stamp FILE...` after a GPU part); `staleness()`
+compares the stamped digest with the working tree's. Files measured before stamps existed carry only a
+`commit`; for them the comparison is `git diff <commit> -- <paths>` when git has that commit.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+_MESH = ["services", "coordinator", "protos/meshrl"]
+# results file stem -> the code whose change makes its figures stale (files or folders, relative to the repo)
+SOURCES: dict[str, list[str]] = {
+    "trainer_mfu": ["services/trainer", "services/common/fused.py", "services/common/compile.py",
+                    "services/common/modeling.py", "bench/trainer_mfu.py"],
+    "trainer_packing": ["services/trainer", "services/common/fused.py", "services/common/packing.py",
+                        "services/common/vocab_parallel.py", "services/common/modeling.py", "bench/trainer_packing.py"],
+    "trainer_packing_cpu": ["services/trainer", "services/common/fused.py", "services/common/packing.py",
+                            "services/common/vocab_parallel.py", "services/common/modeling.py",
+                            "bench/trainer_packing.py"],
+    "rollout_throughput_gpu": ["services/rollout/torch_engine.py", "services/rollout/cuda_decode.py",
+                               "services/rollout/decode_attention.py", "services/rollout/fused_sample.py",
+                               "services/rollout/sampling.py", "bench/rollout_gpu.py"],
+    "decode_step_gpu": ["services/rollout/cuda_decode.py", "services/rollout/decode_attention.py",
+                        "services/rollout/fused_sample.py", "bench/decode_step.py"],
+    "decode_step_seeded_gpu": ["services/rollout/cuda_decode.py", "services/rollout/decode_attention.py",
+                               "services/rollout/fused_sample.py", "bench/decode_step.py"],
+    "vs_trl_gpu": [*_MESH, "bench/e2e_grpo.py", "bench/peers"],
+    "vs_trl_cpu": [*_MESH, "bench/e2e_grpo.py", "bench/peers"],
+    "demo_cpu": [*_MESH, "examples/arith/grpo.yaml", "bench/demo_cpu.py"],
+    "env_tools": ["services/env", "services/common/tool_calls.py", "protos/meshrl/v1/env.proto", "bench/env_tools.py"],
+    "weight_sync": ["services/trainer/weight_sync.py", "services/common/weight_transport.py",
+                    "services/rollout/weight_receivers.py", "bench/weight_sync.py"],
+    "weight_sync_ipc": ["services/common/weight_transport.py", "bench/weight_sync_ipc.py"],
+    "payloads": ["services/common/packed.py", "protos/meshrl/v1/common.proto", "protos/meshrl/v1/rollout.proto",
+                 "protos/meshrl/v1/reference.proto", "protos/meshrl/v1/trainer.proto", "bench/payloads.py"],
+    "multi_gpu": [*_MESH, "bench/multi_gpu.py"],
+    "weight_gather": ["services/trainer/gather.py", "services/trainer/parallelize.py", "bench/weight_gather.py"],
+    "weight_gather_gpu": ["services/trainer/gather.py", "services/trainer/parallelize.py", "bench/weight_gather.py"],
+    "trainer_fit": ["services/trainer/lora.py", "services/trainer/parallelize.py", "services/trainer/optim.py",
+                    "bench/trainer_fit.py"],
+    "trainer_fit_gpu": ["services/trainer/lora.py", "services/trainer/parallelize.py", "services/trainer/optim.py",
+                        "bench/trainer_fit.py"],
+}
+
+
+def _files(paths: list[str], root: Path) -> list[Path]:
+    out: list[Path] = []
+    for rel in paths:
+        p = root / rel
+        if p.is_dir():
+            out += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in {".py", ".proto", ".yaml", ".sh"}
+                          and "__pycache__" not in f.parts)
+        elif p.is_file():
+            out.append(p)
+    return out
+
+
+def source_digest(stem: str, root: Path | None = None) -> str:
+    """sha256 over the relative names and bytes of the files `SOURCES[stem]` covers, as they are on disk."""
+    root = root or REPO
+    h = hashlib.sha256()
+    for f in _files(SOURCES[stem], root):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+
+
+def head_commit() -> str:
+    """The short commit of the tree, or $MESHRL_COMMIT where the tree has no git (a copy on a GPU machine)."""
+    got = _git("rev-parse", "--short", "HEAD")
+    return got.stdout.strip() if got.returncode == 0 else os.environ.get("MESHRL_COMMIT", "unknown")
+
+
+def stamp(stem: str, result: dict, shared_machine: bool | None = None) -> dict:
+    """Adds `provenance` (commit, whether the tree had edits, source digest, date, host) to `result`."""
+    dirty = _git("status", "--porcelain", "--", *SOURCES[stem])
+    prov = {"commit": head_commit(),
+            "source_paths": SOURCES[stem],
+            "source_digest": source_digest(stem),
+            "tree_had_uncommitted_edits": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None,
+            "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "host": f"{platform.machine()}, {os.cpu_count()} cores"}
+    if shared_machine is not None:
+        prov["machine_shared_with_other_jobs"] = shared_machine
+    result["provenance"] = prov
+    return result
+
+
+def staleness(stem: str, data: dict) -> tuple[bool | None, str]:
+    """(stale, commit): True when the measured code changed since; None when that cannot be told here."""
+    prov = data.get("provenance") or {}
+    machine = data.get("machine") if isinstance(data.get("machine"), dict) else {}
+    commit = prov.get("commit") or machine.get("git_commit") or "?"
+    if stem not in SOURCES:
+        return None, commit
+    if prov.get("source_digest"):
+        return prov["source_digest"] != source_digest(stem), commit
+    if commit == "?" or _git("cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+        return None, commit
+    diff = _git("diff", "--quiet", commit, "--", *SOURCES[stem])
+    return (diff.returncode == 1) if diff.returncode in (0, 1) else None, commit
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    st = sub.add_parser("stamp", help="stamp result JSONs (stem from the file name) with the commit and digest")
+    st.add_argument("files", nargs="+", type=Path)
+    st.add_argument("--as", dest="stem", help="the results stem whose sources it measures (default: the file's)")
+    sub.add_parser("check", help="print each results file's commit and whether the code changed since")
+    args = ap.parse_args(argv)
+    if args.cmd == "stamp":
+        for f in args.files:
+            if not f.exists():
+                print(f"provenance: {f} not written, nothing to stamp", file=sys.stderr)
+                continue
+            data = json.loads(f.read_text())
+            f.write_text(json.dumps(stamp(args.stem or f.stem, data), indent=1) + "\n")
+        return 0
+    for f in sorted(RESULTS.glob("*.json")):
+        stale, commit = staleness(f.stem, json.loads(f.read_text()))
+        print(f"{f.name:32} {commit:10} {'stale' if stale else 'fresh' if stale is False else 'unknown'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
