@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MODULES = {"coordinator": "coordinator", "trainer": "services.trainer", "rollout": "services.rollout",
-           "reward": "services.reward", "reference": "services.reference"}
+           "reward": "services.reward", "reference": "services.reference", "env": "services.env"}
 # Roles whose replicas the coordinator's pools fail over between: one that dies is restarted, the run goes on.
 REPLICATED = ("rollout", "reward", "reference")
 

@@ -41,6 +41,7 @@ ROLES: dict[str, tuple[str, str]] = {
     "reference": ("services.reference.config:ReferenceSettings", "services.reference.servicer"),
     "reward": ("services.reward.config:RewardSettings", "services.reward.servicer"),
     "rollout": ("services.rollout.config:RolloutSettings", "services.rollout.servicer"),
+    "env": ("services.env.config:EnvSettings", "services.env.servicer"),
 }
 
 

@@ -181,7 +181,7 @@ def test_the_rules_see_the_tree():
 
 
 def test_every_service_shows_its_face():
-    for role in ("rollout", "reward", "reference", "trainer"):
+    for role in ("rollout", "reward", "reference", "trainer", "env"):
         folder = ROOT / "services" / role
         assert (folder / "config.py").is_file(), f"services/{role}/config.py"
         assert (folder / "types.py").is_file(), f"services/{role}/types.py"

@@ -1,0 +1,1 @@
+"""The env service: tools (calculator, sandboxed python, user functions) and text environments (docs/agentic.md)."""
