@@ -18,9 +18,7 @@ tests/unit/test_fused_logprobs.py; bf16 on the GPU, see tests/gpu/test_fused_log
 from __future__ import annotations
 
 import types
-from typing import Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -188,9 +186,15 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
     """(logp, entropy) [N] fp32 of the targets [N] under softmax(hidden [N, d] @ weight [V, d]^T / T).
 
-    Triton kernels on CUDA when Triton is installed, the chunked pure-torch path otherwise.
+    Triton kernels on CUDA when Triton is installed, the chunked pure-torch path otherwise. Without gradients
+    (log-prob passes) the rows go in chunks on CUDA too: no [tokens, vocab] tensor at all, only a chunk's.
     """
-    fn = _TritonHeadLogprobs if (hidden.is_cuda and triton is not None) else _ChunkedHeadLogprobs
+    on_triton = hidden.is_cuda and triton is not None
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        fwd, n = (triton_rows_fwd if on_triton else rows_fwd), _chunk_rows(weight.shape[0])
+        out = [fwd(h @ weight.t(), t, temperature)[:2] for h, t in zip(hidden.split(n), targets.split(n))]
+        return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+    fn = _TritonHeadLogprobs if on_triton else _ChunkedHeadLogprobs
     return fn.apply(hidden, weight, targets, float(temperature))
 
 
@@ -214,25 +218,31 @@ def supports_fused_head(model: nn.Module) -> str | None:
 
 def _forward(self, input_ids=None, attention_mask=None, *, logprob_index=None, temperature: float = 1.0, **kwargs):
     """The model's own forward, or, given logprob_index = (src [N], targets [N]), the fused head at the
-    flat [B * L] positions `src`: (logp [N], entropy [N]). Runs inside the module's __call__ so FSDP's
-    and DDP's hooks see it like any forward."""
+    flat positions `src` of the hidden states: (logp [N], entropy [N]). `kwargs` (position ids and packed
+    sequences, see services/common/packing.py) go to the backbone. Runs inside the module's __call__ so
+    FSDP's and DDP's hooks see it like any forward."""
     if logprob_index is None:
         return self._plain_forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     src, targets = logprob_index
-    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).last_hidden_state
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, src)                          # [N, d]
     weight = self.lm_head.weight
     device_type = h.device.type
     # Under autocast the head runs in the autocast dtype, as the model's own lm_head would.
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    if hasattr(weight, "placements"):
+        from services.common.vocab_parallel import vocab_parallel_logprobs
+
+        return vocab_parallel_logprobs(h.to(dtype), weight, targets, temperature)
     return head_logprobs(h.to(dtype), weight.to(dtype), targets, temperature)
 
 
-def enable_fused_head(model: nn.Module) -> None:
-    """Gives `model` the forward above (an instance attribute: FQNs, state dicts and the HF class stay)."""
+def enable_fused_head(model: nn.Module, key: str = "actor.fused_logprobs") -> None:
+    """Gives `model` the forward above (an instance attribute: FQNs, state dicts and the HF class stay); `key`
+    names the setting in the error when it cannot."""
     reason = supports_fused_head(model)
     if reason is not None:
-        raise ValueError(f"actor.fused_logprobs: {reason}")
+        raise ValueError(f"{key}: {reason}")
     if getattr(model, "_plain_forward", None) is None:
         model._plain_forward = model.forward
         model.forward = types.MethodType(_forward, model)
@@ -246,43 +256,36 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def response_inputs(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_id: int,
-                    device: torch.device):
-    """Right-padded input ids / attention mask [B, L], and for the N real response tokens their flat
-    positions src [N] in [B * L] (the logit that predicts each), targets [N] and places dst [N] in [B * R];
-    built on the host with numpy (one row copy per sequence, the rest vectorised), copied without a sync."""
-    B = len(prompts)
-    plen = np.fromiter((len(p) for p in prompts), np.int64, B)
-    rlen = np.fromiter((len(r) for r in responses), np.int64, B)
-    L, R = int((plen + rlen).max()), int(rlen.max())
-    input_ids = np.full((B, L), pad_id, dtype=np.int64)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[i, :len(p)] = p
-        input_ids[i, len(p):len(p) + len(r)] = r
-    attention_mask = (np.arange(L) < (plen + rlen)[:, None]).astype(np.int64)
-    row = np.repeat(np.arange(B), rlen)
-    t = np.arange(int(rlen.sum())) - np.repeat(np.cumsum(rlen) - rlen, rlen)      # index within the response
-    src = row * L + np.repeat(plen - 1, rlen) + t
-    dst = row * R + t
-    targets = input_ids[row, np.repeat(plen, rlen) + t]
-    mask = np.zeros(B * R, dtype=bool)
-    mask[dst] = True
-    return tuple(host_to_device(torch.from_numpy(x), device) for x in (input_ids, attention_mask, src, dst, targets,
-                                                                       mask.reshape(B, R)))
+def sequence_logprobs(model: nn.Module, prompts, responses, *, pad_id: int, device: torch.device,
+                      temperature: float = 1.0, packed: bool = False, fused: bool = False):
+    """(logp [B, R], mask [B, R], entropy [B, R]) of the response tokens, padded entries 0; with gradients
+    under grad mode. The one log-prob function of the actor, DPO, ComputeLogProbs and the reference.
+
+    `packed`: one packed row per micro-batch (the model went through packing.enable_packing), else right
+    padding. `fused`: through the fused head (the inner model went through enable_fused_head): no fp32
+    [tokens, vocab] tensor; else the model's own logits at the response positions (the baseline path).
+    `model` is the module to call (a DDP wrapper, an FSDP root or the model itself).
+    """
+    from services.common.packing import token_layout
+
+    lay = token_layout(prompts, responses, pad_id=pad_id, device=device, packed=packed)
+    # Right padding under the causal mask: no attention mask needed (see modeling.response_logprobs).
+    if fused:
+        logp, ent = model(input_ids=lay.input_ids, attention_mask=None, logprob_index=(lay.src, lay.targets),
+                          temperature=temperature, **lay.model_kwargs)
+    else:
+        logits = model(input_ids=lay.input_ids, use_cache=False, **lay.model_kwargs).logits
+        logp, ent, _ = rows_fwd(logits.reshape(-1, logits.shape[-1]).index_select(0, lay.src), lay.targets,
+                                temperature)
+    B, R = lay.mask.shape
+    # index_copy: differentiable scatter of the N real tokens into [B * R] (padding stays 0).
+    out_logp = torch.zeros(B * R, dtype=logp.dtype, device=logp.device).index_copy(0, lay.dst, logp)
+    out_ent = torch.zeros(B * R, dtype=ent.dtype, device=ent.device).index_copy(0, lay.dst, ent)
+    return out_logp.view(B, R), lay.mask, out_ent.view(B, R)
 
 
 def fused_response_logprobs(model: nn.Module, prompts, responses, *, pad_id: int, device: torch.device,
-                            temperature: float = 1.0):
-    """response_logprobs(..., with_entropy=True) through the fused head: (logp [B, R], mask [B, R], entropy
-    [B, R]), padded entries 0. `model` is the module to call (a DDP wrapper, an FSDP root or the model
-    itself) whose inner model went through enable_fused_head."""
-    input_ids, attention_mask, src, dst, targets, mask = response_inputs(prompts, responses, pad_id=pad_id,
-                                                                         device=device)
-    # Right padding under the causal mask: no attention mask needed (see modeling.response_logprobs).
-    logp, ent = model(input_ids=input_ids, attention_mask=None, logprob_index=(src, targets),
-                      temperature=temperature)
-    B, R = mask.shape
-    # index_copy: differentiable scatter of the N real tokens into [B * R] (padding stays 0).
-    out_logp = torch.zeros(B * R, dtype=logp.dtype, device=logp.device).index_copy(0, dst, logp)
-    out_ent = torch.zeros(B * R, dtype=ent.dtype, device=ent.device).index_copy(0, dst, ent)
-    return out_logp.view(B, R), mask, out_ent.view(B, R)
+                            temperature: float = 1.0, packed: bool = False):
+    """sequence_logprobs through the fused head."""
+    return sequence_logprobs(model, prompts, responses, pad_id=pad_id, device=device, temperature=temperature,
+                             packed=packed, fused=True)

@@ -144,27 +144,27 @@ def pack_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]
 
 @torch.no_grad()
 def batched_logprobs(model, prompts, responses, *, pad_id: int, temperature: float = 1.0,
-                     token_budget: int = 16384, fused: bool = False, as_arrays: bool = False):
-    """Log-probs of each response's tokens, computed in micro-batches packed by a token budget.
+                     token_budget: int = 16384, fused: bool = False, packed: bool = False, as_arrays: bool = False):
+    """Log-probs of each response's tokens, computed in micro-batches of at most `token_budget` tokens.
 
     `fused`: through the fused LM head (the model went through services.common.fused.enable_fused_head).
+    `packed`: each micro-batch one packed row (the model went through services.common.packing.enable_packing),
+    filled to the budget; else right-padded rows whose batch * longest stays within it.
     Every micro-batch is queued before the one device-to-host copy at the end. Rows are lists, or float32
     numpy arrays with `as_arrays` (for packed answers: no per-element conversion).
     """
+    from services.common.fused import sequence_logprobs
+    from services.common.packing import pack_by_token_sum
+
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     out: list[list[float] | None] = [None] * len(prompts)
-    groups = pack_by_token_budget(lengths, token_budget)
+    groups = (pack_by_token_sum if packed else pack_by_token_budget)(lengths, token_budget)
+    device = next(model.parameters()).device
     results = []
     for group in groups:
         ps, rs = [prompts[i] for i in group], [responses[i] for i in group]
-        if fused:
-            from services.common.fused import fused_response_logprobs
-
-            logp = fused_response_logprobs(model, ps, rs, pad_id=pad_id, device=next(model.parameters()).device,
-                                           temperature=temperature)[0]
-        else:
-            logp = response_logprobs(model, ps, rs, pad_id=pad_id, temperature=temperature)[0]
-        results.append(logp)
+        results.append(sequence_logprobs(model, ps, rs, pad_id=pad_id, device=device, temperature=temperature,
+                                         packed=packed, fused=fused)[0])
     for group, logp in zip(groups, results):
         rows = logp.float().cpu().numpy() if as_arrays else logp.cpu().tolist()
         for row, i in enumerate(group):

@@ -13,13 +13,15 @@ class ReferenceConfig(PoolConfig):
     model_path: str | None = None
     dtype: str | None = Field(None, pattern="^(float32|bfloat16|float16)$")
     device: str | None = None
-    # Micro-batches are packed so that batch * longest sequence stays within this many tokens.
+    # Tokens per micro-batch: the packed row's length (use_remove_padding), else batch * longest sequence.
     micro_batch_token_budget: int = Field(16384, ge=1)
     max_batch_size: int = Field(4096, ge=1)
     # Log-probs through the trainer's fused LM head (services/common/fused.py): the head runs at response
-    # positions only and a Triton row kernel takes the log-softmax, so no fp32 [tokens, vocab] logits exist.
-    # None = on for CUDA, off elsewhere (the plain path is then bit-identical to the trainer's ComputeLogProbs).
+    # positions only, in row chunks (a Triton row kernel on CUDA), so no fp32 [tokens, vocab] logits exist.
+    # None = on wherever the head can be fused (the trainer's default too: both compute alike).
     fused_logprobs: bool | None = None
+    # Packed rows without padding, as the trainer's actor.use_remove_padding. None = off.
+    use_remove_padding: bool | None = None
     # torch.compile each decoder block (the trainer's regional compilation: one graph serves every block;
     # compiles at the first calls). None = on for CUDA, off elsewhere.
     compile: bool | None = None

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.common.fused import enable_fused_head, supports_fused_head
 from services.common.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
+from services.common.packing import enable_packing
 from services.reference.config import ReferenceSettings
 
 log = logging.getLogger("meshrl.reference")
@@ -22,11 +24,12 @@ class ReferenceEngine:
         self.config = ref
         set_threads(m.num_threads)
         self.model = load_causal_lm(self.model_path, dtype=self.dtype, device=self.device)
-        self.fused = ref.fused_logprobs if ref.fused_logprobs is not None else str(self.device).startswith("cuda")
+        self.fused = ref.fused_logprobs if ref.fused_logprobs is not None else supports_fused_head(self.model) is None
         if self.fused:
-            from services.common.fused import enable_fused_head
-
-            enable_fused_head(self.model)
+            enable_fused_head(self.model, key="reference.fused_logprobs")
+        self.packed = bool(ref.use_remove_padding)
+        if self.packed:
+            enable_packing(self.model, "reference.use_remove_padding")
         self.compiled = ref.compile if ref.compile is not None else str(self.device).startswith("cuda")
         if self.compiled:
             from services.common.compile import apply_compile
@@ -43,7 +46,7 @@ class ReferenceEngine:
     def info(self) -> dict:
         return {"dtype": self.dtype, "device": self.device, "num_calls": self.num_calls, "micro_batch_token_budget":
                 self.config.micro_batch_token_budget, "max_model_len": self.max_len, "fused_logprobs": self.fused,
-                "compile": self.compiled}
+                "use_remove_padding": self.packed, "compile": self.compiled}
 
     def logprobs_sync(self, prompts, responses, temperature: float = 1.0, *, as_arrays: bool = False):
         """Rows as lists, or float32 numpy arrays with as_arrays."""
@@ -52,7 +55,7 @@ class ReferenceEngine:
             raise ValueError(f"sequences: {len(prompts)} exceed reference.max_batch_size={self.config.max_batch_size}")
         return batched_logprobs(self.model, prompts, responses, pad_id=self.pad_id, temperature=temperature,
                                 token_budget=self.config.micro_batch_token_budget, fused=self.fused,
-                                as_arrays=as_arrays)
+                                packed=self.packed, as_arrays=as_arrays)
 
     async def logprobs(self, prompts, responses, temperature: float = 1.0, *, as_arrays: bool = False):
         self.num_calls += 1

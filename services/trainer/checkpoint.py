@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from isal import isal_zlib
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from services.common.errors import FailedPrecondition, MeshError, NotFound, passes_through, path_error
 
@@ -261,11 +261,21 @@ def read_meta(path: str) -> dict:
 
 # ---- save and load --------------------------------------------------------------------------------------
 
+def _options(m) -> StateDictOptions | None:
+    """A model with frozen weights (LoRA's base) saves and loads only what trains: the adapters."""
+    frozen = any(not p.requires_grad for p in m.module.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else None
+
+
 def _state(models: Sequence) -> dict:
     out = {}
     for m in models:
         fresh = not m.optimizer.state
-        model_sd, optim_sd = get_state_dict(m.module, m.optimizer)
+        model_sd, optim_sd = get_state_dict(m.module, m.optimizer, options=_options(m))
+        if _options(m) is not None:
+            # A frozen weight tied to another (the LM head to the embedding) is still listed: drop it too.
+            trainable = {n for n, p in m.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k in trainable}
         if fresh:
             # get_state_dict initialises empty Adam state with a zero-lr step (step=1); undo it so a
             # checkpoint taken before the first update does not change the next update's bias correction.
@@ -333,7 +343,7 @@ def load(path: str, models: Sequence, *, rank: int, aliases: dict[str, str] | No
     state = _state(models)
     # Loading into fresh optimizer state needs the initialised structure that _state just undid.
     for m in models:
-        state[m.name]["optim"] = get_state_dict(m.module, m.optimizer)[1]
+        state[m.name]["optim"] = get_state_dict(m.module, m.optimizer, options=_options(m))[1]
     own_params = {m.name: [list(g["params"]) for g in state[m.name]["optim"]["param_groups"]] for m in models}
     # Checked before DCP copies the first tensor in place: a checkpoint of another model changes nothing.
     _together(what, lambda: _check_fits(path, saved, state))
@@ -378,7 +388,8 @@ def _restore(m, state: dict, own_params: list, renamed: dict[str, str], saved: d
     # another stage's. Keep the loaded hyper-parameters, but this rank's parameters.
     for group, params in zip(state["optim"]["param_groups"], own_params):
         group["params"] = params
-    set_state_dict(m.module, m.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(m.module, m.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(m))
     m.scheduler.load_state_dict(saved["scheduler"])
     # A checkpoint of an fp32/bf16 run resumed in fp16 starts from the configured scale.
     if m.scaler is not None and saved.get("scaler"):

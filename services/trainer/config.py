@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig
 from services.common.weights import DEFAULT_BUCKET_BYTES
@@ -40,6 +40,18 @@ def check_mesh(tp: int, pp: int, dp: int, world_size: int, *, launch: str) -> No
                      f"but the trainer has {world_size} rank(s) ({launch}); {advice}")
 
 
+HALF = ("bfloat16", "float16")
+
+
+def master_and_compute_dtypes(actor: "ActorConfig", model_dtype: str) -> tuple[str, str]:
+    """(param_dtype, compute_dtype) the trainer runs: fp32 master weights with half-precision compute when
+    model.dtype is half and actor.param_dtype is unset; otherwise what the keys say."""
+    if actor.param_dtype is None:
+        param = "float32" if model_dtype in HALF else model_dtype
+        return param, actor.dtype or model_dtype
+    return actor.param_dtype, actor.dtype or (model_dtype if model_dtype in HALF else actor.param_dtype)
+
+
 class OptimSection(Section):
     """AdamW and its learning-rate schedule."""
 
@@ -55,7 +67,8 @@ class OptimSection(Section):
     # Cosine: optimizer steps from the end of warm-up to min_lr_ratio * lr.
     total_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    # Micro-batches are packed so that batch * longest sequence stays within this many tokens.
+    # Tokens per micro-batch: the packed row's length (use_remove_padding), else batch * longest sequence
+    # (a longer sequence runs alone).
     micro_batch_token_budget: int = Field(16384, ge=1)
 
     @model_validator(mode="after")
@@ -67,6 +80,38 @@ class OptimSection(Section):
             if not 0 <= b < 1:
                 raise ValueError(f"betas: each must be in [0, 1), got {list(self.betas)}")
         return self
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSection(Section):
+    """`actor.lora:` train low-rank adapters (peft's LoRA) instead of every weight. The base model stays frozen
+    in model.dtype; the reference policy is the base model with the adapters off; rollout replicas and
+    ExportHF get the merged weights; checkpoints hold the adapters and their optimizer state."""
+
+    rank: int = Field(8, ge=1)
+    # The adapters' output is scaled by alpha / rank.
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # Names (last part of the module path, as peft matches them) of the linear layers that get adapters.
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+
+
+def check_lora_targets(model_path: str, lora: LoraSection, *, key: str = "actor.lora.target_modules") -> None:
+    """Every target module name matches a linear layer of the model (read from its config, built on the meta
+    device: nothing is loaded)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    missing = [t for t in lora.target_modules if t not in linear]
+    if missing:
+        raise ValueError(f"{key}: {', '.join(map(repr, missing))} match no linear layer of the model "
+                         f"(it has {', '.join(sorted(linear))})")
 
 
 class ActorConfig(OptimSection):
@@ -83,18 +128,31 @@ class ActorConfig(OptimSection):
     pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
     # Pipeline stages (virtual stages) per rank: interleaved_1f1b only (default 2); 1f1b and gpipe hold one.
     pp_stages_per_rank: int | None = Field(None, ge=1)
-    activation_checkpointing: bool = False
+    # Per-block activation checkpointing: none; full (each chosen block keeps only its input and recomputes
+    # its forward in backward; every activation_checkpointing_every-th block, default all); selective
+    # (op-level, every block: matmul and attention outputs are kept, norms/activations/rotary recomputed).
+    # true/false mean full/none.
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    activation_checkpointing_every: int = Field(1, ge=1)
     # torch.compile each decoder block (regional: one compiled graph serves every block). Default (null):
     # on for CUDA, off elsewhere.
     compile: bool | None = None
     # Response log-probs and entropy through the fused LM head (services/common/fused.py): no fp32
-    # [tokens, vocab] tensors; Triton kernels on CUDA, a chunked pure-torch path elsewhere. Default
-    # (null): on for CUDA, off elsewhere. Models it cannot fuse (TP-sharded or biased heads, soft-capped
-    # logits) and pipeline stages use the plain path.
+    # [tokens, vocab] tensors; Triton kernels on CUDA, a chunked pure-torch path elsewhere, vocab-parallel
+    # under TP, chunked on the last pipeline stage. Default (null): on wherever the head can be fused
+    # (not for biased heads or soft-capped logits); false runs the model's own full logits (the baseline).
     fused_logprobs: bool | None = None
-    # Master weights and optimizer state; defaults to model.dtype.
+    # Remove padding (verl's use_remove_padding): each micro-batch runs as one packed row, position ids
+    # restarting per sequence and attention confined to each (services/common/packing.py); micro-batches
+    # are filled to micro_batch_token_budget tokens. Default (null): off — on one H200 the packed actor step
+    # ran at 0.79x the padded one (bench/results/trainer_packing.json); true under actor.pp_size > 1 is refused.
+    use_remove_padding: bool | None = None
+    # Master weights, gradients and AdamW state. Default: float32 when model.dtype is bfloat16 or float16
+    # (fp32 master weights, half-precision compute: 16 bytes/param), else model.dtype. `bfloat16` with
+    # model.dtype bfloat16 trains in bf16 only (8 bytes/param). See docs/trainer.md.
     param_dtype: DType | None = None
-    # Forward/backward dtype; defaults to param_dtype. float16 turns on dynamic loss scaling (below).
+    # Forward/backward dtype; defaults to model.dtype (to param_dtype when that is set and model.dtype is not
+    # half). float16 turns on dynamic loss scaling (below).
     dtype: DType | None = None
     # fp16 loss scaling (actor and critic): initial scale, and finite steps in a row before it doubles; an
     # overflowing step is skipped and halves it (torch.amp.GradScaler's defaults and rule).
@@ -105,9 +163,16 @@ class ActorConfig(OptimSection):
     shuffle: bool = True
     # Samples per TrainActor / ComputeLogProbs call.
     max_batch_size: int = Field(8192, ge=1)
-    # Weights are cast to this dtype for rollout replicas (default: param_dtype).
+    # Weights are cast to this dtype for rollout replicas and ExportHF (default: model.dtype).
     weight_sync_dtype: DType | None = None
     weight_bucket_bytes: int = Field(DEFAULT_BUCKET_BYTES, ge=1024)
+    # LoRA adapters instead of full fine-tuning (absent: every weight trains).
+    lora: LoraSection | None = None
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_bool(cls, v):
+        return {True: "full", False: "none"}.get(v, v) if isinstance(v, bool) else v
 
     @property
     def stages_per_rank(self) -> int:
@@ -123,6 +188,8 @@ class ActorConfig(OptimSection):
             raise ValueError("pp_stages_per_rank: interleaved_1f1b needs at least 2 stages per rank, got 1 "
                              "(use pipeline_schedule 1f1b for one)")
         check_microbatches(self.pipeline_schedule, self.num_microbatches or self.pp_size, self.pp_size)
+        if self.lora is not None and (self.tp_size > 1 or self.pp_size > 1):
+            raise ValueError("lora: LoRA runs with data parallel only (fsdp or ddp); tp_size and pp_size must be 1")
         if self.dp_mode == "ddp" and self.dp_size > 1 and self.pp_size > 1:
             # A pipeline stage runs several micro-batch forwards before their backwards and wraps only the
             # backwards in no_sync; DDP's reducer then sees each parameter ready twice and fails.

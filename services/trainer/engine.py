@@ -26,14 +26,17 @@ from torch import nn
 from services.common.codec import DTYPES
 from services.common.config import format_validation_error
 from services.common.errors import FailedPrecondition, passes_through
-from services.common.fused import enable_fused_head, supports_fused_head
-from services.common.modeling import load_causal_lm, response_logprobs, set_threads, validate_sequences
+from services.common.fused import enable_fused_head, sequence_logprobs, supports_fused_head
+from services.common.modeling import load_causal_lm, set_threads, validate_sequences
+from services.common.packing import enable_packing
 from services.common.weights import named_weights
 from services.trainer import checkpoint
 from services.trainer.batch import validate_actor_batch, validate_critic_batch, validate_dpo_batch
-from services.trainer.config import CriticConfig, TrainerSettings
+from services.trainer.config import CriticConfig, TrainerSettings, check_lora_targets, master_and_compute_dtypes
+from services.trainer.gather import StageGatherer, stage_gatherers
 from services.trainer.layout import RankLayout
-from services.trainer.losses import logprobs_from_logits
+from services.trainer.lora import adapters_off, apply_lora, merged_weights
+from services.trainer.pipeline import last_stage_head, stage_logprobs
 from services.trainer.nvtx import phase
 from services.trainer.optim import apply_hyperparams
 from services.trainer.parallel import (CommandChannel, ParallelDims, gather_to_rank0, init_distributed,
@@ -52,11 +55,6 @@ log = logging.getLogger("meshrl.trainer")
 # Commands that are one profiling phase as a whole; training commands mark forward_backward and optimizer inside.
 COMMAND_PHASES = {"compute_logprobs": "logprobs", "compute_values": "values", "state_for_sync": "state_for_sync",
                   "export_hf": "export_hf", "save_checkpoint": "save_checkpoint", "load_checkpoint": "load_checkpoint"}
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (a collective: every rank calls it), any other tensor as is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _with_optim(cfg, optim: OptimSettings, section: str):
@@ -92,24 +90,24 @@ class TrainerEngine:
         if not (Path(self.model_path) / "config.json").is_file():
             key = "actor.model_path" if a.model_path else "model.path"  # the key the user set
             raise ValueError(f"{key}: {self.model_path!r} is not a Hugging Face model folder (no config.json)")
-        self.param_dtype = a.param_dtype or m.dtype
-        self.compute_dtype = a.dtype or self.param_dtype
+        self.param_dtype, self.compute_dtype = master_and_compute_dtypes(a, m.dtype)
         set_threads(m.num_threads)
         self.device = local_device(m.device)
         init_distributed(self.device.type)
         self.rank = dist.get_rank()
         module = self._load_actor()
+        packed = self._setup_packing(module, a.use_remove_padding)
         self.layout = RankLayout(
             self.dims, self.device, pad_id=self.pad_id, compute_dtype=self.compute_dtype,
             # FSDP/DDP already mix in the compute dtype; autocast covers the unsharded case.
             autocast=self.compute_dtype != self.param_dtype and not (a.dp_mode == "fsdp" and self.dims.dp > 1),
-            num_microbatches=a.num_microbatches or self.dims.pp, schedule=a.pipeline_schedule)
+            num_microbatches=a.num_microbatches or self.dims.pp, schedule=a.pipeline_schedule, packed=packed)
         self.channel = CommandChannel()
         on_cuda = self.device.type == "cuda"
         compile_blocks = on_cuda if a.compile is None else a.compile
         # Before parallelize: the check reads plain parameters, and the forward it installs is the one
         # FSDP's and DDP's wrappers then call.
-        self.fused_logprobs = self._setup_fused_head(module, on_cuda if a.fused_logprobs is None else a.fused_logprobs)
+        self.fused_logprobs = self._setup_fused_head(module, a.fused_logprobs)
         self.actor = build_trained("actor", module, self.layout.mesh, a, a, self.param_dtype, self.compute_dtype,
                                    compile=compile_blocks)
         self.layout.tie(module, self.hf_config.tie_word_embeddings)
@@ -122,6 +120,8 @@ class TrainerEngine:
                                         settings.critic, a, self.param_dtype, self.compute_dtype,
                                         compile=compile_blocks)
         self.weight_version = 0
+        # Gathers each pipeline stage's weights to its sender for weight sync and export (built on first use).
+        self._gatherer: StageGatherer | None = None
         self.steps = StepRecord()
         self.critic_steps = StepRecord("critic")
         self._lock = threading.Lock()
@@ -134,29 +134,50 @@ class TrainerEngine:
     def _load_actor(self) -> nn.Module:
         """The initial policy, as Hugging Face loads it (seeded first: nothing random may differ across ranks)."""
         torch.manual_seed(self.cfg.seed)
-        module = load_causal_lm(self.model_path, dtype=self.param_dtype, device=str(self.device), trainable=True)
+        lora = self.cfg.lora
+        # Under LoRA the frozen base stays in model.dtype; only the adapters hold master weights.
+        dtype = self.settings.model.dtype if lora else self.param_dtype
+        module = load_causal_lm(self.model_path, dtype=dtype, device=str(self.device), trainable=True)
         # No dropout in RL updates: at the first step of a batch the ratio to the old policy must be exactly 1.
         module.train(False)
         self.hf_config = copy.deepcopy(module.config)
+        if lora:
+            check_lora_targets(self.model_path, lora)
+            apply_lora(module, lora, adapter_dtype=DTYPES[self.param_dtype])
         self.hf_config.architectures = [type(module).__name__]
+        # What ExportHF writes: the model's dtype (or weight_sync_dtype), not the fp32 master weights'.
+        self.hf_config.dtype = self.cfg.weight_sync_dtype or self.settings.model.dtype
         self.pad_id = module.config.pad_token_id or 0
         self.vocab_size = module.config.vocab_size
         self.max_len = getattr(module.config, "max_position_embeddings", None)
         return module
 
-    def _setup_fused_head(self, module: nn.Module, wanted: bool) -> bool:
-        """Turns the fused head on where it applies; the plain path stays for pipeline stages and heads it
-        cannot fuse (said once, in the log)."""
-        if not wanted:
+    def _setup_fused_head(self, module: nn.Module, wanted: bool | None) -> bool:
+        """Turns the fused head on where it applies (null: wherever it can; true on a head it cannot fuse is
+        refused by enable_fused_head). Pipeline stages compute their log-probs from the last stage's hidden
+        states in chunks whatever this says (services/trainer/pipeline.py). Under TP the head is vocab-parallel
+        (services/common/vocab_parallel.py)."""
+        if wanted is False or self.dims.pp > 1:
             return False
-        reason = ("pipeline parallel" if self.dims.pp > 1 else
-                  "tensor parallel (the head splits the vocabulary)" if self.dims.tp > 1 else
-                  supports_fused_head(module))
-        if reason is not None:
+        reason = supports_fused_head(module)
+        if wanted is None and reason is not None:
             if self.rank == 0:
                 log.info("actor.fused_logprobs: plain log-prob path (%s)", reason)
             return False
         enable_fused_head(module)
+        return True
+
+    def _setup_packing(self, module: nn.Module, wanted: bool | None) -> bool:
+        """Packed rows (remove padding) when asked (null = off: measured slower than padded rows on one H200);
+        true under PP or on a model whose attention cannot be confined to each sequence is refused by name."""
+        if not wanted:
+            return False
+        if self.dims.pp > 1:
+            if wanted:
+                raise ValueError("actor.use_remove_padding: pipeline stages run right-padded rows "
+                                 "(actor.pp_size > 1); leave it null or set it false")
+            return False
+        enable_packing(module, "actor.use_remove_padding")
         return True
 
     def _load_value_model(self, cfg: CriticConfig) -> ValueModel:
@@ -164,6 +185,8 @@ class TrainerEngine:
 
         path = cfg.model_path or self.model_path
         backbone = AutoModel.from_pretrained(path, dtype=DTYPES[self.param_dtype], local_files_only=True)
+        if self.layout.packed:
+            enable_packing(backbone, "actor.use_remove_padding")
         model = ValueModel(backbone, backbone.config.hidden_size).to(device=self.device, dtype=DTYPES[self.param_dtype])
         model.train(False)
         return model
@@ -189,6 +212,18 @@ class TrainerEngine:
         if not (math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         return self._run("compute_logprobs", [list(p) for p in prompts], [list(r) for r in responses], temperature)
+
+    def compute_reference_logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                                   temperature: float = 1.0) -> list[list[float]]:
+        """Log-probs of the reference policy: the base model with the LoRA adapters off (actor.lora only)."""
+        if self.cfg.lora is None:
+            raise FailedPrecondition("reference log-probs from the trainer need actor.lora (the base model is the "
+                                     "reference only while adapters train); use a reference service")
+        self._check_sequences(prompts, responses)
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        return self._run("compute_logprobs", [list(p) for p in prompts], [list(r) for r in responses], temperature,
+                         True)
 
     def compute_values(self, prompts, responses) -> list[list[float]]:
         self._require_critic()
@@ -292,6 +327,9 @@ class TrainerEngine:
                 "pp_stages_per_rank": len(self.actor.stages),
                 "critic": self.critic is not None, "critic_step": self.critic.step if self.critic else 0,
                 "micro_batch_token_budget": self.cfg.micro_batch_token_budget, "max_model_len": self.max_len,
+                "activation_checkpointing": self.cfg.activation_checkpointing,
+                "fused_logprobs": self.fused_logprobs, "use_remove_padding": self.layout.packed,
+                "lora_rank": self.cfg.lora.rank if self.cfg.lora else 0,
                 **self.steps.details()}
 
     def close(self) -> None:
@@ -342,7 +380,7 @@ class TrainerEngine:
         return metrics
 
     def _local_train_dpo(self, pairs: list[PreferencePair], loss: DPOLoss) -> dict[str, float]:
-        metrics = self._update(DPOUpdate(self.layout, self.actor, pairs, loss))
+        metrics = self._update(DPOUpdate(self.layout, self.actor, pairs, loss, fused=self.fused_logprobs))
         self.weight_version += 1
         return metrics
 
@@ -371,7 +409,12 @@ class TrainerEngine:
         return [merged[i] for i in range(n)]
 
     @torch.no_grad()
-    def _local_compute_logprobs(self, prompts, responses, temperature: float):
+    def _local_compute_logprobs(self, prompts, responses, temperature: float, base: bool = False):
+        """The actor's log-probs; base=True: the LoRA base model's (adapters off for the call)."""
+        with adapters_off(self.actor.module) if base else nullcontext():
+            return self._actor_logprobs(prompts, responses, temperature)
+
+    def _actor_logprobs(self, prompts, responses, temperature: float):
         # Same packing and forward as services.common.modeling.batched_logprobs, so a one-rank trainer
         # and the reference service agree bit for bit on the same weights.
         if self.dims.pp > 1:
@@ -381,7 +424,9 @@ class TrainerEngine:
         for group in self.layout.local_groups(range(len(prompts)), lengths, self.cfg.micro_batch_token_budget):
             ps, rs = self._group_ids(group, prompts, responses)
             with self.layout.amp():
-                logp, _ = response_logprobs(self.actor.forward, ps, rs, pad_id=self.pad_id, temperature=temperature)
+                logp = sequence_logprobs(self.actor.forward, ps, rs, pad_id=self.pad_id, device=self.device,
+                                         temperature=temperature, packed=self.layout.packed,
+                                         fused=self.fused_logprobs)[0]
             logp = logp.cpu()
             for row, i in enumerate(group or []):
                 out[i] = logp[row, :len(responses[i])].tolist()
@@ -394,10 +439,14 @@ class TrainerEngine:
         input_ids, positions, mask, targets = self.layout.pp_inputs(
             [prompts[i] if i is not None else pad for i in rows],
             [responses[i] if i is not None else pad for i in rows], [i is not None for i in rows])
-        logits = self.layout.run_pipeline(self.actor.stages, input_ids)
+        hidden = self.layout.run_pipeline(self.actor.stages, input_ids)
         out: dict[int, list[float]] = {}
         if self.layout.is_last_stage:
-            logp, _ = logprobs_from_logits(logits, positions, targets, mask, temperature)
+            head = last_stage_head(self.actor.stages)
+            if hasattr(head, "placements") and head.device_mesh.mesh_dim_names != ("tp",):
+                head = head.full_tensor()          # FSDP resharded the head after the schedule: one gather, no grad
+            with self.layout.amp():
+                logp, _ = stage_logprobs(hidden, head, positions, targets, mask, temperature)
             for row, i in enumerate(rows):
                 if i is not None:
                     out[i] = logp[row, :len(responses[i])].cpu().tolist()
@@ -420,17 +469,23 @@ class TrainerEngine:
         """Every actor weight, full and on CPU (on_device: on rank 0's device), on rank 0 (None elsewhere):
         HF names, tied weights once.
 
-        TP/FSDP shards are gathered by full_tensor() on every rank; pipeline stages then send their
-        part to rank 0 (one sender per stage: the rank at dp = tp = 0).
+        Each pipeline stage's TP/FSDP shards are gathered to the stage's sender (its rank at dp = tp = 0) in
+        buckets of weight_sync.device_bucket_bytes, one gather per bucket (services/trainer/gather.py); the
+        stages' senders then send their part to rank 0.
         """
-        dtype = DTYPES[self.cfg.weight_sync_dtype or self.param_dtype]
+        # Replicas and exported folders hold the model's dtype, whatever the master weights' dtype.
+        dtype = DTYPES[self.cfg.weight_sync_dtype or self.settings.model.dtype]
         # Pipeline stages meet on rank 0 through a CPU gather, so only a one-stage mesh stays on the device.
         where = self.device if on_device and self.dims.pp == 1 else "cpu"
-        mine = {name: _full(t).detach().to(where, dtype=dtype, copy=True)
-                for name, t in named_weights(self.actor.module).items()}
+        # Under LoRA: the base weights with the adapters merged in, under the model's own names.
+        weights = merged_weights(self.actor.module) if self.cfg.lora else named_weights(self.actor.module)
         if self.dims.world_size == 1:
-            return mine
-        sender = self.rank != 0 and self.layout.dp_rank == 0 and self.layout.tp_rank == 0
+            return {name: t.detach().to(where, dtype=dtype, copy=True) for name, t in weights.items()}
+        if self._gatherer is None:
+            self._gatherer = stage_gatherers(self.layout.mesh)
+        mine = self._gatherer.gather(weights, dtype=dtype, where=where,
+                                     bucket_bytes=self.settings.weight_sync.device_bucket_bytes)
+        sender = self.rank != 0 and mine is not None
         parts = gather_to_rank0(mine if sender else None, self.channel.group)
         if parts is None:
             return None

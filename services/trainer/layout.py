@@ -18,6 +18,7 @@ from torch import nn
 from services.common.codec import DTYPES
 from services.common.fused import host_to_device
 from services.common.modeling import pack_by_token_budget, pad_batch
+from services.common.packing import pack_by_token_sum
 from services.trainer.parallel import ParallelDims
 from services.trainer.pipeline import build_schedule, tied_embedding
 
@@ -26,8 +27,10 @@ class RankLayout:
     """The (pp, dp, tp) mesh seen from this rank, and how this rank cuts a batch."""
 
     def __init__(self, dims: ParallelDims, device: torch.device, *, pad_id: int, compute_dtype: str, autocast: bool,
-                 num_microbatches: int, schedule: str):
+                 num_microbatches: int, schedule: str, packed: bool = False):
         self.dims, self.device, self.pad_id = dims, device, pad_id
+        # Micro-batches run as packed rows filled to the token budget (services/common/packing.py).
+        self.packed = packed
         self.mesh = dims.build_mesh(device.type)
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.dp_group = self.mesh["dp"].get_group()
@@ -49,14 +52,15 @@ class RankLayout:
         return torch.autocast(self.device.type, dtype=DTYPES[self.compute_dtype]) if self.autocast else nullcontext()
 
     def local_groups(self, indices: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int] | None]:
-        """This DP rank's shard of `indices` packed by token budget, padded with None (a zero-weight
+        """This DP rank's shard of `indices` grouped by token budget, padded with None (a zero-weight
         dummy micro-batch) so that every DP rank runs as many forwards as the busiest one: FSDP's
         collectives must line up. Every rank holds the whole batch, so this needs no communication.
         """
         packed = []
+        group_by = pack_by_token_sum if self.packed else pack_by_token_budget
         for r in range(self.dims.dp):
             shard = list(indices[r::self.dims.dp])
-            packed.append([[shard[j] for j in g] for g in pack_by_token_budget([lengths[i] for i in shard], budget)])
+            packed.append([[shard[j] for j in g] for g in group_by([lengths[i] for i in shard], budget)])
         mine: list[list[int] | None] = list(packed[self.dp_rank])
         return mine + [None] * (max(len(p) for p in packed) - len(mine))
 

@@ -17,16 +17,64 @@ from services.common.compile import apply_compile, blocks_container, transformer
 log = logging.getLogger("meshrl.trainer")
 
 
-def apply_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
-    if not enabled:
-        return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+# Ops whose outputs selective checkpointing keeps: the matmuls and attention (the expensive part of a
+# block); everything else (norms, activations, rotary, residual adds) is recomputed in backward.
+def _saved_ops() -> set:
+    ops = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.linear.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(torch.ops.aten, name):
+            ops.add(getattr(torch.ops.aten, name).default)
+    return ops
 
-    parent = blocks_container(model)
-    keys = list(parent.keys()) if isinstance(parent, nn.ModuleDict) else range(len(parent))
-    for k in keys:
-        parent[k] = checkpoint_wrapper(parent[k])
-    log.info("Applied activation checkpointing to %d blocks", len(keys))
+
+def _selective_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = _saved_ops()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpointed_forward(block: nn.Module, inner, selective: bool):
+    """The block's own forward run under torch.utils.checkpoint (non-reentrant: what torch's checkpoint_wrapper
+    runs), installed on the instance so the module tree, parameter names and state dicts stay the model's own."""
+    from torch.utils.checkpoint import checkpoint
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():           # log-prob passes: nothing to recompute
+            return inner(*args, **kwargs)
+        extra = {"context_fn": _selective_context} if selective else {}
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
+    return forward
+
+
+def checkpointed_blocks(num_blocks: int, mode: str, every: int) -> list[int]:
+    """Indices of the blocks that recompute: none; full every `every`-th block (0, every, 2 * every, ...); or
+    selective (op-level) on every block."""
+    if mode == "none":
+        return []
+    step = every if mode == "full" else 1
+    return list(range(0, num_blocks, step))
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) -> None:
+    """Per-block activation checkpointing (see ActorConfig.activation_checkpointing). The blocks keep their
+    names: nothing is wrapped, so weight sync, DCP checkpoints and ExportHF see the model's own names."""
+    container = blocks_container(model)
+    # A pipeline stage holds a ModuleDict keyed by the model's layer index: every k-th counts globally.
+    blocks = ({int(k): b for k, b in container.items()} if isinstance(container, nn.ModuleDict)
+              else dict(enumerate(container)))
+    chosen = set(checkpointed_blocks(max(blocks) + 1 if blocks else 0, mode, every))
+    for i, block in blocks.items():
+        if i in chosen:
+            block.forward = _checkpointed_forward(block, block.forward, selective=mode == "selective")
+    done = len(chosen & set(blocks))
+    if done:
+        log.info("Applied %s activation checkpointing to %d of %d blocks", mode, done, len(blocks))
 
 
 def tp_plan(model: nn.Module) -> tuple[dict, dict]:
@@ -121,9 +169,9 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     return wrapped
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, dp_mode: str, activation_checkpointing: bool,
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, dp_mode: str, activation_checkpointing: str,
                 param_dtype: str, compute_dtype: str, compile: bool = False,
-                stages_per_rank: int = 1) -> list[nn.Module]:
+                stages_per_rank: int = 1, checkpoint_every: int = 1) -> list[nn.Module]:
     """PP stage split -> TP -> activation checkpointing -> compile -> FSDP/DDP, stage by stage. Returns the
     modules to run forward/backward through: one per pipeline stage this rank holds (without PP, the model
     itself or its DDP wrapper). `model` keeps every parameter this rank holds, under HF names."""
@@ -133,7 +181,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, dp_mode: str, activation_
     out = []
     for chunk in chunks:
         apply_tp(chunk, mesh["tp"])
-        apply_activation_checkpointing(chunk, activation_checkpointing)
+        apply_activation_checkpointing(chunk, activation_checkpointing, checkpoint_every)
         apply_compile(chunk, compile)
         if dp_mode == "fsdp":
             # Several stages per rank: each is its own FSDP root (the schedule unshards and reshards it).

@@ -48,7 +48,8 @@ def check_stage_split(num_layers: int, pp_size: int, stages_per_rank: int) -> No
 
 
 def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """input ids [B, L] (first stage) or hidden states [B, L, H] -> hidden states, or logits on the last."""
+    """input ids [B, L] (first stage) or hidden states [B, L, H] -> hidden states; the last stage's are after
+    the final norm, and the LM head runs in the loss (`stage_logprobs`): no [B, L, vocab] logits."""
     inner = self.model
     h = inner.embed_tokens(x) if inner.embed_tokens is not None else x
     positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
@@ -59,9 +60,40 @@ def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
         h = layer(h, attention_mask=None, position_embeddings=rope, position_ids=positions)
     if inner.norm is not None:
         h = inner.norm(h)
-    if self.lm_head is not None:
-        h = self.lm_head(h)
     return h
+
+
+def last_stage_head(stages: Sequence[nn.Module]) -> torch.Tensor:
+    """The LM head's weight [V, d] of this rank's last stage (inside a DDP wrapper or not)."""
+    stage = stages[-1]
+    return getattr(stage, "module", stage).lm_head.weight
+
+
+def stage_logprobs(hidden: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+                   mask: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy) [B, R] of the targets [B, R] from the last stage's hidden states [B, L, d] at the response
+    positions [B, R], masked: the fused head (services/common/fused.py) in row chunks over the real tokens only,
+    vocab-parallel when the head is tensor-parallel."""
+    from services.common.fused import head_logprobs
+    from services.common.vocab_parallel import vocab_parallel_logprobs
+
+    B, R = positions.shape
+    flat = mask.reshape(-1).nonzero().squeeze(-1)                                           # [N]
+    rows = (torch.arange(B, device=positions.device).unsqueeze(1) * hidden.shape[1] + positions).reshape(-1)
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows.index_select(0, flat))  # [N, d]
+    tokens = targets.reshape(-1).index_select(0, flat)
+    if hasattr(weight, "placements"):
+        if weight.device_mesh.mesh_dim_names != ("tp",):
+            raise RuntimeError(f"the last stage's LM head is sharded over {weight.device_mesh.mesh_dim_names}, "
+                               "not only the tensor-parallel axis")
+        logp, ent = vocab_parallel_logprobs(h, weight, tokens, temperature)
+    else:
+        device_type = h.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        logp, ent = head_logprobs(h.to(dtype), weight.to(dtype), tokens, temperature)
+    out_logp = torch.zeros(B * R, dtype=logp.dtype, device=logp.device).index_copy(0, flat, logp)
+    out_ent = torch.zeros(B * R, dtype=ent.dtype, device=ent.device).index_copy(0, flat, ent)
+    return out_logp.view(B, R), out_ent.view(B, R)
 
 
 def _container_forward(self, *args, **kwargs):
@@ -86,7 +118,7 @@ def split_stages(model: nn.Module, pp_mesh: DeviceMesh, stages_per_rank: int = 1
     if not hasattr(model, "lm_head"):
         raise ValueError("actor.pp_size > 1: pipeline parallel supports causal LMs only (no critic yet)")
     attn = getattr(model.config, "_attn_implementation", "sdpa")
-    if attn not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+    if attn not in ("sdpa", "flash_attention_2", "flash_attention_3", "meshrl_packed"):
         raise ValueError(f"actor.pp_size > 1: needs a causal attention kernel (sdpa/flash), model uses {attn!r}")
     layers = model.model.layers
     check_stage_split(len(layers), pp, stages_per_rank)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from meshrl.v1 import trainer_pb2, trainer_pb2_grpc
+from meshrl.v1 import reference_pb2, reference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common import convert as common_convert
 from services.common.config import settings_json
 from services.common.server import MeshServer, create_server
@@ -89,7 +89,27 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return convert.run_optim_to_pb(applied, response=True)
 
 
+class BaseModelReference(reference_pb2_grpc.ReferenceServicer):
+    """Under actor.lora the trainer also answers as a reference replica: the base model with the adapters off,
+    so a run names the trainer's address in reference.servers and holds no second copy of the model."""
+
+    def __init__(self, engine: TrainerEngine):
+        self.engine = engine
+
+    async def ComputeLogProbs(self, request, context):
+        batch = common_convert.sequences_from_pb(request)
+        logprobs = await asyncio.to_thread(self.engine.compute_reference_logprobs, batch.prompts, batch.responses,
+                                           batch.temperature)
+        return common_convert.logprobs_to_pb(batch.ids, logprobs, 0, packed=request.packed, columnar=batch.columnar)
+
+    async def GetInfo(self, request, context):
+        return common_convert.info_to_pb("reference", self.engine.model_path, 0,
+                                         {"colocated": "trainer (actor.lora base model, adapters off)",
+                                          "settings": settings_json(self.engine.settings)})
+
+
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
+REFERENCE_SERVICE_NAME = reference_pb2.DESCRIPTOR.services_by_name["Reference"].full_name
 
 
 async def start(settings: TrainerSettings, address: str | None = None, *,
@@ -101,7 +121,9 @@ async def start(settings: TrainerSettings, address: str | None = None, *,
     ws = settings.weight_sync
     sender = build_sender(ws.transport, token=token, timeout=settings.server.call_timeout_s,
                           collective_timeout=ws.collective_timeout_s)
-    mesh, port = await create_server([(trainer_pb2_grpc.add_TrainerServicer_to_server,
-                                       TrainerServicer(engine, sender))], [SERVICE_NAME], address=address,
-                                     config=settings.server)
+    servicers, names = [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(engine, sender))], [SERVICE_NAME]
+    if engine.cfg.lora is not None:
+        servicers.append((reference_pb2_grpc.add_ReferenceServicer_to_server, BaseModelReference(engine)))
+        names.append(REFERENCE_SERVICE_NAME)
+    mesh, port = await create_server(servicers, names, address=address, config=settings.server)
     return mesh, port, engine

@@ -31,8 +31,10 @@ class ValueModel(nn.Module):
     def config(self):
         return self.model.config
 
-    def forward(self, input_ids, attention_mask):
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        # kwargs: position ids and packed sequences (services/common/packing.py).
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                            **kwargs).last_hidden_state
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)       # [B, L]
         # A copy, not a view: FSDP's pre-backward hook on a returned view is lost by in-place ops.
         return values.float() if values.dtype != torch.float32 else values.clone()
@@ -63,7 +65,7 @@ def build_trained(name: str, module: nn.Module, mesh, cfg: OptimSection, actor: 
                   compute_dtype: str, *, compile: bool = False) -> Trained:
     stages = parallelize(module, mesh, dp_mode=actor.dp_mode, activation_checkpointing=actor.activation_checkpointing,
                          param_dtype=param_dtype, compute_dtype=compute_dtype, compile=compile,
-                         stages_per_rank=actor.stages_per_rank)
+                         stages_per_rank=actor.stages_per_rank, checkpoint_every=actor.activation_checkpointing_every)
     # Several stages per rank run only through the schedule; `module` holds their parameters.
     forward = stages[0] if len(stages) == 1 else module
     optimizer = build_adamw(module.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,

@@ -141,10 +141,11 @@ def _check_layout(info, trained, log: str, *, dp: int, tp: int, pp: int, schedul
 
 def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1, tp: int = 1, pp: int = 1,
                                  schedule: str = "1f1b", budget: int = 16384, fused: bool | None = False,
-                                 device: str = "cpu", dtype: str = "float32"):
+                                 device: str = "cpu", dtype: str = "float32", checkpointing: str = "none"):
     # fused: the mesh computes log-probs through the fused LM head, the single process through the plain one
     # (None: both take the device's default). device cuda: every rank on its own GPU (LOCAL_RANK), NCCL; the
-    # single process on cuda:0. dtype: the compute dtype (master weights stay fp32).
+    # single process on cuda:0. dtype: the compute dtype (master weights stay fp32). checkpointing: the mesh's
+    # actor.activation_checkpointing (the single process runs without).
     tol = TOLERANCES[(device, dtype)]
     model = make_tiny_model(tmp_path / "model", num_hidden_layers=4)
     actor = {"lr": 1e-4, "seed": 3, "dtype": dtype}
@@ -153,7 +154,8 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
     config.write_text(f"model:\n  path: {model}\n  device: {device}\nactor:\n  lr: 1.0e-4\n  seed: 3\n  dtype: {dtype}\n"
                       f"  dp_size: {dp}\n  tp_size: {tp}\n"
                       f"  pp_size: {pp}\n  pipeline_schedule: {schedule}\n  num_microbatches: 2\n"
-                      f"  dp_mode: {dp_mode}\n  micro_batch_token_budget: {budget}\n{fused_line}")
+                      f"  dp_mode: {dp_mode}\n  micro_batch_token_budget: {budget}\n{fused_line}"
+                      f"  activation_checkpointing: {checkpointing}\n")
     launched = Launched(config, tmp_path / "torchrun.log", nproc=dp * tp * pp)
     single_model = {"path": model, "device": device}
     try:
@@ -202,9 +204,11 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [dict(dp=2, budget=24), dict(dp=2, dp_mode="ddp", budget=24), dict(tp=2),
                                   dict(pp=2, schedule="1f1b"), dict(pp=2, schedule="interleaved_1f1b"),
-                                  dict(dp=2, budget=24, fused=True), dict(dp=2, dp_mode="ddp", budget=24, fused=True)],
+                                  dict(dp=2, budget=24, fused=True), dict(dp=2, dp_mode="ddp", budget=24, fused=True),
+                                  dict(tp=2, fused=True)],
                          ids=["fsdp-dp2-accumulating", "ddp-dp2-accumulating", "tp2", "pp2-1f1b",
-                              "pp2-interleaved-2-stages-per-rank", "fsdp-dp2-fused-head", "ddp-dp2-fused-head"])
+                              "pp2-interleaved-2-stages-per-rank", "fsdp-dp2-fused-head", "ddp-dp2-fused-head",
+                              "tp2-vocab-parallel-head"])
 def test_a_two_rank_step_matches_a_single_process_run(tmp_path, mesh):
     check_against_single_process(tmp_path, **mesh)
 

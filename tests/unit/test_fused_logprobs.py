@@ -248,7 +248,7 @@ def test_compile_wraps_every_block_in_place_and_keeps_names_and_results(model_pa
         assert torch.allclose(ga[k].grad, gb[k].grad, atol=1e-5), k
 
 
-def test_compile_and_fused_logprobs_default_off_on_cpu(model_path):
+def test_compile_default_off_on_cpu_fused_logprobs_default_on_and_packing_default_off(model_path):
     e = engine(model_path)
-    assert e.fused_logprobs is False
+    assert e.fused_logprobs is True and e.layout.packed is False
     assert all(getattr(b, "_compiled_call_impl", None) is None for b in transformer_blocks(e.actor.module))

@@ -94,10 +94,12 @@ def test_the_fused_reference_path_equals_the_plain_one(model_path):
     from services.reference.config import ReferenceSettings
     from services.reference.engine import ReferenceEngine
 
-    plain = ReferenceEngine(load_config(ReferenceSettings, data={"model": {"path": model_path}}))
-    fused = ReferenceEngine(load_config(ReferenceSettings, data={"model": {"path": model_path},
-                                                                 "reference": {"fused_logprobs": True}}))
+    plain = ReferenceEngine(load_config(ReferenceSettings, data={"model": {"path": model_path}, "reference": {
+        "fused_logprobs": False, "use_remove_padding": False}}))
+    fused = ReferenceEngine(load_config(ReferenceSettings, data={"model": {"path": model_path}, "reference": {
+        "use_remove_padding": True}}))   # fused by default; packing asked for
     assert not plain.info()["fused_logprobs"] and fused.info()["fused_logprobs"]
+    assert not plain.info()["use_remove_padding"] and fused.info()["use_remove_padding"]
     samples = random_samples(9, seed=3)
     prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     for temperature in (1.0, 0.7):

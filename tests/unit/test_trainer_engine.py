@@ -203,6 +203,7 @@ def test_loading_a_missing_checkpoint_is_not_found(shared_engine, tmp_path):
 
 
 def test_exported_hf_folder_loads_with_from_pretrained_and_scores_like_the_trainer(model_path, tmp_path):
+    from services.common.fused import enable_fused_head
     from services.common.modeling import batched_logprobs, load_causal_lm
 
     (tmp_path / "src").mkdir()
@@ -214,8 +215,11 @@ def test_exported_hf_folder_loads_with_from_pretrained_and_scores_like_the_train
     e.export_hf(str(tmp_path / "hf"))
     assert (tmp_path / "hf" / "tokenizer_config.json").read_text() == "{}"
     exported = load_causal_lm(str(tmp_path / "hf"))
+    # Scored the trainer's way (padded rows, fused head: the defaults), the numbers are the same bits.
+    enable_fused_head(exported)
     prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
-    assert batched_logprobs(exported, prompts, responses, pad_id=0) == e.compute_logprobs(prompts, responses)
+    assert batched_logprobs(exported, prompts, responses, pad_id=0, fused=True) == \
+        e.compute_logprobs(prompts, responses)
 
 
 def test_weights_for_sync_carry_hf_names_once_per_tied_tensor_and_the_version(shared_engine):
@@ -269,14 +273,26 @@ def test_critic_updates_move_values_toward_returns_and_never_touch_the_actor(mod
 
 
 def test_value_clipping_bounds_how_far_one_step_moves_from_old_values(model_path):
-    e = engine(model_path, critic={"lr": 1e-2})
     prompts, responses = [[1, 4, 5]], [[7, 8, 9]]
-    old = e.compute_values(prompts, responses)
-    far = [[v + 100.0 for v in old[0]]]
-    metrics = e.train_critic([CriticSample(prompts[0], responses[0], far[0], old[0])], CriticLoss(clip_value=0.2))
-    assert metrics["vf_loss"] > 0 and 0.0 <= metrics["vf_clip_frac"] <= 1.0
+
+    def moved(clip_value: float) -> tuple[float, dict, TrainerEngine, list, list]:
+        """Largest |new - old| value after one TrainCritic of 8 epochs towards returns 100 above the old values."""
+        e = engine(model_path, critic={"lr": 1e-2})
+        old = e.compute_values(prompts, responses)[0]
+        far = [v + 100.0 for v in old]
+        metrics = e.train_critic([CriticSample(prompts[0], responses[0], far, old)],
+                                 CriticLoss(clip_value=clip_value, ppo_epochs=8))
+        new = e.compute_values(prompts, responses)[0]
+        assert all(n > o for n, o in zip(new, old))          # both move towards the returns
+        return max(abs(n - o) for n, o in zip(new, old)), metrics, e, far, old
+
+    clipped, metrics, e, far, _ = moved(0.2)
+    unclipped, free_metrics, _, _, _ = moved(0.0)
+    # Past old +- 0.2 the clipped term has no gradient: later epochs add only the optimizer's momentum.
+    assert clipped < 0.6 * unclipped, (clipped, unclipped)
+    assert metrics["vf_clip_frac"] > 0.5 and free_metrics["vf_clip_frac"] == 0.0
     with pytest.raises(ValueError, match=r"samples\[0\]\.old_values"):
-        e.train_critic([CriticSample(prompts[0], responses[0], far[0], [])], CriticLoss(clip_value=0.2))
+        e.train_critic([CriticSample(prompts[0], responses[0], far, [])], CriticLoss(clip_value=0.2))
 
 
 @pytest.mark.parametrize("actor,critic,pattern", [

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from services.common.fused import fused_response_logprobs
-from services.common.modeling import response_logprobs
+from services.common.fused import sequence_logprobs
 from services.trainer.batch import is_on_policy
 from services.trainer.layout import RankLayout
-from services.trainer.losses import AGG_MODES, aggregate, clipped_policy_loss, kl_penalty, logprobs_from_logits
+from services.trainer.losses import AGG_MODES, aggregate, clipped_policy_loss, kl_penalty
+from services.trainer.pipeline import last_stage_head, stage_logprobs
 from services.trainer.trained import Trained
 from services.trainer.types import ActorLoss, TrainSample
 from services.trainer.updates.runner import Update
@@ -71,12 +71,11 @@ class ActorUpdate(Update):
                           self.settings, denom)
 
     def _logprobs(self, prompts, responses):
-        """(logp, mask, entropy) [B, R] of one micro-batch, with gradients: the fused head when on."""
-        forward, pad, temperature = self.trained.forward, self.layout.pad_id, self.settings.temperature
-        if self.fused:
-            return fused_response_logprobs(forward, prompts, responses, pad_id=pad, device=self.layout.device,
-                                           temperature=temperature)
-        return response_logprobs(forward, prompts, responses, pad_id=pad, temperature=temperature, with_entropy=True)
+        """(logp, mask, entropy) [B, R] of one micro-batch, with gradients (packed rows and the fused head
+        when on)."""
+        return sequence_logprobs(self.trained.forward, prompts, responses, pad_id=self.layout.pad_id,
+                                 device=self.layout.device, temperature=self.settings.temperature,
+                                 packed=self.layout.packed, fused=self.fused)
 
     def pipeline_inputs(self, rows: list[TrainSample], real: list[bool]):
         layout = self.layout
@@ -93,9 +92,10 @@ class ActorUpdate(Update):
                               pick("advantages"), ref], dim=-1)                                 # [B, R, 6]
         return input_ids, target
 
-    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor, denom: float):
+    def pipeline_loss(self, hidden: torch.Tensor, target: torch.Tensor, denom: float):
         positions, tokens, mask = target[..., 0].long(), target[..., 1].long(), target[..., 2] > 0
-        logp, entropy = logprobs_from_logits(logits, positions, tokens, mask, self.settings.temperature)
+        logp, entropy = stage_logprobs(hidden, last_stage_head(self.trained.stages), positions, tokens, mask,
+                                       self.settings.temperature)
         old = logp.detach() if self.on_policy else target[..., 3]
         ref = target[..., 5] if self.use_kl else None
         return actor_loss(logp, mask, entropy, old, target[..., 4], ref, self.settings, denom)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.common.modeling import pad_batch
+from services.common.packing import token_layout
 from services.trainer.layout import RankLayout
 from services.trainer.losses import aggregate, clipped_value_loss
 from services.trainer.trained import Trained
@@ -15,12 +15,16 @@ from services.trainer.updates.runner import Update
 
 
 def response_values(layout: RankLayout, model: nn.Module, prompts, responses) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values [B, R] of the response tokens under a ValueModel (padded entries 0), and the response mask."""
-    input_ids, attention_mask, positions, mask, _ = pad_batch(prompts, responses, pad_id=layout.pad_id,
-                                                              device=layout.device)
+    """Values [B, R] of the response tokens under a ValueModel (padded entries 0), and the response mask; one
+    packed row when the layout packs."""
+    lay = token_layout(prompts, responses, pad_id=layout.pad_id, device=layout.device, packed=layout.packed)
     with layout.amp():
-        values = model(input_ids=input_ids, attention_mask=attention_mask)                 # [B, L]
-    return torch.gather(values.float(), 1, positions) * mask, mask                          # [B, R]
+        # Right padding under the causal mask: real tokens never see padding (no attention mask needed).
+        values = model(input_ids=lay.input_ids, attention_mask=None, **lay.model_kwargs)       # [B, L] or [1, T]
+    picked = values.float().reshape(-1).index_select(0, lay.src)                             # [N]
+    B, R = lay.mask.shape
+    out = torch.zeros(B * R, dtype=picked.dtype, device=picked.device).index_copy(0, lay.dst, picked)
+    return out.view(B, R), lay.mask
 
 
 class CriticUpdate(Update):

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from services.common.modeling import response_logprobs
+from services.common.fused import sequence_logprobs
 from services.trainer.layout import RankLayout
-from services.trainer.losses import dpo_loss, logprobs_from_logits
+from services.trainer.losses import dpo_loss
+from services.trainer.pipeline import last_stage_head, stage_logprobs
 from services.trainer.trained import Trained
 from services.trainer.types import DPOLoss, PreferencePair
 from services.trainer.updates.runner import Update
@@ -39,13 +40,16 @@ class DPOUpdate(Update):
 
     stat_keys = DPO_STAT_KEYS
 
-    def __init__(self, layout: RankLayout, trained: Trained, pairs: list[PreferencePair], loss: DPOLoss):
+    def __init__(self, layout: RankLayout, trained: Trained, pairs: list[PreferencePair], loss: DPOLoss, *,
+                 fused: bool = False):
         # A pair's chosen and rejected rows share a micro-batch (the loss needs both), so a pair costs two
         # rows of its longer sequence against the token budget.
         super().__init__(layout, trained, pairs, epochs=1, mini_batch_size=loss.mini_batch_size,
                          lengths=[2 * (len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)))
                                   for p in pairs])
         self.settings = loss
+        # Log-probs through the fused LM head (services/common/fused.py).
+        self.fused = fused
 
     def denom(self, idx: list[int]) -> float:
         return float(len(idx))
@@ -58,9 +62,10 @@ class DPOUpdate(Update):
         layout, k = self.layout, len(rows)
         with layout.amp():
             # Chosen and rejected go through one forward: rows [0, k) and [k, 2k).
-            logp, mask = response_logprobs(self.trained.forward, [p.prompt_ids for p in rows] * 2,
-                                           [p.chosen_ids for p in rows] + [p.rejected_ids for p in rows],
-                                           pad_id=layout.pad_id)
+            logp, mask, _ = sequence_logprobs(self.trained.forward, [p.prompt_ids for p in rows] * 2,
+                                              [p.chosen_ids for p in rows] + [p.rejected_ids for p in rows],
+                                              pad_id=layout.pad_id, device=layout.device, packed=layout.packed,
+                                              fused=self.fused)
         sums = logp.sum(-1)                                                                     # [2k]
         ref = torch.tensor([p.ref_chosen_logprob for p in rows] + [p.ref_rejected_logprob for p in rows],
                            dtype=torch.float32, device=layout.device)
@@ -85,9 +90,9 @@ class DPOUpdate(Update):
                               per_row(torch.tensor(real_rows, device=device))], dim=-1)                 # [2P, R, 5]
         return input_ids, target
 
-    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor, denom: float):
+    def pipeline_loss(self, hidden: torch.Tensor, target: torch.Tensor, denom: float):
         positions, tokens, mask = target[..., 0].long(), target[..., 1].long(), target[..., 2] > 0
-        logp, _ = logprobs_from_logits(logits, positions, tokens, mask, 1.0)
+        logp, _ = stage_logprobs(hidden, last_stage_head(self.trained.stages), positions, tokens, mask, 1.0)
         sums = logp.sum(-1).view(-1, 2)                                                   # [k, (chosen, rejected)]
         refs, reals = target[:, 0, 3].view(-1, 2), target[:, 0, 4].view(-1, 2)[:, 0]
         return dpo_pairs_loss(sums[:, 0], sums[:, 1], refs[:, 0], refs[:, 1], reals, self.settings, denom, mask.sum())

@@ -50,9 +50,10 @@ class Update(ABC):
         """Input ids of this rank's pipelined rows and the target tensor the last stage's loss reads."""
         raise NotImplementedError(f"{type(self).__name__}: no pipeline-parallel path")
 
-    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor,
+    def pipeline_loss(self, hidden: torch.Tensor, target: torch.Tensor,
                       denom: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """`loss` on the last pipeline stage: from one pipeline micro-batch's logits and its target."""
+        """`loss` on the last pipeline stage: from one pipeline micro-batch's final hidden states and its target
+        (the LM head runs here, in chunks: services.trainer.pipeline.stage_logprobs)."""
         raise NotImplementedError(f"{type(self).__name__}: no pipeline-parallel path")
 
     @abstractmethod
@@ -166,8 +167,8 @@ def _pipeline(update: Update, idx: list[int], denom: float, scale: float) -> tor
                                                [i is not None for i in shard])
     calls: list[torch.Tensor] = []
 
-    def loss_fn(logits, tgt):
-        total, stats = update.pipeline_loss(logits, tgt, denom)
+    def loss_fn(hidden, tgt):
+        total, stats = update.pipeline_loss(hidden, tgt, denom)
         calls.append(stats)
         return total * scale
 
