@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 
@@ -24,11 +24,12 @@ class RolloutConfig(PoolConfig):
     """`rollout:` section: the engine and the default sampling settings of a replica."""
 
     engine: str = "torch"              # a name in ENGINES
-    # Defaults for requests that leave a sampling field unset (0 / empty in the proto).
-    n: int = Field(1, ge=1)
+    # Defaults for requests that leave a sampling field unset (0 / empty in the proto), and a run's sampling:
+    # a group of 8 per prompt (GRPO and RLOO need >= 2) and verl's max_response_length, 512.
+    n: int = Field(8, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(512, ge=1)
     stop: list[str] = Field(default_factory=list)
     seed: int | None = None
     # Rows (prompts x samples) decoded together; larger requests run in several chunks.
@@ -53,6 +54,17 @@ class RolloutConfig(PoolConfig):
     # engine "openai": ask for token ids with vLLM's return_token_ids / return_tokens_as_token_ids
     # (turn off for servers that reject unknown fields; the local tokenizer then maps tokens to ids).
     request_token_ids: bool = True
+    # engine "openai": the API each prompt goes to: completions (/v1/completions, prompt ids or text) or chat
+    # (/v1/chat/completions, the prompt text as a user message; the server applies its chat template).
+    openai_api: Literal["completions", "chat"] = "completions"
+    # engine "openai": a folder the upstream server reads; each weight update lands there as safetensors and the
+    # server reloads it through vLLM's weight-update HTTP endpoints (vllm serve with VLLM_SERVER_DEV_MODE=1).
+    # None: the upstream keeps its weights, and on-policy runs refuse this replica before step 1.
+    weights_dir: str | None = None
+    # Serve those weight-update endpoints on this replica's HTTP API too (/pause, /resume, /is_paused,
+    # /collective_rpc reload_weights, /update_weight_version, /weight_info), so an `openai` replica can
+    # proxy it and train. Off by default: reload_weights reads a path the caller names.
+    http_weight_updates: bool = False
     # engine "vllm": share of accelerator memory vLLM takes for weights + KV cache; None = 0.9. On CPU it is
     # the share of RAM given to the KV cache alone (None = 0.1), passed to vLLM as an explicit size: vLLM's own
     # CPU reading subtracts the worker's resident memory from the share, which fails on small hosts.
@@ -63,8 +75,9 @@ class RolloutConfig(PoolConfig):
     # engine "vllm": more vllm.AsyncEngineArgs ({tensor_parallel_size: 2, enforce_eager: false, ...}); they
     # override the ones meshrl sets.
     vllm_engine_args: dict[str, Any] = Field(default_factory=dict)
-    # engine "torch" on CUDA: decode unseeded requests without stop strings or top-logprobs with one captured
-    # CUDA graph per step over a static KV cache (services/rollout/cuda_decode.py); others use the eager loop.
+    # engine "torch" on CUDA: decode with one captured CUDA graph per step over a static KV cache
+    # (services/rollout/cuda_decode.py), seeded rows, stop strings and top-logprobs included; only seeded rows in
+    # a batch that needs top-p (or without Triton) use the eager loop.
     cuda_graphs: bool = False
     # With cuda_graphs: torch.compile the decode step's layers first (fewer, fused kernels; compiles at first use).
     cuda_graph_compile: bool = True

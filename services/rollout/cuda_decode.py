@@ -13,9 +13,14 @@ model's own modules (embedding, RMSNorms, projections, MLPs, rotary embedding) a
 attention: the query of one token against every cache slot, slots outside [pad, current] masked.
 So the log-probs are the raw model's, as in the eager loop, up to bf16 kernel-order rounding.
 
-Graphs, and the cache they write, are keyed on (batch bucket, length bucket, sampling mode);
-rows are padded up to the batch bucket with dummy rows that are done from the start. Seeded rows
-(per-row CPU generators), stop strings and top-logprobs stay on the eager loop (`can_decode`).
+Graphs, and the cache they write, are keyed on (batch bucket, length bucket, sampling mode, top-logprobs
+on or off); rows are padded up to the batch bucket with dummy rows that are done from the start. Every
+sampling option has a graph path: a seeded row draws from its own Philox stream (the fused sampler keyed by
+the row's seed, counter = step), so its tokens do not depend on the batch it decodes in; stop strings are
+checked on the host at each sync (every `sync_every` steps) over the steps since the last one, and a row that
+hit one is cut at the earliest such step; top-logprobs are a top-k of the raw log-softmax recorded inside the
+step. Only seeded rows in a batch that needs top-p (the torch sampler, drawing from the global generator),
+or without the Triton sampler, stay on the engine's eager loop (`serves`).
 Weight swaps that copy into the parameters in place keep the captured graphs valid; when parameters
 move (swapped by reference), the next decode captures again.
 """
@@ -26,7 +31,7 @@ import logging
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -36,6 +41,20 @@ from services.rollout.sampling import left_padded, top_p_filter
 log = logging.getLogger("meshrl.rollout")
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+# Top-logprobs recorded per step by a graph that records them (the API's maximum; rows take their first k).
+TOP_K = 20
+# (row, its response tokens so far, the first step not checked yet) -> whether they hold one of its stop
+# strings (the engine's check; it may look only at the tail from that step back by a stop string's length).
+StopCheck = Callable[[int, list, int], bool]
+
+
+class Decoded(NamedTuple):
+    """What a decode produced per row."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    stopped: list[bool]                                  # ended by eos or a stop string
+    top: list[list[list[tuple[int, float]]]] | None      # per step, the top (id, raw log-prob) pairs
 
 
 def unsupported_reason(model) -> str | None:
@@ -90,11 +109,58 @@ class _State:
     stopped: torch.Tensor                 # [B] ended by eos
     done: torch.Tensor                    # [B]
     slots: torch.Tensor                   # [S] arange
-    seed: torch.Tensor                    # [1] Philox seed of the fused sampler, drawn per decode call
+    seed: torch.Tensor                    # [B] Philox key of each row (its seed, or drawn per decode call)
     tok: torch.Tensor                     # [B] the token sampled this step
     lp: torch.Tensor                      # [B] fp32 its raw log-prob
     sample_scratch: tuple                 # the fused sampler's per-chunk partials
     graphs: dict = field(default_factory=dict)
+    top_ids: torch.Tensor | None = None   # [B, S, TOP_K] top-logprob ids, allocated when first asked for
+    top_lp: torch.Tensor | None = None    # [B, S, TOP_K] their raw log-probs
+
+
+class _StopScan:
+    """Host-side stop-string checks of one decode call, one window of `sync_every` steps behind the GPU: at each
+    sync the window just enqueued is copied out asynchronously and the previous window is checked while the GPU
+    decodes the next, so the checks cost the GPU no time (a row that hit runs at most a window longer; its
+    length is cut back). A hit row is cut at the earliest step where its text holds the stop string, as the
+    eager loop (which checks every step) cuts it."""
+
+    def __init__(self, st: _State, R: int, check: StopCheck):
+        self.st, self.R, self.check = st, R, check
+        self.tokens: list[list[int]] = [[] for _ in range(R)]      # each row's tokens so far, on the host
+        self.checked = [False] * R                                  # ended, and checked to its end
+        self.pending = None
+
+    def snapshot(self, first: int, upto: int) -> None:
+        st, R = self.st, self.R
+        tok = st.out_tok[:R, first:upto].to("cpu", non_blocking=True)
+        flags = torch.stack([st.done[:R].long(), st.length[:R]]).to("cpu", non_blocking=True)
+        event = None
+        if st.out_tok.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending = (first, upto, tok, flags, event)
+
+    def drain(self) -> None:
+        if self.pending is None:
+            return
+        (first, upto, tok, flags, event), self.pending = self.pending, None
+        if event is not None:
+            event.synchronize()
+        window, (done, lengths) = tok.tolist(), flags.tolist()
+        st = self.st
+        for r in range(self.R):
+            toks = self.tokens[r]
+            toks.extend(window[r])
+            if self.checked[r]:
+                continue
+            end = lengths[r] if done[r] else upto
+            self.checked[r] = bool(done[r])
+            if end <= first or not self.check(r, toks[:end], first):
+                continue
+            cut = next(s for s in range(first, end) if self.check(r, toks[:s + 1], s))
+            st.length[r], st.stopped[r], st.done[r] = cut + 1, True, True
+            self.checked[r] = True
 
 
 class GraphDecoder:
@@ -145,15 +211,20 @@ class GraphDecoder:
 
     # ---- public
 
-    @staticmethod
-    def can_decode(*, seeded: bool, has_stops: bool, top_logprobs: int) -> bool:
-        """Rows the graph path serves: unseeded, no stop strings, no top-logprobs."""
-        return not seeded and not has_stops and top_logprobs == 0
+    def serves(self, seeded: Sequence[bool], temperatures: Sequence[float], top_ps: Sequence[float]) -> bool:
+        """Whether the graph path decodes these rows with their sampling honoured: seeded sampled rows need the
+        fused sampler, which a batch with top-p rows does not use."""
+        if not any(s and t > 0 for s, t in zip(seeded, temperatures)):
+            return True
+        return self.fused_sampler and self._mode(temperatures, top_ps) != "top_p"
 
     @torch.inference_mode()
     def decode(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], temperatures: Sequence[float],
-               top_ps: Sequence[float]) -> tuple[list[list[int]], list[list[float]], list[bool]]:
-        """Tokens, raw log-probs and ended-by-eos flags of each row (rows of one request share nothing)."""
+               top_ps: Sequence[float], *, seeds: Sequence[int | None] | None = None, top_logprobs: int = 0,
+               stop_check: StopCheck | None = None) -> Decoded:
+        """Tokens, raw log-probs, ended-by-eos-or-stop flags and (top_logprobs > 0) each step's top
+        (id, log-prob) pairs of each row. seeds: a row's Philox key (None: drawn); stop_check(row, tokens, since):
+        whether that row's response now holds a stop string."""
         R = len(prompts)
         assert 0 < R <= self.max_batch_size
         if self.use_graphs and self._weights_signature() != self._param_ptrs:
@@ -167,20 +238,35 @@ class GraphDecoder:
         L = max(len(q) for q in uniq)
         T = max(budgets)
         st = self._state(_bucket_batch(R, self.max_batch_size), _bucket_len(L + T))
-        mode = self._mode(temperatures, top_ps)
+        k = min(top_logprobs, TOP_K, self.vocab_size)
+        if k and st.top_ids is None:
+            st.top_ids = torch.zeros((st.B, st.S, min(TOP_K, self.vocab_size)), dtype=torch.long, device=self.device)
+            st.top_lp = torch.zeros(st.top_ids.shape, dtype=torch.float32, device=self.device)
+        mode = (self._mode(temperatures, top_ps), bool(k))
         graph = self._graph(st, mode) if self.use_graphs else None
-        self._prefill(st, list(uniq), fan, L, budgets, temperatures, top_ps)
+        self._prefill(st, list(uniq), fan, L, budgets, temperatures, top_ps, seeds)
+        scan = _StopScan(st, R, stop_check) if stop_check is not None else None
         for i in range(T):
             if graph is not None:
                 graph.replay()
             else:
                 self._step(st, mode)
-            if (i + 1) % self.sync_every == 0 and i + 1 < T and bool(st.done.all()):
-                break
+            if (i + 1) % self.sync_every == 0 or i + 1 == T:
+                if scan is not None:
+                    scan.drain()                                  # the last window's, while the GPU runs this one
+                    scan.snapshot(i - i % self.sync_every, i + 1)
+                if i + 1 < T and bool(st.done.all()):
+                    break
+        if scan is not None:
+            scan.drain()
         self.stats["replays"] += i + 1
         lengths, stopped = st.length[:R].tolist(), st.stopped[:R].tolist()
         tok, lp = st.out_tok[:R, :T].tolist(), st.out_lp[:R, :T].tolist()
-        return ([t[:n] for t, n in zip(tok, lengths)], [x[:n] for x, n in zip(lp, lengths)], stopped)
+        top = None
+        if k:
+            ids, vals = st.top_ids[:R, :T, :k].tolist(), st.top_lp[:R, :T, :k].tolist()
+            top = [[list(zip(ids[r][t], vals[r][t])) for t in range(n)] for r, n in enumerate(lengths)]
+        return Decoded([t[:n] for t, n in zip(tok, lengths)], [x[:n] for x, n in zip(lp, lengths)], stopped, top)
 
     def _qkv_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
         attn = [layer.self_attn for layer in self.model.model.layers]
@@ -235,7 +321,7 @@ class GraphDecoder:
             top_p=torch.ones(B, dtype=torch.float32, **kw), out_tok=torch.zeros((B, S), dtype=torch.long, **kw),
             out_lp=torch.zeros((B, S), dtype=torch.float32, **kw), length=torch.zeros(B, dtype=torch.long, **kw),
             stopped=torch.zeros(B, dtype=torch.bool, **kw), done=torch.zeros(B, dtype=torch.bool, **kw),
-            slots=torch.arange(S, **kw), seed=torch.zeros(1, dtype=torch.long, **kw),
+            slots=torch.arange(S, **kw), seed=torch.zeros(B, dtype=torch.long, **kw),
             tok=torch.zeros(B, dtype=torch.long, **kw), lp=torch.zeros(B, dtype=torch.float32, **kw),
             sample_scratch=fused_sample.make_scratch(B, d) if self.fused_sampler else ())
         self._states[key] = st
@@ -245,11 +331,12 @@ class GraphDecoder:
 
     @staticmethod
     def _mode(temperatures: Sequence[float], top_ps: Sequence[float]) -> str:
+        """greedy (every row), top_p (some row needs the nucleus: the torch sampler) or sample."""
         if all(t == 0 for t in temperatures):
             return "greedy"
         return "top_p" if any(p < 1 for p in top_ps) else "sample"
 
-    def _graph(self, st: _State, mode: str):
+    def _graph(self, st: _State, mode: tuple[str, bool]):
         g = st.graphs.get(mode)
         if g is not None:
             return g
@@ -269,13 +356,14 @@ class GraphDecoder:
             self._step(st, mode)
         st.graphs[mode] = g
         self.stats["graphs_captured"] += 1
-        log.info("cuda graph decoder: captured %s step for batch=%d len=%d", mode, st.B, st.S)
+        log.info("cuda graph decoder: captured %s%s step for batch=%d len=%d", mode[0],
+                 " + top-logprobs" if mode[1] else "", st.B, st.S)
         return g
 
     # ---- prefill and one step
 
     def _prefill(self, st: _State, prompts: list[tuple[int, ...]], fan: list[int], L: int, budgets, temperatures,
-                 top_ps) -> None:
+                 top_ps, seeds: Sequence[int | None] | None = None) -> None:
         """The engine's prefill (left padding, one forward per distinct prompt), copied into the static cache."""
         from transformers import DynamicCache
 
@@ -296,7 +384,10 @@ class GraphDecoder:
         st.pad.copy_(torch.where(torch.arange(st.B) < R, L - row_len, L))   # dummy rows see only their own slot
         st.slot.fill_(L)
         st.step.zero_()
-        st.seed.fill_(int(torch.randint(0, 2**62, (1,)).item()))
+        # Unseeded rows: consecutive keys from a fresh draw; seeded rows: their own (63-bit) seed.
+        base = int(torch.randint(0, 2**62, (1,)).item())
+        keys = [base + r if seeds is None or seeds[r] is None else int(seeds[r]) for r in range(R)]
+        st.seed.copy_(torch.tensor(keys + [base + r for r in range(R, st.B)], dtype=torch.long))
         pad_rows = st.B - R
         st.budget.copy_(torch.tensor(list(budgets) + [1] * pad_rows, dtype=torch.long))
         st.temperature.copy_(torch.tensor(list(temperatures) + [0.0] * pad_rows, dtype=torch.float32))
@@ -305,13 +396,22 @@ class GraphDecoder:
         st.stopped.zero_()
         st.done.copy_(torch.arange(st.B) >= R)
 
-    def _step(self, st: _State, mode: str) -> None:
-        """Samples token `step` from st.logits, records it, then feeds it through the model (graph-safe: no syncs)."""
-        if self.fused_sampler and mode != "top_p":
+    def _step(self, st: _State, mode: tuple[str, bool]) -> None:
+        """Samples token `step` from st.logits, records it, then feeds it through the model (graph-safe: no syncs).
+        mode: (sampler mode, record top-logprobs)."""
+        sampler, with_top = mode
+        if self.fused_sampler and sampler != "top_p":
             fused_sample.sample(st.logits, st.temperature, st.seed, st.step, st.tok, st.lp, st.sample_scratch)
             tok, lp = st.tok, st.lp
         else:
-            tok, lp = self._torch_sample(st, mode)
+            tok, lp = self._torch_sample(st, sampler)
+        if with_top:
+            # The top-k of the log-softmax is the top-k of the logits, less the log-sum-exp, which the sampled
+            # token's raw log-prob gives back (lse = z_tok - lp): one pass over the logits, in their own dtype.
+            top_z, top_i = st.logits.topk(st.top_ids.size(-1), dim=-1)
+            lse = st.logits.gather(1, tok.unsqueeze(-1)).float() - lp.unsqueeze(-1)            # [B, 1]
+            st.top_ids.index_copy_(1, st.step, top_i.unsqueeze(1))
+            st.top_lp.index_copy_(1, st.step, (top_z.float() - lse).unsqueeze(1))
         st.out_tok.index_copy_(1, st.step, tok.unsqueeze(-1))
         st.out_lp.index_copy_(1, st.step, lp.unsqueeze(-1))
         hit = (tok.unsqueeze(-1) == self._eos).any(-1)

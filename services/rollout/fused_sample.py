@@ -13,9 +13,9 @@ Qwen's 151,936 entries). Here the logits are read once, in their own dtype:
            the lowest column, as torch.argmax) and its raw log-prob z_tok - lse, the value the eager loop
            records.
 
-Uniforms come from Triton's Philox (rand4x: one call gives 4 columns' worth) with a per-call seed and a
-per-step counter held in device tensors, so a captured graph replays a fresh draw every step without
-host syncs. Top-p sampling stays on the torch path (a sort is not a one-pass job).
+Uniforms come from Triton's Philox (rand4x: one call gives 4 columns' worth) keyed by each row's own seed,
+with a per-step counter, both held in device tensors, so a captured graph replays a fresh draw every step
+without host syncs, and a seeded row draws the same whatever batch, bucket or position it decodes in. Top-p sampling stays on the torch path (a sort is not a one-pass job).
 """
 
 from __future__ import annotations
@@ -58,16 +58,15 @@ if triton is not None:
         """Program (row, c): columns [c * chunk, (c + 1) * chunk) of the row -> its (max, sum, best key, column)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        rows = tl.num_programs(0).to(tl.int64)
         nsplit = tl.num_programs(1)
         base = logits_ptr + row * stride
         t = tl.load(temp_ptr + row).to(tl.float32)
         sampled = t > 0
         inv_t = 1.0 / tl.where(sampled, t, 1.0)
-        seed = tl.load(seed_ptr)
-        # One Philox counter per 4 columns of every (step, row): rand4x gives the 4 uniforms.
+        seed = tl.load(seed_ptr + row)
+        # The row's own Philox stream: one counter per 4 columns of every step; rand4x gives the 4 uniforms.
         groups = (V + 3) // 4
-        counter0 = (tl.load(step_ptr) * rows + row) * groups
+        counter0 = tl.load(step_ptr) * groups
         Q: tl.constexpr = BLOCK // 4
         offs = tl.arange(0, Q)
         m = tl.full([Q], -float("inf"), tl.float32)
@@ -126,10 +125,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, 
            tok: torch.Tensor, logprob: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Writes each row's next token (int64 [B]) and its raw log-prob (fp32 [B]) into `tok` and `logprob`.
 
-    logits [B, V] (any float dtype, rows contiguous); temperature fp32 [B] (0 = greedy); seed and step int64 [1]
-    device tensors (read by the kernel, so a captured graph sees their current values). `scratch`: the
-    per-chunk partials (fp32 [B, SPLIT, 3], int32 [B, SPLIT]) from `make_scratch`, allocated here when None
-    (pass them under graph capture). No host sync."""
+    logits [B, V] (any float dtype, rows contiguous); temperature fp32 [B] (0 = greedy); seed int64 [B] (each
+    row's Philox key: distinct rows need distinct seeds) and step int64 [1] device tensors (read by the kernel,
+    so a captured graph sees their current values). `scratch`: the per-chunk partials (fp32 [B, SPLIT, 3], int32
+    [B, SPLIT]) from `make_scratch`, allocated here when None (pass them under graph capture). No host sync."""
     B, V = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     part, part_idx = scratch if scratch is not None else make_scratch(B, logits.device)

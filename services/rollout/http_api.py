@@ -4,22 +4,26 @@ Served by aiohttp in the replica's event loop, next to gRPC, over the same engin
 weights and version are shared). Request and response shapes follow the OpenAI API; like vLLM it
 also understands `return_token_ids` (adds `token_ids` / `prompt_token_ids` to each choice) and
 `return_tokens_as_token_ids` (tokens spelled "token_id:N"), which the openai proxy engine relies on.
-`stream: true` is answered as server-sent events with one chunk per choice once generation ends.
+`stream: true` is answered as server-sent events with one chunk per choice once generation ends. Chat takes
+OpenAI's `tools` and `tool_choice` and answers with `tool_calls` (services/rollout/function_calling.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from services.common.errors import MeshError, NotFound
 from services.rollout.config import RolloutConfig
+from services.rollout.function_calling import FunctionCalling, render_messages
 from services.rollout.types import GenerateBatch, PromptInput, PromptResult, RolloutEngine, SamplingParams
 
 log = logging.getLogger("meshrl.rollout.http")
@@ -85,8 +89,9 @@ class OpenAIApi:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         self._check_model(body)
-        _reject_unsupported(body, ("tools", "functions", "response_format"))
-        text = self._render_chat(body.get("messages"))
+        _reject_unsupported(body, ("response_format",))
+        calling = FunctionCalling.from_body(body)
+        text = self._render_chat(body.get("messages"), calling.tools) + calling.prefix
         want_lp = bool(body.get("logprobs"))
         k = _opt_int(body, "top_logprobs") or 0
         if k and not want_lp:
@@ -100,8 +105,11 @@ class OpenAIApi:
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         choices = []
         for j, s in enumerate(results[0].samples):
-            choice: dict[str, Any] = {"index": j, "message": {"role": "assistant", "content": s.text},
-                                      "finish_reason": s.finish_reason, "logprobs": None}
+            message, parsed = calling.message(s.text)
+            choice: dict[str, Any] = {"index": j, "message": message, "logprobs": None,
+                                      "finish_reason": "tool_calls" if "tool_calls" in message else s.finish_reason}
+            if parsed is not None and parsed.errors:   # calls the parser could not read, one line each
+                choice["tool_call_errors"] = parsed.errors
             if want_lp:
                 content = []
                 for step, (t, lp) in enumerate(zip(s.response_ids, s.logprobs)):
@@ -117,9 +125,44 @@ class OpenAIApi:
         payload = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                    "model": self.model_name, "choices": choices, "usage": _usage(results),
                    "system_fingerprint": f"meshrl-v{self.engine.weight_version}"}
+        if body.get("return_token_ids"):     # where vLLM puts it on a chat answer
+            payload["prompt_token_ids"] = results[0].prompt_ids
         if body.get("stream"):
             return await self._stream(request, payload, "chat.completion.chunk")
         return web.json_response(payload)
+
+    # ---- vLLM's weight-update routes (rollout.http_weight_updates): an `openai` replica proxying this one
+    # pushes weights through them (services/rollout/upstream_weights.py).
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": False})
+
+    async def pause_or_resume(self, request: web.Request) -> web.Response:
+        # Generation and weight swaps already exclude each other under the engine's lock.
+        return web.json_response({"status": "paused" if request.path == "/pause" else "resumed"})
+
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if body.get("method") != "reload_weights":
+            raise ValueError(f"method: only reload_weights is served here, got {body.get('method')!r}")
+        path = (body.get("kwargs") or {}).get("weights_path")
+        if not isinstance(path, str) or not path:
+            raise ValueError("kwargs.weights_path: a folder of safetensors files is required")
+        tensors = await asyncio.to_thread(_load_safetensors, path)
+        await self.engine.apply_update(self.engine.weight_version, tensors)
+        return web.json_response({"results": [None]})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        try:
+            version = int(body.get("new_version"))
+        except (TypeError, ValueError):
+            raise ValueError(f"new_version: must be an integer, got {body.get('new_version')!r}") from None
+        self.engine.weight_version = version
+        return web.json_response({"success": True, "new_version": str(version)})
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str(self.engine.weight_version)})
 
     # ---- helpers
 
@@ -145,7 +188,7 @@ class OpenAIApi:
             seed=_opt_int(body, "seed"),
             top_logprobs=top_logprobs)
 
-    def _render_chat(self, messages) -> str:
+    def _render_chat(self, messages, tools: list[dict]) -> str:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: must be a non-empty list")
         tok = self.engine.tokenizer
@@ -153,15 +196,7 @@ class OpenAIApi:
             raise ValueError("messages: chat needs a tokenizer, and this replica has none")
         if not getattr(tok, "chat_template", None):
             raise ValueError("messages: the tokenizer has no chat template; use /v1/completions")
-        flat = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m:
-                raise ValueError(f"messages[{i}]: needs a role")
-            content = m.get("content") or ""
-            if isinstance(content, list):   # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            flat.append({"role": m["role"], "content": content})
-        return tok.apply_chat_template(flat, add_generation_prompt=True, tokenize=False)
+        return render_messages(messages, tools, tok)
 
     def _token(self, token_id: int, as_ids: bool) -> str:
         tok = self.engine.tokenizer
@@ -182,13 +217,30 @@ class OpenAIApi:
         for choice in payload["choices"]:
             chunk_choice = dict(choice)
             if "message" in chunk_choice:
-                chunk_choice["delta"] = chunk_choice.pop("message")
+                chunk_choice["delta"] = dict(chunk_choice.pop("message"))
+                if "tool_calls" in chunk_choice["delta"]:   # stream deltas number their calls
+                    chunk_choice["delta"]["tool_calls"] = [dict(c, index=k) for k, c in
+                                                           enumerate(chunk_choice["delta"]["tool_calls"])]
             chunk = {k: payload[k] for k in ("id", "created", "model", "system_fingerprint")}
             chunk.update(object=chunk_object, choices=[chunk_choice])
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _load_safetensors(path: str) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"kwargs.weights_path: {path!r} holds no *.safetensors file")
+    tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if head is not None and embed is not None and torch.equal(head, embed):
+        del tensors["lm_head.weight"]          # a tied head spelled out: an update carries it once, as the embedding
+    return tensors
 
 
 def _usage(results: list[PromptResult]) -> dict:
@@ -275,6 +327,11 @@ def build_app(engine: RolloutEngine, *, model_name: str, defaults: RolloutConfig
     app = web.Application(middlewares=_middlewares(auth_token), client_max_size=64 * 1024 * 1024)
     app.add_routes([web.get("/v1/models", api.models), web.get("/health", api.health),
                     web.post("/v1/completions", api.completions), web.post("/v1/chat/completions", api.chat)])
+    if defaults.http_weight_updates:
+        app.add_routes([web.get("/is_paused", api.is_paused), web.post("/pause", api.pause_or_resume),
+                        web.post("/resume", api.pause_or_resume), web.post("/collective_rpc", api.collective_rpc),
+                        web.post("/update_weight_version", api.update_weight_version),
+                        web.get("/weight_info", api.weight_info)])
     return app
 
 

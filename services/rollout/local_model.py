@@ -28,15 +28,33 @@ def try_tokenizer(path: str):
         return None
 
 
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """The special token the chat template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`), found by
+    rendering a turn and reading the token that follows its content; empty without a template or such a token."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return set()
+    marker = "meshrl-end-of-turn-probe"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this turn has no end-of-turn to find
+        return set()
+    after = text[text.rfind(marker) + len(marker):] if marker in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    return {int(ids[0])} if ids and ids[0] in special else set()
+
+
 def find_eos_ids(model, tokenizer) -> set[int]:
-    """Every id that ends a sample: the model config's, its generation config's and the tokenizer's eos."""
+    """Every id that ends a sample: the model config's, its generation config's and the tokenizer's eos, and
+    the chat template's end-of-turn token."""
     ids: set[int] = set()
     for src in (model.config.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None),
                 getattr(tokenizer, "eos_token_id", None)):
         if src is None:
             continue
         ids.update(int(x) for x in (src if isinstance(src, (list, tuple)) else [src]))
-    return ids
+    return ids | end_of_turn_ids(tokenizer)
 
 
 def model_len_limit(configured: int | None, model_config) -> int:

@@ -42,6 +42,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                                              columnar=batch.columnar)
 
     async def GetInfo(self, request, context):
+        await self.engine.refresh()
         details = {**self.engine.info(), "weight_transports": ",".join(self.receivers.available()),
                    "settings": settings_json(self.settings)}
         return common_convert.info_to_pb("rollout", self.engine.model_path, self.engine.weight_version, details)

@@ -275,9 +275,9 @@ class TorchEngine(LocalModelEngine):
         Rows that finish are dropped from the batch (and the KV cache), so long tails do not pay for
         finished rows.
         """
-        if self._graph_decoder is not None and all(
-                self._graph_decoder.can_decode(seeded=r.generator is not None, has_stops=bool(r.sampling.stop),
-                                               top_logprobs=r.sampling.top_logprobs) for r in rows):
+        if self._graph_decoder is not None and self._graph_decoder.serves(
+                [r.generator is not None for r in rows], [r.sampling.temperature for r in rows],
+                [r.sampling.top_p for r in rows]):
             return self._graph_decode(rows)
         dev = self.device
         cache, logits, mask, next_pos = self._prefill(rows)
@@ -350,11 +350,26 @@ class TorchEngine(LocalModelEngine):
 
     def _graph_decode(self, rows: list[_Row]) -> None:
         """The same decode as _decode, each step one CUDA graph replay (rows stay in the batch until all end)."""
-        tokens, logprobs, stopped = self._graph_decoder.decode(
+        def stop_check(r: int, tokens: list[int], since: int) -> bool:
+            # The tail from `since` back by the longest stop string (each token is >= 1 character) first: a bounded
+            # decode per row and sync; the whole response only once a stop string is there.
+            stops = rows[r].sampling.stop
+            if not stops or not any(x in self.decode(tokens[max(0, since - max(map(len, stops))):]) for x in stops):
+                return False
+            return self._hit_stop(rows[r], tokens, stops)
+
+        # A seeded row's Philox key: the first draw of its generator (a hash of seed, prompt and sample index).
+        seeds = [int(torch.randint(0, 2**62, (1,), generator=r.generator)) if r.generator is not None else None
+                 for r in rows]
+        out = self._graph_decoder.decode(
             [r.prompt for r in rows], [r.budget for r in rows], [r.sampling.temperature for r in rows],
-            [r.sampling.top_p for r in rows])
-        for row, t, lp, s in zip(rows, tokens, logprobs, stopped):
-            row.tokens, row.logprobs, row.finish_reason = t, lp, "stop" if s else "length"
+            [r.sampling.top_p for r in rows], seeds=seeds, top_logprobs=max(r.sampling.top_logprobs for r in rows),
+            stop_check=stop_check if any(r.sampling.stop for r in rows) else None)
+        for i, row in enumerate(rows):
+            row.tokens, row.logprobs = out.tokens[i], out.logprobs[i]
+            row.finish_reason = "stop" if out.stopped[i] else "length"
+            if row.sampling.top_logprobs and out.top is not None:
+                row.top = [step[:row.sampling.top_logprobs] for step in out.top[i]]
 
     def _hit_stop(self, row: _Row, tokens: list[int], stops: Sequence[str]) -> bool:
         """True when the decoded response contains a stop string; the text is cut before it (as in vLLM)."""

@@ -130,5 +130,9 @@ class RolloutEngine(abc.ABC):
         raise FailedPrecondition(f"UpdateWeights: the {self.info().get('engine', '?')} engine takes weights over "
                                  "transport grpc only")
 
+    async def refresh(self) -> None:
+        """Brings what info() reports up to date (an upstream's capabilities); GetInfo awaits it first."""
+        return None
+
     async def close(self) -> None:
         return None

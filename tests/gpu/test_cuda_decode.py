@@ -128,10 +128,10 @@ def test_graphs_are_captured_once_and_survive_a_weight_update(model_dir):
     assert eng._graph_decoder.stats["graphs_captured"] == captured
 
 
-def test_seeded_and_stop_requests_use_the_eager_loop(graph_engine, eager_engine):
+def test_seeded_top_p_requests_use_the_eager_loop(graph_engine, eager_engine):
     before = graph_engine._graph_decoder.stats["replays"]
-    a = flat(gen(graph_engine, n=2, temperature=1.0, max_tokens=16, seed=7))
-    b = flat(gen(eager_engine, n=2, temperature=1.0, max_tokens=16, seed=7))
+    a = flat(gen(graph_engine, n=2, temperature=1.0, top_p=0.9, max_tokens=16, seed=7))
+    b = flat(gen(eager_engine, n=2, temperature=1.0, top_p=0.9, max_tokens=16, seed=7))
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
     assert graph_engine._graph_decoder.stats["replays"] == before
 
@@ -183,7 +183,7 @@ def test_fused_sampler_draws_from_softmax_over_temperature_and_records_the_raw_l
     logits = z.to(torch.bfloat16).repeat(n, 1)
     temp = torch.full((n,), 0.8, device="cuda")
     temp[:100] = 0.0                                                     # greedy rows
-    seed, step = torch.tensor([7], device="cuda"), torch.tensor([0], device="cuda")
+    seed, step = 7 + torch.arange(n, device="cuda"), torch.tensor([0], device="cuda")     # a key per row
     tok, lp = torch.empty(n, dtype=torch.long, device="cuda"), torch.empty(n, device="cuda")
     fused_sample.sample(logits, temp, seed, step, tok, lp)
     zf = logits[0].float()
@@ -228,3 +228,54 @@ def test_graph_decode_with_torch_kernels_gives_the_same_greedy_tokens(model_dir,
     for x, y in zip(a, b):
         assert x.response_ids == y.response_ids
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+
+
+# ---- every sampling option on the graph path: seeds, stop strings, top-logprobs
+
+
+def test_seeded_graph_decode_equals_the_eager_step_and_does_not_depend_on_the_batch(model_dir, graph_engine):
+    from services.rollout.cuda_decode import GraphDecoder
+
+    dec = graph_engine._graph_decoder
+    eager = GraphDecoder(graph_engine.model, pad_id=graph_engine.pad_id, eos_ids=sorted(graph_engine.eos_ids),
+                         max_batch_size=16, use_graphs=False, compile=False)
+    prompts, seeds = [PROMPTS[0], PROMPTS[1], PROMPTS[0]], [11, 12, 13]
+    kw = dict(seeds=seeds)
+    a = dec.decode(prompts, [30] * 3, [1.0] * 3, [1.0] * 3, **kw)
+    b = eager.decode(prompts, [30] * 3, [1.0] * 3, [1.0] * 3, **kw)
+    assert a.tokens == b.tokens                                  # the captured step draws what the eager one does
+    alone = dec.decode([PROMPTS[1]], [30], [1.0], [1.0], seeds=[12])
+    assert alone.tokens[0] == a.tokens[1]                        # a seeded row's draw is its own
+    assert a.tokens[0] != a.tokens[2]                            # same prompt, other seed: another sample
+
+
+def test_seeded_requests_take_the_graph_path_and_repeat_exactly(graph_engine):
+    before = graph_engine._graph_decoder.stats["replays"]
+    a = flat(gen(graph_engine, n=4, temperature=1.0, max_tokens=24, seed=5))
+    b = flat(gen(graph_engine, n=4, temperature=1.0, max_tokens=24, seed=5))
+    c = flat(gen(graph_engine, n=4, temperature=1.0, max_tokens=24, seed=6))
+    assert graph_engine._graph_decoder.stats["replays"] > before
+    assert [s.response_ids for s in a] == [s.response_ids for s in b] != [s.response_ids for s in c]
+
+
+def test_stop_strings_on_the_graph_path_cut_where_the_eager_loop_does(graph_engine, eager_engine):
+    free = flat(gen(eager_engine, temperature=0, max_tokens=40))
+    stops = [s.text[9:11] for s in free if len(s.text) > 12][:2]
+    assert stops
+    a = flat(gen(graph_engine, temperature=0, max_tokens=40, stop=stops))
+    b = flat(gen(eager_engine, temperature=0, max_tokens=40, stop=stops))
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert [s.text for s in a] == [s.text for s in b] and [s.finish_reason for s in a] == [s.finish_reason for s in b]
+    assert any(len(s.response_ids) < 40 for s in a)              # some row did stop early
+
+
+def test_top_logprobs_on_the_graph_path_equal_the_eager_loops(graph_engine, eager_engine):
+    before = graph_engine._graph_decoder.stats["replays"]
+    a = flat(gen(graph_engine, temperature=0, max_tokens=20, top_logprobs=3))
+    b = flat(gen(eager_engine, temperature=0, max_tokens=20, top_logprobs=3))
+    assert graph_engine._graph_decoder.stats["replays"] > before
+    for x, y in zip(a, b):
+        assert x.response_ids == y.response_ids and len(x.top_logprobs) == len(x.response_ids)
+        assert [[i for i, _ in step] for step in x.top_logprobs] == [[i for i, _ in step] for step in y.top_logprobs]
+        assert max(abs(p - q) for sx, sy in zip(x.top_logprobs, y.top_logprobs)
+                   for (_, p), (_, q) in zip(sx, sy)) < 1e-4

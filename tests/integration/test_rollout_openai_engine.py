@@ -100,9 +100,11 @@ def test_update_weights_on_the_proxy_is_failed_precondition(model_dir):
             return err.value, lp_err.value, info
 
     err, lp_err, info = asyncio.run(main())
-    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot change its weights" in err.details()
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot take weights" in err.details()
+    assert "rollout.weights_dir is not set" in err.details()
     assert lp_err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert info.details["engine"] == "openai" and info.details["server_url"].startswith("http://127.0.0.1:")
+    assert info.details["weight_updates"] == "none"
     assert info.weight_version == 0
 
 
