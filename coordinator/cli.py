@@ -28,7 +28,7 @@ console = Console()
 
 ROLES = {"coordinator": "coordinator.__main__", "trainer": "services.trainer.__main__",
          "rollout": "services.rollout.__main__", "reward": "services.reward.__main__",
-         "reference": "services.reference.__main__"}
+         "reference": "services.reference.__main__", "env": "services.env.__main__"}
 DEFAULT_COORDINATOR = os.environ.get("MESHRL_COORDINATOR", "127.0.0.1:50050")
 # How long `meshrl up`'s pools wait for a restarting replica (the supervisor's back-off, 1 + 2 + 4 s, plus a
 # model load) before a call fails.
@@ -147,7 +147,7 @@ class Connection:
 def connects(fn):
     """Gives a command the CONNECTION options; it receives them as one `conn: Connection` keyword."""
     sig = inspect.signature(fn)
-    params = [p for p in sig.parameters.values() if p.name != "conn"]
+    params = [p for p in sig.parameters.values() if p.name not in ("conn", "ctx")]
     params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=kind)
                for name, (kind, info) in CONNECTION.items()]
     params.append(inspect.Parameter("connection_ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context))
@@ -155,19 +155,22 @@ def connects(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kw):
         opts = {name: kw.pop(name) for name in CONNECTION}
-        tls = client_tls(opts["tls_ca"], opts["tls_cert"], opts["tls_key"], opts["tls_server_name"],
-                         kw.pop("connection_ctx"))
+        ctx = kw.pop("connection_ctx")
+        tls = client_tls(opts["tls_ca"], opts["tls_cert"], opts["tls_key"], opts["tls_server_name"], ctx)
+        if "ctx" in sig.parameters:  # a command that reads its extra words (`meshrl run`'s overrides)
+            kw["ctx"] = ctx
         return fn(*args, **kw, conn=Connection(opts["coordinator"], opts["token"], tls))
 
     wrapper.__signature__ = sig.replace(parameters=params)
-    wrapper.__annotations__ = {**{k: v for k, v in fn.__annotations__.items() if k != "conn"},
+    wrapper.__annotations__ = {**{k: v for k, v in fn.__annotations__.items() if k not in ("conn", "ctx")},
                                **{name: kind for name, (kind, _) in CONNECTION.items()},
                                "connection_ctx": typer.Context}
     return wrapper
 
 
 @command(context_settings=PASSTHROUGH)
-def serve(ctx: typer.Context, role: str = typer.Argument(..., help="coordinator, trainer, rollout, reward, reference")):
+def serve(ctx: typer.Context,
+          role: str = typer.Argument(..., help="coordinator, trainer, rollout, reward, reference, env")):
     """Run one service: `meshrl serve rollout --config FILE [--port N] [--section.key value ...]`."""
     if role not in ROLES:
         raise typer.BadParameter(f"unknown role {role!r}; expected one of {', '.join(ROLES)}", param_hint="ROLE")
@@ -181,6 +184,34 @@ def _overrides(args: list[str]) -> dict[str, str]:
         return parse_dotted_flags(args)
     except SystemExit as e:  # the services' parser exits; here a bad flag is bad input like any other (exit 2)
         raise ValueError(str(e)) from None
+
+
+def _recipe_args(args: list[str]) -> tuple[dict, dict[str, str]]:
+    """The words after a recipe: verl's `key=value` overrides (parsed, coordinator/verl_keys.py) and meshrl's
+    `--section.key value` flags."""
+    from coordinator import verl_keys
+
+    verl, flags = verl_keys.split_args(args)
+    return verl_keys.parse(verl), _overrides(flags)
+
+
+def _load_recipe(config: Path, verl: dict, overrides: dict[str, str]):
+    """The recipe with the verl keys' values merged in (a dict, as a service reads it) and its run config;
+    meshrl's flags win over both."""
+    from coordinator import verl_keys
+    from coordinator.config import RunConfig
+    from services.common.config import deep_merge, load_config, read_yaml
+
+    data, cfg = verl_keys.apply(verl, lambda d: load_config(RunConfig, config, data=d, overrides=overrides))
+    return deep_merge(read_yaml(config), data), cfg
+
+
+def _write_private(path: Path, data: dict) -> Path:
+    """A recipe file only its owner reads (it may carry the auth token)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path.chmod(0o600)
+    return path
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
@@ -203,23 +234,24 @@ def step_line(m: dict, num_steps: int) -> str:
 def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, help="recipe YAML"),
        run_dir: Optional[Path] = typer.Option(None, help="where run directories go (default: run.run_dir)"),
        threads: int = typer.Option(1, help="OMP threads per service process")):
-    """Start every service as a process on 127.0.0.1, run the recipe to the end, stop everything."""
-    from coordinator.config import RunConfig
+    """Start every service as a process on 127.0.0.1, run the recipe to the end, stop everything.
+    After the recipe: verl's overrides (`data.train_files=[a.parquet] actor_rollout_ref.rollout.n=8`,
+    docs/from_verl.md) and meshrl's `--section.key value`."""
     from coordinator.launcher import Launcher
     from coordinator.preflight import check_run
     from services.common.channel import ClientTLS
-    from services.common.config import load_config, read_yaml
 
-    overrides = _overrides(list(ctx.args))
+    verl, overrides = _recipe_args(list(ctx.args))
     if run_dir is not None:
         overrides["run.run_dir"] = str(run_dir)
     # Everything that can be checked is checked before the first process starts: a config that was going to
     # fail wastes no service start.
-    raw = read_yaml(config)
-    cfg = load_config(RunConfig, config, overrides=overrides)
+    raw, cfg = _load_recipe(config, verl, overrides)
     check_run(cfg, world_size=cfg.trainer.nproc_per_node)
     placement, trainer_devices = _placement(cfg, raw, overrides)
     log_dir = Path(cfg.run.run_dir) / "logs" / time.strftime("%Y%m%d-%H%M%S")
+    if verl:  # every service reads the recipe with the verl keys' values in it
+        config = _write_private(log_dir / "recipe.yaml", raw)
     # The launcher calls its coordinator as the services call each other: the recipe's token and client TLS.
     conn = Connection("", cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None,
                       ClientTLS.from_server_config(cfg.server))
@@ -245,9 +277,7 @@ def _start_mesh(launcher, cfg, raw: dict, overrides: dict[str, str], placement: 
         addresses.setdefault(c.role, []).append(launcher.wait_ready(c))
     # The coordinator reads the recipe with the replicas' addresses filled in: they are its default pools
     # (ListServices with no run id, `meshrl services`). The later --config wins over the launcher's.
-    own = launcher.log_dir / "coordinator.yaml"
-    own.write_text(yaml.safe_dump(_with_addresses(raw, overrides, addresses), sort_keys=False))
-    own.chmod(0o600)  # the recipe may carry the auth token
+    own = _write_private(launcher.log_dir / "coordinator.yaml", _with_addresses(raw, overrides, addresses))
     coordinator = launcher.start("coordinator", extra_args=["--config", str(own)])
     return {**addresses, "coordinator": [launcher.wait_ready(coordinator)]}
 
@@ -379,22 +409,25 @@ def _print_result(status) -> None:
                       f"({(after - before) * 100:+.1f} points)", highlight=False)
 
 
-@command()
+@command(context_settings=PASSTHROUGH)
 @connects
-def run(config: Path = typer.Argument(..., dir_okay=False),
+def run(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False),
         follow: bool = typer.Option(True, help="stream metrics until the run ends"), *, conn: Connection):
-    """Start a run on a running coordinator (services listed in the YAML)."""
-    from coordinator.config import RunConfig
+    """Start a run on a running coordinator (services listed in the YAML). After the recipe: verl's
+    overrides (`actor_rollout_ref.rollout.n=8`, docs/from_verl.md) and meshrl's `--section.key value`."""
     from coordinator.preflight import check_run
     from coordinator.run_settings import user_keys
-    from services.common.config import load_config
+    from services.common.config import deep_merge, nest_overrides
 
     # The config is checked here before anything is sent, as far as its own keys go; model folders, data files
     # and keys it leaves to the running services are checked by StartRun, on the coordinator's machine.
-    cfg = load_config(RunConfig, config)
+    verl, overrides = _recipe_args(list(ctx.args))
+    raw, cfg = _load_recipe(config, verl, overrides)
     check_run(cfg, files="none", keys=set(user_keys(cfg)))
+    text = (yaml.safe_dump(deep_merge(raw, nest_overrides(overrides)), sort_keys=False) if verl or overrides
+            else config.read_text())
     with conn.client() as client:
-        run_id = client.start_run(config.read_text())
+        run_id = client.start_run(text)
         console.print(run_id)
         if follow:
             num_steps = client.get_run(run_id).num_steps

@@ -15,6 +15,32 @@ from services.trainer.config import ActorConfig, CriticConfig, WeightSyncConfig
 from services.trainer.types import ActorLoss, CriticLoss, DPOLoss
 
 
+class RolloutCorrectionConfig(Section):
+    """`algorithm.rollout_correction:` importance weights between the trainer's old policy and the rollout
+    engine's own log-probs (coordinator/rollout_correction.py). `decoupled`: a trainer old-log-prob pass each
+    step, the weights scale the advantages, the PPO ratio is taken against the trainer's old policy. `bypass`:
+    the rollout log-probs are the old policy (no old-log-prob pass; the PPO clip bounds pi / pi_rollout), the
+    metrics come from the parity steps (algorithm.logprob_parity_every)."""
+
+    mode: Literal["off", "decoupled", "bypass"] = "off"
+    # token: w per token; sequence: the product over the sequence; geometric: exp(mean log-ratio) per sequence.
+    level: Literal["token", "sequence", "geometric"] = "token"
+    # truncate: w capped at threshold (TIS); mask: w outside [threshold_low, threshold] rejects the token or
+    # sequence (it trains on nothing), the rest keep weight 1.
+    method: Literal["truncate", "mask"] = "truncate"
+    threshold: float = Field(2.0, gt=0)
+    # mask only; None = 1 / threshold.
+    threshold_low: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.threshold_low is not None and self.method != "mask":
+            raise ValueError(f"threshold_low: only used by method mask (got {self.method!r})")
+        if self.threshold_low is not None and self.threshold_low >= self.threshold:
+            raise ValueError(f"threshold_low: {self.threshold_low} must be below threshold {self.threshold}")
+        return self
+
+
 class AlgorithmConfig(Section):
     """`algorithm:` advantage estimator, KL handling and PPO loss settings (verl's names)."""
 
@@ -48,6 +74,9 @@ class AlgorithmConfig(Section):
     clip_value: float = Field(0.5, ge=0)
     # Truncated importance sampling between the rollout engine and the trainer (None = off).
     tis_cap: float | None = Field(None, gt=0)
+    # Token/sequence importance weights (truncated or masked) between rollout and trainer; tis_cap: c is
+    # shorthand for {mode: decoupled, level: token, method: truncate, threshold: c}.
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     # Old log-probs: `always` a trainer ComputeLogProbs pass per step; `auto` skips that pass when the batch
     # is one optimizer step (ppo_epochs 1, one mini-batch) and nothing before the update needs them (no TIS,
     # no KL in the reward): TrainActor then takes its own detached log-probs, exactly the old policy's.
@@ -60,6 +89,8 @@ class AlgorithmConfig(Section):
     def _dual_clip(self):
         if self.clip_ratio_c and self.clip_ratio_c <= 1:
             raise ValueError("clip_ratio_c must be > 1 (or 0 to turn dual clip off)")
+        if self.tis_cap and self.rollout_correction.mode != "off":
+            raise ValueError("tis_cap: set either tis_cap or rollout_correction, not both")
         return self
 
 
@@ -94,10 +125,16 @@ class DataConfig(Section):
     heldout_files: list[str] = Field(default_factory=list)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
-    rollout_batch_size: int = Field(8, ge=1)
+    # The row field that picks the reward and reaches it as `data_source` (verl's data.reward_fn_key).
+    reward_fn_key: str = "data_source"
+    # Prompts per step (verl's data.train_batch_size; 256 as in verl's GSM8K recipes).
+    rollout_batch_size: int = Field(256, ge=1)
     shuffle: bool = True
     seed: int = 0
     max_prompt_length: int | None = Field(None, ge=1)
+    # A prompt over max_prompt_length: refused at load naming its row (false, verl's default), or dropped and
+    # counted in every step's `data/num_overlong_dropped` (true).
+    filter_overlong_prompts: bool = False
     apply_chat_template: bool = False
     # Held-out prompts evaluated (greedy) before training and after the last step; 0 = all.
     heldout_size: int = Field(0, ge=0)
@@ -136,6 +173,9 @@ class RunSection(Section):
     wandb_project: str = ""
     # Seconds between replica re-discovery / health checks.
     refresh_interval_s: float = Field(5.0, gt=0)
+    # One line per sample of every step in <run_dir>/samples.jsonl: prompt, response, reward, its components
+    # and extra keys, a failed score's error, and the row's data_source, ability, extra_info.
+    save_samples: bool = True
 
 
 class CoordinatorConfig(Section):
@@ -190,3 +230,10 @@ def trainer_losses(cfg: RunConfig) -> TrainerLosses:
     dpo = DPOLoss(loss_type=d.loss_type, beta=d.beta, label_smoothing=d.label_smoothing,
                   mini_batch_size=d.mini_batch_size)
     return TrainerLosses(actor, critic, dpo)
+
+
+def rollout_correction(a: AlgorithmConfig) -> RolloutCorrectionConfig:
+    """The correction in effect: algorithm.rollout_correction, or what the older tis_cap key stands for."""
+    if a.tis_cap:
+        return RolloutCorrectionConfig(mode="decoupled", level="token", method="truncate", threshold=a.tis_cap)
+    return a.rollout_correction

@@ -1,25 +1,37 @@
-"""Prompt datasets: JSONL or Parquet rows (verl's schema or plain prompt/answer), seeded epochs, a resumable position."""
+"""Prompt datasets: JSONL or Parquet rows (verl's schema or plain prompt/answer), chat prompts rendered to token ids
+once, seeded epochs, a resumable position."""
 
 from __future__ import annotations
 
 import json
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 log = logging.getLogger("meshrl.data")
 
 
+# verl's row schema: the prompt (data.prompt_key), the reward's key (data.reward_fn_key), and these.
+VERL_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
+
+
 @dataclass(frozen=True)
 class Problem:
-    """One prompt of the dataset with what the reward needs."""
+    """One prompt of the dataset with what the reward needs; every field of a verl row is kept."""
 
     id: str
-    prompt: str                 # text handed to the rollout engine (chat template applied)
+    prompt: str                 # the prompt as text (chat template applied): the reward's `prompt`, the records'
     ground_truth: str
-    data_source: str
+    data_source: str            # the row's data.reward_fn_key value (verl: data_source): picks the reward
+    # Token ids the rollout generates from: a chat prompt's template rendered once (one BOS, generation prompt
+    # added); empty for a plain text prompt, which the rollout tokenizes itself.
+    prompt_ids: tuple[int, ...] = ()
+    ability: str = ""
+    reward_style: str = ""      # reward_model.style
+    # The row's extra_info (verl), handed to the reward function and written to the sample records.
+    extra_info: dict = field(default_factory=dict, compare=False)
 
 
 def read_rows(path: str) -> list[dict]:
@@ -28,11 +40,7 @@ def read_rows(path: str) -> list[dict]:
     if not p.is_file():
         raise ValueError(f"data file {path!r} does not exist")
     if p.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ValueError(f"data file {path!r}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-        return pq.read_table(p).to_pylist()
+        return read_parquet(path).to_pylist()
     rows = []
     for n, line in enumerate(p.read_text().splitlines(), start=1):
         if not line.strip():
@@ -47,6 +55,29 @@ def read_rows(path: str) -> list[dict]:
     return rows
 
 
+def read_parquet(path: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"data file {path!r}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        return pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors name no file
+        raise ValueError(f"data file {path!r}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+
+
+def check_columns(path: str, columns: Sequence[str], *, prompt_key: str, answer_key: str) -> None:
+    """A Parquet file has a column for the prompt and one for the answer (or verl's reward_model)."""
+    names = set(columns)
+    have = ", ".join(columns)
+    if prompt_key.split(".")[0] not in names:
+        raise ValueError(f"data file {path!r}: no column {prompt_key.split('.')[0]!r} for the prompt "
+                         f"(data.prompt_key: {prompt_key}); its columns: {have}")
+    if answer_key.split(".")[0] not in names and "reward_model" not in names:
+        raise ValueError(f"data file {path!r}: no column 'reward_model' (verl's reward_model.ground_truth) nor "
+                         f"{answer_key.split('.')[0]!r} (data.answer_key) for the answer; its columns: {have}")
+
+
 def _lookup(row: dict, dotted: str) -> Any:
     node: Any = row
     for part in dotted.split("."):
@@ -56,56 +87,122 @@ def _lookup(row: dict, dotted: str) -> Any:
     return node
 
 
-def row_to_problem(row: dict, index: int, *, prompt_key: str, answer_key: str, tokenizer=None,
-                   apply_chat_template: bool = False, source: str = "data") -> Problem:
-    """Accepts verl's rows (prompt as chat messages, reward_model.ground_truth) and plain prompt/answer rows."""
+def _is_message(m: Any) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+
+
+def render_chat(tokenizer, messages: list[dict]) -> tuple[str, tuple[int, ...]]:
+    """The chat template applied once: (its text, its token ids), generation prompt added. The text holds the
+    template's own special tokens (its BOS), so it is encoded without adding any: exactly one BOS."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    while bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:   # a template that adds it twice
+        ids.pop(0)
+    return text, tuple(int(t) for t in ids)
+
+
+def _prompt(row: dict, where: str, prompt_key: str, tokenizer, apply_chat_template: bool
+            ) -> tuple[str, tuple[int, ...]]:
+    """The row's prompt as (text, token ids); ids are empty for a plain text prompt left to the rollout."""
     prompt = _lookup(row, prompt_key)
     if prompt is None:
-        raise ValueError(f"{source} row {index}: missing key {prompt_key!r} (data.prompt_key)")
+        raise ValueError(f"{where}: missing key {prompt_key!r} (data.prompt_key)")
+    if isinstance(prompt, str):
+        if not apply_chat_template or tokenizer is None:
+            return prompt, ()
+        prompt = [{"role": "user", "content": prompt}]
+    elif not (isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt)):
+        raise ValueError(f"{where}: {prompt_key!r} must be a string or a list of chat messages "
+                         f"({{role, content}} strings), got {type(prompt).__name__} {str(prompt)[:80]!r}")
+    if tokenizer is None:
+        raise ValueError(f"{where}: chat-message prompts need a tokenizer with a chat template")
+    return render_chat(tokenizer, prompt)
+
+
+def row_to_problem(row: dict, index: int, *, prompt_key: str, answer_key: str, tokenizer=None,
+                   apply_chat_template: bool = False, source: str = "data", reward_fn_key: str = "data_source"
+                   ) -> Problem:
+    """Accepts verl's rows (prompt as chat messages, reward_model.ground_truth, extra_info) and plain
+    prompt/answer rows; every error names the file and row."""
+    where = f"{source} row {index}"
+    text, ids = _prompt(row, where, prompt_key, tokenizer, apply_chat_template)
     answer = _lookup(row, answer_key)
     if answer is None:
         answer = _lookup(row, "reward_model.ground_truth")
     if answer is None:
-        raise ValueError(f"{source} row {index}: missing key {answer_key!r} (data.answer_key)")
-    if isinstance(prompt, list):  # chat messages, verl's schema
-        if tokenizer is None:
-            raise ValueError(f"{source} row {index}: chat-message prompts need a tokenizer with a chat template")
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    elif isinstance(prompt, str):
-        text = prompt
-        if apply_chat_template and tokenizer is not None:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
-    else:
-        raise ValueError(f"{source} row {index}: {prompt_key!r} must be a string or a list of chat messages")
-    row_id = str(row.get("id", _lookup(row, "extra_info.index") if _lookup(row, "extra_info.index") is not None
-                         else index))
-    return Problem(id=row_id, prompt=text, ground_truth=str(answer), data_source=str(row.get("data_source", "")))
+        raise ValueError(f"{where}: missing key {answer_key!r} (data.answer_key) and reward_model.ground_truth")
+    extra_info = row.get("extra_info") or {}
+    if not isinstance(extra_info, dict):
+        raise ValueError(f"{where}: extra_info must be a mapping, got {type(extra_info).__name__}")
+    index_in_extra = extra_info.get("index")
+    row_id = str(row.get("id", index_in_extra if index_in_extra is not None else index))
+    key = _lookup(row, reward_fn_key)
+    return Problem(id=row_id, prompt=text, ground_truth=str(answer), data_source="" if key is None else str(key),
+                   prompt_ids=ids, ability=str(row.get("ability") or ""),
+                   reward_style=str(_lookup(row, "reward_model.style") or ""), extra_info=dict(extra_info))
 
 
-def load_problems(files: Sequence[str], *, prompt_key: str = "prompt", answer_key: str = "answer", tokenizer=None,
-                  apply_chat_template: bool = False, max_prompt_tokens: int | None = None) -> list[Problem]:
-    problems: list[Problem] = []
+@dataclass
+class Dataset:
+    """The problems of a run's files, how many overlong prompts were dropped, and where each data_source (the
+    reward_fn_key value) was first seen, for errors."""
+
+    problems: list[Problem]
+    num_overlong_dropped: int = 0
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+def _prompt_length(problem: Problem, tokenizer) -> int:
+    return len(problem.prompt_ids) if problem.prompt_ids else len(tokenizer(problem.prompt)["input_ids"])
+
+
+def load_dataset(files: Sequence[str], *, prompt_key: str = "prompt", answer_key: str = "answer",
+                 reward_fn_key: str = "data_source", tokenizer=None, apply_chat_template: bool = False,
+                 max_prompt_tokens: int | None = None, filter_overlong: bool = False) -> Dataset:
+    """Every row of `files` as a Problem. A prompt longer than `max_prompt_tokens` is refused naming its row,
+    or dropped and counted with `filter_overlong` (verl's data.filter_overlong_prompts)."""
+    out = Dataset([])
     for f in files:
-        for i, row in enumerate(read_rows(f)):
-            problems.append(row_to_problem(row, i, prompt_key=prompt_key, answer_key=answer_key, tokenizer=tokenizer,
-                                           apply_chat_template=apply_chat_template, source=f"data file {f!r}"))
-    if max_prompt_tokens and tokenizer is not None:
-        kept = [p for p in problems if len(tokenizer(p.prompt)["input_ids"]) <= max_prompt_tokens]
-        if len(kept) < len(problems):
-            log.info("filtered %d of %d prompts longer than %d tokens", len(problems) - len(kept), len(problems),
-                     max_prompt_tokens)
-        problems = kept
-    if not problems:
+        source = f"data file {f!r}"
+        if Path(f).suffix == ".parquet" and Path(f).is_file():
+            table = read_parquet(f)
+            check_columns(f, table.column_names, prompt_key=prompt_key, answer_key=answer_key)
+            rows = table.to_pylist()
+        else:
+            rows = read_rows(f)
+        for i, row in enumerate(rows):
+            p = row_to_problem(row, i, prompt_key=prompt_key, answer_key=answer_key, tokenizer=tokenizer,
+                               apply_chat_template=apply_chat_template, source=source, reward_fn_key=reward_fn_key)
+            if max_prompt_tokens and tokenizer is not None and (n := _prompt_length(p, tokenizer)) > max_prompt_tokens:
+                if not filter_overlong:
+                    raise ValueError(f"data.max_prompt_length: {source} row {i}: the prompt is {n} tokens, over "
+                                     f"{max_prompt_tokens} (set data.filter_overlong_prompts: true to drop such rows)")
+                out.num_overlong_dropped += 1
+                continue
+            out.sources.setdefault(p.data_source, f"{source} row {i}")
+            out.problems.append(p)
+    if out.num_overlong_dropped:
+        log.info("dropped %d prompts longer than %d tokens (data.filter_overlong_prompts)", out.num_overlong_dropped,
+                 max_prompt_tokens)
+    if not out.problems:
         raise ValueError(f"data: no rows in {list(files)}")
-    return problems
+    return out
+
+
+def load_problems(files: Sequence[str], **kwargs) -> list[Problem]:
+    """The problems of `files` (load_dataset's keywords)."""
+    return load_dataset(files, **kwargs).problems
 
 
 class PromptStream:
     """Seeded shuffled epochs over problems; `position` (prompts consumed) is the resumable run state."""
 
-    def __init__(self, problems: Sequence[Problem], *, seed: int, shuffle: bool = True, position: int = 0):
+    def __init__(self, problems: Sequence[Problem], *, seed: int, shuffle: bool = True, position: int = 0,
+                 num_dropped: int = 0):
         self.problems = list(problems)
+        # Rows left out when loading (overlong prompts), reported with every step's metrics.
+        self.num_dropped = num_dropped
         self.seed = seed
         self.shuffle = shuffle
         self.position = position

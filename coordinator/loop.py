@@ -10,7 +10,7 @@ import time
 from coordinator import faults, phases
 from coordinator.config import RunConfig
 from coordinator.context import Algorithm, PhaseTimer, RunContext
-from coordinator.data import PromptStream, load_problems
+from coordinator.data import PromptStream, load_dataset
 
 
 async def rl_step(ctx: RunContext) -> dict[str, float]:
@@ -39,11 +39,13 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
 
     ctx.step += 1
     ctx.last_samples = samples
+    phases.write_samples(ctx, samples)
     seconds = time.perf_counter() - start
     return {**phases.sample_metrics(samples), **adv_metrics, **train_metrics, **sync_metrics,
             **staleness(ctx, samples), **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/step": seconds, "samples_per_s": len(samples) / seconds,
-            "data_position": float(ctx.data.position), "epoch": float(ctx.data.epoch)}
+            "data_position": float(ctx.data.position), "epoch": float(ctx.data.epoch),
+            "data/num_overlong_dropped": float(ctx.data.num_dropped)}
 
 
 async def next_rollouts(ctx: RunContext, batch_size: int):
@@ -69,11 +71,15 @@ async def evaluate(ctx: RunContext) -> dict[str, float]:
 
 
 def load_prompts(cfg: RunConfig, tokenizer, position: int) -> tuple[PromptStream, None]:
-    """The training prompts (with their answers for the reward) as a seeded stream at `position`."""
+    """The training prompts (with their answers for the reward) as a seeded stream at `position`; a data_source
+    the reward has nothing for is refused here, before step 1."""
     d = cfg.data
-    problems = load_problems(d.train_files, prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer,
-                             apply_chat_template=d.apply_chat_template, max_prompt_tokens=d.max_prompt_length)
-    return PromptStream(problems, seed=d.seed, shuffle=d.shuffle, position=position), None
+    ds = load_dataset(d.train_files, prompt_key=d.prompt_key, answer_key=d.answer_key, reward_fn_key=d.reward_fn_key,
+                      tokenizer=tokenizer, apply_chat_template=d.apply_chat_template,
+                      max_prompt_tokens=d.max_prompt_length, filter_overlong=d.filter_overlong_prompts)
+    cfg.reward.check_data_sources(ds.sources)
+    return PromptStream(ds.problems, seed=d.seed, shuffle=d.shuffle, position=position,
+                        num_dropped=ds.num_overlong_dropped), None
 
 
 def reference_needed(cfg: RunConfig, state) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -15,6 +16,8 @@ import torch
 
 from coordinator import advantages as adv_fns
 from coordinator import remote, run_settings
+from coordinator import rollout_correction as rc_math
+from coordinator.config import rollout_correction
 from coordinator.context import PhaseTimer, RunContext
 from coordinator.data import Problem
 from coordinator.pools import split_round_robin
@@ -43,7 +46,16 @@ async def generate(ctx: RunContext, problems: Sequence[Problem], sampling: Sampl
 
     async def one(chunk, replica):
         ps, gs = zip(*chunk)
-        return await ctx.rollout.call(lambda stub: remote.generate(stub, ps, gs, sampling), prefer=replica)
+
+        async def generate_on(stub):
+            samples = await remote.generate(stub, ps, gs, sampling)
+            # the replica that answered (the pool may have moved the chunk off `replica`)
+            served_by = next((r.address for r in ctx.rollout.replicas.values() if r.stub is stub), "")
+            for s in samples:
+                s.replica = served_by
+            return samples
+
+        return await ctx.rollout.call(generate_on, prefer=replica)
 
     results = await asyncio.gather(*(one(c, r) for c, r in zip(chunks, replicas)))
     return [s for chunk in results for s in chunk]
@@ -94,12 +106,33 @@ async def refresh_pools(ctx: RunContext) -> None:
 # --- score, reference, old log-probs, values (concurrently) ---------------------------------------------
 
 async def score(ctx: RunContext, samples: list[remote.Sample]) -> None:
+    """Fills each sample's reward, components and extra keys; a sample the reward failed on keeps its error
+    (recorded as failed, not as 0; it trains on nothing). Every sample failing fails the step."""
     components = run_settings.score_components(ctx.cfg)
     results = await ctx.reward.call(lambda stub: remote.score(stub, samples, components))
-    for s, (value, components) in zip(samples, results):
-        if not math.isfinite(value):
-            raise ValueError(f"reward for sample {s.id} is not finite ({value})")
-        s.reward, s.components = value, components
+    for s, r in zip(samples, results):
+        if not r.error and not math.isfinite(r.score):
+            raise ValueError(f"reward for sample {s.id} is not finite ({r.score})")
+        s.reward, s.components, s.reward_extras, s.reward_error = r.score, r.components, r.extras, r.error
+    failed = [s for s in samples if s.reward_error]
+    if failed:
+        log.warning("reward failed on %d of %d samples; the first: %s", len(failed), len(samples),
+                    failed[0].reward_error)
+    if len(failed) == len(samples):
+        raise ValueError(f"reward: every sample of the batch failed to score; the first: {failed[0].reward_error}")
+
+
+def fill_failed_rewards(samples: list[remote.Sample]) -> None:
+    """A failed sample takes the mean reward of its group's scored samples (0 if none), so it moves no group
+    statistic; its advantages are zeroed after the estimator (it trains on nothing)."""
+    by_group: dict[int, list[float]] = {}
+    for s in samples:
+        if not s.reward_error:
+            by_group.setdefault(s.group, []).append(s.reward)
+    for s in samples:
+        if s.reward_error:
+            scored = by_group.get(s.group)
+            s.reward = sum(scored) / len(scored) if scored else 0.0
 
 
 async def reference_logprobs(ctx: RunContext, samples: list[remote.Sample]) -> None:
@@ -114,7 +147,8 @@ def needs_old_logprobs(ctx: RunContext, num_samples: int) -> bool:
     """Whether this step computes old log-probs on the trainer (see algorithm.old_logprobs)."""
     a = ctx.cfg.algorithm
     one_step = a.ppo_epochs == 1 and (a.ppo_mini_batch_size == 0 or a.ppo_mini_batch_size >= num_samples)
-    if a.old_logprobs == "always" or not one_step or a.tis_cap or a.use_kl_in_reward:
+    decoupled = rollout_correction(a).mode == "decoupled"
+    if a.old_logprobs == "always" or not one_step or decoupled or a.use_kl_in_reward:
         return True
     # ctx.step counts finished steps: this is step ctx.step + 1.
     every = a.logprob_parity_every
@@ -169,6 +203,7 @@ def estimator(ctx: RunContext) -> adv_fns.Estimator:
 def compute_advantages(ctx: RunContext, samples: list[remote.Sample]) -> dict[str, float]:
     """Fills per-token advantages (and returns for PPO) with the configured estimator."""
     a = ctx.cfg.algorithm
+    fill_failed_rewards(samples)
     T = max(len(s.response_ids) for s in samples)
     mask = length_mask([len(s.response_ids) for s in samples], T)
     metrics: dict[str, float] = {}
@@ -188,15 +223,40 @@ def compute_advantages(ctx: RunContext, samples: list[remote.Sample]) -> dict[st
     if returns is not None:
         for i, s in enumerate(samples):
             s.returns = returns[i, :len(s.response_ids)].tolist()
-    if a.tis_cap:
-        # Truncated importance sampling: reweight by pi_trainer / pi_rollout, capped.
-        w = (padded([s.old_logprobs for s in samples], T) - padded([s.rollout_logprobs for s in samples], T)).exp()
-        token_adv = token_adv * w.clamp(max=a.tis_cap) * mask
-    rows = token_adv.float().numpy()
+    weights, corr_metrics = correction(ctx, samples, mask)
+    metrics.update(corr_metrics)
+    if weights is not None:
+        token_adv = token_adv * weights
+    scored = torch.tensor([not s.reward_error for s in samples], dtype=token_adv.dtype)
+    rows = (token_adv * scored.unsqueeze(1)).float().numpy()
     for i, s in enumerate(samples):
         s.advantages = rows[i, :len(s.response_ids)]          # float32 views: packed for the trainer as they are
     metrics["advantage_abs_mean"] = float((token_adv.abs() * mask).sum() / mask.sum())
     return metrics
+
+
+def correction(ctx: RunContext, samples: list[remote.Sample], mask: torch.Tensor):
+    """algorithm.rollout_correction: (weights [B, T] for the advantages, or None, and the `rollout_corr/`
+    metrics). Decoupled mode weights every step; bypass mode only measures, on the steps whose trainer old
+    log-probs were computed (its update takes the rollout log-probs as the old policy, see `train`)."""
+    rc = rollout_correction(ctx.cfg.algorithm)
+    T = mask.shape[1]
+    have_old = all(len(s.old_logprobs) == len(s.response_ids) for s in samples)
+    if rc.mode == "off" or not have_old or not all(len(s.rollout_logprobs) == len(s.response_ids) for s in samples):
+        return None, {}
+    old, roll = padded([s.old_logprobs for s in samples], T), padded([s.rollout_logprobs for s in samples], T)
+    weights, raw = rc_math.correction_weights(old, roll, mask, level=rc.level, method=rc.method,
+                                              threshold=rc.threshold, threshold_low=rc.threshold_low)
+    metrics = rc_math.correction_metrics(old, roll, mask, weights, raw, level=rc.level, method=rc.method,
+                                         threshold=rc.threshold)
+    return (weights if rc.mode == "decoupled" else None), metrics
+
+
+def policy_samples(ctx: RunContext, samples: list[remote.Sample]) -> list[remote.Sample]:
+    """What TrainActor trains on: in bypass mode the rollout log-probs stand in as the old policy."""
+    if rollout_correction(ctx.cfg.algorithm).mode != "bypass":
+        return samples
+    return [dataclasses.replace(s, old_logprobs=s.rollout_logprobs) for s in samples]
 
 
 # --- train, weight sync --------------------------------------------------------------------------------
@@ -211,7 +271,7 @@ async def train(ctx: RunContext, samples: list[remote.Sample], timer: PhaseTimer
             critic = await remote.train_critic(ctx.trainer, samples, ctx.losses.critic, run_step)
         metrics.update({f"critic/{k}": v for k, v in critic.items()})
     with timer("train"):
-        _, actor = await remote.train_actor(ctx.trainer, samples, ctx.losses.actor, run_step)
+        _, actor = await remote.train_actor(ctx.trainer, policy_samples(ctx, samples), ctx.losses.actor, run_step)
     metrics.update({f"actor/{k}": v for k, v in actor.items()})
     return metrics
 
@@ -230,17 +290,41 @@ async def sync_weights(ctx: RunContext) -> dict[str, float]:
 
 # --- metrics -------------------------------------------------------------------------------------------
 
+def reward_metrics(samples: list[remote.Sample]) -> dict[str, float]:
+    """Reward, accuracy, components and the reward functions' extra keys, over the samples that scored;
+    `num_reward_failed` counts those that did not."""
+    scored = [s for s in samples if not s.reward_error] or samples[:0]
+    rewards = torch.tensor([s.reward for s in scored], dtype=torch.float32)
+    correct = [s.components.get("exact_match", s.reward) for s in scored]
+    out = {"reward_mean": float(rewards.mean()) if scored else math.nan,
+           "reward_std": float(rewards.std()) if len(scored) > 1 else 0.0,
+           "accuracy": sum(1.0 for c in correct if c >= 1.0) / max(len(scored), 1),
+           "num_reward_failed": float(len(samples) - len(scored))}
+    for name in sorted({k for s in scored for k in s.components}):
+        out[f"reward/{name}"] = sum(s.components.get(name, 0.0) for s in scored) / len(scored)
+    for name in sorted({k for s in scored for k in s.reward_extras}):
+        values = [s.reward_extras[name] for s in scored if name in s.reward_extras]
+        out[f"reward_extra/{name}"] = sum(values) / len(values)
+    return out
+
+
+def replica_metrics(samples: list[remote.Sample]) -> dict[str, float]:
+    """Per rollout replica (host:port): the samples it generated this step and the oldest weight version they
+    came from, so a replica that joined mid-run shows its share and that it served current weights."""
+    out: dict[str, float] = {}
+    for s in samples:
+        if s.replica:
+            out[f"rollout/samples/{s.replica}"] = out.get(f"rollout/samples/{s.replica}", 0.0) + 1.0
+            key = f"rollout/weight_version/{s.replica}"
+            out[key] = min(out.get(key, math.inf), float(s.weight_version))
+    return out
+
+
 def sample_metrics(samples: list[remote.Sample]) -> dict[str, float]:
-    rewards = torch.tensor([s.reward for s in samples])
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    correct = [s.components.get("exact_match", s.reward) for s in samples]
-    out = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(samples) > 1 else 0.0,
-           "accuracy": sum(1.0 for c in correct if c >= 1.0) / len(samples),
+    out = {**reward_metrics(samples), **replica_metrics(samples),
            "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
            "num_samples": float(len(samples)), "num_tokens": float(lengths.sum())}
-    names = {k for s in samples for k in s.components}
-    for name in sorted(names):
-        out[f"reward/{name}"] = sum(s.components.get(name, 0.0) for s in samples) / len(samples)
     T = int(lengths.max())
     mask = length_mask([len(s.response_ids) for s in samples], T)
     ntok = mask.sum()
@@ -264,6 +348,26 @@ def write_jsonl(path: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def sample_record(step: int, s: remote.Sample) -> dict:
+    """One line of samples.jsonl: the sample, its score (or why it failed) and every field of its row."""
+    p = s.problem
+    return {"step": step, "id": s.id, "prompt": p.prompt, "response": s.text, "finish_reason": s.finish_reason,
+            "response_length": len(s.response_ids), "ground_truth": p.ground_truth, "data_source": p.data_source,
+            "ability": p.ability, "reward_style": p.reward_style, "extra_info": p.extra_info,
+            "reward": None if s.reward_error else s.reward, "reward_failed": bool(s.reward_error),
+            "reward_error": s.reward_error, "components": s.components, "reward_extras": s.reward_extras,
+            "weight_version": s.weight_version}
+
+
+def write_samples(ctx: RunContext, samples: list[remote.Sample]) -> None:
+    """The step's samples to <run_dir>/samples.jsonl (run.save_samples)."""
+    if not ctx.cfg.run.save_samples:
+        return
+    with (ctx.run_dir / "samples.jsonl").open("a") as f:
+        for s in samples:
+            f.write(json.dumps(sample_record(ctx.step, s), default=str) + "\n")
+
+
 async def evaluate(ctx: RunContext) -> float:
     """Held-out accuracy with greedy decoding through the rollout and reward pools."""
     if not ctx.heldout or ctx.rollout is None or ctx.reward is None:
@@ -272,5 +376,6 @@ async def evaluate(ctx: RunContext) -> float:
                             stop=list(ctx.cfg.rollout.stop))
     samples = await generate(ctx, ctx.heldout, greedy)
     await score(ctx, samples)
-    correct = [s.components.get("exact_match", s.reward) for s in samples]
+    # A sample whose score failed counts as not correct.
+    correct = [s.components.get("exact_match", s.reward) for s in samples if not s.reward_error]
     return sum(1.0 for c in correct if c >= 1.0) / len(samples)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from coordinator.advantages import ADVANTAGE_ESTIMATORS
 from coordinator.config import RunConfig
-from services.trainer.config import check_mesh
+from services.trainer.config import check_lora_targets, check_mesh
 
 # The weight files transformers' from_pretrained loads: shards, single files, or the index of shards.
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
@@ -97,6 +97,17 @@ def check_groups(cfg: RunConfig) -> None:
                          f"and trains on nothing)")
 
 
+def check_rollout_weights(cfg: RunConfig) -> None:
+    """An RL run pushes weights to its rollout replicas every step; an `openai` replica takes them only through
+    rollout.weights_dir (services/rollout/upstream_weights.py). DPO and evaluation need no weight updates."""
+    r = cfg.rollout
+    if cfg.algorithm.kind == "rl" and r.engine == "openai" and not r.weights_dir:
+        raise ValueError(f"rollout.weights_dir: rollout.engine openai proxies {r.server_url} and an RL run "
+                         f"({cfg.algorithm.adv_estimator}) pushes weights to it every step; set rollout.weights_dir "
+                         f"to a folder that server reads (vllm serve with VLLM_SERVER_DEV_MODE=1), or use it for "
+                         f"offline DPO or evaluation only")
+
+
 def _max_positions(path: str) -> int | None:
     try:
         config = json.loads((Path(path) / "config.json").read_text())
@@ -143,7 +154,12 @@ def check_run(cfg: RunConfig, *, world_size: int | None = None, files: str = "al
         if key in scope:
             check_data_files(key, paths)
     a = cfg.actor
-    checks = [lambda: check_batches(cfg), lambda: check_groups(cfg), lambda: check_lengths(cfg)]
+    checks = [lambda: check_batches(cfg), lambda: check_groups(cfg), lambda: check_lengths(cfg),
+              lambda: check_rollout_weights(cfg)]
+    actor_model = ("actor.model_path", a.model_path) if a.model_path else ("model.path", cfg.model.path)
+    if a.lora is not None and actor_model[0] in scope:
+        # The model's own layer names: a target that matches none is refused before any process starts.
+        checks.append(lambda: check_lora_targets(actor_model[1], a.lora))
     if world_size is not None:
         checks.insert(0, lambda: check_mesh(a.tp_size, a.pp_size, a.dp_size, world_size,
                                             launch="trainer.nproc_per_node"))

@@ -13,7 +13,8 @@ from coordinator.data import Problem
 from services.common.convert import SequenceBatch, logprobs_from_pb, sequences_to_pb
 from services.common.packed import I32, pack_i32
 from services.reward.config import ComponentConfig
-from services.reward.convert import components_to_pb
+from services.reward.convert import components_to_pb, extra_info_to_json, results_from_pb
+from services.reward.types import Scored
 from services.rollout.convert import sample_rows, sampling_to_pb
 from services.rollout.types import SamplingParams
 from services.trainer.convert import (actor_loss_to_pb, run_step_to_pb, train_columns_to_pb, train_critic_to_pb,
@@ -39,12 +40,18 @@ class Sample:
     weight_version: int
     reward: float = 0.0
     components: dict[str, float] = field(default_factory=dict)
+    # Extra numeric keys the reward function returned (a verl dict's keys beside `score`).
+    reward_extras: dict[str, float] = field(default_factory=dict)
+    # Why the sample could not be scored ("" = scored): it is kept, recorded as failed, and trains on nothing.
+    reward_error: str = ""
     # Filled by the step.
     old_logprobs: list[float] = field(default_factory=list)
     ref_logprobs: list[float] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     returns: list[float] = field(default_factory=list)
+    # The rollout replica (host:port) that generated it: per-replica metrics show who served each step.
+    replica: str = ""
 
     @property
     def id(self) -> str:
@@ -70,7 +77,9 @@ def trainer_stub(channel):
 async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sampling: SamplingParams
                    ) -> list[Sample]:
     request = rollout_pb2.GenerateRequest(
-        prompts=[rollout_pb2.Prompt(id=f"{p.id}@{g}", text=p.prompt) for p, g in zip(problems, groups)],
+        # A chat prompt goes as the token ids its template rendered (once); a plain one as text.
+        prompts=[rollout_pb2.Prompt(id=f"{p.id}@{g}", prompt_ids=p.prompt_ids) if p.prompt_ids else
+                 rollout_pb2.Prompt(id=f"{p.id}@{g}", text=p.prompt) for p, g in zip(problems, groups)],
         sampling=sampling_to_pb(sampling), columnar=True)
     response = await stub.Generate(request)
     if len(response.responses) != len(problems):
@@ -90,16 +99,18 @@ async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sam
     return samples
 
 
-async def score(stub, samples: Sequence[Sample], components: Sequence[ComponentConfig] = ()
-                ) -> list[tuple[float, dict[str, float]]]:
-    """Scores of the samples; `components` (a run's rule components) replace the replica's own list."""
+async def score(stub, samples: Sequence[Sample], components: Sequence[ComponentConfig] = ()) -> list[Scored]:
+    """Scores of the samples (with their extra keys, and the error of each one that failed); `components` (a
+    run's rule components) replace the replica's own list."""
     request = reward_pb2.ScoreRequest(items=[
         reward_pb2.ScoreItem(id=s.id, prompt=s.problem.prompt, response=s.text,
                              response_ids_packed=pack_i32(s.response_ids), ground_truth=s.problem.ground_truth,
-                             data_source=s.problem.data_source)
+                             data_source=s.problem.data_source, extra_info_json=extra_info_to_json(s.problem.extra_info))
         for s in samples], components=components_to_pb(components))
     response = await stub.Score(request)
-    return [(r.score, dict(r.components)) for r in response.results]
+    if len(response.results) != len(samples):
+        raise RuntimeError(f"reward returned {len(response.results)} results for {len(samples)} samples")
+    return results_from_pb(response)
 
 
 def logprobs_request(samples: Sequence[Sample], temperature: float = 1.0, *, packed: bool = False,

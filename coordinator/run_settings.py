@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import types
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Union, get_args, get_origin
 
 import yaml
@@ -170,6 +170,8 @@ class Running:
     role: str
     address: str
     settings: dict
+    # The rest of GetInfo's details (engine, weight_updates, ...).
+    details: dict = field(default_factory=dict)
 
     @property
     def noun(self) -> str:
@@ -229,27 +231,54 @@ def check_critic(cfg: RunConfig, running: Iterable[Running]) -> None:
                              "trainer starts; restart it with a `critic:` section)")
 
 
+def check_rollout_weights(cfg: RunConfig, running: Iterable[Running]) -> None:
+    """An RL run pushes weights to every rollout replica after each step: a replica that cannot take them (an
+    `openai` proxy of a server without weight-update endpoints) is refused before step 1. DPO never pushes."""
+    if cfg.algorithm.kind != "rl":
+        return
+    for svc in running:
+        if svc.role == "rollout" and svc.details.get("weight_updates") in ("none", "unknown"):
+            raise ValueError(f"rollout.servers: replica {svc.address} proxies {svc.details.get('server_url')} "
+                             f"(rollout.engine openai), which cannot take weight updates "
+                             f"({svc.details.get('weight_updates_why')}); algorithm.kind rl "
+                             f"({cfg.algorithm.adv_estimator}) trains on-policy and pushes weights every step. "
+                             f"Serve vLLM's weight-update endpoints and set rollout.weights_dir, or use it for "
+                             f"offline DPO or evaluation only")
+
+
+# Shorthands for a component, already expanded into reward.components (and so never taken from a service).
+SHORTHANDS = ("function", "custom_function")
+
+
+def drop_shorthands(data: dict) -> None:
+    for key in SHORTHANDS:
+        data["reward"].pop(key, None)
+
+
 def effective_data(cfg: RunConfig, running: Iterable[Running]) -> dict:
     """The run's config as plain data, with every fixed key it left out taken from the running services."""
     data = cfg.model_dump(mode="json")
     set_keys = set(user_keys(cfg))
     running = list(running)
     for key in schema_keys():
-        if key in set_keys or not classify(key).from_service:
+        if key in set_keys or not classify(key).from_service or key.split(".")[:2] == ["reward", "custom_function"]:
             continue
         for svc in running:
             have = value_at(svc.settings, key)
             if have is not _MISSING:
-                section, leaf = key.split(".", 1)
-                if data.get(section) is None:
-                    data[section] = {}
-                data[section][leaf] = have
+                # Nested sections (actor.lora.rank) are set at their own depth.
+                *path, leaf = key.split(".")
+                node = data
+                for part in path:
+                    if node.get(part) is None:
+                        node[part] = {}
+                    node = node[part]
+                node[leaf] = have
                 break
     trainer = next((s for s in running if s.role == "trainer"), None)
     if trainer is not None and cfg.critic is None and trainer.settings.get("critic") is not None:
         data["critic"] = trainer.settings["critic"]      # the trainer's critic trains with its own settings
-    # `reward.function` is shorthand for a component, already expanded into reward.components.
-    data["reward"].pop("function", None)
+    drop_shorthands(data)
     return data
 
 
@@ -276,7 +305,7 @@ def effective_config(cfg: RunConfig, running: Iterable[Running]) -> RunConfig:
 def config_text(cfg: RunConfig) -> str:
     """The effective config as the YAML that GetRun shows and the run record stores (secrets left out)."""
     data = cfg.model_dump(mode="json", exclude={section: {key} for section, key in SECRETS})
-    data["reward"].pop("function", None)
+    drop_shorthands(data)
     return yaml.safe_dump(data, sort_keys=False)
 
 
@@ -287,7 +316,7 @@ async def _report(role: str, address: str, stub) -> Running:
         key = "trainer.address" if role == "trainer" else f"{role}.servers"
         raise ValueError(f"{key}: the {role} at {address} does not report its settings (GetInfo "
                          f"details['settings']); it is older than this coordinator")
-    return Running(role, address, json.loads(text))
+    return Running(role, address, json.loads(text), dict(info.details))
 
 
 async def running_services(trainer, trainer_address: str, pools) -> list[Running]:
@@ -330,6 +359,7 @@ async def settle(cfg: RunConfig, pools, trainer, trainer_address: str, *, record
     check_fixed(asked, running)
     check_components(asked, running)
     check_critic(cfg, running)
+    check_rollout_weights(cfg, running)
     effective = effective_config(cfg, running)
     check_run(effective, files="none")     # before the trainer is configured: nothing is half-applied
     await configure_trainer(trainer, effective, reset_schedule=not resume)

@@ -13,7 +13,7 @@ from typing import Any, Literal, Sequence
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from services.common.config import MeshSettings, PoolConfig, Section, ServerConfig, format_validation_error
-from services.reward.functions import REWARD_FUNCTIONS, check_rule_params
+from services.reward.functions import REWARD_FUNCTIONS, check_rule_params, default_rule_for
 
 
 class ComponentConfig(Section):
@@ -28,6 +28,9 @@ class ComponentConfig(Section):
     weight: float = 1.0
     params: dict[str, Any] = Field(default_factory=dict)
     function: str | None = None
+    # How `function` is called: `meshrl` keywords (prompt, response, response_ids, ground_truth, data_source) or
+    # `verl` keywords (data_source, solution_str, ground_truth, extra_info; a number or a dict with `score`).
+    call: Literal["meshrl", "verl"] = "meshrl"
     # Key of this component in ScoreResult.components (default: name); needed to use one kind twice.
     label: str | None = None
 
@@ -46,6 +49,21 @@ class ComponentConfig(Section):
     def is_model(self) -> bool:
         """A reward model (`model`, `embedding`), not a rule or a user function."""
         return self.function is None and self.name in MODEL_PARAMS
+
+
+class CustomFunctionConfig(Section):
+    """`reward.custom_function:` a verl reward file plugged in unchanged (verl's `custom_reward_function`)."""
+
+    # A Python file (`rewards/gsm8k.py`, relative to where the reward service starts) or a module path.
+    path: str
+    # The function in it, called as fn(data_source=, solution_str=, ground_truth=, extra_info=, **reward_kwargs).
+    name: str = "compute_score"
+    # Extra keyword arguments for every call (verl's custom_reward_function.reward_kwargs).
+    reward_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def component(self) -> "ComponentConfig":
+        return ComponentConfig(name=self.name, function=f"{self.path}:{self.name}", call="verl",
+                               params=dict(self.reward_kwargs))
 
 
 class ModelRewardParams(Section):
@@ -93,9 +111,12 @@ def parse_params(name: str, params: dict, where: str):
 class RewardConfig(PoolConfig):
     """`reward:` section."""
 
-    components: list[ComponentConfig] = Field(default_factory=lambda: [ComponentConfig(name="exact_match")])
+    # Default: the `default` rule, the built-in reward of each item's data_source (gsm8k, math, exact_match).
+    components: list[ComponentConfig] = Field(default_factory=lambda: [ComponentConfig(name="default")])
     # Shorthand for `components: [{name: <function name>, function: ...}]`.
     function: str | None = None
+    # A verl reward file: shorthand for `components: [{name: <name>, function: <path>:<name>, call: verl}]`.
+    custom_function: CustomFunctionConfig | None = None
     # Seconds one call of a user function (one sample) may take before the Score call fails.
     # (`timeout_s`, from PoolConfig, is the coordinator's deadline for a whole Score call.)
     function_timeout_s: float = Field(30.0, gt=0)
@@ -110,7 +131,13 @@ class RewardConfig(PoolConfig):
 
     @model_validator(mode="after")
     def _check_components(self) -> "RewardConfig":
-        if self.function is not None:
+        if self.custom_function is not None:
+            if self.function is not None or "components" in self.model_fields_set:
+                raise ValueError("reward.custom_function is set with reward.function or reward.components: give "
+                                 "one of them (put the verl function in components as {name: ..., function: "
+                                 "'file.py:name', call: verl} to combine it with others)")
+            self.__dict__["components"] = [self.custom_function.component()]
+        elif self.function is not None:
             if "components" in self.model_fields_set:
                 raise ValueError("reward.function and reward.components are both set: put the user function "
                                  "in components as {name: ..., function: ...} to combine it with others")
@@ -124,6 +151,19 @@ class RewardConfig(PoolConfig):
     def component_lists(self) -> dict[str | None, list[ComponentConfig]]:
         """Component lists by data source; None is the default list (`components`)."""
         return {None: self.components, **self.by_data_source}
+
+    def check_data_sources(self, sources: dict[str, str]) -> None:
+        """Refuses a data_source the `default` rule has no reward for, before anything is scored.
+
+        sources: each data_source of the run's rows -> where it was first seen (`data file 'x' row 3`)."""
+        if not any(c.function is None and c.name == "default" for c in self.components):
+            return
+        for source, where in sources.items():
+            if source not in self.by_data_source:
+                try:
+                    default_rule_for(source)
+                except ValueError as e:
+                    raise ValueError(f"reward.components: {where}: {e}") from None
 
 
 def list_key(source: str | None) -> str:

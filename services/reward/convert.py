@@ -14,25 +14,47 @@ from services.reward.config import ComponentConfig
 from services.reward.types import ScoreItem, Scored
 
 
+def extra_info_to_json(extra_info: dict | None) -> str:
+    """A row's extra_info for ScoreItem.extra_info_json; values JSON cannot hold (dates, bytes) go as text."""
+    return json.dumps(extra_info, default=str) if extra_info else ""
+
+
+def extra_info_from_json(text: str, where: str) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{where}extra_info_json: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}extra_info_json: must be a JSON object")
+    return value
+
+
 def items_from_pb(request: reward_pb2.ScoreRequest) -> list[ScoreItem]:
     return [ScoreItem(id=it.id, prompt=it.prompt, response=it.response,
                       response_ids=as_list(field_of(it, "response_ids", I32, f"items[{i}].")),
-                      ground_truth=it.ground_truth, data_source=it.data_source) for i, it in enumerate(request.items)]
+                      ground_truth=it.ground_truth, data_source=it.data_source,
+                      extra_info=extra_info_from_json(it.extra_info_json, f"items[{i}]."))
+            for i, it in enumerate(request.items)]
 
 
 def items_to_pb(items: Sequence[ScoreItem]) -> reward_pb2.ScoreRequest:
     return reward_pb2.ScoreRequest(items=[
         reward_pb2.ScoreItem(id=it.id, prompt=it.prompt, response=it.response, response_ids=it.response_ids,
-                             ground_truth=it.ground_truth, data_source=it.data_source) for it in items])
+                             ground_truth=it.ground_truth, data_source=it.data_source,
+                             extra_info_json=extra_info_to_json(it.extra_info)) for it in items])
 
 
 def results_to_pb(items: Sequence[ScoreItem], scored: Sequence[Scored]) -> reward_pb2.ScoreResponse:
+    """A failed item goes with score 0 and its error (the error, not the score, is what a client reads)."""
     return reward_pb2.ScoreResponse(results=[
-        reward_pb2.ScoreResult(id=it.id, score=s.score, components=s.components) for it, s in zip(items, scored)])
+        reward_pb2.ScoreResult(id=it.id, score=0.0 if s.error else s.score, components=s.components,
+                               extras=s.extras, error=s.error) for it, s in zip(items, scored)])
 
 
 def results_from_pb(response: reward_pb2.ScoreResponse) -> list[Scored]:
-    return [Scored(r.score, dict(r.components)) for r in response.results]
+    return [Scored(r.score, dict(r.components), dict(r.extras), r.error) for r in response.results]
 
 
 def components_to_pb(components: Sequence[ComponentConfig]) -> list[reward_pb2.RewardComponent]:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from services.reward.config import ComponentConfig, RewardConfig, RewardSettings, check_component_list, list_key
 from services.reward.functions import REWARD_FUNCTIONS
 from services.reward.models import build_model_component
-from services.reward.types import Component, Scored, ScoreItem
+from services.reward.types import Component, Scored, ScoreItem, Value
 from services.reward.workers import UserFunctionComponent
 
 log = logging.getLogger("meshrl.reward")
@@ -134,17 +134,26 @@ class RewardEngine:
         return results  # type: ignore[return-value]
 
     @staticmethod
-    def _combine(item: ScoreItem, components: Sequence[Component], values: Sequence[float]) -> Scored:
+    def _combine(item: ScoreItem, components: Sequence[Component], values: Sequence[float | Value]) -> Scored:
+        """The weighted score of one item; an item a component failed on (an error, a NaN: it would silently
+        poison the advantages of its whole group) is a failed Scored that says why, not a 0."""
         scores: dict[str, float] = {}
+        extras: dict[str, float] = {}
         total = 0.0
         for c, value in zip(components, values):
+            if isinstance(value, Value):
+                if value.error:
+                    return Scored(math.nan, {}, {}, value.error)
+                for k, v in value.extras.items():
+                    extras[f"{c.key}/{k}" if k in extras else k] = v
+                value = value.score
             v = float(value)
             if not math.isfinite(v):
-                # A NaN reward would silently poison the advantages of the whole group.
-                raise ValueError(f"{item.where}: reward component {c.key!r} returned {v}, not a finite number")
+                return Scored(math.nan, {}, {}, f"{item.where}: reward component {c.key!r} returned {v}, not a "
+                                                f"finite number")
             scores[c.key] = v
             total += c.weight * v
-        return Scored(total, scores)
+        return Scored(total, scores, extras)
 
     def info(self) -> dict[str, Any]:
         details: dict[str, Any] = {

@@ -1,4 +1,5 @@
-"""Rule-based reward functions and their registry (exact match, GSM8K, boxed answers, format, length).
+"""Rule-based reward functions and their registry (exact match, GSM8K, MATH, boxed answers, format, length), and
+the built-in reward each known `data_source` gets by default (DEFAULT_BY_DATA_SOURCE, the `default` rule).
 
 Every function is called as `fn(*, prompt, response, response_ids, ground_truth, data_source, **params)`
 and returns a float; `params` are the component's `params:` from the config. A bad param raises
@@ -112,6 +113,54 @@ def boxed(*, prompt: str, response: str, response_ids: Sequence[int], ground_tru
     return float(score) if answers_equal(_normalise_math(got), _normalise_math(expected)) else float(format_score)
 
 
+def _unwrap(text: str, command: str) -> str:
+    """`\\text{cm}` -> `cm` for every `\\command{...}` (no nested braces inside)."""
+    return re.sub(r"\\" + command + r"\{([^{}]*)\}", r"\1", text)
+
+
+def _fix_fracs(text: str) -> str:
+    """`\\frac12` -> `\\frac{1}{2}`, `\\frac1{2}` -> `\\frac{1}{2}`: one-character arguments get braces."""
+    text = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", text)
+    text = re.sub(r"\\frac(\d)\{", r"\\frac{\1}{", text)
+    return re.sub(r"\\frac\{([^{}]*)\}(\d)", r"\\frac{\1}{\2}", text)
+
+
+def normalise_math_answer(text: str) -> str:
+    """A MATH final answer in one canonical spelling: what does not change its value is dropped (spaces,
+    `$`, `\\left`/`\\right`, `\\!`, degrees, percent signs, `\\text{}` wrappers, a `x =` in front, a trailing
+    period), `\\dfrac`/`\\tfrac` become `\\frac`, bare arguments get braces (`\\frac12`, `\\sqrt3`), `a/b` of
+    two integers becomes `\\frac{a}{b}` and `0.5` becomes `\\frac{1}{2}`."""
+    t = text.strip().replace("\n", "").replace("\\!", "")
+    for old, new in (("\\left", ""), ("\\right", ""), ("dfrac", "frac"), ("tfrac", "frac"), ("\\$", ""),
+                     ("$", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\%", ""), ("%", "")):
+        t = t.replace(old, new)
+    for command in ("text", "textbf", "mbox", "mathrm"):
+        t = _unwrap(t, command)
+    t = re.sub(r"\s+", "", t).rstrip(".")
+    if re.fullmatch(r"[A-Za-z]\w?=.+", t):              # "x=5" -> "5"
+        t = t.split("=", 1)[1]
+    t = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", t)
+    t = _fix_fracs(t)
+    t = re.sub(r"(^|[^\d])\.(\d)", r"\g<1>0.\2", t)   # ".5" -> "0.5"
+    if t == "0.5":
+        t = "\\frac{1}{2}"
+    if m := re.fullmatch(r"(-?\d+)/(\d+)", t):
+        t = f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}"
+    return t
+
+
+def math_answer(*, prompt: str, response: str, response_ids: Sequence[int], ground_truth: str, data_source: str,
+                format_score: float = 0.0, score: float = 1.0, **_: Any) -> float:
+    """MATH's convention: `score` when the last `\\boxed{}` of the response equals the ground truth (itself a
+    solution with a `\\boxed{}` or the bare answer) after `normalise_math_answer`; numbers compare by value."""
+    got = last_boxed(response)
+    if got is None:
+        return 0.0
+    expected = last_boxed(ground_truth)
+    a, b = normalise_math_answer(got), normalise_math_answer(ground_truth if expected is None else expected)
+    return float(score) if answers_equal(a, b) else float(format_score)
+
+
 @functools.lru_cache(maxsize=64)
 def _compile(pattern: str, dotall: bool, ignore_case: bool) -> re.Pattern:
     flags = (re.DOTALL if dotall else 0) | (re.IGNORECASE if ignore_case else 0)
@@ -165,9 +214,44 @@ def length_penalty(*, prompt: str, response: str, response_ids: Sequence[int], g
     return -float(scale) * excess
 
 
+# The built-in reward a row's data_source gets from the `default` rule (verl's default_compute_score names;
+# "" is a row without a data_source, "arith" the project's own example task).
+DEFAULT_BY_DATA_SOURCE: dict[str, str] = {
+    "": "exact_match",
+    "arith": "exact_match",
+    "openai/gsm8k": "gsm8k",
+    "gsm8k": "gsm8k",
+    "lighteval/MATH": "math",
+    "DigitalLearningGmbH/MATH-lighteval": "math",
+    "HuggingFaceH4/MATH-500": "math",
+    "math": "math",
+}
+
+
+def default_rule_for(data_source: str) -> str:
+    """The built-in rule the `default` reward uses for `data_source`; ValueError naming it when none."""
+    name = DEFAULT_BY_DATA_SOURCE.get(data_source)
+    if name is None:
+        known = ", ".join(repr(k) for k in DEFAULT_BY_DATA_SOURCE if k)
+        raise ValueError(f"data_source {data_source!r} has no default reward (known: {known}); set "
+                         f"reward.components, reward.custom_function or reward.by_data_source.{data_source or '<name>'}")
+    return name
+
+
+def default_reward(*, prompt: str, response: str, response_ids: Sequence[int], ground_truth: str,
+                   data_source: str, **_: Any) -> float:
+    """The built-in reward of the item's data_source (DEFAULT_BY_DATA_SOURCE): GSM8K rows get `gsm8k`
+    (strict), MATH rows `math`, rows without a data_source `exact_match`; an unknown data_source is refused."""
+    fn = REWARD_FUNCTIONS[default_rule_for(data_source)]
+    return fn(prompt=prompt, response=response, response_ids=response_ids, ground_truth=ground_truth,
+              data_source=data_source)
+
+
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "default": default_reward,
     "exact_match": exact_match,
     "gsm8k": gsm8k,
+    "math": math_answer,
     "boxed": boxed,
     "format": format_reward,
     "length_penalty": length_penalty,

@@ -36,7 +36,7 @@ def test_score_returns_exact_match_of_the_response_text_in_request_order():
     response = asyncio.run(with_service({}, call))
     assert [r.id for r in response.results] == ["s0", "s1", "s2", "s3"]
     assert [r.score for r in response.results] == [1.0, 1.0, 0.0, 1.0]
-    assert [dict(r.components) for r in response.results][2] == {"exact_match": 0.0}
+    assert [dict(r.components) for r in response.results][2] == {"default": 0.0}   # exact_match of a row without data_source
 
 
 def test_score_combines_weighted_components_over_grpc():

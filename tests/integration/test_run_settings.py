@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def services_config(model_path: str, run_dir) -> dict:
-    """What the services start with: the trainer's lr 2e-5 and the exact_match reward (the default)."""
+    """What the services start with: the trainer's lr 2e-5 and the default reward (exact_match for arith rows)."""
     return {
         "model": {"path": model_path},
         "rollout": {"n": 2, "max_tokens": 4, "max_batch_size": 32},
@@ -100,14 +100,14 @@ def test_runs_train_with_their_own_learning_rate_and_components_and_fixed_keys_a
     assert first.state == second.state == coordinator_pb2.RUN_STATE_COMPLETED
     assert [m["actor/lr"] for m in first_steps] == [0.5, 0.5]
     assert [m["actor/lr"] for m in second_steps] == [2e-5, 2e-5]
-    assert all("reward/exact_match" in m and "reward/boxed" not in m for m in first_steps)
-    assert all({"reward/boxed", "reward/em"} <= m.keys() and "reward/exact_match" not in m for m in second_steps)
+    assert all("reward/default" in m and "reward/boxed" not in m for m in first_steps)
+    assert all({"reward/boxed", "reward/em"} <= m.keys() and "reward/default" not in m for m in second_steps)
     reward_at = mesh.addresses["reward"][0]
     assert model == (grpc.StatusCode.INVALID_ARGUMENT, (
-        f'reward.components: the running reward replica {reward_at} has [{{"function": null, "label": null, '
-        f'"name": "exact_match", "params": {{}}, "weight": 1.0}}], this run asks [{{"function": null, "label": '
-        f'null, "name": "embedding", "params": {{}}, "weight": 1.0}}] (reward models and user functions are '
-        f'loaded when the replica starts; restart it to change, or use built-in rules only)'))
+        f'reward.components: the running reward replica {reward_at} has [{{"call": "meshrl", "function": null, '
+        f'"label": null, "name": "default", "params": {{}}, "weight": 1.0}}], this run asks [{{"call": "meshrl", '
+        f'"function": null, "label": null, "name": "embedding", "params": {{}}, "weight": 1.0}}] (reward models '
+        f'and user functions are loaded when the replica starts; restart it to change, or use built-in rules only)'))
     assert mesh_size == (grpc.StatusCode.INVALID_ARGUMENT, "actor.tp_size: the running trainer has 1, this run "
                                                            "asks 3 (set when the trainer starts; restart it to change)")
     trainer_at = mesh.addresses["trainer"][0]
@@ -117,7 +117,7 @@ def test_runs_train_with_their_own_learning_rate_and_components_and_fixed_keys_a
     effective = yaml.safe_load(first.config)
     assert effective["actor"]["lr"] == 0.5
     # Left out by the runs, reported by the running services.
-    assert effective["reward"]["components"][0]["name"] == "exact_match"
+    assert effective["reward"]["components"][0]["name"] == "default"
     assert effective["rollout"]["max_batch_size"] == 32 and effective["actor"]["tp_size"] == 1
     assert "auth_token" not in effective["server"]
     second_effective = yaml.safe_load(second.config)

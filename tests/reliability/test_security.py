@@ -290,9 +290,10 @@ def test_user_reward_code_is_imported_only_from_the_configured_module_path(tmp_p
     with procs, grpc.insecure_channel(address) as channel:
         stub = reward_pb2_grpc.RewardStub(channel)
         names = ["sneaky_reward", "sneaky_reward:score", "os:system", "tests.fixtures.reward_user_fns"]
+        # Scored by a built-in named in the request (the default reward refuses data sources it does not know).
         reply = stub.Score(reward_pb2.ScoreRequest(items=[
-            reward_pb2.ScoreItem(id=n, prompt=n, response=n, ground_truth="1", data_source=n) for n in names]),
-            timeout=30)
+            reward_pb2.ScoreItem(id=n, prompt=n, response=n, ground_truth="1", data_source=n) for n in names],
+            components=[reward_pb2.RewardComponent(name="exact_match", weight=1.0)]), timeout=30)
         assert [dict(r.components) for r in reply.results] == [{"exact_match": 0.0}] * len(names)
         assert not marker.exists()                                         # requests name no code to load
     # Configured, the same module is what scores.

@@ -1,11 +1,14 @@
 """Datasets: verl's Parquet row schema, plain rows, seeded epochs and a resumable position."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from coordinator.data import PromptStream, load_problems, read_rows, row_to_problem
 from coordinator.pools import split_round_robin
+
+ARITH_MODEL = str(Path(__file__).resolve().parents[2] / "examples" / "arith" / "model")
 
 
 def test_plain_prompt_answer_rows_are_read(tmp_path):
@@ -16,14 +19,13 @@ def test_plain_prompt_answer_rows_are_read(tmp_path):
 
 
 def test_verl_rows_with_chat_messages_use_the_chat_template():
-    class Tok:
-        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-            return "<user>" + messages[0]["content"] + "<assistant>"
+    from services.common.modeling import load_tokenizer
 
     row = {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "1+1="}], "ability": "math",
            "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": 7}}
-    p = row_to_problem(row, 0, prompt_key="prompt", answer_key="answer", tokenizer=Tok())
-    assert (p.prompt, p.ground_truth, p.data_source, p.id) == ("<user>1+1=<assistant>", "2", "gsm8k", "7")
+    p = row_to_problem(row, 0, prompt_key="prompt", answer_key="answer", tokenizer=load_tokenizer(ARITH_MODEL))
+    assert (p.prompt, p.ground_truth, p.data_source, p.id) == ("<s>1+1=", "2", "gsm8k", "7")
+    assert (p.ability, p.reward_style, p.extra_info) == ("math", "rule", {"index": 7})
 
 
 def test_malformed_jsonl_names_the_file_and_line(tmp_path):
@@ -68,15 +70,15 @@ def test_verl_parquet_rows_load_unchanged(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    class Tok:
-        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-            return messages[-1]["content"]
+    from services.common.modeling import load_tokenizer
 
     rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{i}+1="}], "ability": "math",
              "reward_model": {"style": "rule", "ground_truth": str(i + 1)}, "extra_info": {"split": "train", "index": i}}
             for i in range(3)]
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    problems = load_problems([str(path)], tokenizer=Tok())
+    problems = load_problems([str(path)], tokenizer=load_tokenizer(ARITH_MODEL))
     assert [(p.prompt, p.ground_truth, p.data_source, p.id) for p in problems] == [
-        ("0+1=", "1", "openai/gsm8k", "0"), ("1+1=", "2", "openai/gsm8k", "1"), ("2+1=", "3", "openai/gsm8k", "2")]
+        ("<s>0+1=", "1", "openai/gsm8k", "0"), ("<s>1+1=", "2", "openai/gsm8k", "1"),
+        ("<s>2+1=", "3", "openai/gsm8k", "2")]
+    assert problems[2].extra_info == {"split": "train", "index": 2}

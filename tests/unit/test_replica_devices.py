@@ -76,8 +76,8 @@ def test_a_gpu_listed_twice_is_an_error_naming_the_field(devices, dup):
 
 
 @pytest.mark.parametrize("recipe, message", [
-    ('rollout: {n: 2, replicas: 2, devices: "4,5,6"}', 'rollout.devices: 3 GPUs ("4,5,6") do not split evenly over 2 replicas'),
-    ('rollout: {n: 2}\nactor: {dp_size: 2}\ntrainer: {nproc_per_node: 2, devices: "0"}',
+    ('rollout: {n: 2, max_tokens: 6, replicas: 2, devices: "4,5,6"}', 'rollout.devices: 3 GPUs ("4,5,6") do not split evenly over 2 replicas'),
+    ('rollout: {n: 2, max_tokens: 6}\nactor: {dp_size: 2}\ntrainer: {nproc_per_node: 2, devices: "0"}',
      'trainer.devices: 1 GPU(s) ("0") for trainer.nproc_per_node=2 ranks; each rank needs its own GPU')],
     ids=["rollout-split", "trainer-fewer-gpus-than-ranks"])
 def test_meshrl_up_with_devices_that_do_not_fit_exits_2_and_starts_nothing(tmp_path, monkeypatch, recipe, message):

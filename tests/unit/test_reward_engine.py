@@ -19,12 +19,15 @@ def score(engine, items):
     return asyncio.run(engine.score(items))
 
 
-def test_default_config_is_exact_match_with_weight_one():
+def test_default_config_scores_by_data_source_exact_match_for_rows_without_one():
     engine = engine_for({})
-    [a, b] = score(engine, [ScoreItem(id="a", response="82", ground_truth="82"),
-                            ScoreItem(id="b", response="81", ground_truth="82")])
-    assert a.score == 1.0 and a.components == {"exact_match": 1.0}
-    assert b.score == 0.0 and b.components == {"exact_match": 0.0}
+    [a, b, g] = score(engine, [ScoreItem(id="a", response="82", ground_truth="82"),
+                               ScoreItem(id="b", response="81", ground_truth="82"),
+                               ScoreItem(id="g", response="so 2+3=5\n#### 5", ground_truth="#### 5",
+                                         data_source="openai/gsm8k")])
+    assert a.score == 1.0 and a.components == {"default": 1.0}
+    assert b.score == 0.0 and b.components == {"default": 0.0}
+    assert g.score == 1.0
 
 
 def test_score_is_the_weighted_sum_and_components_are_reported_unweighted():
@@ -70,7 +73,7 @@ def test_empty_batch_and_oversized_batch_are_errors_naming_items():
         score(engine, [ScoreItem()] * 3)
 
 
-def test_a_non_finite_reward_is_an_error_naming_the_sample_index_and_id():
+def test_a_non_finite_reward_fails_that_item_naming_the_sample_index_and_id_and_scores_the_others():
     # No built-in returns NaN, so a stand-in component does (user functions are tested in test_reward_plugins).
     engine = engine_for({"components": [{"name": "exact_match"}]})
 
@@ -81,10 +84,9 @@ def test_a_non_finite_reward_is_an_error_naming_the_sample_index_and_id():
             return [0.0 if it.id != "bad" else float("nan") for it in items]
 
     engine.components.append(NanComponent())
-    with pytest.raises(ValueError) as err:
-        score(engine, [ScoreItem(id="ok"), ScoreItem(id="bad")])
-    message = str(err.value)
-    assert "items[1]" in message and "'bad'" in message and "nan_maker" in message
+    ok, bad = score(engine, [ScoreItem(id="ok"), ScoreItem(id="bad")])
+    assert ok.error == "" and ok.components == {"exact_match": 1.0, "nan_maker": 0.0}
+    assert "items[1]" in bad.error and "'bad'" in bad.error and "nan_maker" in bad.error
 
 
 def test_a_rule_error_on_one_sample_names_that_sample():

@@ -71,8 +71,13 @@ def test_a_user_function_with_params_is_scored_in_worker_processes():
     assert [r.score for r in results] == [0.0, 0.5, 2.0, 1.5, 2.0]
 
 
-def test_a_verl_style_compute_score_is_refused_with_a_hint_how_to_wrap_it():
+def test_a_verl_style_compute_score_as_a_meshrl_function_is_refused_with_a_hint_to_use_custom_function():
     with pytest.raises(ValueError) as err:
         load_function(f"{FNS}:verl_compute_score")
     assert "does not accept keyword argument(s) prompt, response, response_ids" in str(err.value)
-    assert "needs a wrapper" in str(err.value)
+    assert "reward.custom_function" in str(err.value)
+
+
+def test_a_verl_style_compute_score_loads_with_verl_keywords():
+    fn = load_function(f"{FNS}:verl_compute_score", call="verl")
+    assert callable(fn)

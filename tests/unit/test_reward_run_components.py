@@ -25,7 +25,7 @@ def test_a_requests_components_replace_the_replicas_and_the_next_request_gets_it
     [r] = asyncio.run(engine.score(ITEMS, run))
     assert (r.score, r.components) == (2.0, {"digits": 1.0})
     [again] = asyncio.run(engine.score(ITEMS))
-    assert again.components == {"exact_match": 0.0}
+    assert again.components == {"default": 0.0}
     assert engine.run_components(run) is engine.run_components(list(run))
 
 
@@ -42,7 +42,7 @@ def test_components_cross_the_wire_with_weights_params_and_labels():
      "components[0]: 'model' is not a built-in rule; reward models and user functions are loaded when the reward "
      "replica starts (its reward.components)"),
     (ComponentConfig(name="nope"),
-     "components[0].name: unknown reward 'nope' (built-ins: exact_match, gsm8k, boxed, format, length_penalty, "
+     "components[0].name: unknown reward 'nope' (built-ins: default, exact_match, gsm8k, math, boxed, format, length_penalty, "
      "model, embedding; or give function: 'package.module:function')"),
 ])
 def test_a_component_that_is_not_a_built_in_rule_is_refused_by_its_field(component, message):

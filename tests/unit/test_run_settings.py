@@ -75,9 +75,9 @@ def test_rule_components_travel_with_the_run_and_a_reward_model_that_differs_is_
     with pytest.raises(ValueError) as err:
         rs.check_components(asked_keys(model), [reward()])
     assert str(err.value) == (
-        'reward.components: the running reward replica 127.0.0.1:7001 has [{"function": null, "label": null, '
-        '"name": "exact_match", "params": {}, "weight": 1.0}], this run asks [{"function": null, "label": null, '
-        '"name": "model", "params": {"path": "rm"}, "weight": 1.0}] (reward models and user functions are loaded '
+        'reward.components: the running reward replica 127.0.0.1:7001 has [{"call": "meshrl", "function": null, '
+        '"label": null, "name": "default", "params": {}, "weight": 1.0}], this run asks [{"call": "meshrl", '
+        '"function": null, "label": null, "name": "model", "params": {"path": "rm"}, "weight": 1.0}] (reward models and user functions are loaded '
         'when the replica starts; restart it to change, or use built-in rules only)')
 
 
@@ -130,13 +130,13 @@ def settle(cfg, trainer, **kwargs):
 
 def test_a_new_run_configures_the_trainer_with_its_own_lr_and_a_restarted_schedule():
     trainer = FakeTrainer(actor={"lr": 2e-5})
-    effective = settle(parse_run_config("actor: {lr: 0.5}\nrollout: {n: 2}\n"), trainer)
+    effective = settle(parse_run_config("actor: {lr: 0.5}\nrollout: {n: 2, max_tokens: 6}\n"), trainer)
     assert (trainer.configured.actor.lr, trainer.configured.reset_schedule) == (0.5, True)
     assert effective.actor.lr == 0.5
 
 
 def test_a_resumed_run_keeps_its_recorded_settings_and_its_schedule_step():
-    cfg = parse_run_config("run: {num_steps: 3}\nrollout: {n: 2}\n")
+    cfg = parse_run_config("run: {num_steps: 3}\nrollout: {n: 2, max_tokens: 6}\n")
     recorded = yaml.safe_load(rs.config_text(settle(cfg, FakeTrainer(actor={"lr": 0.5}))))
     # The trainer restarted with another lr: the run keeps the one it trained with.
     restarted = FakeTrainer(actor={"lr": 2e-5})
@@ -146,7 +146,7 @@ def test_a_resumed_run_keeps_its_recorded_settings_and_its_schedule_step():
 
 
 def test_a_resumed_run_refuses_a_trainer_restarted_with_other_fixed_settings():
-    cfg = parse_run_config("run: {num_steps: 3}\nrollout: {n: 2}\n")
+    cfg = parse_run_config("run: {num_steps: 3}\nrollout: {n: 2, max_tokens: 6}\n")
     recorded = yaml.safe_load(rs.config_text(settle(cfg, FakeTrainer())))
     with pytest.raises(ValueError) as err:
         settle(cfg, FakeTrainer(model={"dtype": "bfloat16"}), recorded=recorded, resume=True)
@@ -157,6 +157,6 @@ def test_a_resumed_run_refuses_a_trainer_restarted_with_other_fixed_settings():
 def test_an_effective_config_that_fails_its_checks_leaves_the_trainer_unconfigured():
     trainer = FakeTrainer(actor={"lr": 2e-5})
     with pytest.raises(ValueError) as err:
-        settle(parse_run_config("actor: {lr: 0.5}\n"), trainer)    # no rollout replica: n stays 1 under grpo
+        settle(parse_run_config("actor: {lr: 0.5}\nrollout: {n: 1, max_tokens: 6}\n"), trainer)  # n 1 under grpo
     assert str(err.value).startswith("rollout.n: algorithm.adv_estimator grpo compares the samples of each prompt")
     assert trainer.configured is None

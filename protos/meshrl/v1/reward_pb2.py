@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshrl/v1/reward.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"\x97\x01\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\t\x12\x14\n\x0cresponse_ids\x18\x04 \x03(\x05\x12\x14\n\x0cground_truth\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x06 \x01(\t\x12\x1b\n\x13response_ids_packed\x18\x07 \x01(\x0c\"c\n\x0cScoreRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.meshrl.v1.ScoreItem\x12.\n\ncomponents\x18\x02 \x03(\x0b\x32\x1a.meshrl.v1.RewardComponent\"S\n\x0fRewardComponent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x13\n\x0bparams_json\x18\x03 \x01(\t\x12\r\n\x05label\x18\x04 \x01(\t\"\x97\x01\n\x0bScoreResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12:\n\ncomponents\x18\x03 \x03(\x0b\x32&.meshrl.v1.ScoreResult.ComponentsEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"8\n\rScoreResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.ScoreResult2\x82\x01\n\x06Reward\x12:\n\x05Score\x12\x17.meshrl.v1.ScoreRequest\x1a\x18.meshrl.v1.ScoreResponse\x12<\n\x07GetInfo\x12\x19.meshrl.v1.GetInfoRequest\x1a\x16.meshrl.v1.ServiceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshrl/v1/reward.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"\xb0\x01\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\t\x12\x14\n\x0cresponse_ids\x18\x04 \x03(\x05\x12\x14\n\x0cground_truth\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x06 \x01(\t\x12\x1b\n\x13response_ids_packed\x18\x07 \x01(\x0c\x12\x17\n\x0f\x65xtra_info_json\x18\x08 \x01(\t\"c\n\x0cScoreRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.meshrl.v1.ScoreItem\x12.\n\ncomponents\x18\x02 \x03(\x0b\x32\x1a.meshrl.v1.RewardComponent\"S\n\x0fRewardComponent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x13\n\x0bparams_json\x18\x03 \x01(\t\x12\r\n\x05label\x18\x04 \x01(\t\"\x89\x02\n\x0bScoreResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12:\n\ncomponents\x18\x03 \x03(\x0b\x32&.meshrl.v1.ScoreResult.ComponentsEntry\x12\x32\n\x06\x65xtras\x18\x04 \x03(\x0b\x32\".meshrl.v1.ScoreResult.ExtrasEntry\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0b\x45xtrasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"8\n\rScoreResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.ScoreResult2\x82\x01\n\x06Reward\x12:\n\x05Score\x12\x17.meshrl.v1.ScoreRequest\x1a\x18.meshrl.v1.ScoreResponse\x12<\n\x07GetInfo\x12\x19.meshrl.v1.GetInfoRequest\x1a\x16.meshrl.v1.ServiceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,18 +34,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCORERESULT_COMPONENTSENTRY']._loaded_options = None
   _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_options = b'8\001'
+  _globals['_SCORERESULT_EXTRASENTRY']._loaded_options = None
+  _globals['_SCORERESULT_EXTRASENTRY']._serialized_options = b'8\001'
   _globals['_SCOREITEM']._serialized_start=62
-  _globals['_SCOREITEM']._serialized_end=213
-  _globals['_SCOREREQUEST']._serialized_start=215
-  _globals['_SCOREREQUEST']._serialized_end=314
-  _globals['_REWARDCOMPONENT']._serialized_start=316
-  _globals['_REWARDCOMPONENT']._serialized_end=399
-  _globals['_SCORERESULT']._serialized_start=402
-  _globals['_SCORERESULT']._serialized_end=553
-  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_start=504
-  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_end=553
-  _globals['_SCORERESPONSE']._serialized_start=555
-  _globals['_SCORERESPONSE']._serialized_end=611
-  _globals['_REWARD']._serialized_start=614
-  _globals['_REWARD']._serialized_end=744
+  _globals['_SCOREITEM']._serialized_end=238
+  _globals['_SCOREREQUEST']._serialized_start=240
+  _globals['_SCOREREQUEST']._serialized_end=339
+  _globals['_REWARDCOMPONENT']._serialized_start=341
+  _globals['_REWARDCOMPONENT']._serialized_end=424
+  _globals['_SCORERESULT']._serialized_start=427
+  _globals['_SCORERESULT']._serialized_end=692
+  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_start=596
+  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_end=645
+  _globals['_SCORERESULT_EXTRASENTRY']._serialized_start=647
+  _globals['_SCORERESULT_EXTRASENTRY']._serialized_end=692
+  _globals['_SCORERESPONSE']._serialized_start=694
+  _globals['_SCORERESPONSE']._serialized_end=750
+  _globals['_REWARD']._serialized_start=753
+  _globals['_REWARD']._serialized_end=883
 # @@protoc_insertion_point(module_scope)

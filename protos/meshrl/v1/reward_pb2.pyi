@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreItem(_message.Message):
-    __slots__ = ("id", "prompt", "response", "response_ids", "ground_truth", "data_source", "response_ids_packed")
+    __slots__ = ("id", "prompt", "response", "response_ids", "ground_truth", "data_source", "response_ids_packed", "extra_info_json")
     ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ScoreItem(_message.Message):
     GROUND_TRUTH_FIELD_NUMBER: _ClassVar[int]
     DATA_SOURCE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_INFO_JSON_FIELD_NUMBER: _ClassVar[int]
     id: str
     prompt: str
     response: str
@@ -23,7 +24,8 @@ class ScoreItem(_message.Message):
     ground_truth: str
     data_source: str
     response_ids_packed: bytes
-    def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., response_ids: _Optional[_Iterable[int]] = ..., ground_truth: _Optional[str] = ..., data_source: _Optional[str] = ..., response_ids_packed: _Optional[bytes] = ...) -> None: ...
+    extra_info_json: str
+    def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., response_ids: _Optional[_Iterable[int]] = ..., ground_truth: _Optional[str] = ..., data_source: _Optional[str] = ..., response_ids_packed: _Optional[bytes] = ..., extra_info_json: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("items", "components")
@@ -46,8 +48,15 @@ class RewardComponent(_message.Message):
     def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., params_json: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
 
 class ScoreResult(_message.Message):
-    __slots__ = ("id", "score", "components")
+    __slots__ = ("id", "score", "components", "extras", "error")
     class ComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class ExtrasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -57,10 +66,14 @@ class ScoreResult(_message.Message):
     ID_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     id: str
     score: float
     components: _containers.ScalarMap[str, float]
-    def __init__(self, id: _Optional[str] = ..., score: _Optional[float] = ..., components: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    extras: _containers.ScalarMap[str, float]
+    error: str
+    def __init__(self, id: _Optional[str] = ..., score: _Optional[float] = ..., components: _Optional[_Mapping[str, float]] = ..., extras: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("results",)
