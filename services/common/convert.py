@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
 
 from meshrl.v1 import common_pb2
 from services.common.packed import F32, I32, Rows, as_list, field_of, pack_f32, pack_i32, set_rows, unpack_rows
-
-
-def json_object(text: str, where: str) -> dict[str, Any]:
-    """A JSON-object string field as a dict ("" = {}); errors name the field (`where`)."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"{where}: not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{where}: must be a JSON object")
-    return value
 
 
 @dataclass
