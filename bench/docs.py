@@ -106,8 +106,11 @@ def stale_note(stem: str, cache: dict, old: str) -> str:
     return f" *(stale: `{stem}.json` was measured at {commit}; the code it measures has changed since)*"
 
 
-def fill(text: str, cache: dict) -> str:
+def fill(text: str, cache: dict, *, stale_marks: bool = True) -> str:
+    """The text with every marked figure rendered from its JSON, and (stale_marks) every stale mark refreshed."""
     text = FIG.sub(lambda m: f"<!-- fig: {m['spec']} -->{render(m['spec'], cache)}<!-- /fig -->", text)
+    if not stale_marks:
+        return text
     return STALE.sub(lambda m: f"<!-- stale: {m['stem']} -->{stale_note(m['stem'], cache, m['text'])}"
                                f"<!-- /stale -->", text)
 

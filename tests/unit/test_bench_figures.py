@@ -27,8 +27,10 @@ def unmarked_figures(text: str) -> list[str]:
 
 @pytest.mark.parametrize("rel", docs.DOCS)
 def test_every_marked_figure_equals_its_json(rel):
+    # Stale marks are refreshed by `make bench-docs`, not checked here: a whole-mesh figure goes stale with
+    # any change to services/ or coordinator/, and a suite that failed on every such commit would be a tripwire.
     text = (REPO / rel).read_text()
-    diffs = docs.differences(text, docs.fill(text, {}))
+    diffs = docs.differences(text, docs.fill(text, {}, stale_marks=False))
     assert not diffs, f"{rel}: run `make bench-docs`:\n" + "\n".join(diffs)
 
 
