@@ -339,7 +339,7 @@ def _follow(client, run_id: str, num_steps: int) -> None:
                          f"reward {_fmt(m.get('reward_mean'))} kl {_fmt(m.get('kl'), '.4f')} "
                          f"{_fmt(m.get('samples_per_s'), '.1f')} samples/s")
                 progress.update(task, completed=int(m["step"]), stats=stats)
-            elif "heldout_accuracy" in m:
+            if "heldout_accuracy" in m:   # a mid-run evaluation arrives in its step's record
                 label = "after" if m.get("final") else ("before" if m["step"] == 0 else f"at step {m['step']}")
                 line = f"held-out accuracy {label}: {m['heldout_accuracy']:.1%}"
                 if "heldout_preference_accuracy" in m:
