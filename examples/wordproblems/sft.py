@@ -145,8 +145,9 @@ def evaluate(model, tokenizer, rows: list[dict], *, greedy: bool = True, num_sam
 
 def train(model, tokenizer, rows: list[dict], *, steps: int, seed: int, lr: float = 1e-3, batch_size: int = 64,
           warmup: int = 50, carry_drop: float = 0.0, eval_rows: list[dict] | None = None,
-          eval_every: int = 0, save_every_eval: str = "") -> None:
-    """AdamW with linear warm-up then cosine decay to 10% over `steps`."""
+          eval_every: int = 0, save_every_eval: str = "", stop_after: int = 0) -> None:
+    """AdamW with linear warm-up then cosine decay to 10% over `steps`; `stop_after`: stop after that many steps of
+    the schedule (the model of step N of a longer run, which a later `--init` run continues)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -154,7 +155,7 @@ def train(model, tokenizer, rows: list[dict], *, steps: int, seed: int, lr: floa
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
     model.train()
     order: list[int] = []
-    for step in range(1, steps + 1):
+    for step in range(1, (min(stop_after, steps) if stop_after else steps) + 1):
         if len(order) < batch_size:  # epoch boundary: reshuffle deterministically
             order += rng.sample(range(len(rows)), len(rows))
         picked = [rows[j] for j in order[:batch_size]]
@@ -185,6 +186,8 @@ def main() -> None:
     p.add_argument("--init", default=str(ARITH_MODEL), help="model folder to start from ('' = random weights)")
     p.add_argument("--carry-drop", type=float, default=0.7,
                    help="probability the SFT teacher forgets the carry on problems that have one")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="stop after N steps of the --steps schedule (a stage of README's Regenerate chain)")
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--save-dir", default="", help="with --eval-every: save the model at each evaluation here")
     args = p.parse_args()
@@ -198,7 +201,7 @@ def main() -> None:
     t0 = time.time()
     train(model, tok, train_rows, steps=args.steps, seed=args.seed, lr=args.lr, batch_size=args.batch_size,
           carry_drop=args.carry_drop, eval_rows=heldout[:100], eval_every=args.eval_every,
-          save_every_eval=args.save_dir)
+          save_every_eval=args.save_dir, stop_after=args.stop_after)
     print(f"sft_seconds {time.time() - t0:.1f}")
     model.save_pretrained(args.out)
     build_tokenizer().save_pretrained(args.out)  # a fresh instance: padding calls mutate the backend's state
