@@ -50,11 +50,12 @@ def summarize(run_dir: Path) -> dict:
     }
 
 
-def run_demo(work: Path, threads: int) -> tuple[Path, float]:
+def run_demo(work: Path, threads: int, overrides: list[str] = ()) -> tuple[Path, float]:
+    """`meshrl up RECIPE` (with `--section.key value` overrides); the run directory and the command's seconds."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "coordinator.cli", "up", RECIPE, "--run-dir", str(work),
-                    "--threads", str(threads)], cwd=REPO, env=env, check=True)
+                    "--threads", str(threads), *overrides], cwd=REPO, env=env, check=True)
     wall = time.monotonic() - t0
     runs = sorted(p for p in work.iterdir() if (p / "summary.json").exists())
     if not runs:

@@ -12,6 +12,12 @@ bench/compare.sh) -> one JSON with both sides, medians over runs, the ratio and 
     PYTHONPATH=.:protos python bench/e2e_grpo.py run --out /tmp/meshrl.json
     PYTHONPATH=.:protos python bench/e2e_grpo.py run --device cuda --shape qwen2.5-0.5b --out /tmp/meshrl-gpu.json
     PYTHONPATH=.:protos python bench/e2e_grpo.py combine --meshrl a.json b.json --trl c.json d.json --out X.json
+
+Async modes and the long-tailed workload (bench/async_rl.py runs them side by side): `--async-k K` keeps K
+batches in flight (run.async_mode, run.max_staleness K), `--partial continue|pause` sets rollout.partial_rollouts,
+`--correction bypass|decoupled` algorithm.rollout_correction.mode; `--lengths longtail` stops each sample at a
+length drawn from a lognormal (median --length-median, capped at --length-cap new tokens: bench/peers/long_tail.py)
+instead of the shape's fixed max_new_tokens.
 """
 
 from __future__ import annotations
@@ -203,6 +209,8 @@ def summarize_run(run_dir: Path, timing: list[dict], s: dict, extra: dict) -> di
         step = int(m["step"])
         row = {"step": step, "reward_mean": m["reward_mean"], "kl": m.get("kl"), "entropy": m.get("actor/entropy"),
                "response_length_mean": m.get("response_length_mean"), "grad_norm": m.get("actor/grad_norm"),
+               "response_length_max": m.get("response_length_max"), "staleness_max": m.get("staleness_max"),
+               "partial_samples": m.get("async/partial_samples"),
                "step_seconds": m["time/step"], "trainer_seconds": m.get("actor/seconds"),
                # Wall time between two steps' records: the step plus recording, pool refreshes.
                "interval_seconds": m["timestamp"] - prev_ts if prev_ts is not None else None,
@@ -250,6 +258,39 @@ def summarize_run(run_dir: Path, timing: list[dict], s: dict, extra: dict) -> di
     return out
 
 
+def workload_settings(args, s: dict) -> dict:
+    """--lengths: the shape's fixed max_new_tokens, or a long-tailed length per sample (the recipe's max_tokens is
+    then the cap; the rollout process draws each sample's length, bench/peers/long_tail.py)."""
+    if args.lengths == "fixed":
+        os.environ.pop("MESHRL_BENCH_LENGTHS", None)
+        return {"lengths": "fixed", "max_new_tokens": s["max_new_tokens"]}
+    if args.no_instrument:
+        raise SystemExit("--lengths longtail: needs the timing wrapper (drop --no-instrument)")
+    s["max_new_tokens"] = args.length_cap
+    os.environ["MESHRL_BENCH_LENGTHS"] = (f"lognormal:{args.length_median}:{args.length_sigma}:{args.length_cap}:"
+                                          f"{s['sampling_seed']}")
+    return {"lengths": "longtail", "distribution": "lognormal", "median": args.length_median,
+            "sigma": args.length_sigma, "cap": args.length_cap}
+
+
+def async_settings(args, data: dict) -> dict:
+    """--async-k / --partial / --correction into the run config; returns the mode as recorded."""
+    if args.async_k:
+        data["run"].update(async_mode=True, max_staleness=args.async_k)
+    if args.partial:
+        if not args.async_k:
+            raise SystemExit("--partial: needs --async-k >= 1")
+        data["rollout"]["partial_rollouts"] = args.partial
+    if args.correction != "off":
+        data["algorithm"]["rollout_correction"] = {"mode": args.correction}
+    name = "sync" if not args.async_k else f"async-k{args.async_k}" + {None: "", "continue": "-partial",
+                                                                      "pause": "-pause"}[args.partial]
+    if args.correction != "off":
+        name += f"-{args.correction}"
+    return {"name": name, "async_k": args.async_k, "partial_rollouts": args.partial or "off",
+            "correction": args.correction}
+
+
 def cmd_run(args) -> None:
     s = settings(args.shape, steps=args.steps, warmup_steps=args.warmup_steps, sampling_seed=args.seed)
     work = args.work_dir
@@ -263,7 +304,9 @@ def cmd_run(args) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "protos"), os.environ.get("PYTHONPATH", "")])
     if args.rollout_replicas is None:
         args.rollout_replicas = 1 if args.device == "cuda" else 2
+    workload = workload_settings(args, s)
     data = recipe(s, device=args.device, run_dir=run_root / "runs", rollout_replicas=args.rollout_replicas)
+    mode = async_settings(args, data)
     config_path = run_root / "e2e_grpo.yaml"
     run_root.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -277,7 +320,7 @@ def cmd_run(args) -> None:
                           "python": platform.python_version()},
              "device": args.device, "threads_per_service": args.threads, "trainer_threads": args.trainer_threads or args.threads, "rollout_replicas": args.rollout_replicas,
              "instrumented": not args.no_instrument, "startup_seconds": startup,
-             "seconds_total": time.perf_counter() - t0, "recipe": data}
+             "seconds_total": time.perf_counter() - t0, "recipe": data, "workload": workload, "mode": mode}
     result = summarize_run(Path(run_dir), load_timing(timing_dir), s, extra)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
@@ -473,6 +516,15 @@ def main(argv=None) -> None:
     r.add_argument("--threads", type=int, default=1, help="OMP threads per service process (`meshrl up --threads`)")
     r.add_argument("--trainer-threads", type=int, help="torch threads of the trainer alone (default: --threads)")
     r.add_argument("--no-instrument", action="store_true", help="plain service modules, no RPC timers")
+    r.add_argument("--lengths", choices=["fixed", "longtail"], default="fixed",
+                   help="fixed: every sample max_new_tokens; longtail: lognormal lengths (bench/peers/long_tail.py)")
+    r.add_argument("--length-median", type=float, default=96.0)
+    r.add_argument("--length-sigma", type=float, default=1.0)
+    r.add_argument("--length-cap", type=int, default=1024)
+    r.add_argument("--async-k", type=int, default=0, help="batches in flight (run.max_staleness); 0 = synchronous")
+    r.add_argument("--partial", choices=["continue", "pause"], help="rollout.partial_rollouts (with --async-k)")
+    r.add_argument("--correction", choices=["off", "bypass", "decoupled"], default="off",
+                   help="algorithm.rollout_correction.mode")
     r.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "meshrl-bench")
     r.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("combine", help="merge meshrl and TRL run outputs into one result JSON")

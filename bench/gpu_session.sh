@@ -3,8 +3,16 @@
 # transformers 5.17, CuPy); each named part writes its log and JSON under $OUT.
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
-#   parts: versions gputests decodetests packtests wstest wgather fit meshtests multigpu rollout decode mfu packing reference wsipc spy
-#          meshrl trl bundle
+#   parts: versions gputests decodetests packtests wstest wgather fit meshtests multigpu rollout episodes decode mfu packing reference wsipc spy
+#          meshrl trl trllong asyncbench asynctests bundle
+#   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
+#   (bench/async_rl.py; ~6 e2e runs, split the workloads over two calls when STEPS is large):
+#     STEPS=8 WARMUP=2 bench/gpu_session.sh asynctests asyncbench bundle
+#     ASYNC_WORKLOADS=longtail STEPS=12 bench/gpu_session.sh asyncbench bundle   # then ASYNC_WORKLOADS=fixed
+#   TRL on both workloads (`trl trllong`, ~5 min) fits another call; combine the returned files here:
+#     STEPS=8 WARMUP=2 bench/gpu_session.sh trl trllong bundle
+#     tar xzf async-runs.tgz && python bench/async_rl.py combine --out-dir async --trl-fixed trl.json \
+#         --trl-longtail trl_longtail.json --out bench/results/async_gpu.json
 #   the figures of the docs at HEAD (bench/README.md, "Keeping figures honest"): two calls of < 10 minutes,
 #     MESHRL_COMMIT=<short sha> bench/gpu_session.sh versions rollout decode mfu bundle
 #     MESHRL_COMMIT=<short sha> STEPS=8 WARMUP=2 bench/gpu_session.sh meshrl trl bundle
@@ -55,6 +63,11 @@ for what in "$@"; do
                    tests/gpu/test_fused_logprobs.py ;;
     rollout) part rollout 360 python3 bench/rollout_gpu.py --out "$OUT/rollout_throughput_gpu.json"
              stamp "$OUT/rollout_throughput_gpu.json" rollout_throughput_gpu ;;
+    episodes) # tool-calling episodes/s (tool_agent, a calculator env replica of its own) beside one generate of the
+              # same tokens, Qwen2.5-0.5B-shaped, CUDA-graph decode (bench/episodes.py); EPISODES_ARGS: more flags
+      part episodes 240 python3 bench/episodes.py --device cuda --shape qwen2.5-0.5b ${EPISODES_ARGS:-} \
+        --out "$OUT/episodes_gpu.json"
+      stamp "$OUT/episodes_gpu.json" episodes_gpu ;;
     decode) part decode 240 python3 bench/decode_step.py --variants "${DECODE_VARIANTS:-torch,fused,fused_bn64,fused_bn128}" \
               --out "$OUT/decode_step_gpu.json"
             stamp "$OUT/decode_step_gpu.json" decode_step_gpu ;;
@@ -66,11 +79,14 @@ for what in "$@"; do
          stamp "$OUT/trainer_mfu.json" trainer_mfu
          gzip -c "$WORK"/trace_0.5b_engine.json > "$OUT/trace_0.5b_engine.json.gz" 2>/dev/null ;;
     packing) # remove padding (packed vs padded tokens/s, long-tailed lengths) and the fused head's memory (8 x 4,096,
-             # vocab 151,936), Qwen2.5-1.5B-shaped; PACK_PARTS=spread or memory splits it over two calls
+             # vocab 151,936), Qwen2.5-1.5B-shaped; PACK_PARTS=spread or memory splits it over two calls;
+             # PACK_VARIANTS: the spread's variants (bench/trainer_packing.py --variants); PACK_PROFILE=1 profiles each
              part packing 560 python3 bench/trainer_packing.py --size "${PACK_SIZE:-1.5b}" \
-               --parts "${PACK_PARTS:-spread,memory}" --out "$OUT/trainer_packing.json"
+               --parts "${PACK_PARTS:-spread,memory}" ${PACK_VARIANTS:+--variants "$PACK_VARIANTS"} \
+               --out "$OUT/trainer_packing.json"
              stamp "$OUT/trainer_packing.json" trainer_packing ;;
-    packtests) part packtests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fused_logprobs.py ;;
+    packtests) part packtests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fused_logprobs.py \
+                 tests/gpu/test_trainer_memory_features.py ;;
     meshtests) part meshtests 560 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/multiproc/test_trainer_mesh.py ;;
     multigpu)  # MULTI_PARTS (mfu,sync,grpo), MULTI_LAYOUTS (bench/multi_gpu.py's LAYOUTS names) split it over calls;
                # MULTI_GRPO_STEPS: the GRPO run's length (default 10)
@@ -103,12 +119,24 @@ for what in "$@"; do
             --format raw --nonblocking -o "$OUT/spy/$role-$pid.txt" > "$OUT/spy/$role-$pid.log" 2>&1 &
         done; wait ) &
       ;;
+    asynctests) part asynctests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_partial_rollouts_gpu.py ;;
+    asyncbench)  # per-run JSONs travel as async-runs.tgz; async_gpu.json combines the runs of this call
+      part asyncbench 580 python3 bench/async_rl.py run --device cuda --shape qwen2.5-0.5b \
+        --workloads "${ASYNC_WORKLOADS:-fixed,longtail}" --modes "${ASYNC_MODES:-sync,k1,k2}" --steps "$STEPS" \
+        --warmup-steps "$WARMUP" --threads "$OMP_NUM_THREADS" --work-dir "$WORK" --out-dir "$WORK/async"
+      python3 bench/async_rl.py combine --out-dir "$WORK/async" --out "$OUT/async_gpu.json" \
+        $([ -f "$OUT/trl.json" ] && echo --trl-fixed "$OUT/trl.json") \
+        $([ -f "$OUT/trl_longtail.json" ] && echo --trl-longtail "$OUT/trl_longtail.json") > "$OUT/asynccombine.log" 2>&1
+      (cd "$WORK" && tar czf "$OUT/async-runs.tgz" async meshrl-*/runs/*/metrics.jsonl 2>/dev/null) ;;
+    trllong) PYTHONPATH="$PWD:/tmp/site-trl:/tmp/site" part trllong 560 python3 bench/peers/trl_grpo.py --device cuda \
+               --shape qwen2.5-0.5b --steps "$STEPS" --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" \
+               --lengths longtail --work-dir "$WORK" --out "$OUT/trl_longtail.json" ;;
     trl) PYTHONPATH="$PWD:/tmp/site-trl:/tmp/site" part trl 560 python3 bench/peers/trl_grpo.py --device cuda \
            --shape qwen2.5-0.5b --steps "$STEPS" --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" \
            --work-dir "$WORK" --out "$OUT/trl.json" ;;
     bundle)  # the device tool brings back at most 8 files: the logs travel as one archive
       wait
-      (cd "$OUT" && tar czf logs.tgz --remove-files $(ls -d *.log meshrl-logs.tgz multi-logs.tgz spy 2>/dev/null)) ;;
+      (cd "$OUT" && tar czf logs.tgz --remove-files $(ls -d *.log meshrl-logs.tgz multi-logs.tgz async-runs.tgz spy 2>/dev/null)) ;;
     *) echo "gpu_session.sh: unknown part $what" >&2; exit 2 ;;
   esac
 done

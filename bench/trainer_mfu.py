@@ -12,6 +12,7 @@ one optimizer step per call (mini_batch_size 0, ppo_epochs 1). Variants, all mea
                      [tokens, vocab] tensors), actor.compile (torch.compile of each decoder block), fused
                      AdamW, a grad norm with one host sync, loss stats kept on the device
   engine_amp         the same with fp32 master weights (actor.param_dtype float32, actor.dtype bfloat16)
+  engine_bf16        the same in bf16 only (actor.param_dtype bfloat16: bf16 weights and AdamW state)
   engine_eager       the same with actor.compile false
   engine_unfused     actor.compile false and actor.fused_logprobs false (fused AdamW, one-sync norm remain)
 
@@ -24,8 +25,9 @@ mask); peak = 989 TFLOP/s, the H200 SXM datasheet's dense bf16 rate. The run als
     PYTHONPATH=.:protos python bench/trainer_mfu.py --device cpu --tiny      # smoke test of the script
     PYTHONPATH=.:protos python bench/trainer_mfu.py --device cpu --tiny --actor '{"fused_logprobs": true}'
 
-The engine variants run with the trainer's defaults, remove padding and the fused head included (one packed row
-of 8 x 2048 tokens per micro-batch). The length-spread workload (packed vs padded tokens/s on long-tailed
+The engine variants run with the trainer's defaults: the fused head, compile and fp32 master weights (model.dtype
+bfloat16 makes them the default since #23, so `engine` and `engine_amp` are now the same configuration); remove
+padding is on by default on CUDA, but 8 rows of one length have no padding to remove and run as [8, 2048]. The length-spread workload (packed vs padded tokens/s on long-tailed
 lengths) and the fused head's peak memory against full logits are bench/trainer_packing.py, which reuses this
 file's model shapes: `bench/gpu_session.sh packing`.
 """
@@ -320,6 +322,7 @@ VARIANTS = {
     "plain": ("plain", False, {}),
     "engine": ("engine", False, {}),
     "engine_amp": ("engine", True, {}),
+    "engine_bf16": ("engine", False, {"param_dtype": "bfloat16"}),
     "engine_eager": ("engine", False, {"compile": False}),
     "engine_unfused": ("engine", False, {"compile": False, "fused_logprobs": False}),
 }

@@ -89,35 +89,97 @@ def timed(fn, dev: str, warmup: int, steps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_spread(path: str, dev: str, scale: dict, vocab: int, *, warmup: int, steps: int, compile: bool) -> dict:
+def plain_groups(lengths, budget: int) -> list[list[int]]:
+    """A plain trainer's micro-batches: a fixed number of rows in the batch's order (as many of the longest row as
+    the token budget holds), each padded to its own longest row."""
+    rows = max(1, budget // max(lengths))
+    return [list(range(i, min(i + rows, len(lengths)))) for i in range(0, len(lengths), rows)]
+
+
+# name: (actor.use_remove_padding, padded grouping, actor.compile)
+SPREAD_VARIANTS = {"padded": (False, "sorted", False), "padded_longest": (False, "plain", False),
+                   "packed": (True, "sorted", False), "padded_compiled": (False, "sorted", True),
+                   "packed_compiled": (True, "sorted", True)}
+
+
+def slots(lengths, budget: int, packed: bool, grouping: str) -> int:
+    """Token slots the variant's forwards compute (real tokens plus padding)."""
+    from services.common.modeling import pack_by_token_budget
+    from services.common.packing import pack_by_token_sum
+
+    if packed:
+        return sum(lengths)
+    groups = (plain_groups if grouping == "plain" else pack_by_token_budget)(lengths, budget)
+    return sum(len(g) * max(lengths[i] for i in g) for g in groups)
+
+
+def print_profile(name: str, fn) -> None:
+    """One more call under torch.profiler: its top kernels and host ops by device time, to the log."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync("cuda")
+    print(f"== profile {name}\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=30,
+                                                             max_name_column_width=70), flush=True)
+
+
+def run_spread(path: str, dev: str, scale: dict, vocab: int, *, warmup: int, steps: int, variants: list[str]) -> dict:
+    from services.trainer import layout as layout_mod
+
     samples = spread_samples(scale["samples"], scale["prompt"], scale["response"], vocab)
     prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses))
     lengths = sorted(len(p) + len(r) for p, r in zip(prompts, responses))
+    order_lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     out = {"samples": len(samples), "tokens": tokens, "micro_batch_token_budget": scale["budget"],
-           "length_min": lengths[0], "length_median": lengths[len(lengths) // 2], "length_max": lengths[-1]}
-    for name, packed in (("padded", False), ("packed", True)):
-        engine = build(path, dev, {"use_remove_padding": packed, "micro_batch_token_budget": scale["budget"],
-                                   "compile": compile})
-        step_s = timed(lambda: engine.train_actor(samples, ActorLoss()), dev, warmup, steps)
-        lp_s = timed(lambda: engine.compute_logprobs(prompts, responses), dev, warmup, steps)
-        out[name] = {"actor_step_s": step_s, "actor_tokens_per_s": tokens / step_s, "logprobs_s": lp_s,
-                     "logprobs_tokens_per_s": tokens / lp_s, "fused_logprobs": engine.fused_logprobs}
-        engine.close()
-        del engine
+           "length_min": lengths[0], "length_median": lengths[len(lengths) // 2], "length_max": lengths[-1],
+           "variants_note": "padded: right-padded rows grouped by length (sorted, batch * longest within the budget: "
+                            "the trainer's padded path); padded_longest: a plain trainer's micro-batches (a fixed "
+                            "row count in batch order, each padded to its longest row); packed: "
+                            "actor.use_remove_padding (one packed row per micro-batch filled to the budget); "
+                            "*_compiled: actor.compile on (the CUDA default), else eager"}
+    original = layout_mod.pack_by_token_budget
+    for name in variants:
+        packed, grouping, compile = SPREAD_VARIANTS[name]
+        layout_mod.pack_by_token_budget = plain_groups if grouping == "plain" else original
+        try:
+            engine = build(path, dev, {"use_remove_padding": packed, "micro_batch_token_budget": scale["budget"],
+                                       "compile": compile})
+            step_s = timed(lambda: engine.train_actor(samples, ActorLoss()), dev, warmup, steps)
+            lp_s = timed(lambda: engine.compute_logprobs(prompts, responses), dev, warmup, steps)
+            if os.environ.get("PACK_PROFILE") and dev.startswith("cuda"):
+                print_profile(name, lambda: engine.train_actor(samples, ActorLoss()))
+            out[name] = {"actor_step_s": step_s, "actor_tokens_per_s": tokens / step_s, "logprobs_s": lp_s,
+                         "logprobs_tokens_per_s": tokens / lp_s, "fused_logprobs": engine.fused_logprobs,
+                         "token_slots": slots(order_lengths, scale["budget"], packed, grouping)}
+            engine.close()
+            del engine
+        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        finally:
+            layout_mod.pack_by_token_budget = original
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
-    out["packed_over_padded_actor"] = out["packed"]["actor_tokens_per_s"] / out["padded"]["actor_tokens_per_s"]
-    out["packed_over_padded_logprobs"] = out["packed"]["logprobs_tokens_per_s"] / out["padded"]["logprobs_tokens_per_s"]
+        print(name, json.dumps(out[name]), flush=True)
+    # packed_over_padded_actor / _logprobs: against the trainer's padded path, as before; the others say theirs.
+    for new, ref, suffix in (("packed", "padded", ""), ("packed", "padded_longest", "_vs_padded_longest"),
+                             ("packed_compiled", "padded_compiled", "_compiled")):
+        a, b = out.get(new, {}), out.get(ref, {})
+        if "actor_tokens_per_s" in a and "actor_tokens_per_s" in b:
+            out[f"packed_over_padded_actor{suffix}"] = a["actor_tokens_per_s"] / b["actor_tokens_per_s"]
+            out[f"packed_over_padded_logprobs{suffix}"] = a["logprobs_tokens_per_s"] / b["logprobs_tokens_per_s"]
     return out
 
 
-def memory_variant(path: str, dev: str, scale: dict, vocab: int, fused: bool, what: str) -> dict:
-    """Peak memory of one call (`actor` step or `logprobs` pass) beyond what the trainer held before it."""
+def memory_variant(path: str, dev: str, scale: dict, vocab: int, fused: bool, what: str,
+                   budget: int | None = None) -> dict:
+    """Peak memory of one call (`actor` step or `logprobs` pass) beyond what the trainer held before it; the
+    micro-batch token budget is the whole batch (one forward) unless `budget` says otherwise."""
     batch, length = scale["mem"]
     samples = spread_samples(batch, (64, 64), (length - 64, length - 64), vocab)
     engine = build(path, dev, {"fused_logprobs": fused, "activation_checkpointing": "full",
-                               "micro_batch_token_budget": batch * length, "compile": False})
+                               "micro_batch_token_budget": budget or batch * length, "compile": False})
     prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     call = (lambda: engine.train_actor(samples, ActorLoss())) if what == "actor" else \
         (lambda: engine.compute_logprobs(prompts, responses))
@@ -145,16 +207,22 @@ def memory_variant(path: str, dev: str, scale: dict, vocab: int, fused: bool, wh
 def run_memory(path: str, dev: str, tiny: bool) -> dict:
     """Each variant in its own process: peak figures never mix."""
     batch, length = SCALES["tiny" if tiny else "full"]["mem"]
-    out = {"batch": batch, "length": length}
-    for what in ("actor", "logprobs"):
-        for fused in (False, True):
-            cmd = [sys.executable, __file__, "--device", dev, "--memory-variant", f"{what},{int(fused)}",
-                   "--model", path] + (["--tiny"] if tiny else [])
-            done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-            key = f"{what}_{'fused' if fused else 'full_logits'}"
-            print(key, done.stdout[-300:], flush=True)
-            lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
-            out[key] = json.loads(lines[-1]) if lines else {"error": done.stderr[-2000:]}
+    half = batch * length // 2
+    out = {"batch": batch, "length": length,
+           "note": f"each variant runs the whole batch as one forward (micro_batch_token_budget {batch * length}) "
+                   f"except logprobs_fused_budget{half}: two forwards of {half} tokens (16,384 is the trainer's "
+                   "default budget). Activation checkpointing full; on CUDA fp32 master weights with bf16 autocast "
+                   "(the trainer's default for a bf16 model); extra = peak - memory held before the call (weights, "
+                   "AdamW state)"}
+    for what, fused, budget in (("actor", False, None), ("actor", True, None), ("logprobs", False, None),
+                                ("logprobs", True, None), ("logprobs", True, half)):
+        key = f"{what}_{'fused' if fused else 'full_logits'}" + (f"_budget{budget}" if budget else "")
+        cmd = [sys.executable, __file__, "--device", dev, "--memory-variant",
+               f"{what},{int(fused)},{budget or 0}", "--model", path] + (["--tiny"] if tiny else [])
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        print(key, done.stdout[-300:], flush=True)
+        lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+        out[key] = json.loads(lines[-1]) if lines else {"error": done.stderr[-2000:]}
     for what in ("actor", "logprobs"):
         full, fused = out[f"{what}_full_logits"].get("extra_gb"), out[f"{what}_fused"].get("extra_gb")
         if full and fused:
@@ -170,7 +238,8 @@ def main() -> None:
     ap.add_argument("--parts", default="spread,memory")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--compile", action="store_true", help="actor.compile on (default off: shapes vary per step)")
+    ap.add_argument("--variants", default="padded,padded_longest,packed",
+                    help=f"spread variants, of {','.join(SPREAD_VARIANTS)}")
     ap.add_argument("--out", default=None)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--memory-variant", default=None, help=argparse.SUPPRESS)
@@ -179,9 +248,9 @@ def main() -> None:
     scale = SCALES["tiny" if args.tiny else "full"]
     torch.set_num_threads(min(8, os.cpu_count() or 1))
     if args.memory_variant:
-        what, fused = args.memory_variant.split(",")
+        what, fused, budget = (args.memory_variant.split(",") + ["0"])[:3]
         vocab = scale["mem_vocab"] or shape["vocab_size"]
-        print(json.dumps(memory_variant(args.model, args.device, scale, vocab, fused == "1", what)))
+        print(json.dumps(memory_variant(args.model, args.device, scale, vocab, fused == "1", what, int(budget) or None)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         num_params = save_model(shape, Path(tmp) / "model", "cpu")
@@ -196,7 +265,7 @@ def main() -> None:
         parts = args.parts.split(",")
         if "spread" in parts:
             result["spread"] = run_spread(path, args.device, scale, shape["vocab_size"], warmup=args.warmup,
-                                          steps=args.steps, compile=args.compile)
+                                          steps=args.steps, variants=args.variants.split(","))
             print(json.dumps(result["spread"], indent=1), flush=True)
             write(args.out, result)               # each part as it finishes: a time limit keeps what ran
         if "memory" in parts:

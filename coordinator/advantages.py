@@ -4,6 +4,13 @@ entry).
 
 Group estimators take each sample's group id ([B], any values): samples may come in any order and a group
 may be short, so nothing depends on the batch being laid out as [num_groups, group_size].
+
+Masks are per token [B, T], 1 on the tokens the model sampled. They may have holes: a multi-turn episode's
+observation tokens (tool or environment output) sit between the model's turns with mask 0. Every estimator
+works on the masked tokens as if the others were not there (as verl and SkyRL do): advantages and returns are 0
+on them, whitening counts only masked tokens, and the token-level recursions (reward-to-go, GAE) step over a
+hole without discounting across it, so gamma and lambda apply per model token and the value after a turn's last
+token is the value of the next turn's first.
 """
 
 from __future__ import annotations
@@ -50,13 +57,15 @@ def rloo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor
 
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Reward-to-go per token. token_rewards, mask: [B, T] -> [B, T] (0 on padding)."""
+    """Reward-to-go per masked token. token_rewards, mask: [B, T] -> [B, T] (0 off the mask). Unmasked tokens
+    pass the running return through untouched (their rewards do not count, and no discount is applied)."""
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros(token_rewards.size(0), dtype=token_rewards.dtype)
+    m = mask.to(token_rewards.dtype)
     for t in reversed(range(token_rewards.size(1))):
-        running = token_rewards[:, t] + gamma * running * mask[:, t]
+        running = torch.where(m[:, t] > 0, token_rewards[:, t] + gamma * running, running)
         returns[:, t] = running
-    return returns * mask
+    return returns * m
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -85,19 +94,25 @@ def reinforce_pp_baseline_advantages(rewards: torch.Tensor, groups: torch.Tensor
 
 def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float,
                    lam: float, whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over response tokens. All [B, T]; returns (advantages, returns).
+    """Generalised advantage estimation over the masked (model) tokens. All [B, T]; returns (advantages, returns),
+    0 off the mask.
 
-    The value after the last response token is 0 (the episode ends there).
+    The value after the last masked token is 0 (the episode ends there). An unmasked token (an observation inside
+    an episode) is skipped: the next value of the token before it is the value of the first masked token after
+    it, and its own value, reward and TD error do not count.
     """
     B, T = token_rewards.shape
     adv = torch.zeros_like(token_rewards)
     last = torch.zeros(B, dtype=token_rewards.dtype)
+    next_value = torch.zeros(B, dtype=token_rewards.dtype)
     m = mask.to(token_rewards.dtype)
     for t in reversed(range(T)):
-        next_value = values[:, t + 1] * m[:, t + 1] if t + 1 < T else torch.zeros(B, dtype=values.dtype)
+        on = m[:, t] > 0
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        last = (delta + gamma * lam * last * (m[:, t + 1] if t + 1 < T else 0)) * m[:, t]
+        last = torch.where(on, delta + gamma * lam * last, last)
+        next_value = torch.where(on, values[:, t].to(next_value.dtype), next_value)
         adv[:, t] = last
+    adv = adv * m
     returns = (adv + values) * m
     if whiten:
         adv = masked_whiten(adv, mask)

@@ -33,6 +33,8 @@ DEFAULT_COORDINATOR = os.environ.get("MESHRL_COORDINATOR", "127.0.0.1:50050")
 # How long `meshrl up`'s pools wait for a restarting replica (the supervisor's back-off, 1 + 2 + 4 s, plus a
 # model load) before a call fails.
 REJOIN_WAIT_S = 60.0
+# Agent loops that call the env role (tools, environments): `meshrl up` starts an env replica for them.
+ENV_AGENTS = ("tool_agent", "env_agent")
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 # gRPC statuses that say the user's input (a config, a run id, a token) is wrong: exit 2, like a config error.
@@ -268,13 +270,24 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
 
 def _start_mesh(launcher, cfg, raw: dict, overrides: dict[str, str], placement: dict[str, list[str]],
                 trainer_devices: str) -> dict[str, list[str]]:
-    """Starts the trainer, every replica, then the coordinator; returns each role's addresses once all serve."""
+    """Starts the trainer, every replica, then the coordinator; returns each role's addresses once all serve.
+
+    Env replicas serve first: the rollout replicas, whose episode loops call them, start with their addresses
+    (`env.servers` in a recipe file of their own, which a restarted rollout replica reads again)."""
     children = [launcher.start("trainer", nproc=cfg.trainer.nproc_per_node, devices=trainer_devices)]
     for role, devices in placement.items():
-        children += [launcher.start(role, i, devices=d) for i, d in enumerate(devices)]
+        if role != "rollout":
+            children += [launcher.start(role, i, devices=d) for i, d in enumerate(devices)]
+    env = [launcher.wait_ready(c) for c in children if c.role == "env"]
+    rollout_args = []
+    if env:
+        own = _write_private(launcher.log_dir / "rollout.yaml", _with_addresses(raw, overrides, {"env": env}))
+        rollout_args = ["--config", str(own)]
+    children += [launcher.start("rollout", i, devices=d, extra_args=rollout_args)
+                 for i, d in enumerate(placement.get("rollout", []))]
     addresses: dict[str, list[str]] = {}
     for c in children:
-        addresses.setdefault(c.role, []).append(launcher.wait_ready(c))
+        addresses.setdefault(c.role, []).append(c.address or launcher.wait_ready(c))
     # The coordinator reads the recipe with the replicas' addresses filled in: they are its default pools
     # (ListServices with no run id, `meshrl services`). The later --config wins over the launcher's.
     own = _write_private(launcher.log_dir / "coordinator.yaml", _with_addresses(raw, overrides, addresses))
@@ -299,7 +312,8 @@ def _placement(cfg, raw: dict, overrides: dict[str, str]) -> tuple[dict[str, lis
     asked = "replicas" in (raw.get("rollout") or {}) or "rollout.replicas" in overrides
     num_rollout = cfg.rollout.replicas if asked else 2
     num_reference = cfg.reference.replicas if (cfg.reference.replicas or cfg.needs_reference) else 0
-    counts = {"reference": num_reference, "reward": max(1, cfg.reward.replicas), "rollout": num_rollout}
+    counts = {"reference": num_reference, "reward": max(1, cfg.reward.replicas), "rollout": num_rollout,
+              "env": env_replicas(cfg, raw, overrides)}
     placement = {role: replica_devices(getattr(cfg, role).devices, n, role) for role, n in counts.items()}
     trainer_devices = replica_devices(cfg.trainer.devices, 1, "trainer")[0]  # whole: ranks use LOCAL_RANK
     listed = len(trainer_devices.split(",")) if trainer_devices else 0
@@ -313,15 +327,36 @@ def _with_addresses(raw: dict, overrides: dict[str, str], addresses: dict[str, l
     from services.common.config import deep_merge, nest_overrides
 
     data = deep_merge(raw, nest_overrides(overrides))
-    for role in ("rollout", "reward", "reference"):
+    for role in ("rollout", "reward", "reference", "env"):
         if addresses.get(role):
             data.setdefault(role, {})
             data[role]["servers"] = addresses[role]
             # A replica that dies is restarted (coordinator/supervisor.py): calls wait for it rather than fail
             # the step when it was the role's only one.
             data[role].setdefault("rejoin_wait_s", REJOIN_WAIT_S)
-    data.setdefault("trainer", {})["address"] = addresses["trainer"][0]
+    if addresses.get("trainer"):
+        data.setdefault("trainer", {})["address"] = addresses["trainer"][0]
     return data
+
+
+def env_replicas(cfg, raw: dict, overrides: dict[str, str]) -> int:
+    """How many env replicas `meshrl up` starts: `env.replicas` when the recipe (or a flag) has an `env:` section,
+    one when only the agent loop calls tools or an environment (it needs a replica that hosts them), else none. A
+    section that names running replicas (`env.servers` / `env.dns`) and asks for no count keeps to those."""
+    from services.common.pools import configured
+    from services.rollout.config import AGENT_ALIASES
+
+    name = cfg.rollout.agent.name
+    needed = AGENT_ALIASES.get(name, name) in ENV_AGENTS
+    asked = "replicas" in (raw.get("env") or {}) or "env.replicas" in overrides
+    if configured(cfg.env) and not asked:
+        return 0
+    if "env" in raw or any(key.startswith("env.") for key in overrides):
+        if needed and cfg.env.replicas == 0 and not configured(cfg.env):
+            raise ValueError(f"env.replicas: 0, and no env.servers or env.dns, but rollout.agent.name {name!r} "
+                             f"calls the env role; start at least one replica or name running ones")
+        return cfg.env.replicas
+    return 1 if needed else 0
 
 
 def _follow(client, run_id: str, num_steps: int) -> None:
@@ -455,12 +490,22 @@ def status(run_id: Optional[str] = typer.Argument(None), *, conn: Connection):
 
 @command()
 @connects
-def watch(run_id: str, *, conn: Connection):
-    """Live progress bar with reward, KL and throughput until the run ends."""
-    from coordinator.progress import watch_run
+def watch(run_id: str, once: bool = typer.Option(False, "--once", help="print the view once and exit"), *,
+          conn: Connection):
+    """Live view of a run: step, reward and accuracy sparklines, phase times, replicas and versions, last warning."""
+    from coordinator.watch import watch_run
 
     with conn.client() as client:
-        watch_run(client, run_id)
+        watch_run(client, run_id, once=once, console=console)
+
+
+@command()
+def trace(run: str = typer.Argument(..., help="run id (under --runs-dir) or run directory"),
+          step: int = typer.Argument(..., help="the step whose trace to print"),
+          runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="where run directories are (run.run_dir)")):
+    """A step's trace (runs/<id>/traces.jsonl) as a tree with durations, its critical path marked."""
+    from coordinator.traces import print_step
+    print_step(run, step, runs_dir, console)
 
 
 @command()

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig
+from services.env.config import EnvConfig
 from services.reference.config import ReferenceConfig
 from services.reward.config import RewardConfig
 from services.rollout.config import RolloutConfig
@@ -159,9 +160,13 @@ class RunSection(Section):
     checkpoint_every: int = Field(0, ge=0)
     # Held-out evaluation every k steps (0 = only before the first and after the last step).
     eval_every: int = Field(0, ge=0)
-    # Overlap step t+1's generation with step t's update (bounded staleness).
+    # Overlap the next steps' generation with this step's update (coordinator/async_rollouts.py): up to
+    # max_staleness batches in flight, so no sample trains more than max_staleness weight versions behind.
     async_mode: bool = False
     max_staleness: int = Field(1, ge=0)
+    # A group (prompt) whose oldest token is staler than max_staleness: regenerated on the current weights, or
+    # dropped from its step (its prompt consumed, counted in async/dropped_stale, never trained).
+    stale_samples: Literal["regenerate", "drop"] = "regenerate"
     # Run state store; empty = in memory (lost with the coordinator).
     redis_url: str = ""
     # Key prefix of the run state and of the service registry in Redis (read by the coordinator and by every
@@ -171,6 +176,9 @@ class RunSection(Section):
     tensorboard: bool = True
     # Log metrics to this Weights & Biases project when wandb is installed ("" = off).
     wandb_project: str = ""
+    # One OpenTelemetry trace per step in <run_dir>/traces.jsonl, the services' spans included (`meshrl trace`);
+    # OTLP as well when OTEL_EXPORTER_OTLP_ENDPOINT is set (docs/observability.md).
+    traces: bool = True
     # Seconds between replica re-discovery / health checks.
     refresh_interval_s: float = Field(5.0, gt=0)
     # One line per sample of every step in <run_dir>/samples.jsonl: prompt, response, reward, its components
@@ -193,6 +201,8 @@ class RunConfig(MeshSettings):
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
     reference: ReferenceConfig = ReferenceConfig()
+    # The env replicas (tools, environments) the rollout replicas' episode loops call; `meshrl up` starts them.
+    env: EnvConfig = EnvConfig()
     actor: ActorConfig = ActorConfig()
     critic: CriticConfig | None = None
     # Read by the trainer (one YAML serves every service of `meshrl up`); validated here as well.
@@ -204,6 +214,19 @@ class RunConfig(MeshSettings):
     trainer: TrainerSection = TrainerSection()
     coordinator: CoordinatorConfig = CoordinatorConfig()
     server: ServerConfig = ServerConfig()
+
+    @model_validator(mode="after")
+    def _async_settings(self):
+        r = self.run
+        if r.async_mode and r.max_staleness == 0:
+            raise ValueError("run.max_staleness: 0 keeps no batch in flight; set run.async_mode: false for a "
+                             "synchronous run, or max_staleness >= 1")
+        if not r.async_mode and r.max_staleness > 1:
+            raise ValueError(f"run.max_staleness: {r.max_staleness} batches in flight need run.async_mode: true")
+        if not r.async_mode and self.rollout.partial_rollouts != "off":
+            raise ValueError(f"rollout.partial_rollouts: {self.rollout.partial_rollouts!r} needs run.async_mode: "
+                             "true (a synchronous run has no generation in flight when the weights update)")
+        return self
 
     @property
     def needs_reference(self) -> bool:

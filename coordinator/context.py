@@ -17,6 +17,7 @@ from coordinator.config import RunConfig, TrainerLosses
 from coordinator.data import Problem, PromptStream
 from coordinator.pools import ReplicaPool
 from services.common.errors import FailedPrecondition
+from services.common.tracing import phase_span
 from services.rollout.types import SamplingParams
 
 
@@ -83,7 +84,8 @@ class PhaseTimer:
     def __call__(self, name: str):
         start = time.perf_counter()
         try:
-            yield
+            with phase_span(name):     # a child span of the step's trace (docs/observability.md)
+                yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
@@ -138,18 +140,23 @@ class RunContext:
     weight_version: int = 0
     kl_coef: float = 0.0
     kl_controller: adv_fns.AdaptiveKLController | None = None
-    prefetched: asyncio.Task | None = None
+    # async_mode: the batches in flight (coordinator/async_rollouts.py InFlight); cancelled at close.
+    prefetched: Any = None
     # The last step's samples, for tests and debugging.
     last_samples: list = field(default_factory=list)
 
     @property
     def sampling(self) -> SamplingParams:
+        return self.sampling_at(self.step + 1)
+
+    def sampling_at(self, step: int) -> SamplingParams:
+        """The training sampling of run step `step` (1-based; async runs generate steps ahead)."""
         r = self.cfg.rollout
         # With rollout.seed set, each step has its own seed, so a run (and a step retried on another
         # replica) is reproducible; None leaves the replicas unseeded.
         seed = None
         if r.seed is not None:
-            seed = ((r.seed * 1_000_003 + self.step + 1) & (2**63 - 1)) or 1
+            seed = ((r.seed * 1_000_003 + step) & (2**63 - 1)) or 1
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                               stop=list(r.stop), seed=seed)
 

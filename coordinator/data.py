@@ -32,6 +32,10 @@ class Problem:
     reward_style: str = ""      # reward_model.style
     # The row's extra_info (verl), handed to the reward function and written to the sample records.
     extra_info: dict = field(default_factory=dict, compare=False)
+    # The chat messages of a chat prompt ([] for plain text): a multi-turn episode's replica renders them with the
+    # tools (GenerateEpisodes). verl's `agent_name` column picks the row's agent loop ("" = rollout.agent.name).
+    messages: tuple = field(default=(), compare=False)
+    agent_name: str = ""
 
 
 def read_rows(path: str) -> list[dict]:
@@ -103,21 +107,22 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, tuple[int, ...]]:
 
 
 def _prompt(row: dict, where: str, prompt_key: str, tokenizer, apply_chat_template: bool
-            ) -> tuple[str, tuple[int, ...]]:
-    """The row's prompt as (text, token ids); ids are empty for a plain text prompt left to the rollout."""
+            ) -> tuple[str, tuple[int, ...], list[dict]]:
+    """The row's prompt as (text, token ids, chat messages); ids and messages are empty for a plain text prompt
+    left to the rollout."""
     prompt = _lookup(row, prompt_key)
     if prompt is None:
         raise ValueError(f"{where}: missing key {prompt_key!r} (data.prompt_key)")
     if isinstance(prompt, str):
         if not apply_chat_template or tokenizer is None:
-            return prompt, ()
+            return prompt, (), []
         prompt = [{"role": "user", "content": prompt}]
     elif not (isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt)):
         raise ValueError(f"{where}: {prompt_key!r} must be a string or a list of chat messages "
                          f"({{role, content}} strings), got {type(prompt).__name__} {str(prompt)[:80]!r}")
     if tokenizer is None:
         raise ValueError(f"{where}: chat-message prompts need a tokenizer with a chat template")
-    return render_chat(tokenizer, prompt)
+    return (*render_chat(tokenizer, prompt), [dict(m) for m in prompt])
 
 
 def row_to_problem(row: dict, index: int, *, prompt_key: str, answer_key: str, tokenizer=None,
@@ -126,7 +131,7 @@ def row_to_problem(row: dict, index: int, *, prompt_key: str, answer_key: str, t
     """Accepts verl's rows (prompt as chat messages, reward_model.ground_truth, extra_info) and plain
     prompt/answer rows; every error names the file and row."""
     where = f"{source} row {index}"
-    text, ids = _prompt(row, where, prompt_key, tokenizer, apply_chat_template)
+    text, ids, messages = _prompt(row, where, prompt_key, tokenizer, apply_chat_template)
     answer = _lookup(row, answer_key)
     if answer is None:
         answer = _lookup(row, "reward_model.ground_truth")
@@ -140,7 +145,8 @@ def row_to_problem(row: dict, index: int, *, prompt_key: str, answer_key: str, t
     key = _lookup(row, reward_fn_key)
     return Problem(id=row_id, prompt=text, ground_truth=str(answer), data_source="" if key is None else str(key),
                    prompt_ids=ids, ability=str(row.get("ability") or ""),
-                   reward_style=str(_lookup(row, "reward_model.style") or ""), extra_info=dict(extra_info))
+                   reward_style=str(_lookup(row, "reward_model.style") or ""), extra_info=dict(extra_info),
+                   messages=tuple(messages), agent_name=str(row.get("agent_name") or ""))
 
 
 @dataclass

@@ -17,8 +17,9 @@ from pathlib import Path
 
 MODULES = {"coordinator": "coordinator", "trainer": "services.trainer", "rollout": "services.rollout",
            "reward": "services.reward", "reference": "services.reference", "env": "services.env"}
-# Roles whose replicas the coordinator's pools fail over between: one that dies is restarted, the run goes on.
-REPLICATED = ("rollout", "reward", "reference")
+# Roles whose replicas the coordinator's pools (and, for env, the rollout replicas' env pool) fail over between: one
+# that dies is restarted, the run goes on.
+REPLICATED = ("rollout", "reward", "reference", "env")
 
 
 # A CUDA_VISIBLE_DEVICES entry: an index, or a GPU / MIG UUID as nvidia-smi -L prints it.
@@ -76,6 +77,8 @@ class Child:
     log_path: Path
     address: str = ""
     devices: str = ""
+    # The arguments it was started with beyond the recipe's (a replica's own --config), kept for restart().
+    extra_args: list[str] = field(default_factory=list)
     _lines: queue.Queue = field(default_factory=queue.Queue)
 
 
@@ -110,7 +113,7 @@ class Launcher:
         log_path = self.log_dir / (log_name or f"{role}-{index}.log")
         proc = subprocess.Popen(_die_with_parent(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env)
-        child = Child(role, index, proc, log_path, devices=devices)
+        child = Child(role, index, proc, log_path, devices=devices, extra_args=list(extra_args or []))
         threading.Thread(target=self._pump, args=(child,), daemon=True).start()
         self.children.append(child)
         return child
@@ -155,7 +158,8 @@ class Launcher:
 
     def restart(self, child: Child, attempt: int, port: int) -> Child:
         """The same replica again on `port` (the coordinator's server list names it), logging to its own file."""
-        return self.start(child.role, child.index, devices=child.devices, extra_args=["--port", str(port)],
+        return self.start(child.role, child.index, devices=child.devices,
+                          extra_args=[*child.extra_args, "--port", str(port)],
                           log_name=f"{child.role}-{child.index}.restart-{attempt}.log")
 
     def stop_all(self, grace: float = 10.0) -> None:

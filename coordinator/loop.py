@@ -4,10 +4,9 @@ coordinator/phases.py; `RL` at the bottom is this family's entry in coordinator/
 
 from __future__ import annotations
 
-import asyncio
 import time
 
-from coordinator import faults, phases
+from coordinator import async_rollouts, faults, phases
 from coordinator.config import RunConfig
 from coordinator.context import Algorithm, PhaseTimer, RunContext
 from coordinator.data import PromptStream, load_dataset
@@ -20,15 +19,12 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
     batch_size = ctx.cfg.data.rollout_batch_size
 
     with timer("generate"):
-        samples = await next_rollouts(ctx, batch_size)
+        # Async mode: the next max_staleness steps' batches generate while this one scores and trains.
+        samples, async_metrics = await async_rollouts.next_batch(ctx, batch_size)
     faults.kill_point("after_generate", ctx.step + 1)
     await phases.score_and_measure(ctx, samples, timer)
     adv_metrics = phases.compute_advantages(ctx, samples)
 
-    if ctx.cfg.run.async_mode:
-        # Step t+1's generation runs on the current weights while step t trains.
-        ctx.prefetched = asyncio.create_task(
-            phases.generate(ctx, ctx.data.take(2 * batch_size)[batch_size:]))
     # Before the update: the trainer records the data position after it with the step (services/trainer/steps.py).
     ctx.data.advance(batch_size)
     train_metrics = await phases.train(ctx, samples, timer)
@@ -42,27 +38,10 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
     phases.write_samples(ctx, samples)
     seconds = time.perf_counter() - start
     return {**phases.sample_metrics(samples), **adv_metrics, **train_metrics, **sync_metrics,
-            **staleness(ctx, samples), **{f"time/{k}": v for k, v in timer.seconds.items()},
+            **async_metrics, **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/step": seconds, "samples_per_s": len(samples) / seconds,
             "data_position": float(ctx.data.position), "epoch": float(ctx.data.epoch),
             "data/num_overlong_dropped": float(ctx.data.num_dropped)}
-
-
-async def next_rollouts(ctx: RunContext, batch_size: int):
-    """This step's samples: the prefetched batch when it is fresh enough, else a new generation."""
-    task, ctx.prefetched = ctx.prefetched, None
-    if task is not None:
-        samples = await task
-        # Samples older than the bound are regenerated, not trained on.
-        if max(ctx.weight_version - s.weight_version for s in samples) <= ctx.cfg.run.max_staleness:
-            return samples
-    return await phases.generate(ctx, ctx.data.take(batch_size))
-
-
-def staleness(ctx: RunContext, samples) -> dict[str, float]:
-    # Samples were produced before this step's sync, so on-policy staleness is 0.
-    lags = [ctx.weight_version - 1 - s.weight_version for s in samples]
-    return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
 
 
 async def evaluate(ctx: RunContext) -> dict[str, float]:

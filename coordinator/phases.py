@@ -20,6 +20,7 @@ from coordinator import rollout_correction as rc_math
 from coordinator.config import rollout_correction
 from coordinator.context import PhaseTimer, RunContext
 from coordinator.data import Problem
+from coordinator.episodes import episode_metrics, wants_episodes
 from coordinator.pools import split_round_robin
 from services.common.errors import Unavailable
 from services.rollout.types import SamplingParams
@@ -29,12 +30,13 @@ log = logging.getLogger("meshrl.coordinator")
 
 # --- generate ------------------------------------------------------------------------------------------
 
-async def generate(ctx: RunContext, problems: Sequence[Problem], sampling: SamplingParams | None = None
-                   ) -> list[remote.Sample]:
+async def generate(ctx: RunContext, problems: Sequence[Problem], sampling: SamplingParams | None = None, *,
+                   partial_rollout: str = "off") -> list[remote.Sample]:
     """n samples per prompt, prompts split into contiguous chunks over the healthy rollout replicas.
 
     Whole groups stay on one replica; a failed chunk is retried on another replica, so no sample
-    is lost or duplicated (results are collected per chunk, in order).
+    is lost or duplicated (results are collected per chunk, in order). partial_rollout: weight updates may land
+    while these samples decode (coordinator/async_rollouts.py).
     """
     sampling = sampling or ctx.sampling
     await bring_new_replicas_up_to_date(ctx)
@@ -48,7 +50,10 @@ async def generate(ctx: RunContext, problems: Sequence[Problem], sampling: Sampl
         ps, gs = zip(*chunk)
 
         async def generate_on(stub):
-            samples = await remote.generate(stub, ps, gs, sampling)
+            if wants_episodes(ctx.cfg.rollout.agent, ps):   # multi-turn: played in the replica
+                samples = await remote.generate_episodes(stub, ps, gs, sampling, ctx.cfg.rollout.agent)
+            else:
+                samples = await remote.generate(stub, ps, gs, sampling, partial_rollout=partial_rollout)
             # the replica that answered (the pool may have moved the chunk off `replica`)
             served_by = next((r.address for r in ctx.rollout.replicas.values() if r.stub is stub), "")
             for s in samples:
@@ -187,6 +192,29 @@ def length_mask(lengths: Sequence[int], width: int) -> torch.Tensor:
     return (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).float()
 
 
+def token_mask(samples: Sequence[remote.Sample], width: int) -> torch.Tensor:
+    """[rows, width] float mask of the tokens each sample's model sampled: its first len(response_ids) positions,
+    less the observation tokens of a multi-turn episode (Sample.loss_mask 0). Advantages, the KL in the reward,
+    whitening, rollout correction and every per-token metric run over these only."""
+    mask = length_mask([len(s.response_ids) for s in samples], width)
+    if any(s.loss_mask is not None for s in samples):
+        mask = mask * padded([np.ones(len(s.response_ids), np.float32) if s.loss_mask is None else s.loss_mask
+                              for s in samples], width)
+    return mask
+
+
+def num_model_tokens(s: remote.Sample) -> int:
+    """Response tokens the model sampled (all of them unless a loss mask marks observation tokens)."""
+    return len(s.response_ids) if s.loss_mask is None else int(np.count_nonzero(s.loss_mask))
+
+
+def last_model_token(s: remote.Sample) -> int:
+    """Where the sequence reward sits: the last token the model sampled (an episode may end on an observation)."""
+    if s.loss_mask is not None and np.count_nonzero(s.loss_mask):
+        return int(np.flatnonzero(s.loss_mask)[-1])
+    return len(s.response_ids) - 1
+
+
 def padded(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     """Rows of different lengths (each <= width) as one zero-padded float32 [rows, width] tensor. Filled
     through numpy: a batch holds hundreds of rows, and a torch op per row costs several times more."""
@@ -201,16 +229,17 @@ def estimator(ctx: RunContext) -> adv_fns.Estimator:
 
 
 def compute_advantages(ctx: RunContext, samples: list[remote.Sample]) -> dict[str, float]:
-    """Fills per-token advantages (and returns for PPO) with the configured estimator."""
+    """Fills per-token advantages (and returns for PPO) with the configured estimator, over the model's tokens
+    (observation tokens of an episode get advantage 0 and return 0)."""
     a = ctx.cfg.algorithm
     fill_failed_rewards(samples)
     T = max(len(s.response_ids) for s in samples)
-    mask = length_mask([len(s.response_ids) for s in samples], T)
+    mask = token_mask(samples, T)
     metrics: dict[str, float] = {}
-    # Sequence reward sits on the last token; a KL penalty in the reward is spread per token.
+    # Sequence reward sits on the last model token; a KL penalty in the reward is spread per model token.
     token_rewards = torch.zeros(len(samples), T)
     for i, s in enumerate(samples):
-        token_rewards[i, len(s.response_ids) - 1] = s.reward
+        token_rewards[i, last_model_token(s)] = s.reward
     if a.use_kl_in_reward:
         old, ref = padded([s.old_logprobs for s in samples], T), padded([s.ref_logprobs for s in samples], T)
         token_rewards = token_rewards + adv_fns.kl_reward_penalty(old, ref, ctx.kl_coef) * mask
@@ -253,7 +282,8 @@ def correction(ctx: RunContext, samples: list[remote.Sample], mask: torch.Tensor
 
 
 def policy_samples(ctx: RunContext, samples: list[remote.Sample]) -> list[remote.Sample]:
-    """What TrainActor trains on: in bypass mode the rollout log-probs stand in as the old policy."""
+    """What TrainActor trains on: in bypass mode the rollout log-probs stand in as the old policy (0.0 on an
+    episode's observation tokens, which the loss mask keeps out of every loss term; the mask rides along)."""
     if rollout_correction(ctx.cfg.algorithm).mode != "bypass":
         return samples
     return [dataclasses.replace(s, old_logprobs=s.rollout_logprobs) for s in samples]
@@ -321,13 +351,17 @@ def replica_metrics(samples: list[remote.Sample]) -> dict[str, float]:
 
 
 def sample_metrics(samples: list[remote.Sample]) -> dict[str, float]:
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    out = {**reward_metrics(samples), **replica_metrics(samples),
+    """The step's sample metrics; lengths count the model's tokens and per-token means run over them only (an
+    episode's observation tokens are in `num_observation_tokens`)."""
+    lengths = torch.tensor([num_model_tokens(s) for s in samples], dtype=torch.float32)
+    out = {**reward_metrics(samples), **replica_metrics(samples), **episode_metrics(samples),
            "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
            "num_samples": float(len(samples)), "num_tokens": float(lengths.sum())}
-    T = int(lengths.max())
-    mask = length_mask([len(s.response_ids) for s in samples], T)
-    ntok = mask.sum()
+    T = max(len(s.response_ids) for s in samples)
+    mask = token_mask(samples, T)
+    ntok = mask.sum().clamp(min=1.0)
+    if any(s.loss_mask is not None for s in samples):
+        out["num_observation_tokens"] = float(sum(len(s.response_ids) for s in samples) - lengths.sum())
     roll = padded([s.rollout_logprobs for s in samples], T)
     policy = roll if all(len(s.rollout_logprobs) == len(s.response_ids) for s in samples) else None
     if all(len(s.old_logprobs) for s in samples):
@@ -352,11 +386,25 @@ def sample_record(step: int, s: remote.Sample) -> dict:
     """One line of samples.jsonl: the sample, its score (or why it failed) and every field of its row."""
     p = s.problem
     return {"step": step, "id": s.id, "prompt": p.prompt, "response": s.text, "finish_reason": s.finish_reason,
-            "response_length": len(s.response_ids), "ground_truth": p.ground_truth, "data_source": p.data_source,
+            "response_length": len(s.response_ids), "model_tokens": num_model_tokens(s),
+            "observation_spans": observation_spans(s.loss_mask), "ground_truth": p.ground_truth,
+            "data_source": p.data_source,
             "ability": p.ability, "reward_style": p.reward_style, "extra_info": p.extra_info,
             "reward": None if s.reward_error else s.reward, "reward_failed": bool(s.reward_error),
             "reward_error": s.reward_error, "components": s.components, "reward_extras": s.reward_extras,
-            "weight_version": s.weight_version}
+            "weight_version": s.weight_version, **({"episode": s.episode} if s.episode else {}),
+            # Partial rollouts: per token, the weight version that produced it (only when several did).
+            **({"weight_versions": [int(v) for v in s.weight_versions]} if s.weight_versions is not None else {})}
+
+
+def observation_spans(loss_mask) -> list[list[int]]:
+    """[start, end) response-token ranges of the observation tokens (loss mask 0); [] when every token is the
+    model's. With response_length this is the whole mask, in a line a person can read."""
+    if loss_mask is None:
+        return []
+    obs = np.concatenate([[0], (np.asarray(loss_mask) == 0).astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(obs))
+    return edges.reshape(-1, 2).tolist()
 
 
 def write_samples(ctx: RunContext, samples: list[remote.Sample]) -> None:

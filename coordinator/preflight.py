@@ -108,6 +108,22 @@ def check_rollout_weights(cfg: RunConfig) -> None:
                          f"offline DPO or evaluation only")
 
 
+def check_proxy_agent(cfg: RunConfig) -> None:
+    """The openai_agent loop runs a user's agent program against the rollout replicas' own HTTP API
+    (services/rollout/openai_agent.py): it needs the program and the API."""
+    from services.rollout.config import AGENT_ALIASES
+
+    agent = cfg.rollout.agent
+    if AGENT_ALIASES.get(agent.name, agent.name) != "openai_agent":
+        return
+    if not agent.program:
+        raise ValueError("rollout.agent.program: the openai_agent loop runs this agent program; set it to "
+                         "'package.module:function' (fn(base_url, row) -> str | None)")
+    if cfg.rollout.http_port is None:
+        raise ValueError("rollout.http_port: the openai_agent loop runs its agent program against the rollout "
+                         "replicas' HTTP API, which is off; set it (0 = any free port)")
+
+
 def _max_positions(path: str) -> int | None:
     try:
         config = json.loads((Path(path) / "config.json").read_text())
@@ -155,7 +171,7 @@ def check_run(cfg: RunConfig, *, world_size: int | None = None, files: str = "al
             check_data_files(key, paths)
     a = cfg.actor
     checks = [lambda: check_batches(cfg), lambda: check_groups(cfg), lambda: check_lengths(cfg),
-              lambda: check_rollout_weights(cfg)]
+              lambda: check_rollout_weights(cfg), lambda: check_proxy_agent(cfg)]
     actor_model = ("actor.model_path", a.model_path) if a.model_path else ("model.path", cfg.model.path)
     if a.lora is not None and actor_model[0] in scope:
         # The model's own layer names: a target that matches none is refused before any process starts.

@@ -15,8 +15,9 @@ from services.common.packed import I32, pack_i32
 from services.reward.config import ComponentConfig
 from services.reward.convert import components_to_pb, extra_info_to_json, results_from_pb
 from services.reward.types import Scored
-from services.rollout.convert import sample_rows, sampling_to_pb
-from services.rollout.types import SamplingParams
+from services.rollout.config import AgentConfig
+from services.rollout.convert import episode_rows, episodes_request_to_pb, sample_rows, sampling_to_pb, token_versions
+from services.rollout.types import EpisodePrompt, SamplingParams
 from services.trainer.convert import (actor_loss_to_pb, run_step_to_pb, train_columns_to_pb, train_critic_to_pb,
                                       train_dpo_to_pb)
 from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, RunStep
@@ -52,6 +53,14 @@ class Sample:
     returns: list[float] = field(default_factory=list)
     # The rollout replica (host:port) that generated it: per-replica metrics show who served each step.
     replica: str = ""
+    # Per response token: 1 = sampled by the model (trained on), 0 = an observation (a tool's or environment's
+    # output appended in a multi-turn episode). None = every response token is the model's.
+    loss_mask: np.ndarray | None = None
+    # Multi-turn episodes: end_reason, num_turns, num_tool_calls, num_tool_errors ({} for a single turn).
+    episode: dict = field(default_factory=dict)
+    # Per response token, the weight version that produced it, when a weight update landed while it decoded
+    # (partial rollouts); None = every token is weight_version's (weight_version is always the oldest).
+    weight_versions: np.ndarray | None = None
 
     @property
     def id(self) -> str:
@@ -74,13 +83,13 @@ def trainer_stub(channel):
     return trainer_pb2_grpc.TrainerStub(channel)
 
 
-async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sampling: SamplingParams
-                   ) -> list[Sample]:
+async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sampling: SamplingParams, *,
+                   partial_rollout: str = "off") -> list[Sample]:
     request = rollout_pb2.GenerateRequest(
         # A chat prompt goes as the token ids its template rendered (once); a plain one as text.
         prompts=[rollout_pb2.Prompt(id=f"{p.id}@{g}", prompt_ids=p.prompt_ids) if p.prompt_ids else
                  rollout_pb2.Prompt(id=f"{p.id}@{g}", text=p.prompt) for p, g in zip(problems, groups)],
-        sampling=sampling_to_pb(sampling), columnar=True)
+        sampling=sampling_to_pb(sampling), columnar=True, partial_rollout=partial_rollout)
     response = await stub.Generate(request)
     if len(response.responses) != len(problems):
         raise RuntimeError(f"rollout returned {len(response.responses)} responses for {len(problems)} prompts")
@@ -94,9 +103,53 @@ async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sam
         prompt_ids = np.asarray(rr.prompt_ids[:], dtype=I32)
         for s in rr.samples:
             k = len(samples)
+            versions = token_versions(s, len(ids[k]), f"prompt {problem.id}")
             samples.append(Sample(problem, group, prompt_ids, ids[k], logprobs[k], s.text, s.finish_reason,
-                                  s.weight_version))
+                                  s.weight_version,
+                                  weight_versions=None if versions is None else np.asarray(versions, dtype=np.int64)))
     return samples
+
+
+async def generate_episodes(stub, problems: Sequence[Problem], groups: Sequence[int], sampling: SamplingParams,
+                            agent: AgentConfig) -> list[Sample]:
+    """n multi-turn episodes per problem, played in the rollout replica (GenerateEpisodes): each one a Sample whose
+    loss_mask marks the model's tokens and whose `episode` holds end_reason and the turn and tool counts."""
+    prompts = [EpisodePrompt(id=f"{p.id}@{g}", text="" if p.messages or p.prompt_ids else p.prompt,
+                             prompt_ids=[] if p.messages else list(p.prompt_ids), messages=list(p.messages),
+                             agent_name=p.agent_name, tools_kwargs=_tools_kwargs(p))
+               for p, g in zip(problems, groups)]
+    response = await stub.GenerateEpisodes(episodes_request_to_pb(prompts, sampling, agent))
+    if [len(g.episodes) for g in response.groups] != [sampling.n] * len(problems):
+        raise RuntimeError(f"rollout returned {[len(g.episodes) for g in response.groups]} episodes for "
+                           f"{len(problems)} prompts, expected {sampling.n} each")
+    ids, logprobs, masks, versions = episode_rows(response)
+    samples = []
+    for problem, group, g in zip(problems, groups, response.groups):
+        for e in g.episodes:
+            k = len(samples)
+            # an env_agent episode's prompt holds its environment's first observation
+            prompt_ids = np.asarray(e.prompt_ids[:] or g.prompt_ids[:], dtype=I32)
+            model = masks[k] == 1
+            oldest = int(versions[k][model].min()) if model.any() else -1
+            # per-token versions only when a weight update landed mid-episode (observation tokens: the oldest)
+            per_token = None if len(set(versions[k][model].tolist())) <= 1 else \
+                np.where(model, versions[k], oldest).astype(np.int64)
+            samples.append(Sample(
+                problem, group, prompt_ids, ids[k], logprobs[k], e.text,
+                "stop" if e.end_reason == "answer" else e.end_reason, oldest,
+                loss_mask=np.asarray(masks[k], dtype=np.int8), weight_versions=per_token,
+                episode={"end_reason": e.end_reason, "num_turns": e.num_turns, "num_tool_calls": e.num_tool_calls,
+                         "num_tool_errors": e.num_tool_errors,
+                         **({"env_reward": e.env_reward} if e.HasField("env_reward") else {})}))
+    return samples
+
+
+def _tools_kwargs(p: Problem) -> dict:
+    """verl's `extra_info.tools_kwargs` of a row (what its tools and environment are created with)."""
+    kwargs = p.extra_info.get("tools_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"problem {p.id}: extra_info.tools_kwargs must be a mapping, got {type(kwargs).__name__}")
+    return kwargs
 
 
 async def score(stub, samples: Sequence[Sample], components: Sequence[ComponentConfig] = ()) -> list[Scored]:
@@ -149,8 +202,9 @@ async def train_actor(stub, samples: Sequence[Sample], loss: ActorLoss, run_step
 async def train_critic(stub, samples: Sequence[Sample], loss: CriticLoss, run_step: RunStep | None = None
                        ) -> dict[str, float]:
     request = train_critic_to_pb([CriticSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
-                                               returns=s.returns, old_values=s.values) for s in samples], loss,
-                                 run_step)
+                                               returns=s.returns, old_values=s.values,
+                                               loss_mask=[] if s.loss_mask is None else s.loss_mask)
+                                  for s in samples], loss, run_step)
     response = await stub.TrainCritic(request)
     return dict(response.metrics)
 

@@ -1,11 +1,14 @@
 """report.png from a run's metrics.jsonl: reward/accuracy, KL, entropy, response length (DPO: loss, implicit rewards,
-log-probs, preference accuracy), step-time breakdown."""
+log-probs, preference accuracy), step-time breakdown; for episodes, tool calls and turns per episode, tool errors."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+# Episode panels (agentic rollouts, docs/agentic.md), drawn in a third row when the metrics carry them.
+EPISODE_PANELS = {"tool_calls_per_episode": "tool calls per episode", "turns_per_episode": "turns per episode",
+                  "tool_error_rate": "tool error rate (errors / calls)"}
 PHASES = ("generate", "reward", "reference", "old_logprobs", "values", "train_critic", "train", "weight_sync")
 
 
@@ -26,7 +29,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     steps = [m for m in records if "reward_mean" in m]
     evals = [m for m in records if "heldout_accuracy" in m]
     x = [m["step"] for m in steps]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    episodic = [key for key in EPISODE_PANELS if any(key in m for m in steps)]
+    fig, axes = plt.subplots(3 if episodic else 2, 3, figsize=(15, 12 if episodic else 8))
     dpo = any("dpo/loss" in m for m in steps)
     ax = axes[0, 0]
     ax.plot(x, [m["reward_mean"] for m in steps], label="train reward margin" if dpo else "train reward (mean)")
@@ -64,6 +68,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
             bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_title("step time by phase (s; concurrent phases stack)")
     ax.legend(fontsize=7)
+    if episodic:
+        _episode_panels(axes[2], steps)
     for a in axes.flat:
         a.set_xlabel("step")
     fig.tight_layout()
@@ -71,3 +77,10 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     fig.savefig(out, dpi=80)
     plt.close(fig)
     return out
+
+
+def _episode_panels(axes, steps: list[dict]) -> None:
+    """One panel per episode metric: tool calls per episode, turns per episode, tool error rate."""
+    for ax, (key, title) in zip(axes, EPISODE_PANELS.items()):
+        ax.plot([m["step"] for m in steps], [m.get(key, float("nan")) for m in steps])
+        ax.set_title(title)

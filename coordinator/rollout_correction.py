@@ -49,13 +49,14 @@ def correction_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Ten
 
 
 def _row_values(x: torch.Tensor, mask: torch.Tensor, level: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The values a level's statistics run over: every response token, or one per sequence (its first token's,
-    equal to all its tokens') for the sequence levels."""
+    """The values a level's statistics run over: every masked token, or one per sequence (its first masked
+    token's, equal to all its masked tokens'; an episode's observation tokens are 0) for the sequence levels."""
     if level == "token":
         keep = mask > 0
         return x[keep], keep
     rows = mask.sum(-1) > 0
-    return x[rows, 0], rows
+    first = (mask > 0).float().argmax(-1, keepdim=True)                        # [B, 1]
+    return x.gather(-1, first).squeeze(-1)[rows], rows
 
 
 def correction_metrics(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor,

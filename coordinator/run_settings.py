@@ -33,6 +33,7 @@ from coordinator.config import RunConfig
 from coordinator.preflight import check_run
 from services.common.config import format_validation_error
 from services.reward.config import ComponentConfig
+from services.rollout.config import AgentConfig
 from services.reward.functions import REWARD_FUNCTIONS
 from services.trainer.convert import run_optim_from_pb, run_optim_to_pb
 from services.trainer.types import OptimSettings, RunOptim
@@ -66,6 +67,8 @@ _SAMPLING = Setting(RUN, "rollout", "SamplingParams of every Generate; left out:
 _OPTIM = Setting(RUN, "trainer", "ConfigureRun when the run opens or resumes (echoed back); left out: the "
                                  "trainer's start value", held=True)
 _POOL = Setting(RUN, "coordinator", "the run's replica pool")
+_AGENT = Setting(RUN, "rollout", "AgentSpec of every GenerateEpisodes (multi-turn episodes); left out: the "
+                                 "replica's rollout.agent", held=True)
 _PLACEMENT = Setting(LAUNCH, "meshrl up", "how many replicas it starts, on which GPUs")
 
 # "section.key" entries win over their section's "section.*".
@@ -78,12 +81,18 @@ SETTINGS: dict[str, Setting] = {
     "weight_sync.*": Setting(FIXED, "trainer", "read when the trainer starts"),
     "rollout.*": Setting(FIXED, "rollout", "read when the replica starts"),
     **{f"rollout.{k}": _SAMPLING for k in SAMPLING_KEYS},
+    **{f"rollout.agent.{k}": _AGENT for k in AgentConfig.model_fields},
+    "rollout.partial_rollouts": Setting(RUN, "rollout", "GenerateRequest.partial_rollout of the run's training "
+                                                        "batches (async mode)"),
     "reward.*": Setting(FIXED, "reward", "read when the replica starts (workers, user functions, models)"),
     "reward.components": Setting(RUN, "reward", "built-in rules travel with every Score request; a list that "
                                                 "differs from a replica's and holds a reward model or a user "
                                                 "function is refused (loaded when the replica starts); left "
                                                 "out: the replica's", held=True),
     "reference.*": Setting(FIXED, "reference", "read when the replica starts"),
+    "env.*": Setting(FIXED, "env, rollout", "the tools and sandbox when an env replica starts; the pool keys when a "
+                                            "rollout replica starts (its episode loop calls the env replicas)"),
+    **{f"env.{k}": _PLACEMENT for k in ("replicas", "devices")},
     **{f"{pool}.{k}": _POOL for pool in POOLS for k in POOL_KEYS},
     **{f"{pool}.{k}": _PLACEMENT for pool in POOLS for k in ("replicas", "devices")},
     "algorithm.*": Setting(RUN, "coordinator, trainer", "advantages and KL in the coordinator; loss settings with "

@@ -11,7 +11,7 @@ import uuid
 
 import yaml
 
-from coordinator import faults, phases, recovery, run_settings
+from coordinator import faults, observe, phases, recovery, remote, run_settings
 from coordinator.algorithms import open_context
 from coordinator.config import RunConfig
 from coordinator.context import RunContext, TrainerUnavailable
@@ -64,8 +64,12 @@ class RunManager:
         self._check_trainer_free(cfg)
         # Connect before accepting, so an unreachable server list fails StartRun itself.
         ctx = await open_context(run_id, cfg, registry=self.registry)
+        # The run starts from the trainer's weights under their version (a trainer that trained a run before
+        # counts on): the staleness of async samples is measured against it.
+        ctx.weight_version = (await remote.info(ctx.trainer)).weight_version
         record = RunRecord(run_id=run_id, config=config_text, state="RUNNING", num_steps=cfg.run.num_steps,
-                           run_dir=str(ctx.run_dir), effective_config=run_settings.config_text(ctx.cfg))
+                           run_dir=str(ctx.run_dir), effective_config=run_settings.config_text(ctx.cfg),
+                           weight_version=ctx.weight_version)
         await self.store.put(record)
         self._launch(record, ctx)
         return run_id
@@ -184,7 +188,8 @@ class RunManager:
                 # Replicas that restarted or joined come back into the pools between steps.
                 await phases.refresh_pools(ctx)
                 refreshed = time.monotonic()
-            metrics = await ctx.algorithm.step(ctx)
+            with observe.step_span(ctx):
+                metrics = await ctx.algorithm.step(ctx)
             if cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0 and ctx.step < cfg.run.num_steps:
                 metrics.update(await ctx.algorithm.evaluate(ctx))
             record = await self.store.get(run_id)

@@ -7,6 +7,7 @@ import logging
 
 from pydantic import Field
 
+from coordinator import observe
 from coordinator.default_pools import DefaultPools, replica_statuses
 from coordinator.runs import RunManager
 from coordinator.store import RunRecord, open_store
@@ -140,7 +141,10 @@ async def start(settings: CoordinatorSettings, address: str | None = None
         from services.common.registry import Registry
 
         registry = Registry(settings.run.redis_url, prefix=settings.run.redis_prefix)
-    manager = RunManager(open_store(settings.run.redis_url, settings.run.redis_prefix), registry=registry)
+    # The store is wrapped so /metrics reports each run's state (coordinator/observe.py).
+    manager = RunManager(observe.ObservedStore(open_store(settings.run.redis_url, settings.run.redis_prefix)),
+                         registry=registry)
+    observe.observe_manager(manager)
     token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None
     pools = DefaultPools({"rollout": settings.rollout, "reward": settings.reward, "reference": settings.reference},
                          registry=registry, token=token)

@@ -153,6 +153,11 @@ def _unused(_value, _cfg, _: dict) -> dict:
     return {}
 
 
+def _multi_turn(value: bool, cfg, _: dict) -> dict:
+    """multi_turn.enable=true: the run's prompts are tool-calling episodes unless the recipe names another loop."""
+    return {"rollout.agent.name": cfg.rollout.agent.name or "tool_agent"} if value else {}
+
+
 _KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 _ENGINES = {"vllm": "vllm", "hf": "torch"}
 A, R = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
@@ -195,6 +200,11 @@ VERL_KEYS: dict[str, VerlKey] = {
     R + "gpu_memory_utilization": VerlKey(_float, "rollout.gpu_memory_utilization", meaning="vLLM memory share"),
     R + "tensor_model_parallel_size": VerlKey(
         _int, resolve=_rollout_tp, meaning="vLLM tensor parallel size (1 on any engine; more needs vllm)"),
+    R + "multi_turn.enable": VerlKey(_bool, resolve=_multi_turn,
+                                     meaning="true: play prompts as tool_agent episodes (rows' agent_name still pick)"),
+    R + "multi_turn.max_assistant_turns": VerlKey(_int, "rollout.agent.max_turns", meaning="model turns per episode"),
+    R + "multi_turn.format": VerlKey(_choice({"hermes": "hermes"}), "rollout.agent.tool_call_parser",
+                                     meaning="tool-call format: hermes"),
     "algorithm.adv_estimator": VerlKey(_str, "algorithm.adv_estimator", meaning="grpo, rloo, gae, ..."),
     "algorithm.norm_adv_by_std_in_grpo": VerlKey(_bool, "algorithm.norm_adv_by_std", meaning="false: Dr. GRPO"),
     "algorithm.gamma": VerlKey(_float, "algorithm.gamma", meaning="GAE discount"),

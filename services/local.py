@@ -54,13 +54,16 @@ async def start_role(role: str, data: dict):
     return await importlib.import_module(servicer).start(settings, "127.0.0.1:0")
 
 
-async def start_local_mesh(config: dict, *, num_rollout: int = 2, num_reward: int = 1, num_reference: int = 1
-                           ) -> LocalMesh:
-    """Starts trainer, reference, reward and rollout replicas; returns their addresses in `config`."""
+async def start_local_mesh(config: dict, *, num_rollout: int = 2, num_reward: int = 1, num_reference: int = 1,
+                           num_env: int = 0) -> LocalMesh:
+    """Starts trainer, reference, reward, env and rollout replicas; returns their addresses in `config`. Env
+    replicas start before the rollout replicas, whose episode loops call them (`env.servers`)."""
     data = copy.deepcopy(config)
     mesh = LocalMesh(data)
-    for role, count in (("trainer", 1), ("reference", num_reference), ("reward", num_reward),
+    for role, count in (("trainer", 1), ("reference", num_reference), ("reward", num_reward), ("env", num_env),
                         ("rollout", num_rollout)):
+        if role == "rollout" and mesh.addresses.get("env"):
+            data["env"] = deep_merge(data.get("env") or {}, {"servers": mesh.addresses["env"]})
         for _ in range(count):
             server, port, engine = await start_role(role, data)
             mesh.servers.setdefault(role, []).append(server)

@@ -123,6 +123,8 @@ def instrument_rollout():
     # (CRC, copy into the staging buffer) is transport.
     _compute(torch_engine.TorchEngine, "_generate_jobs")
     _compute(torch_engine, "swap_in")
+    from bench.peers import long_tail
+    long_tail.install()                 # e2e_grpo.py --lengths longtail: each sample stops at a drawn length
     from services.rollout import convert
     _converts(convert, "request_from_pb", "results_to_pb")
     from services.rollout.__main__ import main

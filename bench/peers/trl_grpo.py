@@ -109,10 +109,19 @@ def main(argv=None) -> None:
     p.add_argument("--micro-batch", type=int,
                    help="samples per forward/backward (default: the whole batch on CPU, 64 on CUDA, where 512 x "
                         "151,936-vocabulary logits would not fit); accumulated to one optimizer step per batch")
+    p.add_argument("--lengths", choices=["fixed", "longtail"], default="fixed",
+                   help="longtail: each sample ends (eos) at a lognormal length, as e2e_grpo.py --lengths longtail")
+    p.add_argument("--length-median", type=float, default=96.0)
+    p.add_argument("--length-sigma", type=float, default=1.0)
+    p.add_argument("--length-cap", type=int, default=1024)
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "meshrl-bench")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     s = settings(args.shape, steps=args.steps, warmup_steps=args.warmup_steps, sampling_seed=args.seed)
+    lengths_spec = None
+    if args.lengths == "longtail":
+        s["max_new_tokens"] = args.length_cap
+        lengths_spec = f"lognormal:{args.length_median}:{args.length_sigma}:{args.length_cap}:{s['sampling_seed']}"
 
     import torch
     import transformers
@@ -149,6 +158,9 @@ def main(argv=None) -> None:
     )
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    if lengths_spec:
+        from bench.peers import long_tail
+        long_tail.patch_generate(model, tokenizer.eos_token_id, lengths_spec)
     clock = StepClock()
     patch_profiling(clock)
     heldout = prompt_rows(HELDOUT_FILE, seed=0, count=0, shuffle=False) if args.shape == "arith" else []
@@ -180,6 +192,7 @@ def main(argv=None) -> None:
     result = {
         "side": "trl", "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                                     "torch": torch.__version__, "python": platform.python_version()},
+        "workload": {"lengths": args.lengths, "spec": lengths_spec},
         "settings": {**s, "device": args.device, "threads": args.threads, "model_path": path,
                      "loss_type": "dapo", "batch_samples": batch, "micro_batch": micro},
         "seconds_total": total,

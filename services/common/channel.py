@@ -9,6 +9,8 @@ from typing import Any
 
 import grpc
 
+from services.common.tracing import traced_call, traced_stream
+
 DEFAULT_TIMEOUT_S = 600.0
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -103,17 +105,18 @@ class _Defaults:
         timeout = d.timeout if d.timeout is not None else self._timeout
         return grpc.aio.ClientCallDetails(d.method, timeout, metadata, d.credentials, d.wait_for_ready)
 
+    # Inside a traced step each call is also a client span carrying the trace context (services/common/tracing.py).
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
+        return await traced_call(continuation, self._details(client_call_details), request)
 
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
+        return await traced_stream(continuation, self._details(client_call_details), request)
 
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._details(client_call_details), request_iterator)
+        return await traced_call(continuation, self._details(client_call_details), request_iterator)
 
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._details(client_call_details), request_iterator)
+        return await traced_stream(continuation, self._details(client_call_details), request_iterator)
 
 
 # grpc.aio files an interceptor under the first call kind it subclasses only, so each kind gets its own.

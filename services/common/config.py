@@ -40,6 +40,8 @@ class ServerConfig(Section):
     grace_seconds: float = Field(5.0, ge=0)
     # Deadline of outgoing calls made by this service (seconds).
     call_timeout_s: float = Field(600.0, gt=0)
+    # Prometheus /metrics on this port (one per process; 0 picks a free one and logs it; None = off).
+    metrics_port: int | None = Field(None, ge=0, le=65535)
     # Register this replica in the Redis service registry (TTL heartbeat) when set.
     registry_url: str = ""
     # Host others reach this replica at (default: host, or this machine's hostname when host is 0.0.0.0).

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from meshrl.v1 import common_pb2
 from services.common.packed import F32, I32, Rows, as_list, field_of, pack_f32, pack_i32, set_rows, unpack_rows
+
+
+def json_field(text: str, where: str, kind: type = dict) -> Any:
+    """A JSON string field holding an object (kind=dict) or a list (kind=list); "" is the empty one. Errors name the
+    field (`where`)."""
+    if not text:
+        return kind()
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{where}: must be a JSON {'object' if kind is dict else 'list'}")
+    return value
 
 
 @dataclass

@@ -7,7 +7,9 @@ model's attention runs through `packed_attention`, registered with transformers'
 
   CUDA   torch's variable-length flash attention (torch.nn.attention.varlen.varlen_attn) over the
          cumulative sequence lengths: no [T, T] mask, no work across sequences (bf16 / fp16);
-  else   SDPA's causal kernel once per sequence (exactly the padded path's math on each): CPU, fp32 on CUDA.
+         (in the autocast dtype under autocast, as SDPA runs there; see varlen_dtype);
+  else   SDPA's causal kernel once per sequence (exactly the padded path's math on each): CPU, fp32 on CUDA
+         without autocast.
 
 Without packing arguments (the padded path, pipeline stages, a critic given a padding mask) the function
 is transformers' own SDPA with the causal mask, so one model serves both layouts. Log-probs, entropies and
@@ -62,6 +64,19 @@ class PackedSeqs:
     bounds: tuple[int, ...] | None = None
 
 
+def varlen_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The half dtype the varlen kernel runs in for `query`, or None when it cannot (not CUDA, no varlen in this
+    torch, fp32 compute). Under autocast that is the autocast dtype, as SDPA casts to it there: with fp32 master
+    weights the residual stream is fp32 and rotary embeddings promote q and k to fp32 (v stays half), so the
+    query's own dtype would send every layer to the per-sequence fallback, a host sync and one kernel per
+    sequence (what made packed rows slower than padded ones on the GPU)."""
+    if not query.is_cuda or varlen_attn is None:
+        return None
+    if torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return query.dtype if query.dtype in (torch.float16, torch.bfloat16) else None
+
+
 def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, *, packed: PackedSeqs | None = None, **kwargs):
@@ -73,8 +88,9 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     gqa = query.shape[1] != key.shape[1]
-    if query.is_cuda and varlen_attn is not None and query.dtype in (torch.float16, torch.bfloat16):
-        q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))             # [T, H, D]
+    dtype = varlen_dtype(query)
+    if dtype is not None:
+        q, k, v = (x[0].transpose(0, 1).to(dtype).contiguous() for x in (query, key, value))   # [T, H, D]
         return _varlen(q, k, v, packed, scaling).unsqueeze(0), None
     parts = []
     bounds = packed.bounds if packed.bounds is not None else tuple(packed.cu_seqlens.tolist())
@@ -137,12 +153,16 @@ def _to(x: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def token_layout(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_id: int,
                  device: torch.device, packed: bool) -> TokenLayout:
-    """The TokenLayout of prompts + responses, built on the host with numpy and copied without a sync."""
+    """The TokenLayout of prompts + responses, built on the host with numpy and copied without a sync; `packed`
+    lays out one packed row, unless every sequence has the same length (then [B, L] holds no padding)."""
     B = len(prompts)
     plen = np.fromiter((len(p) for p in prompts), np.int64, B)
     rlen = np.fromiter((len(r) for r in responses), np.int64, B)
     total = plen + rlen
     R = int(rlen.max())
+    # Rows of one length have no padding to remove: they run as [B, L], where the padded path's attention kernel
+    # (cuDNN's on Hopper, faster than varlen flash attention) applies. Same values either way.
+    packed = packed and B > 1 and bool((total != total[0]).any())
     if packed:
         starts = np.concatenate([[0], np.cumsum(total)])                                # [B + 1]
         ids = np.concatenate([np.concatenate([p, r]) for p, r in zip(prompts, responses)]).astype(np.int64)

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.channel import ClientTLS, read_pem, set_default_tls
 from services.common.config import ServerConfig
 from services.common.errors import MeshError, passes_through
+from services.common.metrics import ObservingInterceptor, serve_metrics
 
 log = logging.getLogger("meshrl.server")
 
@@ -257,7 +258,9 @@ async def create_server(servicers: Iterable[tuple[Callable[[Any, grpc.aio.Server
     credentials = server_credentials(config)
     # The calls this service makes use the TLS settings of the same `server:` section.
     set_default_tls(ClientTLS.from_server_config(config))
-    server = grpc.aio.server(interceptors=[ServiceInterceptor(token)], options=server_options(config))
+    # Outermost first: metrics and trace spans see the status ServiceInterceptor maps an exception to.
+    server = grpc.aio.server(interceptors=[ObservingInterceptor(), ServiceInterceptor(token)],
+                             options=server_options(config))
     for add, servicer in servicers:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -268,10 +271,16 @@ async def create_server(servicers: Iterable[tuple[Callable[[Any, grpc.aio.Server
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
+    serve_metrics(config.metrics_port, config.host, _role(service_names))     # a port in use fails before serving
     await server.start()
     mesh = MeshServer(server, health_servicer, service_names, port)
     await mesh.set_serving(True)
     return mesh, port
+
+
+def _role(service_names: Sequence[str]) -> str:
+    """meshrl.v1.Rollout -> rollout (the word launchers and logs use)."""
+    return service_names[0].rsplit(".", 1)[-1].lower() if service_names else "service"
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:

@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from services.common.convert import json_field
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
 
@@ -159,10 +161,7 @@ def tool_call_from_openai(item: Any, key: str) -> ToolCall:
         raise ValueError(f"{key}.function.name: must be a string")
     args = fn.get("arguments") or "{}"
     if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError as e:
-            raise ValueError(f"{key}.function.arguments: not JSON ({e})") from None
+        args = json_field(args, f"{key}.function.arguments")
     if not isinstance(args, dict):
         raise ValueError(f"{key}.function.arguments: must be a JSON object")
     return ToolCall(name=fn["name"], arguments=args, id=str(item.get("id") or ""))

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
 from meshrl.v1 import env_pb2
+from services.common.convert import json_field
 from services.common.tool_calls import ToolCall
 from services.env.types import StepResult, ToolResult
 
 
 def json_object(text: str, where: str) -> dict[str, Any]:
     """A `*_json` field as a dict ("" = {}); errors name the field."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"{where}: not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{where}: must be a JSON object")
-    return value
+    return json_field(text, where)
 
 
 def calls_to_pb(calls: Sequence[ToolCall], episode_id: str = "") -> env_pb2.CallToolsRequest:

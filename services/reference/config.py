@@ -20,7 +20,8 @@ class ReferenceConfig(PoolConfig):
     # positions only, in row chunks (a Triton row kernel on CUDA), so no fp32 [tokens, vocab] logits exist.
     # None = on wherever the head can be fused (the trainer's default too: both compute alike).
     fused_logprobs: bool | None = None
-    # Packed rows without padding, as the trainer's actor.use_remove_padding. None = off.
+    # Packed rows without padding, as the trainer's actor.use_remove_padding. None = on for a half-precision
+    # model on CUDA that can pack, off otherwise.
     use_remove_padding: bool | None = None
     # torch.compile each decoder block (the trainer's regional compilation: one graph serves every block;
     # compiles at the first calls). None = on for CUDA, off elsewhere.

@@ -7,7 +7,7 @@ import logging
 
 from services.common.fused import enable_fused_head, supports_fused_head
 from services.common.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
-from services.common.packing import enable_packing
+from services.common.packing import enable_packing, supports_packing
 from services.reference.config import ReferenceSettings
 
 log = logging.getLogger("meshrl.reference")
@@ -28,6 +28,9 @@ class ReferenceEngine:
         if self.fused:
             enable_fused_head(self.model, key="reference.fused_logprobs")
         self.packed = bool(ref.use_remove_padding)
+        if ref.use_remove_padding is None:            # as the trainer's actor.use_remove_padding: on CUDA in half
+            self.packed = (next(self.model.parameters()).is_cuda and self.dtype in ("bfloat16", "float16")
+                           and supports_packing(self.model) is None)
         if self.packed:
             enable_packing(self.model, "reference.use_remove_padding")
         self.compiled = ref.compile if ref.compile is not None else str(self.device).startswith("cuda")

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from meshrl.v1 import reward_pb2
 from services.common.config import format_validation_error
+from services.common.convert import json_field
 from services.common.packed import I32, as_list, field_of
 from services.reward.config import ComponentConfig
 from services.reward.types import ScoreItem, Scored
@@ -20,15 +21,7 @@ def extra_info_to_json(extra_info: dict | None) -> str:
 
 
 def extra_info_from_json(text: str, where: str) -> dict:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"{where}extra_info_json: not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{where}extra_info_json: must be a JSON object")
-    return value
+    return json_field(text, f"{where}extra_info_json")
 
 
 def items_from_pb(request: reward_pb2.ScoreRequest) -> list[ScoreItem]:

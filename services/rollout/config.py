@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
-from services.common.config import MeshSettings, ModelConfig, PoolConfig, ServerConfig
-from services.rollout.types import SamplingParams
+from services.common.config import MeshSettings, ModelConfig, PoolConfig, Section, ServerConfig
+from services.common.registry import RegistryRunSection
+from services.common.tool_calls import TOOL_CALL_PARSERS
+from services.env.config import EnvConfig
+from services.rollout.types import AgentLimits, SamplingParams
 
 
 # The engine class of each `rollout.engine` name, as a dotted path that services/rollout/engines.py imports only
@@ -18,6 +21,62 @@ ENGINES: dict[str, str] = {
     "vllm": "services.rollout.vllm_engine:VLLMEngine",
     "openai": "services.rollout.openai_engine:OpenAIEngine",
 }
+
+
+# Agent loops by name (`rollout.agent.name`, a data row's verl `agent_name`): the loops themselves are
+# services.rollout.episodes.AGENT_LOOPS; verl's names are aliases of meshrl's.
+AGENT_NAMES = ("single_turn", "tool_agent", "env_agent", "openai_agent")
+AGENT_ALIASES = {"single_turn_agent": "single_turn"}
+
+
+class AgentConfig(Section):
+    """`rollout.agent:` multi-turn episodes played in the rollout replica (GenerateEpisodes, docs/agentic.md)."""
+
+    # A name of AGENT_NAMES (or a verl alias); None = single-turn Generate as before (a data row's `agent_name`
+    # still picks a loop for its prompt).
+    name: str | None = None
+    # Model turns per episode at most (end_reason max_turns).
+    max_turns: int = Field(4, ge=1, le=256)
+    # Response tokens per episode at most, sampled + observation (end_reason length); cut to fit the model.
+    max_total_tokens: int = Field(2048, ge=1)
+    # New tokens per model turn; None = rollout.max_tokens.
+    max_tokens_per_turn: int | None = Field(None, ge=1)
+    # Tools offered to the model, by name, as the env replicas host them (ListTools); [] = every hosted tool.
+    tools: list[str] = Field(default_factory=list)
+    # How tool calls are read from the model's text: a name of TOOL_CALL_PARSERS or `package.module:function`;
+    # None = env.tool_call_parser.
+    tool_call_parser: str | None = None
+    # A failed tool call: observe (the model reads the error as the tool's answer and goes on) or end (the
+    # episode ends with end_reason tool_error).
+    tool_error_policy: Literal["observe", "end"] = "observe"
+    # env_agent: the environment (a name the env replicas know: a built-in or env.environments) each episode resets.
+    environment: str | None = None
+    # env_agent: the environment's state is a function of its reset kwargs and the actions, so an episode whose env
+    # replica is lost is reset on another one and its actions replayed; false ends it with end_reason env_lost.
+    environment_deterministic: bool = True
+    # openai_agent: the agent program as `package.module:function`.
+    program: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _known_agent(cls, v: str | None) -> str | None:
+        if v is not None and AGENT_ALIASES.get(v, v) not in AGENT_NAMES:
+            raise ValueError(f"unknown agent loop {v!r} (known: {', '.join(AGENT_NAMES)})")
+        return v
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, v: str | None) -> str | None:
+        if v is not None and v not in TOOL_CALL_PARSERS and ":" not in v:
+            raise ValueError(f"unknown parser {v!r} (built-ins: {', '.join(TOOL_CALL_PARSERS)}; "
+                             f"or 'package.module:function')")
+        return v
+
+    def limits(self, max_tokens: int) -> AgentLimits:
+        """The per-episode limits; `max_tokens` (rollout.max_tokens) is the per-turn default."""
+        return AgentLimits(max_turns=self.max_turns, max_total_tokens=self.max_total_tokens,
+                           max_tokens_per_turn=self.max_tokens_per_turn or max_tokens,
+                           tool_error_policy=self.tool_error_policy)
 
 
 class RolloutConfig(PoolConfig):
@@ -87,6 +146,21 @@ class RolloutConfig(PoolConfig):
     # With cuda_graphs: attention over each row's filled cache slots only, in one Triton kernel per layer
     # (services/rollout/decode_attention.py), instead of torch ops over the whole length bucket.
     cuda_graph_triton_attention: bool = True
+    # A run's partial rollouts (run.async_mode): a weight update lands between two decode steps of the batches in
+    # flight instead of waiting for them to end, each token tagged with its version: `continue` goes on over the
+    # KV cache the old weights computed, `pause` recomputes the running rows' KV cache with the new weights first
+    # (eager decode loop); `off` waits. Sent with each Generate of the run's training batches; the torch engine
+    # honours it (docs/async.md).
+    partial_rollouts: Literal["off", "continue", "pause"] = "off"
+    # Multi-turn episodes (GenerateEpisodes): the agent loop and its limits.
+    agent: AgentConfig = AgentConfig()
+
+    @model_validator(mode="after")
+    def _partial_needs_torch(self):
+        if self.partial_rollouts != "off" and self.engine != "torch":
+            raise ValueError(f"partial_rollouts: {self.partial_rollouts!r} needs engine 'torch' (the {self.engine} "
+                             "engine swaps weights between generations only); set partial_rollouts: off")
+        return self
 
     @field_validator("engine")
     @classmethod
@@ -116,3 +190,8 @@ class RolloutSettings(MeshSettings):
     model: ModelConfig = ModelConfig()
     rollout: RolloutConfig = RolloutConfig()
     server: ServerConfig = ServerConfig()
+    # The env replicas the episode loop calls (the recipe's top-level `env:` section; its pool keys servers, dns,
+    # registry, load_balancer, timeout_s, rejoin_wait_s are what the replica reads).
+    env: EnvConfig = EnvConfig()
+    # run.redis_prefix: the registry keys env replicas register under (with env.registry).
+    run: RegistryRunSection = RegistryRunSection()

@@ -221,10 +221,11 @@ class GraphDecoder:
     @torch.inference_mode()
     def decode(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], temperatures: Sequence[float],
                top_ps: Sequence[float], *, seeds: Sequence[int | None] | None = None, top_logprobs: int = 0,
-               stop_check: StopCheck | None = None) -> Decoded:
+               stop_check: StopCheck | None = None, between_steps: Callable[[int], None] | None = None) -> Decoded:
         """Tokens, raw log-probs, ended-by-eos-or-stop flags and (top_logprobs > 0) each step's top
         (id, log-prob) pairs of each row. seeds: a row's Philox key (None: drawn); stop_check(row, tokens, since):
-        whether that row's response now holds a stop string."""
+        whether that row's response now holds a stop string. between_steps(i): called at each sync after step i
+        (partial rollouts land weight swaps there: weights copied in place, then refresh_weights())."""
         R = len(prompts)
         assert 0 < R <= self.max_batch_size
         if self.use_graphs and self._weights_signature() != self._param_ptrs:
@@ -257,6 +258,8 @@ class GraphDecoder:
                     scan.snapshot(i - i % self.sync_every, i + 1)
                 if i + 1 < T and bool(st.done.all()):
                     break
+                if between_steps is not None and i + 1 < T:
+                    between_steps(i)
         if scan is not None:
             scan.drain()
         self.stats["replays"] += i + 1
@@ -280,6 +283,10 @@ class GraphDecoder:
             b = torch.empty(w.shape[0], dtype=w.dtype, device=w.device) if a.q_proj.bias is not None else None
             out.append((w, b))
         return out
+
+    def refresh_weights(self) -> None:
+        """After weights were copied into the model in place (a swap): the fused q/k/v copies follow."""
+        self._refresh_qkv()
 
     @torch.no_grad()
     def _refresh_qkv(self) -> None:

@@ -75,13 +75,19 @@ class FunctionCalling:
                 "tool_calls": [tool_call_to_openai(c) for c in calls]}, parsed
 
 
+def template_turns(messages: list, tokenizer, *, offset: int = 0) -> tuple[list[dict], bool]:
+    """Messages as the chat template takes them (tool calls and tool turns spelled out where it knows none), and
+    whether it renders tools itself; `offset` numbers the messages in errors (a proxy session's appended turns)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    native = "tools" in template and "tool_calls" in template
+    return [_message(m, offset + i, native) for i, m in enumerate(messages)], native
+
+
 def render_messages(messages: Any, tools: list[dict], tokenizer) -> str:
     """The prompt text of a chat: the template renders tools and tool turns itself when it knows them."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages: must be a non-empty list")
-    template = getattr(tokenizer, "chat_template", None) or ""
-    native = "tools" in template and "tool_calls" in template
-    flat = [_message(m, i, native) for i, m in enumerate(messages)]
+    flat, native = template_turns(messages, tokenizer)
     if tools and not native:
         text = hermes_tools_prompt(tools)
         if flat[0]["role"] == "system":

@@ -6,6 +6,8 @@ also understands `return_token_ids` (adds `token_ids` / `prompt_token_ids` to ea
 `return_tokens_as_token_ids` (tokens spelled "token_id:N"), which the openai proxy engine relies on.
 `stream: true` is answered as server-sent events with one chunk per choice once generation ends. Chat takes
 OpenAI's `tools` and `tool_choice` and answers with `tool_calls` (services/rollout/function_calling.py).
+Proxy mode: the same chat route under `/sessions/<session_id>/v1` records each session's calls as a token-exact
+trajectory, which `GET /sessions/<session_id>` returns (services/rollout/sessions.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from aiohttp import web
 from services.common.errors import MeshError, NotFound
 from services.rollout.config import RolloutConfig
 from services.rollout.function_calling import FunctionCalling, render_messages
+from services.rollout.sessions import Session, check_session_id, endpoint_for
 from services.rollout.types import GenerateBatch, PromptInput, PromptResult, RolloutEngine, SamplingParams
 
 log = logging.getLogger("meshrl.rollout.http")
@@ -40,6 +43,7 @@ class OpenAIApi:
         self.model_name = model_name
         self.defaults = defaults
         self.created = int(time.time())
+        self.sessions = endpoint_for(engine).sessions
 
     # ---- routes
 
@@ -88,20 +92,54 @@ class OpenAIApi:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
-        self._check_model(body)
-        _reject_unsupported(body, ("response_format",))
-        calling = FunctionCalling.from_body(body)
+        calling, sampling = self._chat_request(body)
         text = self._render_chat(body.get("messages"), calling.tools) + calling.prefix
-        want_lp = bool(body.get("logprobs"))
-        k = _opt_int(body, "top_logprobs") or 0
-        if k and not want_lp:
-            raise ValueError("top_logprobs: needs logprobs: true")
-        if "max_completion_tokens" in body and body.get("max_tokens") is None:
-            body = dict(body, max_tokens=body["max_completion_tokens"])
-        sampling = self._sampling(body, default_max_tokens=getattr(self.engine, "max_model_len", None)
-                                  or self.defaults.max_tokens, top_logprobs=k)
         prompt = PromptInput(id="chat", text=text, add_special_tokens=False)   # the template holds the bos
         results = await self.engine.generate(GenerateBatch([prompt], sampling))
+        return await self._chat_answer(request, body, calling, results)
+
+    async def session_chat(self, request: web.Request) -> web.StreamResponse:
+        """Chat in proxy mode: the answer is recorded in the session's token-exact trajectory."""
+        body = await _json_body(request)
+        # An agent program knows a base_url, not this replica's model name: any name is this model here.
+        calling, sampling = self._chat_request(body, any_model=True)
+        messages = body.get("messages")
+        self._render_chat(messages, calling.tools)    # the same checks as a plain chat, before the session opens
+        if sampling.n != 1:
+            raise ValueError(f"n: a session records one answer per request, got {sampling.n}")
+        session: Session = self.sessions.open(check_session_id(request.match_info["session_id"]))
+        async with session.lock:
+            results = await session.play_turn(self.engine, messages, calling, sampling)
+        return await self._chat_answer(request, body, calling, results)
+
+    async def session_completions(self, request: web.Request) -> web.Response:
+        raise ValueError("prompt: a session records chat requests only (its turns are messages); send this "
+                         "completion to /v1/completions, outside the session")
+
+    async def session(self, request: web.Request) -> web.Response:
+        """GET: a session's trajectory as JSON; DELETE: the same, and the replica forgets the session."""
+        session_id = request.match_info["session_id"]
+        if request.method == "DELETE":
+            return web.json_response(self.sessions.drop(session_id).to_json())
+        return web.json_response(self.sessions.get(session_id).to_json())
+
+    def _chat_request(self, body: dict, *, any_model: bool = False) -> tuple[FunctionCalling, SamplingParams]:
+        if not any_model:
+            self._check_model(body)
+        _reject_unsupported(body, ("response_format",))
+        calling = FunctionCalling.from_body(body)
+        k = _opt_int(body, "top_logprobs") or 0
+        if k and not body.get("logprobs"):
+            raise ValueError("top_logprobs: needs logprobs: true")
+        if "max_completion_tokens" in body and body.get("max_tokens") is None:
+            body["max_tokens"] = body["max_completion_tokens"]
+        sampling = self._sampling(body, default_max_tokens=getattr(self.engine, "max_model_len", None)
+                                  or self.defaults.max_tokens, top_logprobs=k)
+        return calling, sampling
+
+    async def _chat_answer(self, request: web.Request, body: dict, calling: FunctionCalling,
+                           results: list[PromptResult]) -> web.StreamResponse:
+        want_lp = bool(body.get("logprobs"))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         choices = []
         for j, s in enumerate(results[0].samples):
@@ -326,7 +364,12 @@ def build_app(engine: RolloutEngine, *, model_name: str, defaults: RolloutConfig
     api = OpenAIApi(engine, model_name=model_name, defaults=defaults)
     app = web.Application(middlewares=_middlewares(auth_token), client_max_size=64 * 1024 * 1024)
     app.add_routes([web.get("/v1/models", api.models), web.get("/health", api.health),
-                    web.post("/v1/completions", api.completions), web.post("/v1/chat/completions", api.chat)])
+                    web.post("/v1/completions", api.completions), web.post("/v1/chat/completions", api.chat),
+                    # proxy mode (services/rollout/sessions.py)
+                    web.get("/sessions/{session_id}/v1/models", api.models),
+                    web.post("/sessions/{session_id}/v1/chat/completions", api.session_chat),
+                    web.post("/sessions/{session_id}/v1/completions", api.session_completions),
+                    web.get("/sessions/{session_id}", api.session), web.delete("/sessions/{session_id}", api.session)])
     if defaults.http_weight_updates:
         app.add_routes([web.get("/is_paused", api.is_paused), web.post("/pause", api.pause_or_resume),
                         web.post("/resume", api.pause_or_resume), web.post("/collective_rpc", api.collective_rpc),
@@ -344,5 +387,8 @@ async def start_http(engine: RolloutEngine, *, host: str, port: int, model_name:
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]  # aiohttp exposes the bound port only here
+    endpoint = endpoint_for(engine)    # where an agent program in this process (openai_agent) reaches the API
+    local = "127.0.0.1" if host in ("0.0.0.0", "", "::") else (f"[{host}]" if ":" in host else host)
+    endpoint.base_url, endpoint.api_key = f"http://{local}:{bound}", auth_token or "none"
     log.info("OpenAI-compatible API on http://%s:%d/v1 (model %r)", host, bound, model_name)
     return runner, bound

@@ -17,6 +17,8 @@ from services.common.weight_transport import decode_bucket
 from services.rollout import convert
 from services.rollout.config import RolloutSettings
 from services.rollout.engines import build_engine
+from services.rollout.env_client import EnvClient
+from services.rollout.episodes import EpisodeRunner
 from services.rollout.types import RolloutEngine
 from services.rollout.weight_receivers import DeviceBucketSpec, DeviceReceivers, IpcHandle
 
@@ -30,10 +32,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.settings = settings
         # ipc / nccl receivers, made on first use on the engine's device.
         self.receivers = DeviceReceivers(getattr(engine, "device", "cpu"))
+        self.episodes = episode_runner(engine, settings)
 
     async def Generate(self, request, context):
         results = await self.engine.generate(convert.request_from_pb(request, self.defaults))
         return convert.results_to_pb(results, packed=request.packed, columnar=request.columnar)
+
+    async def GenerateEpisodes(self, request, context):
+        agent = convert.agent_from_pb(request.agent, self.defaults.agent)
+        sampling = convert.sampling_from_pb(request.sampling if request.HasField("sampling") else None, self.defaults)
+        groups = await self.episodes.run(convert.episode_prompts_from_pb(request), sampling, agent)
+        return convert.episodes_to_pb(groups)
 
     async def ComputeLogProbs(self, request, context):
         batch = common_convert.sequences_from_pb(request, as_lists=True)
@@ -74,6 +83,27 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         uuid = await receiver.join(request.group_id, request.unique_id, request.rank, request.world_size,
                                    request.timeout_s)
         return common_pb2.WeightGroupResponse(group_id=request.group_id, device_uuid=uuid)
+
+
+def episode_runner(engine: RolloutEngine, settings: RolloutSettings) -> EpisodeRunner:
+    """The replica's episode loop, calling the env replicas its `env:` section names (servers, dns, or the Redis
+    registry at server.registry_url under run.redis_prefix). A section naming none is refused only when an
+    episode needs tools or an environment."""
+    section, server = settings.env, settings.server
+    token = server.auth_token.get_secret_value() if server.auth_token else None
+    env, missing = None, ""
+    if section.registry and not server.registry_url:
+        missing = ("env.registry: a rollout replica reads the service registry at server.registry_url; set it "
+                   "(or list the env replicas in env.servers)")
+    else:
+        registry = None
+        if section.registry:
+            from services.common.registry import Registry
+
+            registry = Registry(server.registry_url, prefix=settings.run.redis_prefix)
+        env = EnvClient.from_section(section, registry=registry, token=token)
+    return EpisodeRunner(engine, env, settings.rollout.agent, max_tokens=settings.rollout.max_tokens,
+                         tool_call_parser=section.tool_call_parser, env_missing=missing)
 
 
 async def _until_commit(request_iterator):
@@ -153,6 +183,7 @@ class RolloutReplica:
     http_port: int | None = None
     _http_runner: Any = None
     receivers: DeviceReceivers | None = None
+    episodes: EpisodeRunner | None = None
 
     async def close(self) -> None:
         if self._http_runner is not None:
@@ -160,6 +191,8 @@ class RolloutReplica:
             self._http_runner = None
         if self.receivers is not None:
             self.receivers.close()
+        if self.episodes is not None and self.episodes.env is not None:
+            await self.episodes.env.close()
         await self.engine.close()
 
 
@@ -182,6 +215,7 @@ async def start(settings: RolloutSettings, address: str | None = None, *,
     try:
         servicer = RolloutServicer(engine, settings)
         replica.receivers = servicer.receivers
+        replica.episodes = servicer.episodes
         mesh, port = await create_server([(add_rollout_servicer, servicer)], [SERVICE_NAME], address=address,
                                          config=settings.server)
     except BaseException:

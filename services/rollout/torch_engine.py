@@ -2,16 +2,18 @@
 
 Left padding and a KV cache, so that every sampled token's log-prob is the raw-model log-prob the
 trainer will recompute; requests that queue while one decodes are decoded together, and weight swaps
-land whole between decodes.
+land whole between decodes, or (partial rollouts) between two decode steps of a running one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterable, Mapping, Sequence
+from typing import AsyncIterable, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,48 @@ class _Row:
     finish_reason: str | None = None
     text: str | None = None                       # set when a stop string cut it
     top: list[list[tuple[int, float]]] | None = None
+    version: int = 0                              # the weight version its decode started on
+    # (first token index, version) of each weight swap that landed while it decoded (partial rollouts)
+    swaps: list[tuple[int, int]] = field(default_factory=list)
+
+    def weight_versions(self) -> list[int] | None:
+        """Per token, the version whose forward produced it; None when no swap landed inside its tokens."""
+        swaps = [(i, v) for i, v in self.swaps if i < len(self.tokens)]
+        if not swaps:
+            return None
+        out, version, at = [], self.version, 0
+        for i, v in swaps:
+            out += [version] * (i - at)
+            version, at = v, i
+        return out + [version] * (len(self.tokens) - at)
+
+
+class _Swap:
+    """A weight swap posted while a generation may be running: the decode thread runs it at its next step boundary
+    (partial rollouts), or the update runs it once it holds the engine lock; exactly once either way."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self._mutex = threading.Lock()
+        self._claimed = False
+
+    def claim(self) -> bool:
+        with self._mutex:
+            claimed, self._claimed = self._claimed, True
+            return not claimed
+
+    def run(self) -> bool:
+        """Runs the swap unless it already ran (or was given up); whether this call ran it."""
+        if not self.claim():
+            return False
+        try:
+            self.fn()
+        except BaseException as e:       # handed to the update that posted it
+            _settle(self.future, e)
+        else:
+            _settle(self.future, None)
+        return True
 
 
 @dataclass
@@ -117,10 +161,15 @@ class TorchEngine(LocalModelEngine):
         # CPU models: the buffer the served weights are views of (after a grpc update), and the one before it.
         self._weights_buffer: torch.Tensor | None = None
         self._spare_buffer: torch.Tensor | None = None
-        # One torch job at a time (generation, scoring, weight swap): a swap never lands mid-generation.
+        # One torch job at a time (generation, scoring, weight swap): a swap lands mid-generation only in the
+        # decode thread itself, between two steps of a partial-rollout batch (_swap, _between_steps).
         self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
         self._pending: list[_Job] = []
-        self.stats = {"requests": 0, "decode_batches": 0, "samples": 0, "generated_tokens": 0}
+        # Weight swaps posted by updates, which a partial-rollout decode runs between two of its steps.
+        self._swaps: list[_Swap] = []
+        self._swaps_mutex = threading.Lock()
+        self.stats = {"requests": 0, "decode_batches": 0, "samples": 0, "generated_tokens": 0,
+                      "swaps_mid_generation": 0}
         self._graph_decoder = None
         if r.cuda_graphs:
             if not str(self.device).startswith("cuda"):
@@ -211,10 +260,47 @@ class TorchEngine(LocalModelEngine):
             swap_in(self.model, tensors, adopt=adopt)
             if adopt:
                 self._spare_buffer, self._weights_buffer = self._weights_buffer, flat
+            if self._graph_decoder is not None:
+                self._graph_decoder.refresh_weights()
             self.weight_version = version
 
-        async with self._lock:
-            await self._run_locked(swap_and_tag)
+        await self._swap(_Swap(swap_and_tag))
+
+    async def _swap(self, swap: _Swap) -> None:
+        """Runs `swap` at the next step boundary of a running partial-rollout decode, or under the lock: whichever
+        comes first. Returns once it landed (not when the generation ends)."""
+        with self._swaps_mutex:
+            self._swaps.append(swap)
+        landed = asyncio.wrap_future(swap.future)
+        acquire = asyncio.ensure_future(self._lock.acquire())
+        held = False
+        try:
+            await asyncio.wait({landed, acquire}, return_when=asyncio.FIRST_COMPLETED)
+            if not landed.done():         # the lock came first: no decode runs, so it lands here
+                held = True
+                await self._run_locked(swap.run)
+            await landed
+        finally:
+            swap.claim()                  # a cancelled update's swap does not land later
+            with self._swaps_mutex:
+                if swap in self._swaps:
+                    self._swaps.remove(swap)
+            if not held:
+                acquire.cancel()
+                try:
+                    held = await acquire  # True when it got the lock before the cancel
+                except asyncio.CancelledError:
+                    held = False
+            if held:
+                self._lock.release()
+
+    def _swap_point(self) -> int:
+        """Runs the swaps posted since the last call (in this decode thread, between two steps); the version now."""
+        with self._swaps_mutex:
+            swaps, self._swaps = self._swaps, []
+        for swap in swaps:
+            self.stats["swaps_mid_generation"] += swap.run()
+        return self.weight_version
 
     async def _run_locked(self, fn, *args, on_done=None, **kwargs):
         """Runs fn in a worker thread; call with the lock held. A thread cannot be interrupted, so when the
@@ -246,9 +332,15 @@ class TorchEngine(LocalModelEngine):
                     rows.append(_Row(prompt=ids, budget=min(p.max_tokens, self.max_model_len - len(ids)), sampling=p,
                                      generator=row_generator(p.seed, ids, j) if p.seed is not None else None))
         chunk = self.config.max_batch_size
+        # Partial rollouts: updates land between decode steps when every request of the batch allows it (pause
+        # when one asks for it: the recomputed KV cache serves continue rows as well).
+        modes = {job.batch.partial_rollout for job in jobs}
+        partial = "off" if "off" in modes else "pause" if "pause" in modes else "continue"
         for start in range(0, len(rows), chunk):
-            self._decode(rows[start:start + chunk])
-        version = self.weight_version
+            version = self._swap_point() if partial != "off" else self.weight_version
+            for row in rows[start:start + chunk]:
+                row.version = version
+            self._decode(rows[start:start + chunk], partial=partial)
         out, it = [], iter(rows)
         for job in jobs:
             results = []
@@ -258,8 +350,9 @@ class TorchEngine(LocalModelEngine):
                     row = next(it)
                     text = row.text if row.text is not None else self.decode(row.tokens)
                     samples.append(SampleResult(response_ids=row.tokens, logprobs=row.logprobs, text=text,
-                                                finish_reason=row.finish_reason or "length", weight_version=version,
-                                                top_logprobs=row.top))
+                                                finish_reason=row.finish_reason or "length",
+                                                weight_version=row.version, top_logprobs=row.top,
+                                                weight_versions=row.weight_versions()))
                 results.append(PromptResult(prompt_id=prompt.id, prompt_ids=ids, samples=samples))
             out.append(results)
         self.stats["requests"] += len(jobs)
@@ -268,19 +361,30 @@ class TorchEngine(LocalModelEngine):
         self.stats["generated_tokens"] += sum(len(r.tokens) for r in rows)
         return out
 
+    def _between_steps(self, rows: list[_Row], first_token: int) -> bool:
+        """Partial rollouts: lands the posted weight swaps; the rows' tokens from `first_token` on are the new
+        version's. Whether the version moved."""
+        before = self.weight_version
+        after = self._swap_point()
+        if after != before:
+            for r in rows:
+                r.swaps.append((first_token, after))
+        return after != before
+
     @torch.inference_mode()
-    def _decode(self, rows: list[_Row]) -> None:
+    def _decode(self, rows: list[_Row], *, partial: str = "off") -> None:
         """Decodes rows together: left-padded prefill, then one token per step for the rows still running.
 
         Rows that finish are dropped from the batch (and the KV cache), so long tails do not pay for
-        finished rows.
+        finished rows. partial (continue / pause): posted weight swaps land between two steps (_between_steps);
+        pause recomputes the running rows' KV cache with the new weights (on this loop, not the graph one).
         """
-        if self._graph_decoder is not None and self._graph_decoder.serves(
+        if partial != "pause" and self._graph_decoder is not None and self._graph_decoder.serves(
                 [r.generator is not None for r in rows], [r.sampling.temperature for r in rows],
                 [r.sampling.top_p for r in rows]):
-            return self._graph_decode(rows)
+            return self._graph_decode(rows, partial=partial != "off")
         dev = self.device
-        cache, logits, mask, next_pos = self._prefill(rows)
+        cache, logits, mask, next_pos = self._prefill([r.prompt for r in rows])
         out = _Outputs.empty(rows, self.vocab_size, dev)
         budget = torch.tensor([r.budget for r in rows], dtype=torch.long, device=dev)
         eos = torch.tensor(sorted(self.eos_ids) or [-1], dtype=torch.long, device=dev)
@@ -308,15 +412,20 @@ class TorchEngine(LocalModelEngine):
                 keep = (~done).nonzero().flatten()
                 cache.batch_select_indices(keep)
                 tok, mask, next_pos, active = tok[keep], mask[keep], next_pos[keep], active[keep]
-            mask = torch.cat([mask, mask.new_ones((mask.size(0), 1))], dim=1)
-            logits = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
-                                past_key_values=cache, use_cache=True).logits[:, -1, :].float()
-            next_pos = next_pos + 1
+            if partial != "off" and self._between_steps(rows, step + 1) and partial == "pause":
+                # The running rows' prompt and tokens so far through the new weights: a fresh KV cache.
+                cache, logits, mask, next_pos = self._prefill(
+                    [rows[a].prompt + out.tokens[a, :step + 1].tolist() for a in active.tolist()])
+            else:
+                mask = torch.cat([mask, mask.new_ones((mask.size(0), 1))], dim=1)
+                logits = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
+                                    past_key_values=cache, use_cache=True).logits[:, -1, :].float()
+                next_pos = next_pos + 1
             step += 1
         out.write_to(rows)
 
-    def _prefill(self, rows: list[_Row]):
-        """Runs each distinct prompt once (left-padded), then fans its KV cache out to its samples.
+    def _prefill(self, sequences: list[list[int]]):
+        """Runs each distinct sequence once (left-padded), then fans its KV cache out to the rows that share it.
 
         Returns the cache, the last logits [R, V] (fp32), the attention mask [R, L] and the next positions [R, 1].
         """
@@ -324,7 +433,7 @@ class TorchEngine(LocalModelEngine):
 
         dev = self.device
         uniq: dict[tuple[int, ...], int] = {}
-        fan = [uniq.setdefault(tuple(r.prompt), len(uniq)) for r in rows]
+        fan = [uniq.setdefault(tuple(q), len(uniq)) for q in sequences]
         prompts = list(uniq)
         L = max(len(q) for q in prompts)
         ids, mask, pos = left_padded(prompts, self.pad_id, L)
@@ -334,7 +443,7 @@ class TorchEngine(LocalModelEngine):
                          use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :].float()
         fan_t = torch.tensor(fan, dtype=torch.long, device=dev)
-        if len(prompts) != len(rows) or fan != list(range(len(rows))):
+        if len(prompts) != len(sequences) or fan != list(range(len(sequences))):
             cache.batch_select_indices(fan_t)
             logits, mask, pos = logits[fan_t], mask[fan_t], pos[fan_t]
         return cache, logits, mask, pos[:, -1:] + 1
@@ -348,7 +457,7 @@ class TorchEngine(LocalModelEngine):
             if stops and self._hit_stop(row, tokens[act[b], :step + 1].tolist(), stops):
                 hit[b] = True
 
-    def _graph_decode(self, rows: list[_Row]) -> None:
+    def _graph_decode(self, rows: list[_Row], *, partial: bool = False) -> None:
         """The same decode as _decode, each step one CUDA graph replay (rows stay in the batch until all end)."""
         def stop_check(r: int, tokens: list[int], since: int) -> bool:
             # The tail from `since` back by the longest stop string (each token is >= 1 character) first: a bounded
@@ -364,7 +473,9 @@ class TorchEngine(LocalModelEngine):
         out = self._graph_decoder.decode(
             [r.prompt for r in rows], [r.budget for r in rows], [r.sampling.temperature for r in rows],
             [r.sampling.top_p for r in rows], seeds=seeds, top_logprobs=max(r.sampling.top_logprobs for r in rows),
-            stop_check=stop_check if any(r.sampling.stop for r in rows) else None)
+            stop_check=stop_check if any(r.sampling.stop for r in rows) else None,
+            # the logits of token i + 1 were computed before the boundary after step i: the swap shows from i + 2
+            between_steps=(lambda i: self._between_steps(rows, i + 2)) if partial else None)
         for i, row in enumerate(rows):
             row.tokens, row.logprobs = out.tokens[i], out.logprobs[i]
             row.finish_reason = "stop" if out.stopped[i] else "length"
@@ -406,6 +517,14 @@ def _deliver(jobs: list[_Job], work: asyncio.Future) -> None:
             j.future.set_exception(error)
         else:
             j.future.set_result(work.result()[i])
+
+
+def _settle(future: concurrent.futures.Future, error: BaseException | None) -> None:
+    """The swap's outcome to its update (which may have been cancelled meanwhile)."""
+    try:
+        future.set_exception(error) if error is not None else future.set_result(None)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def _first_id(x) -> int:

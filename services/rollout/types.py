@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterable, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterable, Mapping
 
 from services.common.errors import FailedPrecondition
 
@@ -18,6 +18,7 @@ if TYPE_CHECKING:   # a client that imports this face loads no torch
     from services.common.weights import Manifest
 
 MAX_SAMPLES_PER_PROMPT = 1024
+PARTIAL_ROLLOUTS = ("off", "continue", "pause")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,15 @@ class PromptInput:
 class GenerateBatch:
     prompts: list[PromptInput]
     sampling: SamplingParams
+    # Partial rollouts (PARTIAL_ROLLOUTS): a weight update may land between decode steps of this batch (each token
+    # tagged with its version) instead of waiting for the batch to end: "continue" over the old KV cache, "pause"
+    # with the running rows' KV cache recomputed by the new weights; "off" waits.
+    partial_rollout: str = "off"
+
+    def __post_init__(self):
+        if self.partial_rollout not in PARTIAL_ROLLOUTS:
+            raise ValueError(f"partial_rollout: must be one of {', '.join(PARTIAL_ROLLOUTS)}, got "
+                             f"{self.partial_rollout!r}")
 
 
 @dataclass
@@ -87,9 +97,12 @@ class SampleResult:
     logprobs: list[float]
     text: str
     finish_reason: str           # "stop" (eos or a stop string) or "length"
-    weight_version: int
+    weight_version: int          # the OLDEST weight version among its tokens
     # Per step, the top_logprobs most likely (token id, raw log-prob) pairs; None unless asked for.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Per response token, the weight version whose forward produced it, when a weight update landed while the
+    # sample was decoding (partial rollouts: GenerateBatch.partial_rollout); None = every token is weight_version's.
+    weight_versions: list[int] | None = None
 
 
 @dataclass
@@ -97,6 +110,60 @@ class PromptResult:
     prompt_id: str
     prompt_ids: list[int]
     samples: list[SampleResult]
+
+
+# ---- episodes (multi-turn, tool calls): the loop lives in services/rollout/episodes.py
+
+END_REASONS = ("answer", "max_turns", "length", "tool_error", "env_lost")
+
+
+@dataclass
+class Episode:
+    """One finished episode, token-exact: the ids the model sampled and the observation ids between its turns."""
+
+    prompt_ids: list[int]         # the first prompt as rendered (chat template, generation prompt)
+    response_ids: list[int]       # every token after the prompt, in order: sampled and observation tokens
+    logprobs: list[float]         # per response token; 0.0 on observation tokens
+    loss_mask: list[int]          # per response token: 1 sampled by the model, 0 observation (tool/env)
+    weight_versions: list[int]    # per response token: the weight version that sampled it (-1 observation)
+    text: str                     # the decoded response (special tokens skipped), for the reward
+    end_reason: str               # answer | max_turns | length | tool_error | env_lost
+    num_turns: int = 0
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
+    # Sum of the environment's step rewards (env_agent), None when no environment rewarded.
+    env_reward: float | None = None
+    # Numeric keys the environment reported (last value per key).
+    env_metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EpisodeGroup:
+    """The n episodes of one prompt, in order (GenerateEpisodes' answer per prompt)."""
+
+    prompt_id: str
+    episodes: list[Episode]
+
+
+@dataclass
+class EpisodePrompt(PromptInput):
+    """A prompt of an episode: chat messages (rendered by the replica, tools included) or text/ids as for Generate,
+    and the data row's agent fields (verl's `agent_name`, `extra_info.tools_kwargs`)."""
+
+    messages: list[dict] = field(default_factory=list)
+    agent_name: str = ""
+    tools_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    """Per-episode limits (the `rollout.agent` section)."""
+
+    max_turns: int = 4
+    max_total_tokens: int = 2048         # response tokens of an episode, sampled + observation
+    max_tokens_per_turn: int = 512
+    # What a failed tool call does: "observe" (the model reads the error and goes on) or "end" (end_reason tool_error)
+    tool_error_policy: str = "observe"
 
 
 class RolloutEngine(abc.ABC):

@@ -26,6 +26,39 @@ def _check_aligned(i: int, name: str, values: Sequence[float], n: int, *, where:
             raise ValueError(f"{where}[{i}].{name}[{t}]: not finite ({v})")
 
 
+def _check_loss_mask(i: int, mask: Sequence[int] | None, n: int, *, where: str = "samples") -> None:
+    """An empty (or None) mask is all ones; a set one has one 0/1 value per response token."""
+    if mask is None or not len(mask):
+        return
+    if len(mask) != n:
+        raise ValueError(f"{where}[{i}].loss_mask: {len(mask)} values for {n} response tokens")
+    values = np.asarray(mask)
+    bad = (values != 0) & (values != 1)
+    if bad.any():
+        t = int(np.argmax(bad))
+        raise ValueError(f"{where}[{i}].loss_mask[{t}]: must be 0 or 1, got {values[t]}")
+
+
+def loss_mask_of(sample, n: int | None = None) -> np.ndarray:
+    """A sample's loss mask as float32 [n] (its `loss_mask`, or all ones when it has none)."""
+    n = len(sample.response_ids) if n is None else n
+    mask = getattr(sample, "loss_mask", None)
+    if mask is None or not len(mask):
+        return np.ones(n, dtype=np.float32)
+    return np.asarray(mask, dtype=np.float32)
+
+
+def has_loss_mask(sample) -> bool:
+    mask = getattr(sample, "loss_mask", None)
+    return mask is not None and len(mask) > 0
+
+
+def num_model_tokens(sample) -> int:
+    """Response tokens the model sampled (the loss counts these; observation tokens are not)."""
+    mask = getattr(sample, "loss_mask", None)
+    return len(sample.response_ids) if mask is None or not len(mask) else int(np.count_nonzero(mask))
+
+
 MAX_PPO_EPOCHS = 64
 
 
@@ -85,6 +118,7 @@ def validate_actor_batch(samples: Sequence[TrainSample], loss: ActorLoss, *, voc
             _check_aligned(i, "old_logprobs", s.old_logprobs, n)
         if loss.kl_coef > 0:
             _check_aligned(i, "ref_logprobs", s.ref_logprobs, n)
+        _check_loss_mask(i, s.loss_mask, n)
 
 
 def validate_critic_batch(samples: Sequence[CriticSample], loss: CriticLoss, *, vocab_size: int,
@@ -101,6 +135,7 @@ def validate_critic_batch(samples: Sequence[CriticSample], loss: CriticLoss, *, 
         _check_aligned(i, "returns", s.returns, n)
         if loss.clip_value > 0:
             _check_aligned(i, "old_values", s.old_values, n)
+        _check_loss_mask(i, s.loss_mask, n)
 
 
 def validate_dpo_batch(pairs: Sequence[PreferencePair], loss: DPOLoss, *, vocab_size: int, max_len: int | None,

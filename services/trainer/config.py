@@ -144,8 +144,9 @@ class ActorConfig(OptimSection):
     fused_logprobs: bool | None = None
     # Remove padding (verl's use_remove_padding): each micro-batch runs as one packed row, position ids
     # restarting per sequence and attention confined to each (services/common/packing.py); micro-batches
-    # are filled to micro_batch_token_budget tokens. Default (null): off — on one H200 the packed actor step
-    # ran at 0.79x the padded one (bench/results/trainer_packing.json); true under actor.pp_size > 1 is refused.
+    # are filled to micro_batch_token_budget tokens. Default (null): on for bf16/fp16 compute on CUDA where the
+    # model and mesh allow (faster than padded rows on one H200: bench/results/trainer_packing.json), off on
+    # CPU and under actor.pp_size > 1; true under actor.pp_size > 1 is refused.
     use_remove_padding: bool | None = None
     # Master weights, gradients and AdamW state. Default: float32 when model.dtype is bfloat16 or float16
     # (fp32 master weights, half-precision compute: 16 bytes/param), else model.dtype. `bfloat16` with

@@ -41,7 +41,8 @@ def train_actor_from_pb(request: trainer_pb2.TrainActorRequest) -> tuple[list[Tr
         samples.append(TrainSample(prompt_ids=s.prompt_ids[:], response_ids=field_of(s, "response_ids", I32, w),
                                    advantages=field_of(s, "advantages", F32, w),
                                    old_logprobs=field_of(s, "old_logprobs", F32, w),
-                                   ref_logprobs=field_of(s, "ref_logprobs", F32, w)))
+                                   ref_logprobs=field_of(s, "ref_logprobs", F32, w),
+                                   loss_mask=unpack(s.loss_mask, U8, f"{w}loss_mask")))
     return samples, actor_loss_from_pb(request.loss)
 
 
@@ -68,11 +69,35 @@ def _train_columns(c: trainer_pb2.TrainColumns) -> list[TrainSample]:
 
     advantages, old, ref = per_token("advantages", True), per_token("old_logprobs", False), \
         per_token("ref_logprobs", False)
-    return [TrainSample(prompt_ids=p, response_ids=r, advantages=a, old_logprobs=o, ref_logprobs=f)
-            for p, r, a, o, f in zip(prompts, responses, advantages, old, ref)]
+    masks = split_rows(unpack(c.loss_mask, U8, "columns.loss_mask"), lengths, "columns.loss_mask") \
+        if c.loss_mask else [_EMPTY_MASK] * len(responses)
+    return [TrainSample(prompt_ids=p, response_ids=r, advantages=a, old_logprobs=o, ref_logprobs=f, loss_mask=m)
+            for p, r, a, o, f, m in zip(prompts, responses, advantages, old, ref, masks)]
 
 
 _EMPTY = np.empty(0, dtype=F32)
+# The loss mask on the wire: one byte per response token (1 = the model's token, 0 = an observation).
+U8 = np.dtype("u1")
+_EMPTY_MASK = np.empty(0, dtype=U8)
+
+
+def loss_mask_bytes(samples, *, first: int = 0) -> bytes:
+    """The samples' loss masks (a `loss_mask` attribute: None or empty = all ones) as one uint8 column in the
+    response layout; b"" when no sample has one (every token is the model's). A mask whose length is not its
+    response's is a ValueError naming the sample (numbered from `first`)."""
+    masks = [getattr(s, "loss_mask", None) for s in samples]
+    if not any(m is not None and len(m) for m in masks):
+        return b""
+    rows = []
+    for i, (s, m) in enumerate(zip(samples, masks), start=first):
+        n = len(s.response_ids)
+        if m is None or not len(m):
+            rows.append(np.ones(n, dtype=U8))
+            continue
+        if len(m) != n:
+            raise ValueError(f"samples[{i}].loss_mask: {len(m)} values for {n} response tokens")
+        rows.append(np.asarray(m, dtype=U8))
+    return np.concatenate(rows).tobytes()
 
 
 def train_columns_to_pb(samples, into: trainer_pb2.TrainColumns | None = None) -> trainer_pb2.TrainColumns:
@@ -96,18 +121,20 @@ def train_columns_to_pb(samples, into: trainer_pb2.TrainColumns | None = None) -
     set_rows(c.prompt_ids, [s.prompt_ids for s in samples], I32)
     set_rows(c.response_ids, [s.response_ids for s in samples], I32)
     c.advantages, c.old_logprobs, c.ref_logprobs = advantages, old, ref
+    c.loss_mask = loss_mask_bytes(samples)
     return c
 
 
-def train_sample_to_pb(s, *, packed: bool = False) -> trainer_pb2.TrainSample:
-    """Any object with TrainSample's fields (the coordinator's Sample too)."""
+def train_sample_to_pb(s, *, packed: bool = False, index: int = 0) -> trainer_pb2.TrainSample:
+    """Any object with TrainSample's fields (the coordinator's Sample too); `index` numbers it in errors."""
+    mask = loss_mask_bytes([s], first=index)
     if packed:
         return trainer_pb2.TrainSample(prompt_ids=s.prompt_ids, response_ids_packed=pack_i32(s.response_ids),
                                        advantages_packed=pack_f32(s.advantages),
                                        old_logprobs_packed=pack_f32(s.old_logprobs),
-                                       ref_logprobs_packed=pack_f32(s.ref_logprobs))
+                                       ref_logprobs_packed=pack_f32(s.ref_logprobs), loss_mask=mask)
     return trainer_pb2.TrainSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, advantages=s.advantages,
-                                   old_logprobs=s.old_logprobs, ref_logprobs=s.ref_logprobs)
+                                   old_logprobs=s.old_logprobs, ref_logprobs=s.ref_logprobs, loss_mask=mask)
 
 
 def train_actor_to_pb(samples: list[TrainSample], loss: ActorLoss, *, packed: bool = False,
@@ -116,13 +143,15 @@ def train_actor_to_pb(samples: list[TrainSample], loss: ActorLoss, *, packed: bo
         request = trainer_pb2.TrainActorRequest(loss=actor_loss_to_pb(loss))
         train_columns_to_pb(samples, into=request.columns)
         return request
-    return trainer_pb2.TrainActorRequest(samples=[train_sample_to_pb(s, packed=packed) for s in samples],
+    return trainer_pb2.TrainActorRequest(samples=[train_sample_to_pb(s, packed=packed, index=i)
+                                                  for i, s in enumerate(samples)],
                                          loss=actor_loss_to_pb(loss))
 
 
 def train_critic_from_pb(request: trainer_pb2.TrainCriticRequest) -> tuple[list[CriticSample], CriticLoss]:
-    samples = [CriticSample(prompt_ids=s.prompt_ids[:], response_ids=s.response_ids[:],
-                            returns=s.returns[:], old_values=s.old_values[:]) for s in request.samples]
+    samples = [CriticSample(prompt_ids=s.prompt_ids[:], response_ids=s.response_ids[:], returns=s.returns[:],
+                            old_values=s.old_values[:], loss_mask=unpack(s.loss_mask, U8, f"samples[{i}].loss_mask"))
+               for i, s in enumerate(request.samples)]
     return samples, CriticLoss(clip_value=request.clip_value, ppo_epochs=request.ppo_epochs or 1,
                                mini_batch_size=request.mini_batch_size)
 
@@ -131,7 +160,8 @@ def train_critic_to_pb(samples: list[CriticSample], loss: CriticLoss,
                        run_step: RunStep | None = None) -> trainer_pb2.TrainCriticRequest:
     return trainer_pb2.TrainCriticRequest(
         samples=[trainer_pb2.CriticSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, returns=s.returns,
-                                          old_values=s.old_values) for s in samples],
+                                          old_values=s.old_values, loss_mask=loss_mask_bytes([s], first=i))
+                 for i, s in enumerate(samples)],
         clip_value=loss.clip_value, ppo_epochs=loss.ppo_epochs, mini_batch_size=loss.mini_batch_size,
         run_step=run_step_to_pb(run_step))
 

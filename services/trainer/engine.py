@@ -28,7 +28,7 @@ from services.common.config import format_validation_error
 from services.common.errors import FailedPrecondition, passes_through
 from services.common.fused import enable_fused_head, sequence_logprobs, supports_fused_head
 from services.common.modeling import load_causal_lm, set_threads, validate_sequences
-from services.common.packing import enable_packing
+from services.common.packing import enable_packing, supports_packing
 from services.common.weights import named_weights
 from services.trainer import checkpoint
 from services.trainer.batch import validate_actor_batch, validate_critic_batch, validate_dpo_batch
@@ -168,9 +168,14 @@ class TrainerEngine:
         return True
 
     def _setup_packing(self, module: nn.Module, wanted: bool | None) -> bool:
-        """Packed rows (remove padding) when asked (null = off: measured slower than padded rows on one H200);
-        true under PP or on a model whose attention cannot be confined to each sequence is refused by name."""
-        if not wanted:
+        """Packed rows (remove padding). Null: on for half-precision compute on CUDA wherever the model and mesh
+        allow (the varlen kernel; measured faster than padded rows on one H200, bench/results/trainer_packing.json),
+        off elsewhere; true under PP or on a model whose attention cannot be confined to each sequence is refused
+        by name."""
+        if wanted is False:
+            return False
+        if wanted is None and (self.device.type != "cuda" or self.compute_dtype not in ("bfloat16", "float16")
+                               or self.dims.pp > 1 or supports_packing(module) is not None):
             return False
         if self.dims.pp > 1:
             if wanted:

@@ -49,7 +49,12 @@ class RankLayout:
         self.tied_group = None
 
     def amp(self):
-        return torch.autocast(self.device.type, dtype=DTYPES[self.compute_dtype]) if self.autocast else nullcontext()
+        """Autocast to the compute dtype (fp32 master weights). Without gradients its weight cache is off: it
+        would keep a half copy of every weight until the pass ends (3 GB at 1.5B), the largest part of a log-prob
+        pass's memory over the weights; each layer's copy now lives only while the layer runs."""
+        if not self.autocast:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.compute_dtype], cache_enabled=torch.is_grad_enabled())
 
     def local_groups(self, indices: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int] | None]:
         """This DP rank's shard of `indices` grouped by token budget, padded with None (a zero-weight

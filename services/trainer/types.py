@@ -21,6 +21,9 @@ class TrainSample:
     old_logprobs: list[float]
     # Required when kl_coef > 0.
     ref_logprobs: list[float] = field(default_factory=list)
+    # Per response token: 1 = sampled by the model, 0 = an observation (tool or environment output of a multi-turn
+    # episode) that no loss term or metric counts. Empty = every response token is the model's.
+    loss_mask: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +54,8 @@ class CriticSample:
     response_ids: list[int]
     returns: list[float]
     old_values: list[float] = field(default_factory=list)
+    # Per response token: 1 = the model's (its value is fitted), 0 = an observation token. Empty = all ones.
+    loss_mask: list[int] = field(default_factory=list)
 
 
 @dataclass

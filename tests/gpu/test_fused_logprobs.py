@@ -115,3 +115,34 @@ def test_a_cuda_step_packed_equals_padded(tmp_path):
         e.close()
     for key in ("pg_loss", "entropy", "grad_norm"):
         assert metrics[1][key] == pytest.approx(metrics[0][key], rel=3e-2, abs=1e-2), key
+
+
+def test_packed_rows_under_fp32_master_weights_take_the_varlen_kernel(tmp_path, monkeypatch):
+    """With fp32 master weights and bf16 autocast (the trainer's default for a bf16 model) rotary embeddings hand
+    the attention fp32 queries and keys: packed rows must still run the varlen kernel in bf16 (as SDPA does
+    under autocast), never the per-sequence fallback, which syncs with the host at every layer."""
+    from services.common import packing
+
+    if packing.varlen_attn is None:
+        pytest.skip("torch has no torch.nn.attention.varlen")
+    calls = {"varlen": 0}
+    real = packing._varlen
+
+    def counted(q, k, v, packed, scale):
+        calls["varlen"] += 1
+        assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+        return real(q, k, v, packed, scale)
+
+    monkeypatch.setattr(packing, "_varlen", counted)
+    monkeypatch.setattr(packing.torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: pytest.fail("per-sequence SDPA fallback ran"))
+    path = make_tiny_model(tmp_path / "m", vocab_size=300)
+    e = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": path, "device": "cuda", "dtype": "bfloat16"},
+                                                        "actor": {"lr": 1e-3, "compile": False,
+                                                                  "use_remove_padding": True}}))
+    assert (e.param_dtype, e.compute_dtype, e.layout.packed) == ("float32", "bfloat16", True)
+    samples = random_samples(6, vocab_size=300, seed=5, max_prompt=20, max_response=30)
+    e.compute_logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    metrics = e.train_actor(samples, ActorLoss())
+    e.close()
+    assert calls["varlen"] > 0 and metrics["grad_norm"] > 0

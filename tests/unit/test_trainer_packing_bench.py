@@ -34,3 +34,8 @@ def test_the_spread_workload_runs_on_cpu(tmp_path):
     spread = json.loads(out.read_text())["spread"]
     assert spread["tokens"] > spread["samples"] and spread["length_max"] > spread["length_median"]
     assert spread["packed"]["actor_tokens_per_s"] > 0 and spread["padded"]["actor_tokens_per_s"] > 0
+    # Packed rows compute the real tokens only; a plain trainer's rows (padded to each micro-batch's longest) pad
+    # more than the trainer's length-sorted ones.
+    slots = {k: spread[k]["token_slots"] for k in ("packed", "padded", "padded_longest")}
+    assert slots["packed"] == spread["tokens"] < slots["padded"] < slots["padded_longest"]
+    assert spread["packed_over_padded_actor_vs_padded_longest"] > 0

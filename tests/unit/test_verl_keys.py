@@ -66,6 +66,9 @@ def value_at(cfg, dotted: str):
     ("+trainer.experiment_name=gsm8k-grpo", "run.name", "gsm8k-grpo"),
     ("++actor_rollout_ref.rollout.n=2", "rollout.n", 2),
     ("custom_reward_function.path=rewards/mine.py", "reward.custom_function.path", "rewards/mine.py"),
+    ("actor_rollout_ref.rollout.multi_turn.enable=true", "rollout.agent.name", "tool_agent"),
+    ("actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5", "rollout.agent.max_turns", 5),
+    ("actor_rollout_ref.rollout.multi_turn.format=hermes", "rollout.agent.tool_call_parser", "hermes"),
 ])
 def test_each_verl_key_lands_on_its_meshrl_key(recipe, word, key, value):
     assert value_at(load(recipe, [word]), key) == value

@@ -60,6 +60,11 @@ class RolloutStub:
                 request_serializer=meshrl_dot_v1_dot_common__pb2.WeightGroupRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_common__pb2.WeightGroupResponse.FromString,
                 _registered_method=True)
+        self.GenerateEpisodes = channel.unary_unary(
+                '/meshrl.v1.Rollout/GenerateEpisodes',
+                request_serializer=meshrl_dot_v1_dot_rollout__pb2.GenerateEpisodesRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_rollout__pb2.GenerateEpisodesResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -100,6 +105,14 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateEpisodes(self, request, context):
+        """Plays n multi-turn episodes per prompt in this replica (model turns, tool calls or environment steps through
+        the env pool, observation tokens from the chat template's delta); one EpisodeGroup per prompt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.JoinWeightGroup,
                     request_deserializer=meshrl_dot_v1_dot_common__pb2.WeightGroupRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_common__pb2.WeightGroupResponse.SerializeToString,
+            ),
+            'GenerateEpisodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.GenerateEpisodes,
+                    request_deserializer=meshrl_dot_v1_dot_rollout__pb2.GenerateEpisodesRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_rollout__pb2.GenerateEpisodesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +282,33 @@ class Rollout:
             '/meshrl.v1.Rollout/JoinWeightGroup',
             meshrl_dot_v1_dot_common__pb2.WeightGroupRequest.SerializeToString,
             meshrl_dot_v1_dot_common__pb2.WeightGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateEpisodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Rollout/GenerateEpisodes',
+            meshrl_dot_v1_dot_rollout__pb2.GenerateEpisodesRequest.SerializeToString,
+            meshrl_dot_v1_dot_rollout__pb2.GenerateEpisodesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,7 +50,7 @@ class ConfigureRunResponse(_message.Message):
     def __init__(self, actor: _Optional[_Union[OptimSettings, _Mapping]] = ..., critic: _Optional[_Union[OptimSettings, _Mapping]] = ..., actor_lr: _Optional[float] = ...) -> None: ...
 
 class TrainSample(_message.Message):
-    __slots__ = ("prompt_ids", "response_ids", "advantages", "old_logprobs", "ref_logprobs", "response_ids_packed", "advantages_packed", "old_logprobs_packed", "ref_logprobs_packed")
+    __slots__ = ("prompt_ids", "response_ids", "advantages", "old_logprobs", "ref_logprobs", "response_ids_packed", "advantages_packed", "old_logprobs_packed", "ref_logprobs_packed", "loss_mask")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class TrainSample(_message.Message):
     ADVANTAGES_PACKED_FIELD_NUMBER: _ClassVar[int]
     OLD_LOGPROBS_PACKED_FIELD_NUMBER: _ClassVar[int]
     REF_LOGPROBS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     response_ids: _containers.RepeatedScalarFieldContainer[int]
     advantages: _containers.RepeatedScalarFieldContainer[float]
@@ -69,7 +70,8 @@ class TrainSample(_message.Message):
     advantages_packed: bytes
     old_logprobs_packed: bytes
     ref_logprobs_packed: bytes
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., ref_logprobs: _Optional[_Iterable[float]] = ..., response_ids_packed: _Optional[bytes] = ..., advantages_packed: _Optional[bytes] = ..., old_logprobs_packed: _Optional[bytes] = ..., ref_logprobs_packed: _Optional[bytes] = ...) -> None: ...
+    loss_mask: bytes
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., ref_logprobs: _Optional[_Iterable[float]] = ..., response_ids_packed: _Optional[bytes] = ..., advantages_packed: _Optional[bytes] = ..., old_logprobs_packed: _Optional[bytes] = ..., ref_logprobs_packed: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ...) -> None: ...
 
 class ActorLoss(_message.Message):
     __slots__ = ("clip_low", "clip_high", "dual_clip", "kl_coef", "kl_type", "entropy_coef", "loss_agg_mode", "ppo_epochs", "mini_batch_size", "temperature")
@@ -118,18 +120,20 @@ class RunStep(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., data_position: _Optional[int] = ...) -> None: ...
 
 class TrainColumns(_message.Message):
-    __slots__ = ("prompt_ids", "response_ids", "advantages", "old_logprobs", "ref_logprobs")
+    __slots__ = ("prompt_ids", "response_ids", "advantages", "old_logprobs", "ref_logprobs", "loss_mask")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     OLD_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REF_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _common_pb2.Ragged
     response_ids: _common_pb2.Ragged
     advantages: bytes
     old_logprobs: bytes
     ref_logprobs: bytes
-    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Ragged, _Mapping]] = ..., response_ids: _Optional[_Union[_common_pb2.Ragged, _Mapping]] = ..., advantages: _Optional[bytes] = ..., old_logprobs: _Optional[bytes] = ..., ref_logprobs: _Optional[bytes] = ...) -> None: ...
+    loss_mask: bytes
+    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Ragged, _Mapping]] = ..., response_ids: _Optional[_Union[_common_pb2.Ragged, _Mapping]] = ..., advantages: _Optional[bytes] = ..., old_logprobs: _Optional[bytes] = ..., ref_logprobs: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ...) -> None: ...
 
 class ValuesRequest(_message.Message):
     __slots__ = ("sequences",)
@@ -152,16 +156,18 @@ class ValuesResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[TokenValues, _Mapping]]] = ...) -> None: ...
 
 class CriticSample(_message.Message):
-    __slots__ = ("prompt_ids", "response_ids", "returns", "old_values")
+    __slots__ = ("prompt_ids", "response_ids", "returns", "old_values", "loss_mask")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     RETURNS_FIELD_NUMBER: _ClassVar[int]
     OLD_VALUES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     response_ids: _containers.RepeatedScalarFieldContainer[int]
     returns: _containers.RepeatedScalarFieldContainer[float]
     old_values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., returns: _Optional[_Iterable[float]] = ..., old_values: _Optional[_Iterable[float]] = ...) -> None: ...
+    loss_mask: bytes
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., returns: _Optional[_Iterable[float]] = ..., old_values: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[bytes] = ...) -> None: ...
 
 class TrainCriticRequest(_message.Message):
     __slots__ = ("samples", "clip_value", "ppo_epochs", "mini_batch_size", "run_step")

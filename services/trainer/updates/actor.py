@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from services.common.fused import sequence_logprobs
-from services.trainer.batch import is_on_policy
+from services.trainer.batch import has_loss_mask, is_on_policy, loss_mask_of, num_model_tokens
 from services.trainer.layout import RankLayout
 from services.trainer.losses import AGG_MODES, aggregate, clipped_policy_loss, kl_penalty
 from services.trainer.pipeline import last_stage_head, stage_logprobs
@@ -18,7 +18,16 @@ STAT_KEYS = ("pg_loss", "kl_loss", "entropy_loss", "loss", "clipped", "approx_kl
 
 
 def actor_loss(logp, mask, entropy, old, adv, ref, loss: ActorLoss, denom: float):
-    """Loss of one micro-batch (normalised by the whole mini-batch's `denom`) and its stats [8]."""
+    """Loss of one micro-batch (normalised by the whole mini-batch's `denom`) and its stats [8]. `mask` [B, T]:
+    the response tokens the model sampled (padding and observation tokens 0); every term and stat counts only
+    those, whatever the other tokens' advantages or log-probs hold."""
+    # Off the mask the inputs are neutralised, not only multiplied by 0: an observation token's old log-prob may be
+    # anything (0.0 from the rollout, a huge ratio), and inf * 0 would be a nan in the loss or its gradient.
+    mask = mask.bool()
+    here = logp.detach()
+    old, adv = torch.where(mask, old, here), torch.where(mask, adv, torch.zeros_like(adv))
+    if ref is not None:
+        ref = torch.where(mask, ref, here)
     pg, clipped = clipped_policy_loss(logp, old, adv, clip_low=loss.clip_low, clip_high=loss.clip_high,
                                       dual_clip=loss.dual_clip)
     pg_loss = aggregate(pg, mask, loss.loss_agg_mode, denom=denom)
@@ -38,7 +47,8 @@ def actor_loss(logp, mask, entropy, old, adv, ref, loss: ActorLoss, denom: float
 
 class ActorUpdate(Update):
     """ppo_epochs over the samples' mini-batches. Without old log-probs (one optimizer step per batch) the
-    update's own detached log-probs stand in."""
+    update's own detached log-probs stand in. A sample's loss mask (multi-turn episodes: 0 on observation tokens)
+    multiplies into the response mask of every micro-batch, padded, packed or pipelined."""
 
     stat_keys = STAT_KEYS
 
@@ -51,11 +61,20 @@ class ActorUpdate(Update):
         self.fused = fused
         self.use_kl = loss.kl_coef > 0 or all(len(s.ref_logprobs) == len(s.response_ids) for s in samples)
         self.on_policy = is_on_policy(samples)
+        # Observation tokens carry no loss: the normalisers count the model's tokens (and sequences with one).
+        self.masked = any(has_loss_mask(s) for s in samples)
+        self.model_tokens = [num_model_tokens(s) for s in samples]
 
     def denom(self, idx: list[int]) -> float:
         if AGG_MODES[self.settings.loss_agg_mode].unit == "token":
-            return sum(len(self.items[i].response_ids) for i in idx)
-        return len(idx)
+            return sum(self.model_tokens[i] for i in idx)
+        return sum(1 for i in idx if self.model_tokens[i] > 0)
+
+    def token_mask(self, rows: list[TrainSample], mask: torch.Tensor) -> torch.Tensor:
+        """The response mask [B, R] of `rows` with their loss masks applied (as is when no sample has one)."""
+        if not self.masked:
+            return mask
+        return mask & (self.layout.padded([loss_mask_of(s) for s in rows], mask.shape[1]) > 0)
 
     def dummy(self) -> TrainSample:
         pad = self.layout.pad_id
@@ -65,6 +84,7 @@ class ActorUpdate(Update):
         layout, width = self.layout, max(len(s.response_ids) for s in rows)
         with layout.amp():
             logp, mask, entropy = self._logprobs([s.prompt_ids for s in rows], [s.response_ids for s in rows])
+        mask = self.token_mask(rows, mask)
         ref = layout.padded([s.ref_logprobs for s in rows], width) if self.use_kl else None
         old = logp.detach() if self.on_policy else layout.padded([s.old_logprobs for s in rows], width)
         return actor_loss(logp, mask, entropy, old, layout.padded([s.advantages for s in rows], width), ref,
@@ -81,6 +101,7 @@ class ActorUpdate(Update):
         layout = self.layout
         input_ids, positions, mask, targets = layout.pp_inputs([s.prompt_ids for s in rows],
                                                                [s.response_ids for s in rows], real)
+        mask = self.token_mask(rows, mask)
         width = positions.shape[1]
 
         def pick(attr: str) -> torch.Tensor:
@@ -107,7 +128,8 @@ class ActorUpdate(Update):
             "entropy_loss": t["entropy_loss"] / num_mini, "loss": t["loss"] / num_mini,
             "entropy": t["entropy"] / max(tokens, 1), "clip_frac": t["clipped"] / max(tokens, 1),
             "approx_kl": t["approx_kl"] / max(tokens, 1),
-            "num_tokens": float(sum(len(s.response_ids) for s in self.items)),
+            # The model's tokens (observation tokens of episodes are not trained on).
+            "num_tokens": float(sum(self.model_tokens)),
             "tokens_per_s": self.epochs * sum(self.lengths) / max(seconds, 1e-9),
             "pipeline_bubble_fraction": self.layout.bubble_fraction(len(self.trained.stages)),
         }

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from services.common.packing import token_layout
+from services.trainer.batch import has_loss_mask, loss_mask_of, num_model_tokens
 from services.trainer.layout import RankLayout
 from services.trainer.losses import aggregate, clipped_value_loss
 from services.trainer.trained import Trained
@@ -28,7 +29,8 @@ def response_values(layout: RankLayout, model: nn.Module, prompts, responses) ->
 
 
 class CriticUpdate(Update):
-    """ppo_epochs over the samples' mini-batches, the loss a token mean over each mini-batch."""
+    """ppo_epochs over the samples' mini-batches, the loss a token mean over each mini-batch's model tokens (a
+    sample's loss mask leaves its observation tokens out of the loss and the metrics)."""
 
     # The value loss (summed over mini-batches); clipped tokens, values and tokens (summed over tokens).
     stat_keys = ("vf_loss", "clipped", "values", "tokens")
@@ -37,9 +39,11 @@ class CriticUpdate(Update):
         super().__init__(layout, trained, samples, epochs=loss.ppo_epochs, mini_batch_size=loss.mini_batch_size,
                          lengths=[len(s.prompt_ids) + len(s.response_ids) for s in samples])
         self.settings = loss
+        self.masked = any(has_loss_mask(s) for s in samples)
+        self.model_tokens = [num_model_tokens(s) for s in samples]
 
     def denom(self, idx: list[int]) -> float:
-        return sum(len(self.items[i].response_ids) for i in idx)
+        return sum(self.model_tokens[i] for i in idx)
 
     def dummy(self) -> CriticSample:
         pad = self.layout.pad_id
@@ -49,9 +53,13 @@ class CriticUpdate(Update):
         layout, width = self.layout, max(len(s.response_ids) for s in rows)
         values, mask = response_values(layout, self.trained.forward, [s.prompt_ids for s in rows],
                                        [s.response_ids for s in rows])
-        returns = layout.padded([s.returns for s in rows], width)
+        if self.masked:
+            mask = mask & (layout.padded([loss_mask_of(s) for s in rows], width) > 0)
+        # Off the mask (padding, observation tokens) the targets are the values themselves: no loss, no nan.
+        here = values.detach()
+        returns = torch.where(mask, layout.padded([s.returns for s in rows], width), here)
         clip = self.settings.clip_value
-        old = layout.padded([s.old_values for s in rows], width) if clip > 0 else values.detach()
+        old = torch.where(mask, layout.padded([s.old_values for s in rows], width), here) if clip > 0 else here
         vf, clipped = clipped_value_loss(values, old, returns, clip_value=clip)
         vf_loss = aggregate(vf, mask, "token-mean", denom=denom)
         with torch.no_grad():
@@ -63,4 +71,4 @@ class CriticUpdate(Update):
         tokens = max(totals["tokens"], 1.0)
         return {"vf_loss": totals["vf_loss"] / num_mini, "vf_clip_frac": totals["clipped"] / tokens,
                 "values_mean": totals["values"] / tokens,
-                "num_tokens": float(sum(len(s.response_ids) for s in self.items))}
+                "num_tokens": float(sum(self.model_tokens))}

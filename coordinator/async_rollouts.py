@@ -1,0 +1,142 @@
+"""Async RL's batches in flight (run.async_mode): while step t scores and trains, the generations of steps
+t+1 .. t+k (k = run.max_staleness) already run, so no sample trains more than k weight versions behind.
+
+Each batch is the prompts at its own data position (step s takes the rollout_batch_size prompts after the
+s-1 committed batches), so the data position stays "prompts consumed by committed steps": a restarted
+coordinator has nothing in flight and generates those batches again, and no prompt is trained twice. A group
+(one prompt's n samples) whose oldest token is staler than k is regenerated on the current weights, or dropped
+with its prompt counted (run.stale_samples). Partial rollouts (rollout.partial_rollouts) let the weight update
+land inside the generations in flight; samples then carry per-token versions and their `weight_version` is the
+oldest one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from coordinator import phases
+from coordinator.context import RunContext
+from coordinator.data import Problem
+from coordinator.remote import Sample
+
+log = logging.getLogger("meshrl.coordinator")
+
+
+@dataclass
+class Batch:
+    """One step's generation in flight."""
+
+    step: int                      # the run step (1-based) that trains on it
+    position: int                  # data position of its first prompt
+    problems: list[Problem]
+    task: asyncio.Task             # -> list[Sample]
+
+
+class InFlight:
+    """The batches in flight of one run context, oldest first (ctx.prefetched)."""
+
+    def __init__(self):
+        self.batches: deque[Batch] = deque()
+
+    def cancel(self) -> None:
+        for b in self.batches:
+            b.task.cancel()
+        self.batches.clear()
+
+
+def _launch(ctx: RunContext, step: int, position: int, problems: list[Problem]) -> Batch:
+    task = asyncio.create_task(phases.generate(ctx, problems, ctx.sampling_at(step),
+                                               partial_rollout=ctx.cfg.rollout.partial_rollouts))
+    # A batch cancelled with its run, or failing after it, must not log "exception never retrieved".
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return Batch(step, position, problems, task)
+
+
+def fill(ctx: RunContext, batch_size: int) -> InFlight:
+    """This step's batch and the next max_staleness ones in flight (launched in step order), each at its own data
+    position. Batches that do not continue the run's committed position (a rollback, a replayed step) are
+    cancelled and generated again."""
+    flight = ctx.prefetched if isinstance(ctx.prefetched, InFlight) else InFlight()
+    ctx.prefetched = flight
+    head = flight.batches[0] if flight.batches else None
+    if head is not None and (head.step, head.position) != (ctx.step + 1, ctx.data.position):
+        log.info("async rollouts: %d batches in flight do not follow step %d (data position %d); generating again",
+                 len(flight.batches), ctx.step, ctx.data.position)
+        flight.cancel()
+    depth = ctx.cfg.run.max_staleness + 1
+    have = len(flight.batches)
+    if have < depth:
+        problems = ctx.data.take(depth * batch_size)
+        for i in range(have, depth):
+            flight.batches.append(_launch(ctx, ctx.step + 1 + i, ctx.data.position + i * batch_size,
+                                          problems[i * batch_size:(i + 1) * batch_size]))
+    return flight
+
+
+async def next_batch(ctx: RunContext, batch_size: int) -> tuple[list[Sample], dict[str, float]]:
+    """This step's samples (none staler than run.max_staleness) and the `async/` metrics; in a synchronous run,
+    a fresh generation."""
+    if not ctx.cfg.run.async_mode:
+        samples = await phases.generate(ctx, ctx.data.take(batch_size))
+        return samples, {k: v for k, v in staleness_metrics(ctx, samples).items() if not k.startswith("async/")}
+    flight = fill(ctx, batch_size)
+    batch = flight.batches[0]
+    try:
+        samples = await batch.task
+    finally:
+        if flight.batches and flight.batches[0] is batch:
+            flight.batches.popleft()
+    samples, counts = await handle_stale(ctx, samples)
+    return samples, {**staleness_metrics(ctx, samples), **counts,
+                     "async/in_flight": float(len(flight.batches))}
+
+
+async def handle_stale(ctx: RunContext, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+    """Groups staler than max_staleness regenerated on the current weights, or dropped (run.stale_samples); a
+    batch whose every group is stale is regenerated whole either way (a step trains on something)."""
+    k = ctx.cfg.run.max_staleness
+    # Staleness: versions between the weights about to be updated and the oldest that produced a token; below 0,
+    # weights the run no longer holds (a rollback).
+    stale = sorted({s.group for s in samples if not 0 <= ctx.weight_version - s.weight_version <= k})
+    counts = {"async/dropped_stale": 0.0, "async/regenerated": 0.0}
+    if not stale:
+        return samples, counts
+    groups = sorted({s.group for s in samples})
+    if ctx.cfg.run.stale_samples == "drop" and len(stale) < len(groups):
+        kept = [s for s in samples if s.group not in set(stale)]
+        counts["async/dropped_stale"] = float(len(samples) - len(kept))
+        log.info("async rollouts: dropped %d stale groups of step %d", len(stale), ctx.step + 1)
+        return kept, counts
+    by_group = {s.group: s.problem for s in samples}
+    fresh = await phases.generate(ctx, [by_group[g] for g in stale], ctx.sampling_at(ctx.step + 1))
+    for s in fresh:
+        s.group = stale[s.group]           # generate numbers the groups of its call from 0
+    counts["async/regenerated"] = float(len(fresh))
+    log.info("async rollouts: regenerated %d stale groups of step %d", len(stale), ctx.step + 1)
+    return sorted([s for s in samples if s.group not in set(stale)] + fresh, key=lambda s: s.group), counts
+
+
+def staleness_metrics(ctx: RunContext, samples: Sequence[Sample]) -> dict[str, float]:
+    """Staleness of the samples about to train, in weight versions behind the weights being updated: per sample
+    (its oldest token) and per token; `async/partial_samples` counts samples whose tokens span several versions."""
+    lags = [ctx.weight_version - s.weight_version for s in samples]
+    token_lag, tokens, partial = 0, 0, 0
+    for s in samples:
+        # Model tokens only: an episode's observation tokens were not sampled by any weights.
+        model = np.ones(len(s.response_ids), dtype=bool) if s.loss_mask is None else np.asarray(s.loss_mask) > 0
+        n = int(model.sum())
+        if s.weight_versions is not None:
+            versions = np.asarray(s.weight_versions)[model]
+            token_lag += int(np.sum(ctx.weight_version - versions))
+            partial += int(len(set(versions.tolist())) > 1)
+        else:
+            token_lag += (ctx.weight_version - s.weight_version) * n
+        tokens += n
+    return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
+            "staleness_token_mean": token_lag / max(tokens, 1), "async/partial_samples": float(partial)}
