@@ -87,7 +87,7 @@ class Localizer:
 
 def plan(model: dict, redis_url: str, app_dir: Path, logs: Path, prefix: str) -> list[Service]:
     services = model["services"]
-    order = ["trainer", "reference", "reward", "rollout", "coordinator"]
+    order = ["trainer", "reference", "reward", "env", "rollout", "coordinator"]
     # `run` (the one-shot driver that starts the recipe) is left out: this test starts its own run;
     # tests/integration/test_compose_up.py runs the real thing
     assert set(order) | {"redis", "run"} == set(services)
@@ -108,6 +108,9 @@ def plan(model: dict, redis_url: str, app_dir: Path, logs: Path, prefix: str) ->
             if env.get("MESHRL_SERVER__HOST") == "0.0.0.0":
                 env["MESHRL_SERVER__HOST"] = "127.0.0.1"
             env["MESHRL_SERVER__PORT"] = str(port)
+            # Each container has the metrics port to itself; here every process shares loopback: any free port.
+            if "MESHRL_SERVER__METRICS_PORT" in env:
+                env["MESHRL_SERVER__METRICS_PORT"] = "0"
             test = svc["healthcheck"]["test"]
             assert test[0] == "CMD", f"{name}: health check must be an exec form"
             planned.append(Service(f"{name}-{i}", loc.argv(svc["command"], name, port), {**base_env, **env},
