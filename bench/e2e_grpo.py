@@ -18,6 +18,11 @@ batches in flight (run.async_mode, run.max_staleness K), `--partial continue|pau
 `--correction bypass|decoupled` algorithm.rollout_correction.mode; `--lengths longtail` stops each sample at a
 length drawn from a lognormal (median --length-median, capped at --length-cap new tokens: bench/peers/long_tail.py)
 instead of the shape's fixed max_new_tokens.
+
+Placement (`--placement`, with --device cuda): `shared` runs every service on the first visible GPU (weights through
+CUDA IPC); `split` runs the rollout replicas on the second GPU (CUDA_VISIBLE_DEVICES=1, as `meshrl up
+--rollout.devices 1`) and trainer, reference and reward on the first, the weights through NCCL (`--weight-transport`
+overrides), so generation and training no longer time-slice one device.
 """
 
 from __future__ import annotations
@@ -48,7 +53,17 @@ TIMING_MODULE = "bench.peers.mesh_timing"
 PHASES = ("generate", "reward", "reference", "old_logprobs", "train", "weight_sync")
 
 
-def recipe(s: dict, *, device: str, run_dir: Path, rollout_replicas: int) -> dict:
+# --placement: the index, among the GPUs this process sees, of each role's GPU (absent = inherit all)
+PLACEMENTS = {"shared": {}, "split": {"trainer": 0, "reference": 0, "reward": 0, "rollout": 1}}
+
+
+def placement_devices(name: str) -> dict[str, str]:
+    """Each role's CUDA_VISIBLE_DEVICES for --placement, as `meshrl up --<role>.devices` sets it."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return {role: visible[i] if visible else str(i) for role, i in PLACEMENTS[name].items()}
+
+
+def recipe(s: dict, *, device: str, run_dir: Path, rollout_replicas: int, weight_transport: str = "ipc") -> dict:
     """The run config of the shared settings: examples/arith/grpo.yaml's keys, spelled out."""
     rows = s["prompts_per_step"] * s["n"]
     cuda = device == "cuda"
@@ -63,8 +78,8 @@ def recipe(s: dict, *, device: str, run_dir: Path, rollout_replicas: int) -> dic
         "actor": {"lr": s["lr"], "grad_clip": s["grad_clip"], "weight_decay": s["weight_decay"],
                   "betas": list(s["adam_betas"]), "eps": s["adam_eps"], "lr_schedule": s["lr_schedule"],
                   **({"param_dtype": "float32", "dtype": "bfloat16", "weight_sync_dtype": "bfloat16"} if cuda else {})},
-        # One GPU: the replica copies the trainer's staged weights through CUDA IPC (no host round trip).
-        **({"weight_sync": {"transport": "ipc"}} if cuda else {}),
+        # One GPU: the replica copies the trainer's staged weights through CUDA IPC (no host round trip); two: NCCL.
+        **({"weight_sync": {"transport": weight_transport}} if cuda else {}),
         "reward": {"components": [{"name": "exact_match", "weight": 1.0}]},
         "reference": {"replicas": 1},
         "algorithm": {"adv_estimator": "grpo", "norm_adv_by_std": s["scale_rewards_by_group_std"],
@@ -98,7 +113,7 @@ class TimedLauncher(Launcher):
 
 
 def run_mesh(data: dict, config_path: Path, log_dir: Path, *, instrument: bool, threads: int,
-             trainer_threads: int | None = None) -> tuple[str, float]:
+             trainer_threads: int | None = None, devices: dict[str, str] | None = None) -> tuple[str, float]:
     """Starts the mesh, runs `data` to the end; returns the run directory and the start-up seconds."""
     from coordinator.cli import _with_addresses
     from coordinator.client import Client
@@ -107,8 +122,11 @@ def run_mesh(data: dict, config_path: Path, log_dir: Path, *, instrument: bool, 
     with TimedLauncher(str(config_path), log_dir=log_dir, num_threads=threads, instrument=instrument) as la:
         # `meshrl serve trainer --model.num_threads N`: the trainer alone may take more threads than the rest.
         trainer_args = ["--model.num_threads", str(trainer_threads)] if trainer_threads else []
-        children = [la.start("trainer", extra_args=trainer_args), la.start("reference"), la.start("reward")]
-        children += [la.start("rollout", i) for i in range(data["rollout"]["replicas"])]
+        dev = devices or {}
+        children = [la.start("trainer", extra_args=trainer_args, devices=dev.get("trainer", "")),
+                    la.start("reference", devices=dev.get("reference", "")),
+                    la.start("reward", devices=dev.get("reward", ""))]
+        children += [la.start("rollout", i, devices=dev.get("rollout", "")) for i in range(data["rollout"]["replicas"])]
         children.append(la.start("coordinator"))
         addresses: dict[str, list[str]] = {}
         for c in children:
@@ -292,6 +310,8 @@ def async_settings(args, data: dict) -> dict:
 
 
 def cmd_run(args) -> None:
+    if args.placement == "split" and args.device != "cuda":
+        raise SystemExit("--placement split: needs --device cuda (rollout on the second GPU)")
     s = settings(args.shape, steps=args.steps, warmup_steps=args.warmup_steps, sampling_seed=args.seed)
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
@@ -305,14 +325,17 @@ def cmd_run(args) -> None:
     if args.rollout_replicas is None:
         args.rollout_replicas = 1 if args.device == "cuda" else 2
     workload = workload_settings(args, s)
-    data = recipe(s, device=args.device, run_dir=run_root / "runs", rollout_replicas=args.rollout_replicas)
+    transport = args.weight_transport or ("nccl" if args.placement == "split" else "ipc")
+    data = recipe(s, device=args.device, run_dir=run_root / "runs", rollout_replicas=args.rollout_replicas,
+                  weight_transport=transport)
     mode = async_settings(args, data)
     config_path = run_root / "e2e_grpo.yaml"
     run_root.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(data, sort_keys=False))
     t0 = time.perf_counter()
     run_dir, startup = run_mesh(data, config_path, run_root / "logs", instrument=not args.no_instrument,
-                                threads=args.threads, trainer_threads=args.trainer_threads)
+                                threads=args.threads, trainer_threads=args.trainer_threads,
+                                devices=placement_devices(args.placement))
     import torch
     import transformers
 
@@ -320,7 +343,8 @@ def cmd_run(args) -> None:
                           "python": platform.python_version()},
              "device": args.device, "threads_per_service": args.threads, "trainer_threads": args.trainer_threads or args.threads, "rollout_replicas": args.rollout_replicas,
              "instrumented": not args.no_instrument, "startup_seconds": startup,
-             "seconds_total": time.perf_counter() - t0, "recipe": data, "workload": workload, "mode": mode}
+             "seconds_total": time.perf_counter() - t0, "recipe": data, "workload": workload, "mode": mode,
+             "placement": args.placement}
     result = summarize_run(Path(run_dir), load_timing(timing_dir), s, extra)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
@@ -525,6 +549,10 @@ def main(argv=None) -> None:
     r.add_argument("--partial", choices=["continue", "pause"], help="rollout.partial_rollouts (with --async-k)")
     r.add_argument("--correction", choices=["off", "bypass", "decoupled"], default="off",
                    help="algorithm.rollout_correction.mode")
+    r.add_argument("--placement", choices=sorted(PLACEMENTS), default="shared",
+                   help="shared: every service on one GPU; split: rollout on cuda:1, the rest on cuda:0")
+    r.add_argument("--weight-transport", choices=["ipc", "nccl", "grpc"],
+                   help="weight_sync.transport on cuda (default ipc, nccl with --placement split)")
     r.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "meshrl-bench")
     r.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("combine", help="merge meshrl and TRL run outputs into one result JSON")

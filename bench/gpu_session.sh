@@ -3,8 +3,8 @@
 # transformers 5.17, CuPy); each named part writes its log and JSON under $OUT.
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
-#   parts: versions gputests decodetests packtests wstest wgather fit meshtests multigpu rollout episodes decode mfu packing reference wsipc spy
-#          meshrl trl trllong asyncbench asynctests bundle
+#   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc spy
+#          meshrl trl trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
 #   (bench/async_rl.py; ~6 e2e runs, split the workloads over two calls when STEPS is large):
 #     STEPS=8 WARMUP=2 bench/gpu_session.sh asynctests asyncbench bundle
@@ -13,6 +13,8 @@
 #     STEPS=8 WARMUP=2 bench/gpu_session.sh trl trllong bundle
 #     tar xzf async-runs.tgz && python bench/async_rl.py combine --out-dir async --trl-fixed trl.json \
 #         --trl-longtail trl_longtail.json --out bench/results/async_gpu.json
+#   two GPUs (rollout on cuda:1, trainer and reference on cuda:0; weights through NCCL, SPLIT_TRANSPORT=grpc if not):
+#     STEPS=8 WARMUP=2 bench/gpu_session.sh splittests asyncsplit bundle     # -> async_gpu_split.json
 #   the figures of the docs at HEAD (bench/README.md, "Keeping figures honest"): two calls of < 10 minutes,
 #     MESHRL_COMMIT=<short sha> bench/gpu_session.sh versions rollout decode mfu bundle
 #     MESHRL_COMMIT=<short sha> STEPS=8 WARMUP=2 bench/gpu_session.sh meshrl trl bundle
@@ -97,6 +99,9 @@ for what in "$@"; do
              # the bucketed gather to the sender (services/trainer/gather.py)
       part wgather 300 python3 -m torch.distributed.run --standalone --nproc_per_node="$(nvidia-smi -L | wc -l)" \
         bench/weight_gather.py --size "${WGATHER_SIZE:-1.5b}" --out "$OUT/weight_gather_gpu.json" ;;
+    wgathercpu) # the same comparison at 1.5B on this host's CPUs (gloo, 4 ranks): for when one GPU is all there is
+      CUDA_VISIBLE_DEVICES= part wgathercpu 300 python3 -m torch.distributed.run --standalone --nproc_per_node=4 \
+        bench/weight_gather.py --size "${WGATHER_SIZE:-1.5b}" --out "$OUT/weight_gather_cpu_1.5b.json" ;;
     fit) # the largest Qwen2.5 shape whose GRPO actor step (AdamW, bf16 compute, fp32 master, checkpointing on,
          # 8 x 2,048 tokens) fits one GPU, full fine-tuning and LoRA (bench/trainer_fit.py)
       part fit 560 python3 bench/trainer_fit.py --sizes "${FIT_SIZES:-0.5b,1.5b,3b,7b}" --out "$OUT/trainer_fit_gpu.json" ;;
@@ -128,6 +133,16 @@ for what in "$@"; do
         $([ -f "$OUT/trl.json" ] && echo --trl-fixed "$OUT/trl.json") \
         $([ -f "$OUT/trl_longtail.json" ] && echo --trl-longtail "$OUT/trl_longtail.json") > "$OUT/asynccombine.log" 2>&1
       (cd "$WORK" && tar czf "$OUT/async-runs.tgz" async meshrl-*/runs/*/metrics.jsonl 2>/dev/null) ;;
+    splittests) part splittests 400 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_async_two_gpu.py ;;
+    asyncsplit)  # the same runs with the rollout on its own GPU: the step approaches max(generate, train)
+      if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then echo "asyncsplit: needs 2 GPUs" | tee "$OUT/asyncsplit.log"; continue; fi
+      part asyncsplit 580 python3 bench/async_rl.py run --device cuda --shape qwen2.5-0.5b --placement split \
+        --weight-transport "${SPLIT_TRANSPORT:-nccl}" --workloads "${ASYNC_WORKLOADS:-fixed,longtail}" \
+        --modes "${ASYNC_MODES:-sync,k1,k2}" --steps "$STEPS" --warmup-steps "$WARMUP" --threads "$OMP_NUM_THREADS" \
+        --work-dir "$WORK" --out-dir "$WORK/asyncsplit"
+      python3 bench/async_rl.py combine --out-dir "$WORK/asyncsplit" --out "$OUT/async_gpu_split.json" \
+        > "$OUT/asyncsplitcombine.log" 2>&1
+      (cd "$WORK" && tar czf "$OUT/asyncsplit-runs.tgz" asyncsplit 2>/dev/null) ;;
     trllong) PYTHONPATH="$PWD:/tmp/site-trl:/tmp/site" part trllong 560 python3 bench/peers/trl_grpo.py --device cuda \
                --shape qwen2.5-0.5b --steps "$STEPS" --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" \
                --lengths longtail --work-dir "$WORK" --out "$OUT/trl_longtail.json" ;;
@@ -136,7 +151,7 @@ for what in "$@"; do
            --work-dir "$WORK" --out "$OUT/trl.json" ;;
     bundle)  # the device tool brings back at most 8 files: the logs travel as one archive
       wait
-      (cd "$OUT" && tar czf logs.tgz --remove-files $(ls -d *.log meshrl-logs.tgz multi-logs.tgz async-runs.tgz spy 2>/dev/null)) ;;
+      (cd "$OUT" && tar czf logs.tgz --remove-files $(ls -d *.log meshrl-logs.tgz multi-logs.tgz async-runs.tgz asyncsplit-runs.tgz spy 2>/dev/null)) ;;
     *) echo "gpu_session.sh: unknown part $what" >&2; exit 2 ;;
   esac
 done

@@ -51,7 +51,8 @@ async def generate(ctx: RunContext, problems: Sequence[Problem], sampling: Sampl
 
         async def generate_on(stub):
             if wants_episodes(ctx.cfg.rollout.agent, ps):   # multi-turn: played in the replica
-                samples = await remote.generate_episodes(stub, ps, gs, sampling, ctx.cfg.rollout.agent)
+                samples = await remote.generate_episodes(stub, ps, gs, sampling, ctx.cfg.rollout.agent,
+                                                         partial_rollout=partial_rollout)
             else:
                 samples = await remote.generate(stub, ps, gs, sampling, partial_rollout=partial_rollout)
             # the replica that answered (the pool may have moved the chunk off `replica`)

@@ -111,14 +111,14 @@ async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sam
 
 
 async def generate_episodes(stub, problems: Sequence[Problem], groups: Sequence[int], sampling: SamplingParams,
-                            agent: AgentConfig) -> list[Sample]:
+                            agent: AgentConfig, *, partial_rollout: str = "off") -> list[Sample]:
     """n multi-turn episodes per problem, played in the rollout replica (GenerateEpisodes): each one a Sample whose
     loss_mask marks the model's tokens and whose `episode` holds end_reason and the turn and tool counts."""
     prompts = [EpisodePrompt(id=f"{p.id}@{g}", text="" if p.messages or p.prompt_ids else p.prompt,
                              prompt_ids=[] if p.messages else list(p.prompt_ids), messages=list(p.messages),
                              agent_name=p.agent_name, tools_kwargs=_tools_kwargs(p))
                for p, g in zip(problems, groups)]
-    response = await stub.GenerateEpisodes(episodes_request_to_pb(prompts, sampling, agent))
+    response = await stub.GenerateEpisodes(episodes_request_to_pb(prompts, sampling, agent, partial_rollout))
     if [len(g.episodes) for g in response.groups] != [sampling.n] * len(problems):
         raise RuntimeError(f"rollout returned {[len(g.episodes) for g in response.groups]} episodes for "
                            f"{len(problems)} prompts, expected {sampling.n} each")

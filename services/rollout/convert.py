@@ -185,8 +185,8 @@ def episode_prompts_from_pb(request: rollout_pb2.GenerateEpisodesRequest) -> lis
     return out
 
 
-def episodes_request_to_pb(prompts: list[EpisodePrompt], sampling: SamplingParams,
-                           agent: AgentConfig) -> rollout_pb2.GenerateEpisodesRequest:
+def episodes_request_to_pb(prompts: list[EpisodePrompt], sampling: SamplingParams, agent: AgentConfig,
+                           partial_rollout: str = "off") -> rollout_pb2.GenerateEpisodesRequest:
     return rollout_pb2.GenerateEpisodesRequest(
         prompts=[rollout_pb2.EpisodePrompt(
             id=p.id, text=p.text, prompt_ids=p.prompt_ids,
@@ -194,7 +194,7 @@ def episodes_request_to_pb(prompts: list[EpisodePrompt], sampling: SamplingParam
             agent_name=p.agent_name,
             tools_kwargs_json=json.dumps(p.tools_kwargs, ensure_ascii=False) if p.tools_kwargs else "")
             for p in prompts],
-        sampling=sampling_to_pb(sampling), agent=agent_to_pb(agent))
+        sampling=sampling_to_pb(sampling), agent=agent_to_pb(agent), partial_rollout=partial_rollout)
 
 
 def episodes_to_pb(groups: list[EpisodeGroup]) -> rollout_pb2.GenerateEpisodesResponse:

@@ -56,7 +56,8 @@ from services.rollout.config import AGENT_ALIASES, AgentConfig
 from services.rollout.env_client import EnvClient
 from services.rollout.function_calling import render_messages
 from services.rollout.types import (END_REASONS, AgentLimits, Episode, EpisodeGroup, EpisodePrompt,  # noqa: F401
-                                    GenerateBatch, PromptInput, RolloutEngine, SampleResult, SamplingParams)
+                                    GenerateBatch, PARTIAL_ROLLOUTS, PromptInput, RolloutEngine, SampleResult,
+                                    SamplingParams)
 
 log = logging.getLogger("meshrl.rollout.episodes")
 
@@ -200,9 +201,10 @@ class TurnBatcher:
                 return
             await asyncio.sleep(0)   # the episode that came back queues its turn
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> SampleResult:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       partial_rollout: str = "off") -> SampleResult:
         future = asyncio.get_running_loop().create_future()
-        self._queue.append((list(prompt_ids), sampling, future))
+        self._queue.append((list(prompt_ids), sampling, partial_rollout, future))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
         return await future
@@ -213,17 +215,18 @@ class TurnBatcher:
             await self._gather()
             ready, self._queue = self._queue, []
             self.num_ticks += 1
-            groups: dict[str, tuple[SamplingParams, list[tuple[list[int], asyncio.Future]]]] = {}
-            for ids, sampling, future in ready:
-                groups.setdefault(repr(sampling), (sampling, []))[1].append((ids, future))
-            await asyncio.gather(*(self._call(s, turns) for s, turns in groups.values()))
+            groups: dict[tuple[str, str], list[tuple[list[int], asyncio.Future]]] = {}
+            for ids, sampling, partial, future in ready:
+                groups.setdefault((repr(sampling), partial), [sampling, partial, []])[2].append((ids, future))
+            await asyncio.gather(*(self._call(*g) for g in groups.values()))
 
-    async def _call(self, sampling: SamplingParams, turns: list[tuple[list[int], asyncio.Future]]) -> None:
+    async def _call(self, sampling: SamplingParams, partial_rollout: str,
+                    turns: list[tuple[list[int], asyncio.Future]]) -> None:
         self.num_calls += 1
         start = time.perf_counter()
         try:
             results = await self.engine.generate(GenerateBatch([PromptInput(prompt_ids=ids) for ids, _ in turns],
-                                                               sampling))
+                                                               sampling, partial_rollout=partial_rollout))
             self._last_call_s = time.perf_counter() - start
         except Exception as e:  # noqa: BLE001 - handed to every episode of the call
             for _, future in turns:
@@ -256,6 +259,7 @@ class EpisodeContext:
     native_tools: bool = False          # the chat template renders tools and tool turns itself
     tools_kwargs: dict[str, Any] = field(default_factory=dict)
     program: str = ""                   # openai_agent: the agent program, `package.module:function`
+    partial_rollout: str = "off"        # GenerateEpisodesRequest.partial_rollout: of every turn's engine call
 
     def budget(self, rec: EpisodeRecorder) -> int:
         """New tokens the next turn may take: the per-turn limit, what is left of the episode's, and of the model's
@@ -270,7 +274,7 @@ class EpisodeContext:
         sampling = self.sampling
         if max_tokens is not None and max_tokens != sampling.max_tokens:
             sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
-        return await self.batcher.generate(list(ids), sampling)
+        return await self.batcher.generate(list(ids), sampling, self.partial_rollout)
 
     def recorder(self, prompt_ids: Sequence[int]) -> EpisodeRecorder:
         """The record of an episode starting at `prompt_ids`; a prompt leaving the model no room is a ValueError."""
@@ -347,13 +351,15 @@ class EpisodeRunner:
         # Why there is no env client ("" = the settings name no env replicas).
         self.env_missing = env_missing
 
-    async def run(self, prompts: Sequence[EpisodePrompt], sampling: SamplingParams,
-                  agent: AgentConfig) -> list[EpisodeGroup]:
+    async def run(self, prompts: Sequence[EpisodePrompt], sampling: SamplingParams, agent: AgentConfig, *,
+                  partial_rollout: str = "off") -> list[EpisodeGroup]:
         tokenizer = getattr(self.engine, "tokenizer", None)
         if tokenizer is None:
             raise ValueError("GenerateEpisodes: this replica has no tokenizer (episodes need its chat template)")
         if not prompts:
             raise ValueError("prompts: give at least one prompt")
+        if partial_rollout not in PARTIAL_ROLLOUTS:
+            raise ValueError(f"partial_rollout: must be one of {', '.join(PARTIAL_ROLLOUTS)}, got {partial_rollout!r}")
         names = [p.agent_name or agent.name or "single_turn" for p in prompts]
         loops = [agent_loop(n, f"prompts[{i}].agent_name" if p.agent_name else "rollout.agent.name")
                  for i, (n, p) in enumerate(zip(names, prompts))]
@@ -369,7 +375,7 @@ class EpisodeRunner:
                     limits=agent.limits(self.max_tokens),
                     parser=load_parser(agent.tool_call_parser or self.tool_call_parser),
                     environment=agent.environment or "", environment_deterministic=agent.environment_deterministic,
-                    program=agent.program or "",
+                    program=agent.program or "", partial_rollout=partial_rollout,
                     max_model_len=self.engine.info().get("max_model_len"),
                     native_tools="tools" in (getattr(tokenizer, "chat_template", None) or "")
                     and "tool_calls" in (getattr(tokenizer, "chat_template", None) or ""))

@@ -42,7 +42,8 @@ async def openai_agent(ctx, prompt: PromptInput, sampling: SamplingParams) -> Ep
     program = load_program(ctx.program)
     endpoint = serving_endpoint(ctx.batcher.engine)
     session_id = f"episode-{ctx.episode_id}"
-    session = endpoint.sessions.open(session_id, sampling=sampling, limits=ctx.limits)
+    session = endpoint.sessions.open(session_id, sampling=sampling, limits=ctx.limits,
+                                     partial_rollout=ctx.partial_rollout)
     try:
         answer = await _play(program, f"{endpoint.base_url}/sessions/{session_id}/v1", _row(prompt, ctx),
                              endpoint.api_key, session)

@@ -41,7 +41,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def GenerateEpisodes(self, request, context):
         agent = convert.agent_from_pb(request.agent, self.defaults.agent)
         sampling = convert.sampling_from_pb(request.sampling if request.HasField("sampling") else None, self.defaults)
-        groups = await self.episodes.run(convert.episode_prompts_from_pb(request), sampling, agent)
+        groups = await self.episodes.run(convert.episode_prompts_from_pb(request), sampling, agent,
+                                         partial_rollout=request.partial_rollout or "off")
         return convert.episodes_to_pb(groups)
 
     async def ComputeLogProbs(self, request, context):

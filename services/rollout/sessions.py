@@ -100,6 +100,7 @@ class Session:
     # temperature, top_p and seed win over the agent's) and the episode limits. None: the request's, no limits.
     sampling: SamplingParams | None = None
     limits: AgentLimits | None = None
+    partial_rollout: str = "off"        # the openai_agent episode's (GenerateEpisodesRequest.partial_rollout)
     # Why the session refuses further turns ("" = it does not): max_turns or length.
     ended: str = ""
     num_requests: int = 0
@@ -155,7 +156,8 @@ class Session:
             raise ValueError(f"messages: the session's prompt is {len(plan.prompt_ids)} tokens; the model takes "
                              f"{limit} at most")
         prompt = PromptInput(id=self.session_id, prompt_ids=plan.prompt_ids)
-        results = await engine.generate(GenerateBatch([prompt], self._sampling(sampling, plan)))
+        results = await engine.generate(GenerateBatch([prompt], self._sampling(sampling, plan),
+                                                      partial_rollout=self.partial_rollout))
         sample = results[0].samples[0]
         answer, _ = calling.message(sample.text)
         self.record(plan, sample, messages, answer, calling.tools, engine.tokenizer)
@@ -211,13 +213,13 @@ class SessionStore:
         return len(self._sessions)
 
     def open(self, session_id: str, *, sampling: SamplingParams | None = None,
-             limits: AgentLimits | None = None) -> Session:
+             limits: AgentLimits | None = None, partial_rollout: str = "off") -> Session:
         """The session of this id, made when it does not exist yet (a user's agent picks its own id)."""
         check_session_id(session_id)
         self._expire()
         session = self._sessions.pop(session_id, None)
         if session is None:
-            session = Session(session_id, sampling=sampling, limits=limits)
+            session = Session(session_id, sampling=sampling, limits=limits, partial_rollout=partial_rollout)
             while len(self._sessions) >= self.max_sessions:
                 self._sessions.pop(next(iter(self._sessions)))
         session.touched = time.monotonic()

@@ -128,14 +128,16 @@ class EpisodePrompt(_message.Message):
     def __init__(self, id: _Optional[str] = ..., text: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., messages_json: _Optional[str] = ..., agent_name: _Optional[str] = ..., tools_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class GenerateEpisodesRequest(_message.Message):
-    __slots__ = ("prompts", "sampling", "agent")
+    __slots__ = ("prompts", "sampling", "agent", "partial_rollout")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_ROLLOUT_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[EpisodePrompt]
     sampling: SamplingParams
     agent: AgentSpec
-    def __init__(self, prompts: _Optional[_Iterable[_Union[EpisodePrompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., agent: _Optional[_Union[AgentSpec, _Mapping]] = ...) -> None: ...
+    partial_rollout: str
+    def __init__(self, prompts: _Optional[_Iterable[_Union[EpisodePrompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., agent: _Optional[_Union[AgentSpec, _Mapping]] = ..., partial_rollout: _Optional[str] = ...) -> None: ...
 
 class EpisodeInfo(_message.Message):
     __slots__ = ("text", "end_reason", "num_turns", "num_tool_calls", "num_tool_errors", "env_reward", "env_metrics", "prompt_ids")
