@@ -82,8 +82,9 @@ SETTINGS: dict[str, Setting] = {
     "rollout.*": Setting(FIXED, "rollout", "read when the replica starts"),
     **{f"rollout.{k}": _SAMPLING for k in SAMPLING_KEYS},
     **{f"rollout.agent.{k}": _AGENT for k in AgentConfig.model_fields},
-    "rollout.partial_rollouts": Setting(RUN, "rollout", "GenerateRequest.partial_rollout of the run's training "
-                                                        "batches (async mode)"),
+    "rollout.partial_rollouts": Setting(RUN, "rollout", "GenerateRequest.partial_rollout and "
+                                                        "GenerateEpisodesRequest.partial_rollout of the run's training "
+                                                        "batches (async mode; every engine call of an episode)"),
     "reward.*": Setting(FIXED, "reward", "read when the replica starts (workers, user functions, models)"),
     "reward.components": Setting(RUN, "reward", "built-in rules travel with every Score request; a list that "
                                                 "differs from a replica's and holds a reward model or a user "

@@ -146,6 +146,10 @@ class RolloutConfig(PoolConfig):
     # With cuda_graphs: attention over each row's filled cache slots only, in one Triton kernel per layer
     # (services/rollout/decode_attention.py), instead of torch ops over the whole length bucket.
     cuda_graph_triton_attention: bool = True
+    # With cuda_graphs: requests that arrive while a graph decode runs join it in the batch rows of ended rows, and
+    # each request is answered as soon as its rows ended (services/rollout/continuous.py; unseeded requests without
+    # stop strings). The KV cache then has room for joiners: prompt + twice the longest budget per row.
+    continuous_batching: bool = True
     # A run's partial rollouts (run.async_mode): a weight update lands between two decode steps of the batches in
     # flight instead of waiting for them to end, each token tagged with its version: `continue` goes on over the
     # KV cache the old weights computed, `pause` recomputes the running rows' KV cache with the new weights first

@@ -23,6 +23,9 @@ step. Only seeded rows in a batch that needs top-p (the torch sampler, drawing f
 or without the Triton sampler, stay on the engine's eager loop (`serves`).
 Weight swaps that copy into the parameters in place keep the captured graphs valid; when parameters
 move (swapped by reference), the next decode captures again.
+
+Continuous batching (`join`, services/rollout/decode_join.py): at each sync, rows that arrived meanwhile take
+the batch rows of rows that ended; `budget` holds each row's absolute end step, so the captured step is the same.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from services.rollout import decode_attention, fused_sample
+from services.rollout import decode_attention, decode_join, fused_sample
+from services.rollout.decode_join import Joiner, Room
 from services.rollout.sampling import left_padded, top_p_filter
 
 log = logging.getLogger("meshrl.rollout")
@@ -100,12 +104,12 @@ class _State:
     slot: torch.Tensor                    # [1] cache slot of the token being fed (same for every row)
     step: torch.Tensor                    # [1] index of the token being sampled
     pad: torch.Tensor                     # [B] first valid cache slot (left padding)
-    budget: torch.Tensor                  # [B] new tokens a row may produce
+    budget: torch.Tensor                  # [B] the step a row ends at, at the latest (start + its budget)
     temperature: torch.Tensor             # [B]
     top_p: torch.Tensor                   # [B]
     out_tok: torch.Tensor                 # [B, S]
     out_lp: torch.Tensor                  # [B, S] fp32 raw log-probs
-    length: torch.Tensor                  # [B] tokens produced when done
+    length: torch.Tensor                  # [B] the step after its last token, when done (start + tokens)
     stopped: torch.Tensor                 # [B] ended by eos
     done: torch.Tensor                    # [B]
     slots: torch.Tensor                   # [S] arange
@@ -207,7 +211,7 @@ class GraphDecoder:
         # concatenated copies of the weights, refreshed from the model at every decode call (~50 MB at 0.5B),
         # so weight updates of any kind are seen. Only where all three have a bias or none has.
         self._qkv = self._qkv_buffers()
-        self.stats = {"graphs_captured": 0, "replays": 0}
+        self.stats = {"graphs_captured": 0, "replays": 0, "joined_rows": 0}
 
     # ---- public
 
@@ -221,11 +225,17 @@ class GraphDecoder:
     @torch.inference_mode()
     def decode(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], temperatures: Sequence[float],
                top_ps: Sequence[float], *, seeds: Sequence[int | None] | None = None, top_logprobs: int = 0,
-               stop_check: StopCheck | None = None, between_steps: Callable[[int], None] | None = None) -> Decoded:
+               stop_check: StopCheck | None = None, between_steps: Callable[[int], None] | None = None,
+               join: Callable[[Room], Sequence[Joiner]] | None = None,
+               ended: Callable[[dict[int, tuple]], None] | None = None) -> Decoded:
         """Tokens, raw log-probs, ended-by-eos-or-stop flags and (top_logprobs > 0) each step's top
         (id, log-prob) pairs of each row. seeds: a row's Philox key (None: drawn); stop_check(row, tokens, since):
         whether that row's response now holds a stop string. between_steps(i): called at each sync after step i
-        (partial rollouts land weight swaps there: weights copied in place, then refresh_weights())."""
+        (partial rollouts land weight swaps there: weights copied in place, then refresh_weights()).
+        join(room): at each sync, unseeded rows to add (at most room.free; room.takes and fits them); they get ids
+        after the ones before, and the decode runs until no row runs and none joins. ended({id: (tokens,
+        logprobs, stopped, top)}): rows as they end (with join; top then holds every recorded pair, TOP_K). Not
+        with stop_check (its scans start at step 0)."""
         R = len(prompts)
         assert 0 < R <= self.max_batch_size
         if self.use_graphs and self._weights_signature() != self._param_ptrs:
@@ -234,11 +244,13 @@ class GraphDecoder:
             self.reset()
             self._param_ptrs = self._weights_signature()
         self._refresh_qkv()
+        if stop_check is not None:
+            join = None
         uniq: dict[tuple[int, ...], int] = {}
         fan = [uniq.setdefault(tuple(q), len(uniq)) for q in prompts]
         L = max(len(q) for q in uniq)
         T = max(budgets)
-        st = self._state(_bucket_batch(R, self.max_batch_size), _bucket_len(L + T))
+        st = self._state(_bucket_batch(R, self.max_batch_size), _bucket_len(L + (2 * T if join else T)))
         k = min(top_logprobs, TOP_K, self.vocab_size)
         if k and st.top_ids is None:
             st.top_ids = torch.zeros((st.B, st.S, min(TOP_K, self.vocab_size)), dtype=torch.long, device=self.device)
@@ -246,6 +258,8 @@ class GraphDecoder:
         mode = (self._mode(temperatures, top_ps), bool(k))
         graph = self._graph(st, mode) if self.use_graphs else None
         self._prefill(st, list(uniq), fan, L, budgets, temperatures, top_ps, seeds)
+        if join is not None:
+            return Decoded(*decode_join.decode(self, st, mode, graph, L, R, budgets, between_steps, join, ended))
         scan = _StopScan(st, R, stop_check) if stop_check is not None else None
         for i in range(T):
             if graph is not None:

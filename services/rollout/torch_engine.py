@@ -2,7 +2,8 @@
 
 Left padding and a KV cache, so that every sampled token's log-prob is the raw-model log-prob the
 trainer will recompute; requests that queue while one decodes are decoded together, and weight swaps
-land whole between decodes, or (partial rollouts) between two decode steps of a running one.
+land whole between decodes, or (partial rollouts) between two decode steps of a running one. With CUDA graphs
+and rollout.continuous_batching, requests that arrive mid-decode join it (services/rollout/continuous.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from services.common.modeling import batched_logprobs, load_causal_lm, set_threa
 from services.common.weight_transport import receive_host
 from services.common.weights import Manifest, apply_weights, check_against, named_weights
 from services.rollout.config import RolloutSettings
+from services.rollout.continuous import Flight, answer_of, fill_row, graph_decode
 from services.rollout.local_model import LocalModelEngine, find_eos_ids, model_len_limit, try_tokenizer
 from services.rollout.sampling import left_padded, row_generator, sample_tokens
 from services.rollout.types import (GenerateBatch, PromptResult, SampleResult, SamplingParams,
@@ -44,6 +46,7 @@ class _Row:
     text: str | None = None                       # set when a stop string cut it
     top: list[list[tuple[int, float]]] | None = None
     version: int = 0                              # the weight version its decode started on
+    start: int = 0                                # the decode step of its first token (a row that joined later)
     # (first token index, version) of each weight swap that landed while it decoded (partial rollouts)
     swaps: list[tuple[int, int]] = field(default_factory=list)
 
@@ -164,12 +167,14 @@ class TorchEngine(LocalModelEngine):
         # One torch job at a time (generation, scoring, weight swap): a swap lands mid-generation only in the
         # decode thread itself, between two steps of a partial-rollout batch (_swap, _between_steps).
         self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
-        self._pending: list[_Job] = []
+        self._pending: list[_Job] = []            # a running decode's thread takes joiners from it too
+        self._pending_mutex = threading.Lock()
+        self._runs: set[asyncio.Task] = set()     # decodes in flight (each holds the lock until it ends)
         # Weight swaps posted by updates, which a partial-rollout decode runs between two of its steps.
         self._swaps: list[_Swap] = []
         self._swaps_mutex = threading.Lock()
         self.stats = {"requests": 0, "decode_batches": 0, "samples": 0, "generated_tokens": 0,
-                      "swaps_mid_generation": 0}
+                      "swaps_mid_generation": 0, "joined_rows": 0}
         self._graph_decoder = None
         if r.cuda_graphs:
             if not str(self.device).startswith("cuda"):
@@ -203,18 +208,61 @@ class TorchEngine(LocalModelEngine):
     async def generate(self, batch: GenerateBatch) -> list[PromptResult]:
         prompt_ids = self.check_batch(batch)   # before queueing behind the lock
         job = _Job(batch, prompt_ids, asyncio.get_running_loop().create_future())
-        self._pending.append(job)
+        with self._pending_mutex:
+            self._pending.append(job)
         try:
-            async with self._lock:
-                # Requests that queued while the previous batch ran are decoded together with this one,
-                # each row with its own sampling settings; a request already served by such a batch skips.
-                if not job.future.done():
-                    jobs, self._pending = [j for j in self._pending if not j.future.done()], []
-                    await self._run_locked(self._generate_jobs, jobs, on_done=lambda work: _deliver(jobs, work))
+            # A request served meanwhile (coalesced into a batch, or joined a running decode) needs no lock.
+            if await self._lock_unless(job.future):
+                if job.future.done():
+                    self._lock.release()
+                else:
+                    # Requests that queued while the previous batch ran are decoded together with this one, each
+                    # row with its own sampling settings. The decode holds the lock until it ends, and each
+                    # request returns once answered (with continuous batching, before the decode ends).
+                    with self._pending_mutex:
+                        jobs, self._pending = [j for j in self._pending if not j.future.done()], []
+                    run = asyncio.ensure_future(self._decode_locked(jobs))
+                    self._runs.add(run)
+                    run.add_done_callback(self._runs.discard)
+                    return await answer_of(job.future, run)
         finally:
-            if job in self._pending:
-                self._pending.remove(job)
+            with self._pending_mutex:
+                if job in self._pending:
+                    self._pending.remove(job)
         return await job.future
+
+    async def _decode_locked(self, jobs: list[_Job]) -> None:
+        """Decodes `jobs` with the engine lock held (taken by the caller), then releases it; errors go to the jobs."""
+        try:
+            await self._run_locked(self._generate_jobs, jobs, on_done=lambda work: _deliver(jobs, work))
+        except (Exception, asyncio.CancelledError):      # handed to the jobs by _deliver
+            pass
+        finally:
+            self._lock.release()
+
+    async def _lock_unless(self, served: asyncio.Future) -> bool:
+        """Takes the engine lock, unless `served` completes first; whether this holds the lock."""
+        if not self._lock.locked():
+            return await self._lock.acquire()        # free: taken at once, before other requests queue
+        acquire = asyncio.ensure_future(self._lock.acquire())
+        try:
+            await asyncio.wait({served, acquire}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await self._give_up(acquire)
+            raise
+        if acquire.done():
+            return True
+        await self._give_up(acquire)
+        return False
+
+    async def _give_up(self, acquire: asyncio.Future) -> None:
+        """Cancels a lock acquisition; releases the lock when it was granted before the cancel."""
+        acquire.cancel()
+        try:
+            await acquire
+        except asyncio.CancelledError:
+            return
+        self._lock.release()
 
     def generate_sync(self, batch: GenerateBatch) -> list[PromptResult]:
         """generate() for scripts and benchmarks: same checks and decode, in this thread, without the lock."""
@@ -323,43 +371,50 @@ class TorchEngine(LocalModelEngine):
     # ---- generation (runs in a worker thread under the lock)
 
     def _generate_jobs(self, jobs: list[_Job]) -> list[list[PromptResult]]:
-        """Decodes the rows of several requests together (chunks of max_batch_size rows)."""
-        rows: list[_Row] = []
-        for job in jobs:
-            p = job.batch.sampling
-            for ids in job.prompt_ids:     # prompt-major: row = prompt * n + sample
-                for j in range(p.n):
-                    rows.append(_Row(prompt=ids, budget=min(p.max_tokens, self.max_model_len - len(ids)), sampling=p,
-                                     generator=row_generator(p.seed, ids, j) if p.seed is not None else None))
-        chunk = self.config.max_batch_size
+        """Decodes the rows of several requests together (chunks of max_batch_size rows); each request is answered
+        once its rows ended, and with continuous batching, requests pending meanwhile join the graph decode."""
         # Partial rollouts: updates land between decode steps when every request of the batch allows it (pause
         # when one asks for it: the recomputed KV cache serves continue rows as well).
         modes = {job.batch.partial_rollout for job in jobs}
         partial = "off" if "off" in modes else "pause" if "pause" in modes else "continue"
-        for start in range(0, len(rows), chunk):
-            version = self._swap_point() if partial != "off" else self.weight_version
-            for row in rows[start:start + chunk]:
-                row.version = version
-            self._decode(rows[start:start + chunk], partial=partial)
-        out, it = [], iter(rows)
-        for job in jobs:
-            results = []
-            for prompt, ids in zip(job.batch.prompts, job.prompt_ids):
-                samples = []
-                for _ in range(job.batch.sampling.n):
-                    row = next(it)
-                    text = row.text if row.text is not None else self.decode(row.tokens)
-                    samples.append(SampleResult(response_ids=row.tokens, logprobs=row.logprobs, text=text,
-                                                finish_reason=row.finish_reason or "length",
-                                                weight_version=row.version, top_logprobs=row.top,
-                                                weight_versions=row.weight_versions()))
-                results.append(PromptResult(prompt_id=prompt.id, prompt_ids=ids, samples=samples))
-            out.append(results)
-        self.stats["requests"] += len(jobs)
+        flight = Flight(partial, self._results_of)
+        rows = [row for job in jobs for row in flight.add(job, self._rows_of(job))]
+        chunk = self.config.max_batch_size
+        try:
+            for start in range(0, len(rows), chunk):
+                version = self._swap_point() if partial != "off" else self.weight_version
+                for row in rows[start:start + chunk]:
+                    row.version = version
+                self._decode(rows[start:start + chunk], partial=partial, flight=flight)
+                flight.ended(rows[start:start + chunk])
+        except BaseException as e:
+            flight.fail(e)
+            raise
+        self.stats["requests"] += len(flight.jobs)
         self.stats["decode_batches"] += 1
-        self.stats["samples"] += len(rows)
-        self.stats["generated_tokens"] += sum(len(r.tokens) for r in rows)
-        return out
+        self.stats["samples"] += len(flight.rows)
+        self.stats["generated_tokens"] += sum(len(r.tokens) for r in flight.rows)
+        return [flight.results[id(job)] for job in jobs]
+
+    def _rows_of(self, job: _Job) -> list[_Row]:
+        p = job.batch.sampling
+        return [_Row(prompt=ids, budget=min(p.max_tokens, self.max_model_len - len(ids)), sampling=p,
+                     generator=row_generator(p.seed, ids, j) if p.seed is not None else None)
+                for ids in job.prompt_ids for j in range(p.n)]       # prompt-major: row = prompt * n + sample
+
+    def _results_of(self, job: _Job, rows: list[_Row]) -> list[PromptResult]:
+        results, it = [], iter(rows)
+        for prompt, ids in zip(job.batch.prompts, job.prompt_ids):
+            samples = []
+            for _ in range(job.batch.sampling.n):
+                row = next(it)
+                text = row.text if row.text is not None else self.decode(row.tokens)
+                samples.append(SampleResult(response_ids=row.tokens, logprobs=row.logprobs, text=text,
+                                            finish_reason=row.finish_reason or "length",
+                                            weight_version=row.version, top_logprobs=row.top,
+                                            weight_versions=row.weight_versions()))
+            results.append(PromptResult(prompt_id=prompt.id, prompt_ids=ids, samples=samples))
+        return results
 
     def _between_steps(self, rows: list[_Row], first_token: int) -> bool:
         """Partial rollouts: lands the posted weight swaps; the rows' tokens from `first_token` on are the new
@@ -368,11 +423,11 @@ class TorchEngine(LocalModelEngine):
         after = self._swap_point()
         if after != before:
             for r in rows:
-                r.swaps.append((first_token, after))
+                r.swaps.append((first_token - r.start, after))
         return after != before
 
     @torch.inference_mode()
-    def _decode(self, rows: list[_Row], *, partial: str = "off") -> None:
+    def _decode(self, rows: list[_Row], *, partial: str = "off", flight: Flight | None = None) -> None:
         """Decodes rows together: left-padded prefill, then one token per step for the rows still running.
 
         Rows that finish are dropped from the batch (and the KV cache), so long tails do not pay for
@@ -382,7 +437,7 @@ class TorchEngine(LocalModelEngine):
         if partial != "pause" and self._graph_decoder is not None and self._graph_decoder.serves(
                 [r.generator is not None for r in rows], [r.sampling.temperature for r in rows],
                 [r.sampling.top_p for r in rows]):
-            return self._graph_decode(rows, partial=partial != "off")
+            return self._graph_decode(rows, partial=partial != "off", flight=flight)
         dev = self.device
         cache, logits, mask, next_pos = self._prefill([r.prompt for r in rows])
         out = _Outputs.empty(rows, self.vocab_size, dev)
@@ -457,8 +512,12 @@ class TorchEngine(LocalModelEngine):
             if stops and self._hit_stop(row, tokens[act[b], :step + 1].tolist(), stops):
                 hit[b] = True
 
-    def _graph_decode(self, rows: list[_Row], *, partial: bool = False) -> None:
-        """The same decode as _decode, each step one CUDA graph replay (rows stay in the batch until all end)."""
+    def _graph_decode(self, rows: list[_Row], *, partial: bool = False, flight: Flight | None = None) -> None:
+        """The same decode as _decode, each step one CUDA graph replay (rows stay in the batch until all end, or
+        with continuous batching, give their batch row to pending requests' rows)."""
+        if flight is not None and self.config.continuous_batching and not any(r.sampling.stop for r in rows):
+            return graph_decode(self, rows, flight)
+
         def stop_check(r: int, tokens: list[int], since: int) -> bool:
             # The tail from `since` back by the longest stop string (each token is >= 1 character) first: a bounded
             # decode per row and sync; the whole response only once a stop string is there.
@@ -477,10 +536,7 @@ class TorchEngine(LocalModelEngine):
             # the logits of token i + 1 were computed before the boundary after step i: the swap shows from i + 2
             between_steps=(lambda i: self._between_steps(rows, i + 2)) if partial else None)
         for i, row in enumerate(rows):
-            row.tokens, row.logprobs = out.tokens[i], out.logprobs[i]
-            row.finish_reason = "stop" if out.stopped[i] else "length"
-            if row.sampling.top_logprobs and out.top is not None:
-                row.top = [step[:row.sampling.top_logprobs] for step in out.top[i]]
+            fill_row(row, out.tokens[i], out.logprobs[i], out.stopped[i], out.top[i] if out.top is not None else None)
 
     def _hit_stop(self, row: _Row, tokens: list[int], stops: Sequence[str]) -> bool:
         """True when the decoded response contains a stop string; the text is cut before it (as in vLLM)."""

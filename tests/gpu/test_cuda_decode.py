@@ -279,3 +279,69 @@ def test_top_logprobs_on_the_graph_path_equal_the_eager_loops(graph_engine, eage
         assert [[i for i, _ in step] for step in x.top_logprobs] == [[i for i, _ in step] for step in y.top_logprobs]
         assert max(abs(p - q) for sx, sy in zip(x.top_logprobs, y.top_logprobs)
                    for (_, p), (_, q) in zip(sx, sy)) < 1e-4
+
+
+# ---- continuous batching: rows join a running captured decode (services/rollout/continuous.py)
+
+
+def test_rows_that_join_a_captured_decode_give_the_tokens_they_give_alone(graph_engine):
+    from services.rollout.cuda_decode import Joiner
+
+    dec = graph_engine._graph_decoder
+    joiners, budgets = [Joiner([9, 9, 8], 24, 0.0, 1.0), Joiner([5, 6, 7, 8, 9, 10], 40, 0.0, 1.0)], [8, 60, 20]
+    alone = [dec.decode([q], [b], [0.0], [1.0]) for q, b in zip(PROMPTS, budgets)]
+    alone += [dec.decode([j.prompt], [j.budget], [0.0], [1.0]) for j in joiners]
+    waiting, before = list(joiners), dec.stats["joined_rows"]
+
+    def join(room):
+        take = [j for j in waiting if room.step >= 16 and room.fits(len(j.prompt), j.budget)][:room.free]
+        for j in take:
+            waiting.remove(j)
+        return take
+
+    out = dec.decode(PROMPTS, budgets, [0.0] * 3, [1.0] * 3, join=join)
+    assert dec.stats["joined_rows"] - before == 2 and not waiting
+    for i, a in enumerate(alone):
+        assert out.tokens[i] == a.tokens[0]
+        assert max(abs(p - q) for p, q in zip(out.logprobs[i], a.logprobs[0])) < 1e-4
+
+
+def test_concurrent_requests_of_mixed_lengths_join_a_graph_decode_and_all_complete(model_dir, eager_engine):
+    import threading
+
+    eng = make_engine(model_dir, graphs=True, max_batch_size=8)
+    shapes = [(PROMPTS[:1], 2, 100), (PROMPTS[1:], 1, 30), ([[9, 9, 8]], 3, 60), (PROMPTS, 1, 12),
+              ([[5, 6, 7]], 2, 90), (PROMPTS[2:], 2, 5)]
+    batches = [GenerateBatch([PromptInput(id=f"r{i}p{j}", prompt_ids=list(p)) for j, p in enumerate(ps)],
+                             SamplingParams(n=n, temperature=0, max_tokens=t)) for i, (ps, n, t) in enumerate(shapes)]
+    gen(eng, prompts=PROMPTS[:1], n=2, temperature=0, max_tokens=100)   # captures the first request's graph
+    alone = [asyncio.run(eager_engine.generate(b)) for b in batches]
+    reached, opened = threading.Event(), threading.Event()
+
+    def hold_first_prefill(module, args):          # replays do not call it: prefills only
+        if not reached.is_set():
+            reached.set()
+            assert opened.wait(120)
+
+    async def main():
+        handle = eng.model.model.embed_tokens.register_forward_pre_hook(hold_first_prefill)
+        try:
+            tasks = [asyncio.ensure_future(eng.generate(batches[0]))]
+            assert await asyncio.to_thread(reached.wait, 120)
+            tasks += [asyncio.ensure_future(eng.generate(b)) for b in batches[1:]]
+            for _ in range(1000):
+                if len(eng._pending) == len(batches) - 1:
+                    break
+                await asyncio.sleep(0)
+            opened.set()
+            return await asyncio.gather(*tasks)
+        finally:
+            handle.remove()
+
+    got = asyncio.run(main())
+    assert eng.stats["joined_rows"] > 0 and eng.stats["requests"] == 1 + len(batches)
+    for g, a, (ps, n, _) in zip(got, alone, shapes):
+        assert [r.prompt_id for r in g] == [r.prompt_id for r in a] and all(len(r.samples) == n for r in g)
+        for x, y in zip(flat(g), flat(a)):
+            assert x.response_ids == y.response_ids
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
