@@ -7,17 +7,14 @@ one optimizer step per call (mini_batch_size 0, ppo_epochs 1). Variants, all mea
 
   plain              AutoModelForCausalLM in bf16, model(ids, labels=ids).loss, backward,
                      clip_grad_norm_, torch.optim.AdamW (default foreach), zero_grad
-  engine             TrainerEngine.train_actor as shipped, CUDA defaults (model.dtype bf16: fp32 master weights and
-                     AdamW state, bf16 compute): actor.fused_logprobs (LM head + log-prob/entropy in Triton
-                     kernels, no fp32 [tokens, vocab] tensors), actor.compile (torch.compile of each decoder
-                     block), fused AdamW, a grad norm with one host sync, loss stats kept on the device
+  engine             TrainerEngine.train_actor as shipped, CUDA defaults (model.dtype bf16: bf16 params and
+                     AdamW state): actor.fused_logprobs (LM head + log-prob/entropy in Triton kernels, no fp32
+                     [tokens, vocab] tensors), actor.compile (torch.compile of each decoder block), fused
+                     AdamW, a grad norm with one host sync, loss stats kept on the device
   engine_amp         the same with fp32 master weights (actor.param_dtype float32, actor.dtype bfloat16)
   engine_bf16        the same in bf16 only (actor.param_dtype bfloat16: bf16 weights and AdamW state)
   engine_eager       the same with actor.compile false
   engine_unfused     actor.compile false and actor.fused_logprobs false (fused AdamW, one-sync norm remain)
-  engine_autocast    `engine` with its bf16 compute over fp32 master weights through torch.autocast (fp32 parameters,
-                     residual stream and elementwise ops; each matmul casts its weight), the one-rank path before
-                     FSDP2's MixedPrecisionPolicy on a one-rank mesh took it over (bf16 parameters and activations)
 
 MFU = model FLOPs / step time / peak, model FLOPs = 6 * N * tokens + 12 * layers * hidden * seq * tokens
 (torchtitan's count: N = parameters with the tied embedding once, attention not halved for the causal
@@ -29,9 +26,7 @@ mask); peak = 989 TFLOP/s, the H200 SXM datasheet's dense bf16 rate. The run als
     PYTHONPATH=.:protos python bench/trainer_mfu.py --device cpu --tiny --actor '{"fused_logprobs": true}'
 
 The engine variants run with the trainer's defaults: the fused head, compile and fp32 master weights (model.dtype
-bfloat16 makes them the default since #23, so `engine` and `engine_amp` are now the same configuration; on one rank
-they mix precision through FSDP2, `engine_autocast` through autocast: `--sizes 1.5b --variants engine,engine_autocast`
-compares the two in one call); remove
+bfloat16 makes them the default since #23, so `engine` and `engine_amp` are now the same configuration); remove
 padding is on by default on CUDA, but 8 rows of one length have no padding to remove and run as [8, 2048]. The length-spread workload (packed vs padded tokens/s on long-tailed
 lengths) and the fused head's peak memory against full logits are bench/trainer_packing.py, which reuses this
 file's model shapes: `bench/gpu_session.sh packing`.
@@ -147,7 +142,7 @@ def run_plain(path: str, samples, dev: str, warmup: int, steps: int, dtype) -> d
     return {"times": times}
 
 
-def build_engine(path: str, dev: str, *, amp: bool, dtype: str, budget: int, overrides: dict, autocast: bool = False):
+def build_engine(path: str, dev: str, *, amp: bool, dtype: str, budget: int, overrides: dict):
     from services.trainer.config import TrainerSettings
     from services.trainer.engine import TrainerEngine
 
@@ -155,15 +150,13 @@ def build_engine(path: str, dev: str, *, amp: bool, dtype: str, budget: int, ove
     if amp:
         actor.update(param_dtype="float32", dtype="bfloat16")
     return TrainerEngine(load_config(TrainerSettings, data={"model": {"path": path, "dtype": dtype, "device": dev},
-                                                            "actor": actor}), one_rank_autocast=autocast)
+                                                            "actor": actor}))
 
 
 def run_engine(path: str, samples, dev: str, warmup: int, steps: int, *, amp: bool, overrides: dict,
-               dtype: str, budget: int, parity: bool, profile: bool = False, trace: str | None = None,
-               autocast: bool = False) -> dict:
-    engine = build_engine(path, dev, amp=amp, dtype=dtype, budget=budget, overrides=overrides, autocast=autocast)
-    mixing = "fsdp_one_rank" if engine.one_rank_fsdp else "autocast" if engine.layout.autocast else "none"
-    extra = {"fused_logprobs": engine.fused_logprobs, "mixed_precision": mixing,
+               dtype: str, budget: int, parity: bool, profile: bool = False, trace: str | None = None) -> dict:
+    engine = build_engine(path, dev, amp=amp, dtype=dtype, budget=budget, overrides=overrides)
+    extra = {"fused_logprobs": engine.fused_logprobs,
              "adamw": "fused" if engine.actor.optimizer.defaults.get("fused") else
                       "foreach" if engine.actor.optimizer.defaults.get("foreach") else "for-loop"}
     if parity and engine.fused_logprobs:
@@ -288,10 +281,10 @@ def head_parity(engine, samples, dev: str) -> dict:
     out = {}
     for name, fn in paths.items():
         model.zero_grad(set_to_none=True)
-        with engine.layout.amp():
+        with engine._amp():
             logp, mask, ent = fn()
         ((logp * adv).sum() + 0.1 * ent.sum()).backward()
-        out[name] = (logp.detach().float(), ent.detach().float(), {k: _full(w.grad).detach().float().clone()
+        out[name] = (logp.detach().float(), ent.detach().float(), {k: w.grad.detach().float().clone()
                                                                    for k, w in watch.items()})
     model.zero_grad(set_to_none=True)
     (lr, er, gr), (lf, ef, gf) = out["reference"], out["fused"]
@@ -299,11 +292,6 @@ def head_parity(engine, samples, dev: str) -> dict:
     for k in gr:
         res[f"grad_rel_diff_{k}"] = float((gr[k] - gf[k]).norm() / gr[k].norm().clamp(min=1e-30))
     return res
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor of `t` (FSDP's parameters and gradients are DTensors, also on one rank)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def matmul_ceiling(dev: str) -> float | None:
@@ -334,7 +322,6 @@ VARIANTS = {
     "plain": ("plain", False, {}),
     "engine": ("engine", False, {}),
     "engine_amp": ("engine", True, {}),
-    "engine_autocast": ("engine_autocast", False, {}),
     "engine_bf16": ("engine", False, {"param_dtype": "bfloat16"}),
     "engine_eager": ("engine", False, {"compile": False}),
     "engine_unfused": ("engine", False, {"compile": False, "fused_logprobs": False}),
@@ -346,7 +333,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny model, short sequences (CPU smoke test)")
     parser.add_argument("--sizes", default="0.5b,1.5b")
-    parser.add_argument("--variants", default="plain,engine,engine_autocast,engine_eager,engine_unfused")
+    parser.add_argument("--variants", default="plain,engine,engine_amp,engine_eager,engine_unfused")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=2)
@@ -418,7 +405,6 @@ def main(argv=None) -> None:
                     else:
                         r = run_engine(str(path), samples, dev, args.warmup, args.steps, amp=amp, overrides={**args.actor, **overrides},
                                        dtype=dtype_name, budget=args.budget, parity=(name == "engine_eager"),
-                                       autocast=kind == "engine_autocast",
                                        profile=name in args.profile,
                                        trace=(str(Path(args.trace_dir) / f"trace_{size}_{name}.json")
                                               if args.trace_dir else None))

@@ -39,7 +39,6 @@ from services.trainer.lora import adapters_off, apply_lora, merged_weights
 from services.trainer.pipeline import last_stage_head, stage_logprobs
 from services.trainer.nvtx import phase
 from services.trainer.optim import apply_hyperparams
-from services.trainer.parallelize import freeing_each_block, reshard
 from services.trainer.parallel import (CommandChannel, ParallelDims, gather_to_rank0, init_distributed,
                                        launched_world_size, local_device)
 from services.trainer.steps import StepRecord
@@ -79,9 +78,7 @@ def _optim_of(trained: Trained) -> OptimSettings:
 class TrainerEngine:
     """The trainer on one rank. Public methods are called on rank 0 and run on every rank."""
 
-    def __init__(self, settings: TrainerSettings, *, one_rank_autocast: bool = False):
-        """one_rank_autocast: on one rank, mix precision with torch.autocast as before FSDP's mixed precision took
-        that case over (benchmarks measure both paths; no config key)."""
+    def __init__(self, settings: TrainerSettings):
         a, m = settings.actor, settings.model
         if settings.critic is not None and a.pp_size > 1:
             raise ValueError("critic: a critic with actor.pp_size > 1 is not implemented yet")
@@ -100,14 +97,10 @@ class TrainerEngine:
         self.rank = dist.get_rank()
         module = self._load_actor()
         packed = self._setup_packing(module, a.use_remove_padding)
-        mixed = self.compute_dtype != self.param_dtype
-        # One rank mixes precision through FSDP too (bf16 parameters and activations over fp32 masters, see
-        # parallelize.apply_fsdp), except under LoRA, whose frozen base already is model.dtype.
-        self.one_rank_fsdp = mixed and self.dims.world_size == 1 and a.lora is None and not one_rank_autocast
         self.layout = RankLayout(
             self.dims, self.device, pad_id=self.pad_id, compute_dtype=self.compute_dtype,
-            # FSDP already mixes in the compute dtype; autocast covers DDP and unsharded meshes.
-            autocast=mixed and not self.one_rank_fsdp and not (a.dp_mode == "fsdp" and self.dims.dp > 1),
+            # FSDP/DDP already mix in the compute dtype; autocast covers the unsharded case.
+            autocast=self.compute_dtype != self.param_dtype and not (a.dp_mode == "fsdp" and self.dims.dp > 1),
             num_microbatches=a.num_microbatches or self.dims.pp, schedule=a.pipeline_schedule, packed=packed)
         self.channel = CommandChannel()
         on_cuda = self.device.type == "cuda"
@@ -116,7 +109,7 @@ class TrainerEngine:
         # FSDP's and DDP's wrappers then call.
         self.fused_logprobs = self._setup_fused_head(module, a.fused_logprobs)
         self.actor = build_trained("actor", module, self.layout.mesh, a, a, self.param_dtype, self.compute_dtype,
-                                   compile=compile_blocks, one_rank_fsdp=self.one_rank_fsdp)
+                                   compile=compile_blocks)
         self.layout.tie(module, self.hf_config.tie_word_embeddings)
         # The last optimizer step of each update checks its gradient norm after the fact, with the call's stats
         # (fused AdamW only; see trained.optimizer_step); False checks before stepping, as every other step.
@@ -125,7 +118,7 @@ class TrainerEngine:
         if settings.critic is not None:
             self.critic = build_trained("critic", self._load_value_model(settings.critic), self.layout.mesh,
                                         settings.critic, a, self.param_dtype, self.compute_dtype,
-                                        compile=compile_blocks, one_rank_fsdp=self.one_rank_fsdp)
+                                        compile=compile_blocks)
         self.weight_version = 0
         # Gathers each pipeline stage's weights to its sender for weight sync and export (built on first use).
         self._gatherer: StageGatherer | None = None
@@ -423,8 +416,7 @@ class TrainerEngine:
     @torch.no_grad()
     def _local_compute_logprobs(self, prompts, responses, temperature: float, base: bool = False):
         """The actor's log-probs; base=True: the LoRA base model's (adapters off for the call)."""
-        with adapters_off(self.actor.module) if base else nullcontext(), \
-                freeing_each_block(self.actor.module, self.one_rank_fsdp):
+        with adapters_off(self.actor.module) if base else nullcontext():
             return self._actor_logprobs(prompts, responses, temperature)
 
     def _actor_logprobs(self, prompts, responses, temperature: float):
@@ -469,14 +461,12 @@ class TrainerEngine:
     def _local_compute_values(self, prompts, responses):
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         out: dict[int, list[float]] = {}
-        with freeing_each_block(self.critic.module, self.one_rank_fsdp):
-            for group in self.layout.local_groups(range(len(prompts)), lengths,
-                                                  self.critic.cfg.micro_batch_token_budget):
-                ps, rs = self._group_ids(group, prompts, responses)
-                values, _ = response_values(self.layout, self.critic.forward, ps, rs)
-                values = values.cpu()
-                for row, i in enumerate(group or []):
-                    out[i] = values[row, :len(responses[i])].tolist()
+        for group in self.layout.local_groups(range(len(prompts)), lengths, self.critic.cfg.micro_batch_token_budget):
+            ps, rs = self._group_ids(group, prompts, responses)
+            values, _ = response_values(self.layout, self.critic.forward, ps, rs)
+            values = values.cpu()
+            for row, i in enumerate(group or []):
+                out[i] = values[row, :len(responses[i])].tolist()
         return self._merge_on_rank0(out, len(prompts))
 
     @torch.no_grad()
@@ -492,13 +482,10 @@ class TrainerEngine:
         dtype = DTYPES[self.cfg.weight_sync_dtype or self.settings.model.dtype]
         # Pipeline stages meet on rank 0 through a CPU gather, so only a one-stage mesh stays on the device.
         where = self.device if on_device and self.dims.pp == 1 else "cpu"
-        reshard(self.actor.module)                  # the masters, not compute copies a log-prob pass left behind
         # Under LoRA: the base weights with the adapters merged in, under the model's own names.
         weights = merged_weights(self.actor.module) if self.cfg.lora else named_weights(self.actor.module)
         if self.dims.world_size == 1:
-            # FSDP's parameters on one rank are DTensors whose local shard is the whole tensor.
-            return {name: (t.to_local() if hasattr(t, "to_local") else t).detach().to(where, dtype=dtype, copy=True)
-                    for name, t in weights.items()}
+            return {name: t.detach().to(where, dtype=dtype, copy=True) for name, t in weights.items()}
         if self._gatherer is None:
             self._gatherer = stage_gatherers(self.layout.mesh)
         mine = self._gatherer.gather(weights, dtype=dtype, where=where,

@@ -49,8 +49,7 @@ class RankLayout:
         self.tied_group = None
 
     def amp(self):
-        """Autocast to the compute dtype over fp32 master weights where FSDP does not mix precision (DDP, TP or PP
-        with dp 1, LoRA; see TrainerEngine.one_rank_fsdp). Without gradients its weight cache is off: it
+        """Autocast to the compute dtype (fp32 master weights). Without gradients its weight cache is off: it
         would keep a half copy of every weight until the pass ends (3 GB at 1.5B), the largest part of a log-prob
         pass's memory over the weights; each layer's copy now lives only while the layer runs."""
         if not self.autocast:

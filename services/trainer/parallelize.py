@@ -1,13 +1,11 @@
 """Applies the mesh to a model in a fixed order: tensor parallel, activation checkpointing, compile, then FSDP or DDP.
 
-Each step is a no-op when its mesh axis has size 1, so a single CPU process runs this same code (except FSDP's
-mixed precision on one rank, see apply_fsdp).
+Each step is a no-op when its mesh axis has size 1, so a single CPU process runs this same code.
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -143,56 +141,20 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     log.info("Applied tensor parallel to %d blocks (tp=%d)", len(transformer_blocks(model)), tp_mesh.size())
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: str, compute_dtype: str,
-               one_rank: bool = False) -> None:
-    """FSDP2: every block is its own all-gather unit, the root holds embeddings, norm and head.
-
-    one_rank: wrap a one-rank mesh too. Nothing is sharded; FSDP's mixed precision is what is wanted: the
-    parameters stay `param_dtype` masters (fp32) while forward and backward run on `compute_dtype` copies made
-    once per step, so the residual stream and every elementwise op run in bf16, where autocast would keep them
-    fp32 and cast each weight at each matmul. reshard_after_forward=False: backward reuses the forward's copies
-    instead of casting again (on one rank resharding would only free those copies)."""
-    if dp_mesh.size() == 1 and not one_rank:
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: str, compute_dtype: str) -> None:
+    """FSDP2: every block is its own all-gather unit, the root holds embeddings, norm and head."""
+    if dp_mesh.size() == 1:
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # Gradients are reduced in fp32 whatever the compute dtype, so accumulation stays exact.
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32) \
         if compute_dtype != param_dtype else MixedPrecisionPolicy()
-    extra = {"reshard_after_forward": False} if one_rank else {}
     blocks = transformer_blocks(model)
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, **extra)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, **extra)
-    log.info("Applied FSDP to %d blocks (dp=%d%s)", len(blocks), dp_mesh.size(),
-             ", one rank: mixed precision only" if one_rank else "")
-
-
-@contextmanager
-def freeing_each_block(model: nn.Module, on: bool):
-    """For a pass without gradients on the one-rank FSDP path: every module frees its compute-dtype copy after its
-    forward (only the block running holds one, as autocast without its cache did), and nothing is left unsharded
-    afterwards. Training forwards keep reshard_after_forward off: backward reuses the copies."""
-    if not on:
-        yield
-        return
-    model.set_reshard_after_forward(True)
-    try:
-        yield
-    finally:
-        model.set_reshard_after_forward(False)
-        reshard(model)
-
-
-def reshard(model: nn.Module) -> None:
-    """Puts FSDP's sharded parameters (the masters) back on `model`'s modules. A forward without gradients leaves
-    the unsharded compute-dtype copies registered where reshard_after_forward is off (the root; every module on
-    one rank); readers of parameters by name (weight sync, export) want the masters."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    log.info("Applied FSDP to %d blocks (dp=%d)", len(blocks), dp_mesh.size())
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
@@ -209,13 +171,10 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, dp_mode: str, activation_checkpointing: str,
                 param_dtype: str, compute_dtype: str, compile: bool = False,
-                stages_per_rank: int = 1, checkpoint_every: int = 1, one_rank_fsdp: bool = False) -> list[nn.Module]:
+                stages_per_rank: int = 1, checkpoint_every: int = 1) -> list[nn.Module]:
     """PP stage split -> TP -> activation checkpointing -> compile -> FSDP/DDP, stage by stage. Returns the
     modules to run forward/backward through: one per pipeline stage this rank holds (without PP, the model
-    itself or its DDP wrapper). `model` keeps every parameter this rank holds, under HF names.
-
-    one_rank_fsdp: a one-rank mesh whose master weights differ from the compute dtype goes through FSDP for its
-    mixed precision (see apply_fsdp), whatever dp_mode says (on one rank neither shards nor replicates)."""
+    itself or its DDP wrapper). `model` keeps every parameter this rank holds, under HF names."""
     from services.trainer.pipeline import hold_stages, split_stages
 
     chunks = split_stages(model, mesh["pp"], stages_per_rank)
@@ -224,10 +183,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, dp_mode: str, activation_
         apply_tp(chunk, mesh["tp"])
         apply_activation_checkpointing(chunk, activation_checkpointing, checkpoint_every)
         apply_compile(chunk, compile)
-        if dp_mode == "fsdp" or one_rank_fsdp:
+        if dp_mode == "fsdp":
             # Several stages per rank: each is its own FSDP root (the schedule unshards and reshards it).
-            apply_fsdp(chunk, mesh["dp"], param_dtype=param_dtype, compute_dtype=compute_dtype,
-                       one_rank=one_rank_fsdp)
+            apply_fsdp(chunk, mesh["dp"], param_dtype=param_dtype, compute_dtype=compute_dtype)
             out.append(chunk)
         else:
             out.append(apply_ddp(chunk, mesh["dp"]))

@@ -62,11 +62,10 @@ class Trained:
 
 
 def build_trained(name: str, module: nn.Module, mesh, cfg: OptimSection, actor: ActorConfig, param_dtype: str,
-                  compute_dtype: str, *, compile: bool = False, one_rank_fsdp: bool = False) -> Trained:
+                  compute_dtype: str, *, compile: bool = False) -> Trained:
     stages = parallelize(module, mesh, dp_mode=actor.dp_mode, activation_checkpointing=actor.activation_checkpointing,
                          param_dtype=param_dtype, compute_dtype=compute_dtype, compile=compile,
-                         stages_per_rank=actor.stages_per_rank, checkpoint_every=actor.activation_checkpointing_every,
-                         one_rank_fsdp=one_rank_fsdp)
+                         stages_per_rank=actor.stages_per_rank, checkpoint_every=actor.activation_checkpointing_every)
     # Several stages per rank run only through the schedule; `module` holds their parameters.
     forward = stages[0] if len(stages) == 1 else module
     optimizer = build_adamw(module.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,

@@ -139,11 +139,6 @@ def _check_layout(info, trained, log: str, *, dp: int, tp: int, pp: int, schedul
         assert f"Rank {rank}: actor loaded on {rank_devices[rank]} (tp={tp} pp={pp} dp={dp})" in log
 
 
-def _plain_weights(module) -> dict:
-    """named_weights as plain tensors: a one-rank engine with bf16 compute over fp32 masters holds FSDP DTensors."""
-    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in named_weights(module).items()}
-
-
 def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1, tp: int = 1, pp: int = 1,
                                  schedule: str = "1f1b", budget: int = 16384, fused: bool | None = False,
                                  device: str = "cpu", dtype: str = "float32", checkpointing: str = "none"):
@@ -169,7 +164,7 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
         first = _samples(1, single)
         expected_lp = single.compute_logprobs([s.prompt_ids for s in first], [s.response_ids for s in first])
         expected = single.train_actor(first, LOSS)
-        expected_weights = {k: v.detach().clone() for k, v in _plain_weights(single.actor.module).items()}
+        expected_weights = {k: v.detach().clone() for k, v in named_weights(single.actor.module).items()}
         second = _samples(2, single)
         expected_next = single.train_actor(second, LOSS)
 
@@ -200,9 +195,9 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
     assert again["pg_loss"] == pytest.approx(trained_next.metrics["pg_loss"], abs=tol.metric_abs, rel=tol.metric_rel)
     assert again["grad_norm"] == pytest.approx(trained_next.metrics["grad_norm"], rel=max(1e-5, tol.metric_rel))
     assert resumed.actor.step == 4 and resumed.weight_version == 2
-    for k, v in _plain_weights(resumed.actor.module).items():
+    for k, v in named_weights(resumed.actor.module).items():
         # Two steps apart from the single run: twice the one-step tolerance.
-        assert torch.allclose(v, _plain_weights(single.actor.module)[k], atol=2 * tol.weight if device == "cuda"
+        assert torch.allclose(v, named_weights(single.actor.module)[k], atol=2 * tol.weight if device == "cuda"
                               else tol.weight), k
 
 

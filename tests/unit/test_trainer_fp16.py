@@ -28,9 +28,7 @@ def engine(model_path: str, **actor) -> TrainerEngine:
 
 
 def params(e: TrainerEngine) -> dict[str, torch.Tensor]:
-    # Plain tensors: fp16 compute over fp32 masters on one rank holds FSDP's DTensors.
-    return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
-            for k, v in named_weights(e.actor.module).items()}
+    return {k: v.detach().clone() for k, v in named_weights(e.actor.module).items()}
 
 
 def batch(e: TrainerEngine, seed: int = 0):

@@ -77,19 +77,17 @@ def run_update(update: Update, *, seed: int | None, defer_last_step: bool) -> di
     (fused AdamW only, see trained.optimizer_step)."""
     t0 = time.perf_counter()
     trained, n = update.trained, len(update.items)
-    # This rank's part of each mini-batch, on the device; summed here and over ranks once at the end (every sum is
-    # linear). No zero-filled accumulator: nothing is launched on the device before the first forward's input.
-    parts: list[torch.Tensor] = []
+    # This rank's part, on the device; summed over ranks once at the end (every sum is linear).
+    local = torch.zeros(len(update.stat_keys), dtype=torch.float64, device=update.layout.device)
     steps = _Steps()
     batches = mini_batches(n, update.mini_batch_size)
     for epoch in range(update.epochs):
         order = batch_order(n, seed=seed, step=trained.step, epoch=epoch)
         for k, mb in enumerate(batches):
             with phase("forward_backward"):
-                parts.append(_mini_batch(update, [order[j] for j in mb]))
+                local += _mini_batch(update, [order[j] for j in mb])
             last = epoch == update.epochs - 1 and k == len(batches) - 1
             steps.add(*optimizer_step(trained, update.layout, defer=last and defer_last_step))
-    local = _total(parts, len(update.stat_keys), update.layout.device)
     totals = dict(zip(update.stat_keys, steps.finish(local, trained, update.layout)))
     seconds = time.perf_counter() - t0
     return {**update.metrics(totals, steps.num_mini, seconds), **steps.metrics(trained, seconds)}
@@ -149,7 +147,7 @@ def _mini_batch(update: Update, idx: list[int]) -> torch.Tensor:
 
 def _micro_batches(update: Update, idx: list[int], denom: float, scale: float) -> torch.Tensor:
     """This DP rank's share of the mini-batch, packed by token budget; gradients sync on the last micro-batch."""
-    parts = []
+    stats = torch.zeros(len(update.stat_keys), dtype=torch.float64, device=update.layout.device)
     groups = update.layout.local_groups(idx, update.lengths, update.trained.cfg.micro_batch_token_budget)
     for g, group in enumerate(groups):
         rows = [update.items[i] for i in group] if group else [update.dummy()]
@@ -157,18 +155,8 @@ def _micro_batches(update: Update, idx: list[int], denom: float, scale: float) -
         with grad_sync(update.trained, last=g == len(groups) - 1):
             total, st = update.loss(rows, denom)
             (total * (weight * scale)).backward()
-        if group:                                  # a dummy's stats weigh nothing
-            parts.append(st)
-    return _total(parts, len(update.stat_keys), update.layout.device)
-
-
-def _total(parts: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
-    """The float64 sum of stats vectors on the device (zeros [width] when there are none)."""
-    if not parts:
-        return torch.zeros(width, dtype=torch.float64, device=device)
-    if len(parts) == 1:
-        return parts[0].to(torch.float64)
-    return torch.stack(parts).sum(0, dtype=torch.float64)
+        stats += weight * st
+    return stats
 
 
 def _pipeline(update: Update, idx: list[int], denom: float, scale: float) -> torch.Tensor:
