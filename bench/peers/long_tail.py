@@ -30,20 +30,22 @@ def draws(median: float, sigma: float, cap: int, seed: int):
 
 
 def install() -> None:
-    """Wraps TorchEngine._decode so each row stops at its drawn length (no-op unless ENV is set)."""
+    """Wraps TorchEngine._rows_of so each row stops at its drawn length (no-op unless ENV is set). Rows are made
+    there for every path: a batch's own decode and rows that join a running one (continuous batching)."""
     if not os.environ.get(ENV):
         return
     from services.rollout import torch_engine
 
     lengths = draws(*parse(os.environ[ENV]))
-    orig = torch_engine.TorchEngine._decode
+    orig = torch_engine.TorchEngine._rows_of
 
-    def _decode(self, rows, **kwargs):
+    def _rows_of(self, job):
+        rows = orig(self, job)
         for r in rows:
             r.budget = min(r.budget, next(lengths))
-        return orig(self, rows, **kwargs)
+        return rows
 
-    torch_engine.TorchEngine._decode = _decode
+    torch_engine.TorchEngine._rows_of = _rows_of
 
 
 def eos_at_drawn_lengths(eos_id: int, spec: str):

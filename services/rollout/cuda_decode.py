@@ -238,12 +238,7 @@ class GraphDecoder:
         with stop_check (its scans start at step 0)."""
         R = len(prompts)
         assert 0 < R <= self.max_batch_size
-        if self.use_graphs and self._weights_signature() != self._param_ptrs:
-            # Graphs read parameters by address: weights swapped by reference (not copied in place) need new ones.
-            log.info("cuda graph decoder: parameters moved; capturing again")
-            self.reset()
-            self._param_ptrs = self._weights_signature()
-        self._refresh_qkv()
+        self._follow_weights()
         if stop_check is not None:
             join = None
         uniq: dict[tuple[int, ...], int] = {}
@@ -284,6 +279,15 @@ class GraphDecoder:
             ids, vals = st.top_ids[:R, :T, :k].tolist(), st.top_lp[:R, :T, :k].tolist()
             top = [[list(zip(ids[r][t], vals[r][t])) for t in range(n)] for r, n in enumerate(lengths)]
         return Decoded([t[:n] for t, n in zip(tok, lengths)], [x[:n] for x, n in zip(lp, lengths)], stopped, top)
+
+    def _follow_weights(self) -> None:
+        """Graphs read parameters by address: weights swapped by reference (not copied in place) need new ones;
+        the fused q/k/v copies are refreshed at every decode call."""
+        if self.use_graphs and self._weights_signature() != self._param_ptrs:
+            log.info("cuda graph decoder: parameters moved; capturing again")
+            self.reset()
+            self._param_ptrs = self._weights_signature()
+        self._refresh_qkv()
 
     def _qkv_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
         attn = [layer.self_attn for layer in self.model.model.layers]
