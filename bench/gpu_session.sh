@@ -60,7 +60,7 @@ for what in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       python3 -c "import torch, transformers, grpc, google.protobuf as pb, pydantic; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__, 'pydantic', pydantic.__version__)"
       ;;
-    gputests) part gputests 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu ;;
+    gputests) part gputests 420 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu ;;
     decodetests) part decodetests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_decode.py \
                    tests/gpu/test_fused_logprobs.py ;;
     rollout) part rollout 360 python3 bench/rollout_gpu.py --out "$OUT/rollout_throughput_gpu.json"
