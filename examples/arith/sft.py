@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import time
 from pathlib import Path
@@ -15,10 +14,10 @@ if __package__ in (None, ""):  # run as a file (python examples/arith/sft.py): m
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from examples.arith.task import DEFAULT_DIR, has_carry, no_carry_answer, read_jsonl, reward
+from examples.common import char_tokenizer, sft_steps, tiny_qwen2
 
 MODEL_DIR = Path(__file__).resolve().parent / "model"
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # pad must be id 0 (spec); bos 1, eos 2
@@ -30,10 +29,6 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # pad must be id 0 (spec); b
 # are unused by the task; they let ad-hoc strings in tests/demos survive. Other
 # characters are dropped (Qwen2Tokenizer's BPE has no unk), which the task never hits.
 CHARS = list("0123456789+-=") + ["\u0120"] + list("abcdefghijklmnopqrstuvwxyz")
-# Qwen2Tokenizer's pre-tokenizer split (transformers.models.qwen2.tokenization_qwen2).
-PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
 MAX_LEN = 64
 # Concatenate contents and nothing else, but start with bos so that
 # apply_chat_template(tokenize=True) yields exactly tokenizer(prompt)["input_ids"]:
@@ -45,55 +40,14 @@ MAX_NEW_TOKENS = 6
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Character-level HF tokenizer: one token per character, bos prepended, lossless decode."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
-    # BPE with no merges == a pure per-character split.
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False,
-                              continuing_subword_prefix="", end_of_word_suffix=""))
-    tk.normalizer = normalizers.NFC()
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    # ByteLevel decoding concatenates tokens (no " " joiner) and maps "Ġ" back to
-    # " ", so decode(encode(x)) == x.
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(SPECIAL_TOKENS)
-    tk.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        model_max_length=MAX_LEN,
-        chat_template=CHAT_TEMPLATE,
-    )
+    return char_tokenizer(SPECIAL_TOKENS + CHARS, SPECIAL_TOKENS, eos="</s>", max_len=MAX_LEN,
+                          chat_template=CHAT_TEMPLATE, prepend_bos=True)
 
 
 def build_model(tokenizer, *, hidden: int = 128, layers: int = 4, seed: int = 0) -> Qwen2ForCausalLM:
     """A ~1M-parameter Qwen2 so the real HF code paths (GQA, RoPE, tied head) are exercised cheaply."""
-    torch.manual_seed(seed)
-    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # GQA, like real Qwen2 checkpoints
-        max_position_embeddings=MAX_LEN,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        dtype="float32",
-        **ids,
-    )
-    # sdpa works on CPU and is what the services will default to.
-    config._attn_implementation = "sdpa"
-    model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(**ids, max_new_tokens=MAX_NEW_TOKENS)
-    return model
+    return tiny_qwen2(tokenizer, hidden=hidden, layers=layers, seed=seed, max_len=MAX_LEN,
+                      max_new_tokens=MAX_NEW_TOKENS)
 
 
 def sft_batch(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -173,27 +127,12 @@ def teacher_target(row: dict, rng: random.Random, carry_drop: float) -> str:
 def train(model, tokenizer, rows: list[dict], *, steps: int, seed: int, lr: float = 1e-3,
           batch_size: int = 64, warmup: int = 50, carry_drop: float = 0.0,
           eval_rows: list[dict] | None = None, eval_every: int = 0) -> None:
-    """AdamW with linear warmup then cosine decay to 10% over ``steps``."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    )
-    model.train()
-    order: list[int] = []
-    for step in range(1, steps + 1):
-        if len(order) < batch_size:  # epoch boundary: reshuffle deterministically
-            order += rng.sample(range(len(rows)), len(rows))
-        picked = [rows[j] for j in order[:batch_size]]
-        batch = sft_batch(tokenizer, [{**r, "target": teacher_target(r, rng, carry_drop)} for r in picked])
-        del order[:batch_size]
-        loss = model(**batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+    """AdamW with linear warmup then cosine decay to 10% over ``steps`` (examples/common.py's sft_steps)."""
+    def batch(picked, rng):
+        return sft_batch(tokenizer, [{**r, "target": teacher_target(r, rng, carry_drop)} for r in picked])
+
+    for step, loss in sft_steps(model, rows, batch, steps=steps, seed=seed, lr=lr, batch_size=batch_size,
+                                warmup=warmup):
         if eval_every and eval_rows and step % eval_every == 0:
             acc = evaluate(model, tokenizer, eval_rows)
             print(f"step {step:5d} loss {loss.item():.4f} heldout_greedy {acc:.3f}", flush=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import json
@@ -137,14 +136,9 @@ def build_datasets(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", default=str(DEFAULT_DIR))
-    p.add_argument("--n-train", type=int, default=5000)
-    p.add_argument("--n-heldout", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    for path in build_datasets(args.out, n_train=args.n_train, n_heldout=args.n_heldout, seed=args.seed):
-        print(path)
+    from examples.common import dataset_main  # here, not at the top: importing the task stays torch-free
+
+    dataset_main(__doc__, build_datasets, DEFAULT_DIR)
 
 
 if __name__ == "__main__":

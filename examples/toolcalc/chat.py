@@ -9,11 +9,9 @@ appends text, which `services.common.chat_delta.observation_ids` relies on.
 
 from __future__ import annotations
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-# Qwen2Tokenizer's pre-tokenizer split: AutoTokenizer rebuilds a qwen2 folder's tokenizer with it (arith/sft.py).
-from examples.arith.sft import PRETOKENIZE_REGEX
+from examples.common import char_tokenizer
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "<|end|>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 TAG_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -42,19 +40,8 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Character-level tokenizer with the chat template; encoding adds no special tokens (the template has bos)."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + TAG_TOKENS + CHARS)}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False,
-                              continuing_subword_prefix="", end_of_word_suffix=""))
-    tk.normalizer = normalizers.NFC()
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(SPECIAL_TOKENS)
-    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="<|end|>",
-                                   unk_token="<unk>", model_max_length=MAX_LEN, chat_template=CHAT_TEMPLATE)
+    return char_tokenizer(SPECIAL_TOKENS + TAG_TOKENS + CHARS, SPECIAL_TOKENS, eos="<|end|>", max_len=MAX_LEN,
+                          chat_template=CHAT_TEMPLATE, tags=TAG_TOKENS)
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -18,8 +17,9 @@ if __package__ in (None, ""):  # run as a file: make `examples` importable
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
+from examples.common import sft_steps, tiny_qwen2
 from examples.toolcalc.chat import MAX_LEN, build_tokenizer, encode, prompt_ids
 from examples.toolcalc.episodes import TOOLS, evaluate
 from examples.toolcalc.task import DEFAULT_DIR, TEACHER_MIX, TeacherEpisode, operands, teacher_episode
@@ -33,17 +33,8 @@ MAX_NEW_TOKENS = 80
 
 def build_model(tokenizer, *, hidden: int = 128, layers: int = 4, seed: int = 0) -> Qwen2ForCausalLM:
     """A ~0.8M-parameter Qwen2 (GQA, RoPE, tied embeddings): the real HF code paths, cheap on a CPU."""
-    torch.manual_seed(seed)
-    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-               eos_token_id=tokenizer.eos_token_id)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=MAX_LEN, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype="float32", **ids)
-    config._attn_implementation = "sdpa"
-    model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(**ids, max_new_tokens=MAX_NEW_TOKENS)
-    return model
+    return tiny_qwen2(tokenizer, hidden=hidden, layers=layers, seed=seed, max_len=MAX_LEN,
+                      max_new_tokens=MAX_NEW_TOKENS)
 
 
 def episode_ids(tokenizer, row: dict, episode: TeacherEpisode, *, tools=TOOLS) -> tuple[list[int], list[int]]:
@@ -80,24 +71,11 @@ def sft_batch(tokenizer, rows: list[dict], rng: random.Random, mix: dict[str, fl
 def train(model, tokenizer, rows: list[dict], *, steps: int, seed: int, lr: float, batch_size: int,
           mix: dict[str, float], tools_share: float = 1.0, warmup: int = 50, eval_rows: list[dict] | None = None, eval_every: int = 0) -> None:
     """AdamW with linear warm-up then cosine decay to 10% over `steps`; a fresh teacher episode per row each time."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
-    model.train()
-    order: list[int] = []
-    for step in range(1, steps + 1):
-        if len(order) < batch_size:  # epoch boundary: reshuffle deterministically
-            order += rng.sample(range(len(rows)), len(rows))
-        picked = [rows[j] for j in order[:batch_size]]
-        del order[:batch_size]
-        loss = model(**sft_batch(tokenizer, picked, rng, mix, tools_share)).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+    def batch(picked, rng):
+        return sft_batch(tokenizer, picked, rng, mix, tools_share)
+
+    for step, loss in sft_steps(model, rows, batch, steps=steps, seed=seed, lr=lr, batch_size=batch_size,
+                                warmup=warmup):
         if step % 50 == 0:
             print(f"step {step:5d} loss {loss.item():.4f}", flush=True)
         if eval_every and eval_rows and step % eval_every == 0:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import time
 from pathlib import Path
@@ -15,13 +14,12 @@ if __package__ in (None, ""):  # run as a file: make `examples` importable
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from examples.arith.sft import CHARS as ARITH_CHARS
 from examples.arith.sft import MODEL_DIR as ARITH_MODEL
-from examples.arith.sft import PRETOKENIZE_REGEX
 from examples.arith.sft import SPECIAL_TOKENS as ARITH_SPECIALS
+from examples.common import char_tokenizer, sft_steps, tiny_qwen2
 from examples.wordproblems.reward import compute_score
 from examples.wordproblems.task import DEFAULT_DIR, has_carry, no_carry_result, parse_question, read_parquet, solution
 
@@ -44,18 +42,8 @@ MAX_NEW_TOKENS = 24
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Character-level tokenizer with a chat template; no special tokens added by encoding (the template has bos)."""
-    vocab = {tok: i for i, tok in enumerate(ARITH_SPECIALS + ARITH_CHARS + ROLE_TOKENS + CHARS)}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False,
-                              continuing_subword_prefix="", end_of_word_suffix=""))
-    tk.normalizer = normalizers.NFC()
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="<|end|>",
-                                   unk_token="<unk>", model_max_length=MAX_LEN, chat_template=CHAT_TEMPLATE)
+    return char_tokenizer(ARITH_SPECIALS + ARITH_CHARS + ROLE_TOKENS + CHARS, SPECIAL_TOKENS, eos="<|end|>",
+                          max_len=MAX_LEN, chat_template=CHAT_TEMPLATE)
 
 
 def build_model(tokenizer, *, hidden: int = 128, layers: int = 4, seed: int = 0, init: str = "") -> Qwen2ForCausalLM:
@@ -71,14 +59,8 @@ def build_model(tokenizer, *, hidden: int = 128, layers: int = 4, seed: int = 0,
             setattr(model.config, key, value)
         model.generation_config = GenerationConfig(**ids, max_new_tokens=MAX_NEW_TOKENS)
         return model
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=MAX_LEN, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype="float32", **ids)
-    config._attn_implementation = "sdpa"
-    model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(**ids, max_new_tokens=MAX_NEW_TOKENS)
-    return model
+    return tiny_qwen2(tokenizer, hidden=hidden, layers=layers, seed=seed, max_len=MAX_LEN,
+                      max_new_tokens=MAX_NEW_TOKENS)
 
 
 def prompt_ids(tokenizer, row: dict) -> list[int]:
@@ -148,24 +130,11 @@ def train(model, tokenizer, rows: list[dict], *, steps: int, seed: int, lr: floa
           eval_every: int = 0, save_every_eval: str = "", stop_after: int = 0) -> None:
     """AdamW with linear warm-up then cosine decay to 10% over `steps`; `stop_after`: stop after that many steps of
     the schedule (the model of step N of a longer run, which a later `--init` run continues)."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
-    model.train()
-    order: list[int] = []
-    for step in range(1, (min(stop_after, steps) if stop_after else steps) + 1):
-        if len(order) < batch_size:  # epoch boundary: reshuffle deterministically
-            order += rng.sample(range(len(rows)), len(rows))
-        picked = [rows[j] for j in order[:batch_size]]
-        del order[:batch_size]
-        loss = model(**sft_batch(tokenizer, picked, [teacher_target(r, rng, carry_drop) for r in picked])).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+    def batch(picked, rng):
+        return sft_batch(tokenizer, picked, [teacher_target(r, rng, carry_drop) for r in picked])
+
+    for step, loss in sft_steps(model, rows, batch, steps=steps, seed=seed, lr=lr, batch_size=batch_size,
+                                warmup=warmup, stop_after=stop_after):
         if eval_every and eval_rows and step % eval_every == 0:
             print(f"step {step:5d} loss {loss.item():.4f} heldout_greedy {evaluate(model, tokenizer, eval_rows):.3f}",
                   flush=True)

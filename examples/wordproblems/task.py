@@ -3,7 +3,6 @@ written in verl's Parquet schema with a disjoint, seeded train/held-out split.""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import random
 import re
@@ -124,14 +123,9 @@ def build_datasets(out_dir: str | Path = DEFAULT_DIR, *, n_train: int = 5000, n_
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", default=str(DEFAULT_DIR))
-    p.add_argument("--n-train", type=int, default=5000)
-    p.add_argument("--n-heldout", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    for path in build_datasets(args.out, n_train=args.n_train, n_heldout=args.n_heldout, seed=args.seed):
-        print(path)
+    from examples.common import dataset_main  # here, not at the top: importing the task stays torch-free
+
+    dataset_main(__doc__, build_datasets, DEFAULT_DIR)
 
 
 if __name__ == "__main__":

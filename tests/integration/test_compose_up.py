@@ -35,6 +35,8 @@ def docker_answers() -> bool:
 
 
 def free_port() -> int:
+    # The host port docker compose publishes the coordinator on (deploy/docker-compose.yml's
+    # MESHRL_COORDINATOR_PORT) is fixed before `compose up`; docker, not a service of ours, binds it.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator import cli
+from coordinator import cli_runs
 from coordinator.client import Client
 from coordinator.launcher import Launcher
 
@@ -48,15 +48,15 @@ def test_metrics_move_and_each_step_is_one_trace_across_the_service_processes(ar
     overrides = {"model.path": arith_model_path, "run.run_dir": str(tmp_path), "run.num_steps": "3",
                  "run.eval_every": "0", "data.heldout_size": "16", "data.rollout_batch_size": "8",
                  "server.metrics_port": "0"}
-    raw, cfg = cli._load_recipe(REPO / "examples/arith/grpo.yaml", {}, overrides)
+    raw, cfg = cli_runs._load_recipe(REPO / "examples/arith/grpo.yaml", {}, overrides)
     placement = {"reference": [""], "reward": [""], "rollout": ["", ""]}     # CPU: one process per replica
     with Launcher(str(REPO / "examples/arith/grpo.yaml"), log_dir=tmp_path / "logs", overrides=overrides) as launcher:
-        addresses = cli._start_mesh(launcher, cfg, raw, overrides, placement, "")
+        addresses = cli_runs._start_mesh(launcher, cfg, raw, overrides, placement, "")
         endpoints = {f"{c.role}-{c.index}": metrics_address(c) for c in launcher.children}
         assert sorted(endpoints) == ["coordinator-0", "reference-0", "reward-0", "rollout-0", "rollout-1",
                                      "trainer-0"]
         with Client(addresses["coordinator"][0]) as client:
-            run_id = client.start_run(cli._with_addresses(raw, overrides, addresses))
+            run_id = client.start_run(cli_runs._with_addresses(raw, overrides, addresses))
             first = None
             for m in client.stream_metrics(run_id):
                 if m["step"] == 1 and "reward_mean" in m and first is None:

@@ -29,6 +29,8 @@ START_TIMEOUT_S = 600
 
 
 def _free_port() -> int:
+    # `vllm serve` takes --port and does not report a port 0 it bound: the one external program here that needs
+    # a port picked before it starts.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

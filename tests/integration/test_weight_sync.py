@@ -129,12 +129,12 @@ def test_three_replicas_end_every_sync_on_the_trainers_version_and_logprobs(mode
 
 
 def _slow_replica_main(model_dir: str) -> None:
-    """A rollout replica that takes its weight updates slowly (so a test can kill it mid-sync)."""
+    """A rollout replica that stops in the middle of a weight update, until the test kills it there."""
     from services.rollout.config import RolloutSettings
     from services.rollout.torch_engine import TorchEngine
     from services.rollout.servicer import start
 
-    class SlowEngine(TorchEngine):
+    class StuckEngine(TorchEngine):
         async def update_weights(self, manifest, buckets):
             async def slow():
                 i = 0
@@ -142,13 +142,13 @@ def _slow_replica_main(model_dir: str) -> None:
                     i += 1
                     if i == 3:
                         print("receiving", flush=True)
-                    await asyncio.sleep(0.05)
+                        await asyncio.Event().wait()      # held mid-stream, never by a clock
                     yield item
             return await super().update_weights(manifest, slow())
 
     async def main():
         settings = RolloutSettings(model={"path": model_dir}, server={"auth_token": TOKEN})
-        mesh, port, _ = await start(settings, "127.0.0.1:0", engine=SlowEngine(settings))
+        mesh, port, _ = await start(settings, "127.0.0.1:0", engine=StuckEngine(settings))
         print(f"port {port}", flush=True)
         await asyncio.Event().wait()
 
@@ -169,7 +169,7 @@ def test_a_replica_killed_mid_sync_fails_alone_and_the_others_take_the_version(m
         async def main():
             async with trainer_and_replicas(model_dir, 2) as (stub, targets):
                 await train_once(stub, samples)
-                # ~60 buckets of 4 KiB at 50 ms each: the slow replica is still receiving when it is killed.
+                # ~60 buckets of 4 KiB: the slow replica holds the third one until it is killed.
                 push = asyncio.ensure_future(stub.PushWeights(trainer_pb2.PushWeightsRequest(
                     targets=[targets[0], slow, targets[1]], bucket_bytes=4096)))
                 assert await asyncio.to_thread(proc.stdout.readline) == "receiving\n"

@@ -6,7 +6,6 @@ the other ranks get nothing."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -15,12 +14,6 @@ import torch.multiprocessing as mp
 from torch import nn
 
 WORLD = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _weights(mesh) -> nn.Module:
@@ -43,9 +36,9 @@ def _weights(mesh) -> nn.Module:
     return module, full
 
 
-def _worker(rank: int, port: int, out: str, bucket_bytes: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank: int, out: str, bucket_bytes: int) -> None:
+    # A FileStore in the test's folder: no TCP port to pick and release before the ranks bind it.
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -63,7 +56,7 @@ def _worker(rank: int, port: int, out: str, bucket_bytes: int) -> None:
 
 @pytest.mark.parametrize("bucket_bytes", [100, 10 ** 6], ids=["a-bucket-per-weight", "one-bucket"])
 def test_every_layout_arrives_whole_on_the_sender_only(tmp_path, bucket_bytes):
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path), bucket_bytes), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_worker, args=(str(tmp_path), bucket_bytes), nprocs=WORLD, start_method="spawn")
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     assert all(r["got"] is None for r in results[1:])
     got, expected, full = results[0]["got"], results[0]["expected"], results[0]["full"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -10,7 +11,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -141,6 +142,38 @@ async def coordinator(redis_url: str):
         client.close()
         await engine.close()
         await server.stop(0)
+
+
+def kill_at_each_point(cfg: dict, tmp_path: Path, redis_url: str, monkeypatch, kill_step: int,
+                       check: Callable[[str, Any, list[dict], str, list[dict]], None]) -> None:
+    """For each point of coordinator/faults.py's KILL_POINTS, one run on the same trainer, reward and rollout
+    processes: a coordinator killed there at step `kill_step`, then a restarted one (same Redis prefix) that runs
+    it to COMPLETED; then check(point, final status, streamed metrics, trainer log, metrics.jsonl records), while
+    the processes still run (a failed check stops them all)."""
+    from coordinator.faults import ENV, KILL_POINTS
+
+    path = write_config(tmp_path / "run.yaml", cfg)
+    coordinator_args = ["--run.redis_url", redis_url, "--run.redis_prefix", f"meshrl-once-{uuid.uuid4().hex[:8]}"]
+    with Procs(path, tmp_path / "logs") as procs:
+        trainer, reward, rollout = procs.start_all([("trainer", []), ("reward", []), ("rollout", [])])
+        run_cfg = yaml.safe_dump(with_addresses(cfg, {"trainer": [trainer.address], "reward": [reward.address],
+                                                      "rollout": [rollout.address]}))
+        for point in KILL_POINTS:
+            monkeypatch.setenv(ENV, f"{point}:step{kill_step}")
+            doomed = procs.start("coordinator", args=coordinator_args)
+            monkeypatch.delenv(ENV)
+            with Client(doomed.address) as client:
+                run_id = client.start_run(run_cfg)
+            doomed.proc.wait(timeout=300)
+            assert doomed.proc.returncode == -9, Procs.log(doomed)[-2000:]
+            restarted = procs.start("coordinator", args=coordinator_args)
+            with Client(restarted.address) as client:
+                final = client.wait(run_id)
+                assert final.state == "COMPLETED", f"{point}: {final.message}"
+                records = list(client.stream_metrics(run_id))
+            Procs.kill9(restarted)
+            jsonl = [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
+            check(point, final, records, Procs.log(trainer), jsonl)
 
 
 def comparable(metrics: dict) -> dict:

@@ -2,19 +2,15 @@
 of a step resumes without a step missing, repeated or trained twice, and without a prompt used twice."""
 
 import asyncio
-import json
 import re
 import uuid
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
 from coordinator import faults, recovery
-from coordinator.client import Client
 from coordinator.store import MemoryStore, RedisStore, RunRecord
-from coordinator.faults import ENV, KILL_POINTS
+from coordinator.faults import KILL_POINTS
 from meshrl.v1 import common_pb2
 from services.common.config import load_config
 from services.common.errors import FailedPrecondition
@@ -24,7 +20,7 @@ from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import ActorLoss, CriticLoss, CriticSample, RunStep
 
-from tests.reliability.procs import Procs, run_config, wait_until, with_addresses, write_config
+from tests.reliability.procs import kill_at_each_point, run_config
 
 NUM_STEPS = 5
 KILL_STEP = 3
@@ -204,35 +200,17 @@ def _report(point: str, records: list[dict], applied: list[tuple[int, int]]) -> 
 def test_a_coordinator_killed_at_each_point_of_a_step_trains_every_step_and_prompt_exactly_once(
         arith_model_path, tmp_path, redis_url, monkeypatch):
     cfg = run_config(arith_model_path, tmp_path / "runs", run={"num_steps": NUM_STEPS, "checkpoint_every": 3})
-    path = write_config(tmp_path / "run.yaml", cfg)
-    prefix = f"meshrl-once-{uuid.uuid4().hex[:8]}"
-    coordinator_args = ["--run.redis_url", redis_url, "--run.redis_prefix", prefix]
     reports = {}
-    with Procs(path, tmp_path / "logs") as procs:
-        trainer, reward, rollout = procs.start_all([("trainer", []), ("reward", []), ("rollout", [])])
-        run_cfg = yaml.safe_dump(with_addresses(cfg, {"trainer": [trainer.address], "reward": [reward.address],
-                                                      "rollout": [rollout.address]}))
-        for point in KILL_POINTS:
-            monkeypatch.setenv(ENV, f"{point}:step{KILL_STEP}")
-            doomed = procs.start("coordinator", args=coordinator_args)
-            monkeypatch.delenv(ENV)
-            with Client(doomed.address) as client:
-                run_id = client.start_run(run_cfg)
-            doomed.proc.wait(timeout=300)
-            assert doomed.proc.returncode == -9, Procs.log(doomed)[-2000:]
-            restarted = procs.start("coordinator", args=coordinator_args)
-            with Client(restarted.address) as client:
-                final = client.wait(run_id)
-                assert final.state == "COMPLETED", final.message
-                assert (final.step, final.data_position) == (NUM_STEPS, NUM_STEPS * BATCH)
-                records = list(client.stream_metrics(run_id))
-            Procs.kill9(restarted)
-            reports[point] = _report(point, records, _applied(Procs.log(trainer), run_id))
-            recovered = [int(m["step"]) for m in records if m.get("recovered")]
-            # A kill between the update and its commit: that step is committed as recovered, not trained again.
-            assert recovered == ([KILL_STEP] if point in ("after_train", "after_sync") else []), point
-            jsonl = [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
-            assert _count(jsonl) == {"missing": 0, "repeated": 0}, point
+
+    def check(point, final, records, trainer_log, jsonl):
+        assert (final.step, final.data_position) == (NUM_STEPS, NUM_STEPS * BATCH), point
+        reports[point] = _report(point, records, _applied(trainer_log, final.run_id))
+        recovered = [int(m["step"]) for m in records if m.get("recovered")]
+        # A kill between the update and its commit: that step is committed as recovered, not trained again.
+        assert recovered == ([KILL_STEP] if point in ("after_train", "after_sync") else []), point
+        assert _count(jsonl) == {"missing": 0, "repeated": 0}, point
+
+    kill_at_each_point(cfg, tmp_path, redis_url, monkeypatch, KILL_STEP, check)
     print("\nkill point      missing repeated trained_twice prompts_twice prompts_skipped")
     for point, r in reports.items():
         print(f"{point:15s} {r['missing']:7d} {r['repeated']:8d} {r['trained_twice']:13d} {r['prompts_twice']:13d} "

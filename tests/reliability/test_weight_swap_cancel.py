@@ -39,6 +39,7 @@ def test_a_swap_cancelled_midway_leaves_the_replica_on_one_version_with_its_own_
         assert await asyncio.to_thread(in_swap.wait, 60)   # the swap runs in its worker thread
         task.cancel()
         await asyncio.sleep(0)                             # the cancellation reaches the waiting caller
+        assert not task.done()                             # ... which still waits for the swap's thread
         release.set()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -3,7 +3,7 @@ import io
 
 from rich.console import Console
 
-from coordinator import cli
+from coordinator import cli_runs
 
 
 class _Client:
@@ -16,12 +16,12 @@ class _Client:
 
 def test_a_mid_run_evaluation_in_a_step_record_gets_its_own_line(monkeypatch):
     out = io.StringIO()
-    monkeypatch.setattr(cli, "console", Console(file=out, width=200, force_terminal=False))
+    monkeypatch.setattr(cli_runs, "console", Console(file=out, width=200, force_terminal=False))
     records = [{"step": 0, "heldout_accuracy": 0.25},
                {"step": 1, "reward_mean": 0.5, "kl": 0.0, "samples_per_s": 10.0},
                {"step": 2, "reward_mean": 0.6, "kl": 0.0, "samples_per_s": 10.0, "heldout_accuracy": 0.5},
                {"step": 2, "heldout_accuracy": 0.75, "final": True}]
-    cli._follow(_Client(records), "run", 2)
+    cli_runs._follow(_Client(records), "run", 2)
     text = out.getvalue()
     assert "held-out accuracy before: 25.0%" in text
     assert "held-out accuracy at step 2: 50.0%" in text

@@ -302,37 +302,43 @@ def test_requests_that_queue_behind_a_running_one_are_decoded_together_with_thei
 
 
 def test_a_cancelled_generation_holds_the_lock_until_its_thread_ends(model_dir, monkeypatch):
-    import time as _time
+    import threading
 
     import services.rollout.torch_engine as engine_module
 
     eng = make_engine(model_dir, max_batch_size=1)
-    marks = {}
+    order = []
+    started, may_finish = threading.Event(), threading.Event()
     real_jobs, real_apply = eng._generate_jobs, engine_module.swap_in
 
-    def slow_jobs(jobs):
+    def held_jobs(jobs):
+        started.set()
+        assert may_finish.wait(60)          # the caller is cancelled meanwhile
         out = real_jobs(jobs)
-        _time.sleep(0.3)
-        marks["generation_done"] = _time.perf_counter()
+        order.append("generation done")
         return out
 
     def apply(model, tensors, **kwargs):
-        marks["apply_started"] = _time.perf_counter()
+        order.append("apply started")
         return real_apply(model, tensors, **kwargs)
 
-    monkeypatch.setattr(eng, "_generate_jobs", slow_jobs)
+    monkeypatch.setattr(eng, "_generate_jobs", held_jobs)
     monkeypatch.setattr(engine_module, "swap_in", apply)
     new = random_state_like(eng.model, seed=9)
 
     async def main():
         task = asyncio.create_task(eng.generate(GenerateBatch([PromptInput(prompt_ids=PROMPTS[0])],
                                                               SamplingParams(n=4, max_tokens=10))))
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(started.wait, 60)
         task.cancel()          # what grpc does when the client goes away
+        await asyncio.sleep(0)  # one loop turn: the cancellation reaches the caller, whose thread still runs
+        waiting = not task.done() and eng._lock.locked()
+        may_finish.set()
         with pytest.raises(asyncio.CancelledError):
             await task
         await eng.update_weights(build_manifest(new, 1), _aiter(iter_buckets(new)))
+        return waiting
 
-    asyncio.run(main())
-    assert marks["apply_started"] >= marks["generation_done"]
+    assert asyncio.run(main())          # cancelled, yet still waiting for its thread under the lock
+    assert order == ["generation done", "apply started"]
     assert eng.weight_version == 1

@@ -47,26 +47,31 @@ def test_prompt_seed_depends_on_the_seed_and_the_prompt_only():
 def test_swap_gate_waits_for_running_generations_and_holds_new_ones_back():
     async def main():
         gate, order = _SwapGate(), []
-        first_in = asyncio.Event()
+        early_in, early_may_end = asyncio.Event(), asyncio.Event()
 
-        async def generation(name, hold):
+        async def generation(name, entered=None, may_end=None):
             async with gate.shared():
                 order.append(f"{name} start")
-                first_in.set()
-                await asyncio.sleep(hold)
+                if entered is not None:
+                    entered.set()
+                    await may_end.wait()
                 order.append(f"{name} end")
 
         async def swap():
-            await first_in.wait()
             async with gate.exclusive():
                 order.append("swap")
 
-        async def late_generation():
-            await first_in.wait()
-            await asyncio.sleep(0.01)                   # arrives while the swap waits
-            await generation("late", 0)
+        early = asyncio.create_task(generation("early", early_in, early_may_end))
+        await early_in.wait()
+        swapping = asyncio.create_task(swap())
+        await asyncio.sleep(0)          # one loop turn: the swap registers and waits for the early generation
+        late = asyncio.create_task(generation("late"))
+        await asyncio.sleep(0)          # one loop turn: the late generation meets the waiting swap
+        held = list(order)
+        early_may_end.set()
+        await asyncio.gather(early, swapping, late)
+        return held, order
 
-        await asyncio.gather(generation("early", 0.05), swap(), late_generation())
-        return order
-
-    assert asyncio.run(main()) == ["early start", "early end", "swap", "late start", "late end"]
+    held, order = asyncio.run(main())
+    assert held == ["early start"]
+    assert order == ["early start", "early end", "swap", "late start", "late end"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from coordinator import cli
+from coordinator import cli_runs
 from coordinator.preflight import check_proxy_agent
 
 
@@ -14,7 +14,7 @@ def _recipe(tmp_path, data: dict, overrides: dict[str, str] | None = None):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
     overrides = overrides or {}
-    raw, cfg = cli._load_recipe(path, {}, overrides)
+    raw, cfg = cli_runs._load_recipe(path, {}, overrides)
     return cfg, raw, overrides
 
 
@@ -31,13 +31,13 @@ def _recipe(tmp_path, data: dict, overrides: dict[str, str] | None = None):
 ])
 def test_meshrl_up_starts_the_env_replicas_the_recipe_asks_for_or_its_agent_needs(tmp_path, data, overrides,
                                                                                    expected):
-    assert cli.env_replicas(*_recipe(tmp_path, data, overrides)) == expected
+    assert cli_runs.env_replicas(*_recipe(tmp_path, data, overrides)) == expected
 
 
 def test_a_tool_agent_with_no_env_replica_to_call_is_refused_naming_env_replicas(tmp_path):
     with pytest.raises(ValueError, match=r"^env\.replicas: 0, and no env.servers or env.dns, but rollout.agent.name "
                                          r"'tool_agent' calls the env role"):
-        cli.env_replicas(*_recipe(tmp_path, {"rollout": {"agent": {"name": "tool_agent"}}, "env": {"replicas": 0}}))
+        cli_runs.env_replicas(*_recipe(tmp_path, {"rollout": {"agent": {"name": "tool_agent"}}, "env": {"replicas": 0}}))
 
 
 @pytest.mark.parametrize("rollout, key", [

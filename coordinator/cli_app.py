@@ -1,0 +1,161 @@
+"""What every `meshrl` command shares: the typer app, the one place errors meet the user, the options that reach a
+running coordinator. coordinator/cli.py registers the commands (here, cli_runs.py, cli_manage.py) on this app."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import os
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import typer
+from rich.console import Console
+
+if TYPE_CHECKING:
+    from services.common.channel import ClientTLS
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="meshrl: RL post-training (PPO, GRPO, RLOO, REINFORCE++, DPO) as a mesh of gRPC services.")
+console = Console()
+
+DEFAULT_COORDINATOR = os.environ.get("MESHRL_COORDINATOR", "127.0.0.1:50050")
+PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+# gRPC statuses that say the user's input (a config, a run id, a token) is wrong: exit 2, like a config error.
+# Any other status (UNAVAILABLE, INTERNAL, DEADLINE_EXCEEDED, ...) is a failure of the system: exit 1.
+INPUT_STATUSES = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "OUT_OF_RANGE", "FAILED_PRECONDITION",
+                            "UNAUTHENTICATED", "PERMISSION_DENIED"})
+_options = {"debug": False}
+
+
+@app.callback()
+def _global_options(debug: bool = typer.Option(False, "--debug", envvar="MESHRL_DEBUG",
+                                               help="print the traceback of an error, not just its line")):
+    _options["debug"] = debug
+
+
+def error_line(e: Exception) -> tuple[str, int]:
+    """An error as the one line a user sees, and the exit code: 2 for bad input, 1 for a failure of the system."""
+    import grpc
+
+    if isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None)):
+        code = e.code().name
+        line, exit_code = f"{code}: {e.details() or ''}".rstrip(), 2 if code in INPUT_STATUSES else 1
+    elif isinstance(e, ValueError):   # config errors and the checks before anything starts
+        line, exit_code = str(e), 2
+    elif isinstance(e, RuntimeError):  # a service that died, or did not start (coordinator/launcher.py)
+        line, exit_code = str(e), 1
+    else:
+        line, exit_code = f"{type(e).__name__}: {e} (--debug prints the traceback)", 1
+    return " ".join(line.split("\n")), exit_code
+
+
+def command(name: str | None = None, **kwargs):
+    """app.command whose errors end the command with one line `meshrl NAME: ...` on stderr and the exit code
+    of error_line; `--debug` prints the traceback first. The one place exceptions meet the user."""
+    def register(fn):
+        cmd = name or fn.__name__
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kw):
+            try:
+                return fn(*args, **kw)
+            except (typer.Exit, typer.Abort, typer.TyperException):  # typer's own: exit codes, usage errors
+                raise
+            except KeyboardInterrupt:
+                typer.echo(f"meshrl {cmd}: interrupted", err=True)
+                raise typer.Exit(130) from None
+            except Exception as e:  # noqa: BLE001 - every error becomes its line and exit code here
+                if _options["debug"]:
+                    traceback.print_exc()
+                line, exit_code = error_line(e)
+                typer.echo(f"meshrl {cmd}: {line}", err=True)
+                raise typer.Exit(exit_code) from None
+        return app.command(name, **kwargs)(wrapper)
+    return register
+
+
+# The options of every command that calls a running coordinator, with the environment variables the services
+# read for the same thing (services/common/config.py ServerConfig: tls_ca, tls_client_cert, ...).
+CONNECTION = {
+    "coordinator": (str, typer.Option(DEFAULT_COORDINATOR, "--coordinator",
+                                      help="coordinator address (env MESHRL_COORDINATOR)")),
+    "token": (Optional[str], typer.Option(None, "--token", envvar="MESHRL_SERVER__AUTH_TOKEN", help="bearer token")),
+    "tls_ca": (Optional[str], typer.Option(None, "--tls-ca", envvar="MESHRL_SERVER__TLS_CA",
+                                           help="speak TLS, trusting this CA's PEM for the coordinator")),
+    "tls_cert": (Optional[str], typer.Option(None, "--tls-cert", envvar="MESHRL_SERVER__TLS_CLIENT_CERT",
+                                             help="client certificate PEM (mutual TLS)")),
+    "tls_key": (Optional[str], typer.Option(None, "--tls-key", envvar="MESHRL_SERVER__TLS_CLIENT_KEY",
+                                            help="client key PEM (mutual TLS)")),
+    "tls_server_name": (Optional[str], typer.Option(None, "--tls-server-name",
+                                                    envvar="MESHRL_SERVER__TLS_SERVER_NAME",
+                                                    help="name in the coordinator's certificate, if not its host")),
+}
+
+
+def client_tls(tls_ca: str | None, tls_cert: str | None, tls_key: str | None, tls_server_name: str | None,
+               ctx: typer.Context | None = None):
+    """The ClientTLS of the connection options (None: plaintext); a setting that cannot be used is refused by the
+    name the user gave it: its flag, or its environment variable when it came from there."""
+    from services.common.channel import ClientTLS, read_pem
+
+    def _source_name(param: str) -> str:
+        info = CONNECTION[param][1]
+        source = ctx.get_parameter_source(param) if ctx is not None else None
+        return info.envvar if source is not None and source.name == "ENVIRONMENT" else info.param_decls[0]
+
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError(f"{_source_name('tls_cert')} and {_source_name('tls_key')}: set both or neither")
+    if not tls_ca:
+        given = next((p for p, v in (("tls_cert", tls_cert), ("tls_server_name", tls_server_name)) if v), None)
+        if given:
+            raise ValueError(f"{_source_name(given)}: needs {_source_name('tls_ca')} as well (TLS trusts the CA "
+                             f"that signs the coordinator's certificate)")
+        return None
+    return ClientTLS(read_pem(tls_ca, _source_name("tls_ca")), read_pem(tls_key, _source_name("tls_key")),
+                     read_pem(tls_cert, _source_name("tls_cert")), tls_server_name)
+
+
+@dataclass
+class Connection:
+    """Where a command's coordinator is and how to reach it (token, TLS)."""
+
+    address: str
+    token: str | None = None
+    tls: ClientTLS | None = None  # None = plaintext
+
+    def client(self):
+        from coordinator.client import Client
+
+        return Client(self.address, token=self.token, tls=self.tls)
+
+
+def connects(fn):
+    """Gives a command the CONNECTION options; it receives them as one `conn: Connection` keyword."""
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.name not in ("conn", "ctx")]
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=kind)
+               for name, (kind, info) in CONNECTION.items()]
+    params.append(inspect.Parameter("connection_ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context))
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        opts = {name: kw.pop(name) for name in CONNECTION}
+        ctx = kw.pop("connection_ctx")
+        tls = client_tls(opts["tls_ca"], opts["tls_cert"], opts["tls_key"], opts["tls_server_name"], ctx)
+        if "ctx" in sig.parameters:  # a command that reads its extra words (`meshrl run`'s overrides)
+            kw["ctx"] = ctx
+        return fn(*args, **kw, conn=Connection(opts["coordinator"], opts["token"], tls))
+
+    wrapper.__signature__ = sig.replace(parameters=params)
+    wrapper.__annotations__ = {**{k: v for k, v in fn.__annotations__.items() if k not in ("conn", "ctx")},
+                               **{name: kind for name, (kind, _) in CONNECTION.items()},
+                               "connection_ctx": typer.Context}
+    return wrapper
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)

@@ -1,0 +1,130 @@
+"""The commands that look at or steer runs once they started (status, watch, trace, stop, pause, resume,
+services), and the offline ones (plot, profile-model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from coordinator.cli_app import Connection, _fmt, command, connects, console
+
+
+@command()
+@connects
+def status(run_id: Optional[str] = typer.Argument(None), *, conn: Connection):
+    """Show one run, or every run the coordinator knows."""
+    from rich.table import Table
+
+    with conn.client() as client:
+        runs = [client.get_run(run_id)] if run_id else client.list_runs()
+    table = Table("run", "state", "step", "weight version", "data position", "reward", "message")
+    for r in runs:
+        table.add_row(r.run_id, r.state, f"{r.step}/{r.num_steps}", str(r.weight_version), str(r.data_position),
+                      _fmt(r.last_metrics.get("reward_mean")), r.message)
+    console.print(table)
+
+
+@command()
+@connects
+def watch(run_id: str, once: bool = typer.Option(False, "--once", help="print the view once and exit"), *,
+          conn: Connection):
+    """Live view of a run: step, reward and accuracy sparklines, phase times, replicas and versions, last warning."""
+    from coordinator.watch import watch_run
+
+    with conn.client() as client:
+        watch_run(client, run_id, once=once, console=console)
+
+
+@command()
+def trace(run: str = typer.Argument(..., help="run id (under --runs-dir) or run directory"),
+          step: int = typer.Argument(..., help="the step whose trace to print"),
+          runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="where run directories are (run.run_dir)")):
+    """A step's trace (runs/<id>/traces.jsonl) as a tree with durations, its critical path marked."""
+    from coordinator.traces import print_step
+    print_step(run, step, runs_dir, console)
+
+
+@command()
+@connects
+def stop(run_id: str, *, conn: Connection):
+    """Stop a run after its current step."""
+    with conn.client() as client:
+        console.print(client.stop_run(run_id).state)
+
+
+def command_line(status, asked: str) -> str:
+    """What `meshrl pause` / `meshrl resume` print: the run's state now, or the step it pauses after."""
+    at = f"{status.step}/{status.num_steps}"
+    if asked == "pause" and status.state == "RUNNING":
+        return f"run {status.run_id} pauses after its current step (steps done: {at}); `meshrl resume` continues it"
+    return f"run {status.run_id} {status.state} at step {at}" + (f" ({status.message})" if status.message else "")
+
+
+@command()
+@connects
+def pause(run_id: str, *, conn: Connection):
+    """Pause a run after its current step; `meshrl resume RUN_ID` continues it."""
+    with conn.client() as client:
+        console.print(command_line(client.pause_run(run_id), "pause"), highlight=False)
+
+
+@command()
+@connects
+def resume(run_id: str, *, conn: Connection):
+    """Resume a paused run (one paused for a lost trainer reconnects, restoring its last checkpoint)."""
+    with conn.client() as client:
+        console.print(command_line(client.resume_run(run_id), "resume"), highlight=False)
+
+
+@command()
+@connects
+def services(run_id: Optional[str] = typer.Argument(None, help="a run's pools (default: the coordinator's own)"), *,
+             conn: Connection):
+    """Replicas of every pool with health, weight version and load."""
+    from rich.table import Table
+
+    with conn.client() as client:
+        replicas = client.list_services(run_id or "")
+    table = Table("pool", "address", "healthy", "weight version", "load")
+    for r in replicas:
+        table.add_row(r.pool, r.address, "yes" if r.healthy else "no", str(r.weight_version), str(r.load))
+    console.print(table)
+
+
+@command()
+def plot(run_dir: Path = typer.Argument(..., exists=True, file_okay=False),
+         out: Optional[Path] = typer.Option(None, "--out", "-o", help="PNG path (default RUN_DIR/report.png)")):
+    """PNG curves of reward, accuracy, KL, entropy, response length and the step-time breakdown."""
+    from coordinator.report import plot_run
+
+    path = plot_run(run_dir, out)
+    console.print(str(path))
+
+
+@command("profile-model")
+def profile_model_cmd(model_path: str = typer.Argument(..., help="local Hugging Face model folder"),
+                      seq_len: int = typer.Option(2048, help="sequence length for attention FLOPs"),
+                      pp_size: int = typer.Option(1, help="pipeline stages to balance"),
+                      as_json: bool = typer.Option(False, "--json", help="print JSON")):
+    """Per-layer parameters and FLOPs, and a balanced pipeline stage split."""
+    from rich.table import Table
+
+    from services.common.profile_model import profile_model
+
+    try:
+        prof = profile_model(model_path, seq_len=seq_len, pp_size=pp_size)
+    except OSError as e:  # a folder that holds no model is the user's input, like a ValueError
+        raise ValueError(str(e)) from e
+    if as_json:
+        print(json.dumps(prof, indent=2))
+        return
+    table = Table("stage", "layers", "params", "train FLOPs share")
+    for s in prof["stages"]:
+        span = s["layers"][0] if len(s["layers"]) == 1 else f"{s['layers'][0]} .. {s['layers'][-1]}"
+        table.add_row(str(s["stage"]), span, f"{s['params']:,}", f"{s['flops_share']:.1%}")
+    console.print(table)
+    console.print(f"{prof['total_params']:,} parameters; {prof['train_flops_per_token']:.3g} training FLOPs per "
+                  f"token at seq_len {seq_len}", highlight=False)

@@ -1,0 +1,309 @@
+"""`meshrl up` and `meshrl run`: load a recipe, start the mesh (up), start a run and follow it to its end."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+import yaml
+
+from coordinator.cli_app import PASSTHROUGH, Connection, _fmt, command, connects, console
+
+# How long `meshrl up`'s pools wait for a restarting replica (the supervisor's back-off, 1 + 2 + 4 s, plus a
+# model load) before a call fails.
+REJOIN_WAIT_S = 60.0
+# Agent loops that call the env role (tools, environments): `meshrl up` starts an env replica for them.
+ENV_AGENTS = ("tool_agent", "env_agent")
+
+
+def _overrides(args: list[str]) -> dict[str, str]:
+    from services.common.launch import parse_dotted_flags
+
+    try:
+        return parse_dotted_flags(args)
+    except SystemExit as e:  # the services' parser exits; here a bad flag is bad input like any other (exit 2)
+        raise ValueError(str(e)) from None
+
+
+def _recipe_args(args: list[str]) -> tuple[dict, dict[str, str]]:
+    """The words after a recipe: verl's `key=value` overrides (parsed, coordinator/verl_keys.py) and meshrl's
+    `--section.key value` flags."""
+    from coordinator import verl_keys
+
+    verl, flags = verl_keys.split_args(args)
+    return verl_keys.parse(verl), _overrides(flags)
+
+
+def _load_recipe(config: Path, verl: dict, overrides: dict[str, str]):
+    """The recipe with the verl keys' values merged in (a dict, as a service reads it) and its run config;
+    meshrl's flags win over both."""
+    from coordinator import verl_keys
+    from coordinator.config import RunConfig
+    from services.common.config import deep_merge, load_config, read_yaml
+
+    data, cfg = verl_keys.apply(verl, lambda d: load_config(RunConfig, config, data=d, overrides=overrides))
+    return deep_merge(read_yaml(config), data), cfg
+
+
+def _write_private(path: Path, data: dict) -> Path:
+    """A recipe file only its owner reads (it may carry the auth token)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path.chmod(0o600)
+    return path
+
+
+def step_line(m: dict, num_steps: int) -> str:
+    if "dpo/loss" in m:
+        return (f"step {int(m['step']):>3}/{num_steps}  dpo loss {_fmt(m.get('dpo/loss'))}  "
+                f"margin {_fmt(m.get('dpo/rewards/margins'))}  pref acc {_fmt(m.get('dpo/rewards/accuracy'))}  "
+                f"logp chosen {_fmt(m.get('dpo/logps/chosen'), '.2f')} rejected {_fmt(m.get('dpo/logps/rejected'), '.2f')}  "
+                f"{_fmt(m.get('time/step'), '.2f')}s")
+    return (f"step {int(m['step']):>3}/{num_steps}  reward {_fmt(m.get('reward_mean'))}  "
+            f"acc {_fmt(m.get('accuracy'))}  kl {_fmt(m.get('kl'), '.4f')}  "
+            f"entropy {_fmt(m.get('actor/entropy'))}  len {_fmt(m.get('response_length_mean'), '.1f')}  "
+            f"{_fmt(m.get('time/step'), '.2f')}s")
+
+
+@command(context_settings=PASSTHROUGH)
+def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, help="recipe YAML"),
+       run_dir: Optional[Path] = typer.Option(None, help="where run directories go (default: run.run_dir)"),
+       threads: int = typer.Option(1, help="OMP threads per service process")):
+    """Start every service as a process on 127.0.0.1, run the recipe to the end, stop everything.
+    After the recipe: verl's overrides (`data.train_files=[a.parquet] actor_rollout_ref.rollout.n=8`,
+    docs/from_verl.md) and meshrl's `--section.key value`."""
+    from coordinator.launcher import Launcher
+    from coordinator.preflight import check_run
+    from services.common.channel import ClientTLS
+
+    verl, overrides = _recipe_args(list(ctx.args))
+    if run_dir is not None:
+        overrides["run.run_dir"] = str(run_dir)
+    # Everything that can be checked is checked before the first process starts: a config that was going to
+    # fail wastes no service start.
+    raw, cfg = _load_recipe(config, verl, overrides)
+    check_run(cfg, world_size=cfg.trainer.nproc_per_node)
+    placement, trainer_devices = _placement(cfg, raw, overrides)
+    log_dir = Path(cfg.run.run_dir) / "logs" / time.strftime("%Y%m%d-%H%M%S")
+    if verl:  # every service reads the recipe with the verl keys' values in it
+        config = _write_private(log_dir / "recipe.yaml", raw)
+    # The launcher calls its coordinator as the services call each other: the recipe's token and client TLS.
+    conn = Connection("", cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None,
+                      ClientTLS.from_server_config(cfg.server))
+    with Launcher(str(config), log_dir=log_dir, overrides=overrides, num_threads=threads) as launcher:
+        addresses = _start_mesh(launcher, cfg, raw, overrides, placement, trainer_devices)
+        console.print(f"mesh up: {json.dumps(addresses)} (logs in {log_dir})", highlight=False, soft_wrap=True)
+        conn.address = addresses["coordinator"][0]
+        status = _drive(launcher, _with_addresses(raw, overrides, addresses), conn, cfg.run.num_steps)
+    _report(status.run_dir)
+    _print_result(status)
+    if status.state != "COMPLETED":
+        raise typer.Exit(1)
+
+
+def _start_mesh(launcher, cfg, raw: dict, overrides: dict[str, str], placement: dict[str, list[str]],
+                trainer_devices: str) -> dict[str, list[str]]:
+    """Starts the trainer, every replica, then the coordinator; returns each role's addresses once all serve.
+
+    Env replicas serve first: the rollout replicas, whose episode loops call them, start with their addresses
+    (`env.servers` in a recipe file of their own, which a restarted rollout replica reads again)."""
+    children = [launcher.start("trainer", nproc=cfg.trainer.nproc_per_node, devices=trainer_devices)]
+    for role, devices in placement.items():
+        if role != "rollout":
+            children += [launcher.start(role, i, devices=d) for i, d in enumerate(devices)]
+    env = [launcher.wait_ready(c) for c in children if c.role == "env"]
+    rollout_args = []
+    if env:
+        own = _write_private(launcher.log_dir / "rollout.yaml", _with_addresses(raw, overrides, {"env": env}))
+        rollout_args = ["--config", str(own)]
+    children += [launcher.start("rollout", i, devices=d, extra_args=rollout_args)
+                 for i, d in enumerate(placement.get("rollout", []))]
+    addresses: dict[str, list[str]] = {}
+    for c in children:
+        addresses.setdefault(c.role, []).append(c.address or launcher.wait_ready(c))
+    # The coordinator reads the recipe with the replicas' addresses filled in: they are its default pools
+    # (ListServices with no run id, `meshrl services`). The later --config wins over the launcher's.
+    own = _write_private(launcher.log_dir / "coordinator.yaml", _with_addresses(raw, overrides, addresses))
+    coordinator = launcher.start("coordinator", extra_args=["--config", str(own)])
+    return {**addresses, "coordinator": [launcher.wait_ready(coordinator)]}
+
+
+def _drive(launcher, data: dict, conn: Connection, num_steps: int):
+    """Starts the run on the coordinator and follows it to the end; returns its final status."""
+    with conn.client() as client:
+        run_id = client.start_run(yaml.safe_dump(data, sort_keys=False))
+        console.print(f"run {run_id} started")
+        _follow_while_alive(launcher, client, run_id, num_steps)
+        return client.get_run(run_id)
+
+
+def _placement(cfg, raw: dict, overrides: dict[str, str]) -> tuple[dict[str, list[str]], str]:
+    """The GPUs of each replica by role, and the trainer's (all its ranks'); ValueError names a bad `devices:`."""
+    from coordinator.launcher import replica_devices
+
+    # Two rollout replicas unless the recipe or a flag says how many.
+    asked = "replicas" in (raw.get("rollout") or {}) or "rollout.replicas" in overrides
+    num_rollout = cfg.rollout.replicas if asked else 2
+    num_reference = cfg.reference.replicas if (cfg.reference.replicas or cfg.needs_reference) else 0
+    counts = {"reference": num_reference, "reward": max(1, cfg.reward.replicas), "rollout": num_rollout,
+              "env": env_replicas(cfg, raw, overrides)}
+    placement = {role: replica_devices(getattr(cfg, role).devices, n, role) for role, n in counts.items()}
+    trainer_devices = replica_devices(cfg.trainer.devices, 1, "trainer")[0]  # whole: ranks use LOCAL_RANK
+    listed = len(trainer_devices.split(",")) if trainer_devices else 0
+    if 0 < listed < cfg.trainer.nproc_per_node:
+        raise ValueError(f"trainer.devices: {listed} GPU(s) (\"{trainer_devices}\") for trainer.nproc_per_node="
+                         f"{cfg.trainer.nproc_per_node} ranks; each rank needs its own GPU (LOCAL_RANK)")
+    return placement, trainer_devices
+
+
+def _with_addresses(raw: dict, overrides: dict[str, str], addresses: dict[str, list[str]]) -> dict:
+    from services.common.config import deep_merge, nest_overrides
+
+    data = deep_merge(raw, nest_overrides(overrides))
+    for role in ("rollout", "reward", "reference", "env"):
+        if addresses.get(role):
+            data.setdefault(role, {})
+            data[role]["servers"] = addresses[role]
+            # A replica that dies is restarted (coordinator/supervisor.py): calls wait for it rather than fail
+            # the step when it was the role's only one.
+            data[role].setdefault("rejoin_wait_s", REJOIN_WAIT_S)
+    if addresses.get("trainer"):
+        data.setdefault("trainer", {})["address"] = addresses["trainer"][0]
+    return data
+
+
+def env_replicas(cfg, raw: dict, overrides: dict[str, str]) -> int:
+    """How many env replicas `meshrl up` starts: `env.replicas` when the recipe (or a flag) has an `env:` section,
+    one when only the agent loop calls tools or an environment (it needs a replica that hosts them), else none. A
+    section that names running replicas (`env.servers` / `env.dns`) and asks for no count keeps to those."""
+    from services.common.pools import configured
+    from services.rollout.config import AGENT_ALIASES
+
+    name = cfg.rollout.agent.name
+    needed = AGENT_ALIASES.get(name, name) in ENV_AGENTS
+    asked = "replicas" in (raw.get("env") or {}) or "env.replicas" in overrides
+    if configured(cfg.env) and not asked:
+        return 0
+    if "env" in raw or any(key.startswith("env.") for key in overrides):
+        if needed and cfg.env.replicas == 0 and not configured(cfg.env):
+            raise ValueError(f"env.replicas: 0, and no env.servers or env.dns, but rollout.agent.name {name!r} "
+                             f"calls the env role; start at least one replica or name running ones")
+        return cfg.env.replicas
+    return 1 if needed else 0
+
+
+def _follow(client, run_id: str, num_steps: int) -> None:
+    """One line per step above a live progress bar (reward, KL, throughput)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[stats]}"), console=console, transient=True) as progress:
+        task = progress.add_task("run", total=num_steps, stats="")
+        for m in client.stream_metrics(run_id):
+            if "reward_mean" in m:
+                progress.console.print(step_line(m, num_steps), highlight=False)
+                stats = (f"margin {_fmt(m.get('reward_mean'))} {_fmt(m.get('pairs_per_s'), '.1f')} pairs/s"
+                         if "dpo/loss" in m else
+                         f"reward {_fmt(m.get('reward_mean'))} kl {_fmt(m.get('kl'), '.4f')} "
+                         f"{_fmt(m.get('samples_per_s'), '.1f')} samples/s")
+                progress.update(task, completed=int(m["step"]), stats=stats)
+            if "heldout_accuracy" in m:   # a mid-run evaluation arrives in its step's record
+                label = "after" if m.get("final") else ("before" if m["step"] == 0 else f"at step {m['step']}")
+                line = f"held-out accuracy {label}: {m['heldout_accuracy']:.1%}"
+                if "heldout_preference_accuracy" in m:
+                    line += (f"  preference accuracy {m['heldout_preference_accuracy']:.1%}  "
+                             f"margin {_fmt(m.get('heldout_reward_margin'))}")
+                progress.console.print(line, highlight=False)
+
+
+def _follow_while_alive(launcher, client, run_id: str, num_steps: int) -> None:
+    """Follows the run while coordinator/supervisor.py restarts replicas that die; the loss of the coordinator,
+    the trainer or every replica of a role ends `meshrl up` with the dead process's cause line, not a hang."""
+    import threading
+
+    from coordinator.supervisor import Supervisor
+
+    supervisor = Supervisor(launcher, say=lambda line: console.print(line, highlight=False, soft_wrap=True))
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def follow():
+        try:
+            _follow(client, run_id, num_steps)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=follow, daemon=True).start()
+    while not done.wait(0.5):
+        supervisor.check()
+    if errors:
+        raise errors[0]
+
+
+def _report(run_dir: str) -> None:
+    """report.png beside summary.json, and a short summary table."""
+    from rich.table import Table
+
+    from coordinator.report import plot_run
+
+    path = Path(run_dir)
+    if not (path / "metrics.jsonl").exists():
+        return
+    image = plot_run(path)
+    summary_file = path / "summary.json"
+    if summary_file.exists():
+        summary = json.loads(summary_file.read_text())
+        table = Table("steps", "seconds", "held-out before", "held-out after", "top phases")
+        shares = sorted(summary["phase_time_shares"].items(), key=lambda kv: -kv[1])[:3]
+        table.add_row(str(summary["steps"]), f"{summary['seconds']:.0f}",
+                      f"{summary['heldout_accuracy_before']:.1%}", f"{summary['heldout_accuracy_after']:.1%}",
+                      ", ".join(f"{k} {v:.0%}" for k, v in shares))
+        console.print(table)
+        if summary.get("algorithm") == "dpo":
+            console.print(f"held-out preference accuracy {_fmt(summary.get('heldout_preference_accuracy_before'), '.1%')}"
+                          f" -> {_fmt(summary.get('heldout_preference_accuracy_after'), '.1%')}", highlight=False)
+    console.print(f"report: {image}")
+
+
+def _print_result(status) -> None:
+    before = status.last_metrics.get("heldout_accuracy_before")
+    after = status.last_metrics.get("heldout_accuracy_after")
+    console.print(f"run {status.run_id} {status.state} after {status.step} steps; metrics in {status.run_dir}"
+                  + (f" ({status.message})" if status.message else ""), highlight=False)
+    if before is not None and after is not None:
+        console.print(f"held-out accuracy before {before:.1%} -> after {after:.1%} "
+                      f"({(after - before) * 100:+.1f} points)", highlight=False)
+
+
+@command(context_settings=PASSTHROUGH)
+@connects
+def run(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False),
+        follow: bool = typer.Option(True, help="stream metrics until the run ends"), *, conn: Connection):
+    """Start a run on a running coordinator (services listed in the YAML). After the recipe: verl's
+    overrides (`actor_rollout_ref.rollout.n=8`, docs/from_verl.md) and meshrl's `--section.key value`."""
+    from coordinator.preflight import check_run
+    from coordinator.run_settings import user_keys
+    from services.common.config import deep_merge, nest_overrides
+
+    # The config is checked here before anything is sent, as far as its own keys go; model folders, data files
+    # and keys it leaves to the running services are checked by StartRun, on the coordinator's machine.
+    verl, overrides = _recipe_args(list(ctx.args))
+    raw, cfg = _load_recipe(config, verl, overrides)
+    check_run(cfg, files="none", keys=set(user_keys(cfg)))
+    text = (yaml.safe_dump(deep_merge(raw, nest_overrides(overrides)), sort_keys=False) if verl or overrides
+            else config.read_text())
+    with conn.client() as client:
+        run_id = client.start_run(text)
+        console.print(run_id)
+        if follow:
+            num_steps = client.get_run(run_id).num_steps
+            _follow(client, run_id, num_steps)
+            status = client.get_run(run_id)
+            _print_result(status)
+            if status.state != "COMPLETED":  # as `meshrl up`: a run that failed or was stopped is exit 1
+                raise typer.Exit(1)
