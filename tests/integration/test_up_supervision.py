@@ -16,7 +16,7 @@ import pytest
 from tests.reliability.test_security import _children, _listening
 
 REPO = Path(__file__).resolve().parents[2]
-# Enough steps (a fraction of a second each) for the restarted replica to start and rejoin before the end.
+# Steps after the restart too: the restarted replica rejoins and takes the last step's update.
 NUM_STEPS = 150
 
 
@@ -39,6 +39,13 @@ def _read_until(lines: queue.Queue, seen: list[str], prefix: str) -> str:
         seen.append(line)
         if line.startswith(prefix):
             return line
+
+
+def _cli(verb: str, run_id: str, addresses: dict) -> None:
+    coordinator = addresses["coordinator"]
+    coordinator = coordinator[0] if isinstance(coordinator, list) else coordinator
+    subprocess.run([sys.executable, "-m", "coordinator.cli", verb, run_id, "--coordinator", coordinator],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
 
 
 def _pid_listening_on(parent: int, address: str) -> int:
@@ -65,8 +72,14 @@ def test_meshrl_up_restarts_a_killed_rollout_replica_and_the_run_completes_every
         lines = _lines(proc)
         addresses = json.loads(_read_until(lines, seen, "mesh up: ")[len("mesh up: "):].rsplit(" (logs in", 1)[0])
         victim = addresses["rollout"][1]
+        run_id = _read_until(lines, seen, "run ").split()[1]
         _read_until(lines, seen, f"step   1/{NUM_STEPS}")
+        # Paused while the replica dies and comes back, so the run cannot end before the restart (150 steps once
+        # nearly did on a loaded machine); resumed once the supervisor says it serves again.
+        _cli("pause", run_id, addresses)
         os.kill(_pid_listening_on(proc.pid, victim), signal.SIGKILL)
+        _read_until(lines, seen, "meshrl up: rollout-1 restarted and serving")
+        _cli("resume", run_id, addresses)
         while (line := lines.get(timeout=600)) is not None:
             seen.append(line)
         proc.wait(timeout=60)
