@@ -1,7 +1,10 @@
-"""Tiny random Qwen2 models with a character tokenizer, for rollout tests and benchmarks (CPU, seconds)."""
+"""Tiny random Qwen2 models with a character tokenizer, for rollout tests and benchmarks (CPU, seconds), and a
+gate that holds the engine's decode thread at chosen model calls."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import torch
@@ -64,3 +67,26 @@ def random_state_like(model: torch.nn.Module, *, seed: int) -> dict[str, torch.T
 
     g = torch.Generator().manual_seed(seed)
     return {name: (torch.randn(p.shape, generator=g) * 0.1).to(p.dtype) for name, p in named_weights(model).items()}
+
+
+class Gate:
+    """Stops the thread running `module`'s forward at given calls (1-based) until the test opens them: tests order
+    a decode and an update by events, not sleeps. `handle.remove()` takes the hook off."""
+
+    def __init__(self, module: torch.nn.Module, stops: tuple[int, ...]):
+        self.calls = 0
+        self.reached = {c: threading.Event() for c in stops}
+        self.opened = {c: threading.Event() for c in stops}
+        self.handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.calls += 1
+        if self.calls in self.reached:
+            self.reached[self.calls].set()
+            assert self.opened[self.calls].wait(timeout=120), "the test never opened the gate"
+
+    async def wait(self, call: int) -> None:
+        assert await asyncio.to_thread(self.reached[call].wait, 120)
+
+    def open(self, call: int) -> None:
+        self.opened[call].set()

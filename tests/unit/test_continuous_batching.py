@@ -5,14 +5,13 @@ decoder runs its step eagerly (use_graphs=False; no Triton sampler or attention)
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
 
 from services.rollout.config import RolloutSettings
 from services.rollout.cuda_decode import GraphDecoder, Joiner
-from services.rollout.testing import make_tiny_model, random_state_like
+from services.rollout.testing import Gate, make_tiny_model, random_state_like
 from services.rollout.torch_engine import TorchEngine
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
 
@@ -39,28 +38,6 @@ def request(prompts, i=0, **sampling) -> GenerateBatch:
     partial = sampling.pop("partial", "off")
     return GenerateBatch([PromptInput(id=f"r{i}p{j}", prompt_ids=list(p)) for j, p in enumerate(prompts)],
                          SamplingParams(**sampling), partial_rollout=partial)
-
-
-class Gate:
-    """Holds the decode thread at given token-embedding calls (one per prefill and per decode step) until opened."""
-
-    def __init__(self, engine: TorchEngine, stops: tuple[int, ...]):
-        self.calls = 0
-        self.reached = {c: threading.Event() for c in stops}
-        self.opened = {c: threading.Event() for c in stops}
-        self.handle = engine.model.model.embed_tokens.register_forward_pre_hook(self._hook)
-
-    def _hook(self, module, args):
-        self.calls += 1
-        if self.calls in self.reached:
-            self.reached[self.calls].set()
-            assert self.opened[self.calls].wait(timeout=120), "the test never opened the gate"
-
-    async def wait(self, call: int) -> None:
-        assert await asyncio.to_thread(self.reached[call].wait, 120)
-
-    def open(self, call: int) -> None:
-        self.opened[call].set()
 
 
 async def pending(engine: TorchEngine, n: int) -> None:
@@ -122,7 +99,7 @@ def test_a_request_is_answered_before_the_decode_ends_when_another_joined(model_
     hold = 30                                       # a call after the first request's rows ended (step 12)
 
     async def go():
-        gate = Gate(e, (3, hold))
+        gate = Gate(e.model.model.embed_tokens, (3, hold))
         try:
             a = asyncio.ensure_future(e.generate(first))
             await gate.wait(3)                      # the decode runs (step 1)
@@ -152,7 +129,7 @@ def test_many_requests_of_different_lengths_join_with_nothing_lost_or_duplicated
     e = cpu_graph_engine(model_dir)
 
     async def go():
-        gate = Gate(e, (1,))
+        gate = Gate(e.model.model.embed_tokens, (1,))
         try:
             tasks = [asyncio.ensure_future(e.generate(batches[0]))]
             await gate.wait(1)                      # the first request's prefill: the others queue meanwhile
@@ -183,7 +160,7 @@ def test_seeded_and_stop_string_requests_wait_for_the_next_decode_and_block_late
     e = cpu_graph_engine(model_dir)
 
     async def go():
-        gate = Gate(e, (3,))
+        gate = Gate(e.model.model.embed_tokens, (3,))
         try:
             tasks = [asyncio.ensure_future(e.generate(first))]
             await gate.wait(3)
@@ -209,7 +186,7 @@ def test_a_weight_swap_between_steps_tags_the_joined_rows_tokens_from_their_own_
     swap_at = 12                                    # the call (step 10) during which the update is posted
 
     async def go():
-        gate = Gate(e, (3, swap_at))
+        gate = Gate(e.model.model.embed_tokens, (3, swap_at))
         try:
             a = asyncio.ensure_future(e.generate(first))
             await gate.wait(3)
@@ -240,7 +217,7 @@ def test_a_posted_update_stops_joining_so_it_lands_before_the_next_requests(mode
     first = request(PROMPTS[:1], 0, n=1, temperature=0, max_tokens=30)
 
     async def go():
-        gate = Gate(e, (3,))
+        gate = Gate(e.model.model.embed_tokens, (3,))
         try:
             a = asyncio.ensure_future(e.generate(first))
             await gate.wait(3)
@@ -264,7 +241,7 @@ def test_continuous_batching_off_keeps_whole_batch_decodes(model_dir):
     first = request(PROMPTS[:1], 0, n=2, temperature=0, max_tokens=20)
 
     async def go():
-        gate = Gate(e, (3,))
+        gate = Gate(e.model.model.embed_tokens, (3,))
         try:
             a = asyncio.ensure_future(e.generate(first))
             await gate.wait(3)

@@ -5,7 +5,6 @@ the version that produced it."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from meshrl.v1 import rollout_pb2
 from services.common.modeling import response_logprobs
 from services.rollout import convert
 from services.rollout.config import RolloutSettings
-from services.rollout.testing import make_tiny_model, random_state_like
+from services.rollout.testing import Gate, make_tiny_model, random_state_like
 from services.rollout.torch_engine import TorchEngine
 from services.rollout.types import GenerateBatch, PromptInput, PromptResult, SampleResult, SamplingParams
 
@@ -32,28 +31,6 @@ def model_dir(tmp_path_factory) -> str:
 def batch(partial: str) -> GenerateBatch:
     return GenerateBatch([PromptInput(id=f"p{i}", prompt_ids=list(p)) for i, p in enumerate(PROMPTS)],
                          SamplingParams(n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=7), partial_rollout=partial)
-
-
-class Gate:
-    """Stops the engine's worker thread at given model calls until the test opens them (events, no sleeps)."""
-
-    def __init__(self, model, stops: tuple[int, ...]):
-        self.calls = 0
-        self.reached = {c: threading.Event() for c in stops}
-        self.opened = {c: threading.Event() for c in stops}
-        self.handle = model.register_forward_pre_hook(self._hook)
-
-    def _hook(self, module, args):
-        self.calls += 1
-        if self.calls in self.reached:
-            self.reached[self.calls].set()
-            assert self.opened[self.calls].wait(timeout=120), "the test never opened the gate"
-
-    async def wait(self, call: int) -> None:
-        assert await asyncio.to_thread(self.reached[call].wait, 120)
-
-    def open(self, call: int) -> None:
-        self.opened[call].set()
 
 
 def samples_of(results: list[PromptResult]) -> list[SampleResult]:

@@ -5,14 +5,13 @@ with "off" the update waits for the turn."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
 from services.rollout import convert
 from services.rollout.config import AgentConfig, RolloutSettings
 from services.rollout.episodes import EpisodeRunner
-from services.rollout.testing import make_tiny_model, random_state_like
+from services.rollout.testing import Gate, make_tiny_model, random_state_like
 from services.rollout.torch_engine import TorchEngine
 from services.rollout.types import EpisodePrompt, SamplingParams
 
@@ -24,22 +23,6 @@ HOLD_AT_CALL = 30          # a later call the turn waits at until the test saw t
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("partial_episode_model"), max_position_embeddings=256)
-
-
-class Gate:
-    """Stops the engine's decode thread at given model calls until the test opens them (events, no sleeps)."""
-
-    def __init__(self, model, stops: tuple[int, ...]):
-        self.calls = 0
-        self.reached = {c: threading.Event() for c in stops}
-        self.opened = {c: threading.Event() for c in stops}
-        self.handle = model.register_forward_pre_hook(self._hook)
-
-    def _hook(self, module, args):
-        self.calls += 1
-        if self.calls in self.reached:
-            self.reached[self.calls].set()
-            assert self.opened[self.calls].wait(timeout=120), "the test never opened the gate"
 
 
 async def episodes_with_update(engine: TorchEngine, mode: str):
