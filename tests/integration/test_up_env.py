@@ -12,9 +12,10 @@ import grpc
 import pytest
 
 from meshrl.v1 import common_pb2, env_pb2, env_pb2_grpc, rollout_pb2_grpc
-from tests.integration.test_up_supervision import REPO, _lines, _pid_listening_on, _read_until
+from tests.integration.test_up_supervision import REPO, _cli, _lines, _pid_listening_on, _read_until
 
-# More steps than the test waits for: it stops `meshrl up` once the restarted replica answers.
+# More steps than the test waits for; the run is paused after its first step, so it cannot end before the Ctrl-C
+# however slow the machine (1,000 unpaused steps once ended first on a loaded one).
 NUM_STEPS = 1000
 
 
@@ -52,7 +53,9 @@ def test_meshrl_up_starts_env_replicas_for_the_rollout_replicas_and_restarts_a_k
         # the rollout replica's env pool is the replicas `meshrl up` started (and waits for one that restarts)
         settings = _rollout_settings(addresses["rollout"][0])
         assert settings["env"]["servers"] == env and settings["env"]["rejoin_wait_s"] > 0
+        run_id = _read_until(lines, seen, "run ").split()[1]
         _read_until(lines, seen, f"step   1/{NUM_STEPS}")
+        _cli("pause", run_id, addresses)
         os.kill(_pid_listening_on(proc.pid, env[1]), signal.SIGKILL)
         died = _read_until(lines, seen, "meshrl up: env-1 exited")
         assert re.fullmatch(r"meshrl up: env-1 exited with code -9 during the run: killed by SIGKILL \(log: .+/"
