@@ -3,7 +3,7 @@
 # transformers 5.17, CuPy); each named part writes its log and JSON under $OUT.
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
-#   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc spy
+#   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench spy
 #          meshrl trl trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
 #   (bench/async_rl.py; ~6 e2e runs, split the workloads over two calls when STEPS is large):
@@ -107,6 +107,9 @@ for what in "$@"; do
       part fit 560 python3 bench/trainer_fit.py --sizes "${FIT_SIZES:-0.5b,1.5b,3b,7b}" --out "$OUT/trainer_fit_gpu.json" ;;
     wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py -s ;;
     reference) part reference 240 python3 bench/reference_gpu.py --out "$OUT/reference_gpu.json" ;;
+    ipcbench) # CUDA IPC between two processes on one GPU vs a same-process copy (bench/weight_sync_ipc.py)
+      part ipcbench 240 python3 bench/weight_sync_ipc.py --out "$OUT/weight_sync_ipc.json"
+      stamp "$OUT/weight_sync_ipc.json" weight_sync_ipc ;;
     wsipc) part wsipc 240 python3 bench/weight_sync.py --transport ipc --device cuda:0 --repeats 10 \
              --out "$OUT/weight_sync.json" ;;
     meshrl) TORCH_LOGS="${TORCH_LOGS:-recompiles}" part meshrl 560 python3 bench/e2e_grpo.py run --device cuda --shape qwen2.5-0.5b --steps "$STEPS" \

@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("stamp", help="stamp result JSONs (stem from the file name) with the commit and digest")
     st.add_argument("files", nargs="+", type=Path)
     st.add_argument("--as", dest="stem", help="the results stem whose sources it measures (default: the file's)")
+    st.add_argument("--restamp", action="store_true",
+                    help="the file was measured on another machine (the GPU host, whose checkout has no git): keep "
+                         "its measured_at and host, take the commit and digest from this checkout")
     sub.add_parser("check", help="print each results file's commit and whether the code changed since")
     args = ap.parse_args(argv)
     if args.cmd == "stamp":
@@ -144,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"provenance: {f} not written, nothing to stamp", file=sys.stderr)
                 continue
             data = json.loads(f.read_text())
-            f.write_text(json.dumps(stamp(args.stem or f.stem, data), indent=1) + "\n")
+            measured = {k: v for k, v in (data.get("provenance") or {}).items() if k in ("measured_at", "host")}
+            data = stamp(args.stem or f.stem, data)
+            if args.restamp and measured:
+                data["provenance"]["stamped_here_at"] = data["provenance"]["measured_at"]
+                data["provenance"].update(measured)
+            f.write_text(json.dumps(data, indent=1) + "\n")
         return 0
     for f in sorted(RESULTS.glob("*.json")):
         stale, commit = staleness(f.stem, json.loads(f.read_text()))
