@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from meshrl.v1 import common_pb2, env_pb2, env_pb2_grpc, rollout_pb2_grpc
-from tests.integration.test_up_supervision import REPO, _cli, _lines, _pid_listening_on, _read_until
+from tests.integration.test_up_supervision import REPO, _cli, _lines, _pid_listening_on, _read_to_end, _read_until
 
 # More steps than the test waits for; the run is paused after its first step, so it cannot end before the Ctrl-C
 # however slow the machine (1,000 unpaused steps once ended first on a loaded one).
@@ -64,8 +64,7 @@ def test_meshrl_up_starts_env_replicas_for_the_rollout_replicas_and_restarts_a_k
         assert back.startswith(f"meshrl up: env-1 restarted and serving on {env[1]} (restart 1 of 3;"), back
         assert _calculate(env[1], "12 * 34") == "408"
         proc.send_signal(signal.SIGINT)           # as a user's Ctrl-C: `meshrl up` stops every service
-        while (line := lines.get(timeout=120)) is not None:
-            seen.append(line)
+        _read_to_end(lines, seen, 120)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:

@@ -32,13 +32,27 @@ def _lines(proc: subprocess.Popen) -> queue.Queue:
     return out
 
 
+def _next_line(lines: queue.Queue, seen: list[str], timeout: float, waiting_for: str) -> str | None:
+    """The next line of `meshrl up` (None at its end); a silence of `timeout` seconds fails with what it said."""
+    try:
+        return lines.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"meshrl up said nothing for {timeout:g}s while the test waited for {waiting_for}; "
+                             "its last lines:\n" + "\n".join(seen[-40:])) from None
+
+
 def _read_until(lines: queue.Queue, seen: list[str], prefix: str) -> str:
     while True:
-        line = lines.get(timeout=300)
+        line = _next_line(lines, seen, 300, repr(prefix))
         assert line is not None, "meshrl up ended early:\n" + "\n".join(seen[-40:])
         seen.append(line)
         if line.startswith(prefix):
             return line
+
+
+def _read_to_end(lines: queue.Queue, seen: list[str], timeout: float) -> None:
+    while (line := _next_line(lines, seen, timeout, "its end")) is not None:
+        seen.append(line)
 
 
 def _cli(verb: str, run_id: str, addresses: dict) -> None:
@@ -80,8 +94,7 @@ def test_meshrl_up_restarts_a_killed_rollout_replica_and_the_run_completes_every
         os.kill(_pid_listening_on(proc.pid, victim), signal.SIGKILL)
         _read_until(lines, seen, "meshrl up: rollout-1 restarted and serving")
         _cli("resume", run_id, addresses)
-        while (line := lines.get(timeout=600)) is not None:
-            seen.append(line)
+        _read_to_end(lines, seen, 600)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
