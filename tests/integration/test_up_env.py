@@ -35,14 +35,25 @@ def _rollout_settings(address: str) -> dict:
     return json.loads(info.details["settings"])
 
 
+def _interruptible(args: list[str], **kwargs) -> subprocess.Popen:
+    """Popen whose child takes a Ctrl-C as a terminal's would. An ignored SIGINT is inherited across exec: when
+    whoever started pytest ignored it (a background job of a shell without job control, `nohup ... &`), `meshrl up`
+    would ignore the test's SIGINT and run on. A Python handler is reset to the default in the child instead."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(args, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+
+
 @pytest.mark.slow
 def test_meshrl_up_starts_env_replicas_for_the_rollout_replicas_and_restarts_a_killed_one(arith_model_path, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "up", "examples/arith/grpo.yaml",
-                             "--run-dir", str(tmp_path), "--model.path", arith_model_path,
-                             "--env.replicas", "2", "--rollout.replicas", "1", "--run.num_steps", str(NUM_STEPS),
-                             "--run.eval_every", "0", "--data.heldout_size", "8", "--data.rollout_batch_size", "8"],
-                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = _interruptible([sys.executable, "-m", "coordinator.cli", "up", "examples/arith/grpo.yaml",
+                           "--run-dir", str(tmp_path), "--model.path", arith_model_path,
+                           "--env.replicas", "2", "--rollout.replicas", "1", "--run.num_steps", str(NUM_STEPS),
+                           "--run.eval_every", "0", "--data.heldout_size", "8", "--data.rollout_batch_size", "8"],
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen: list[str] = []
     try:
         lines = _lines(proc)
