@@ -148,8 +148,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             data = json.loads(f.read_text())
             measured = {k: v for k, v in (data.get("provenance") or {}).items() if k in ("measured_at", "host")}
+            if args.restamp and len(measured) < 2:
+                print(f"provenance: {f}: --restamp needs the measuring machine's provenance.measured_at and host; "
+                      "the file has no such stamp", file=sys.stderr)
+                return 2
             data = stamp(args.stem or f.stem, data)
-            if args.restamp and measured:
+            if args.restamp:
                 data["provenance"]["stamped_here_at"] = data["provenance"]["measured_at"]
                 data["provenance"].update(measured)
             f.write_text(json.dumps(data, indent=1) + "\n")

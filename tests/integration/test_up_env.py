@@ -15,7 +15,7 @@ from meshrl.v1 import common_pb2, env_pb2, env_pb2_grpc, rollout_pb2_grpc
 from tests.integration.test_up_supervision import REPO, _cli, _lines, _pid_listening_on, _read_to_end, _read_until
 
 # More steps than the test waits for; the run is paused after its first step, so it cannot end before the Ctrl-C
-# however slow the machine (1,000 unpaused steps once ended first on a loaded one).
+# however slow the machine.
 NUM_STEPS = 1000
 
 
