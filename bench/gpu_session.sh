@@ -4,6 +4,7 @@
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
 #   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench spy
+#          mfuautotune
 #          meshrl trl trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
 #   (bench/async_rl.py; ~6 e2e runs, split the workloads over two calls when STEPS is large):
@@ -80,6 +81,13 @@ for what in "$@"; do
            --trace-dir "$WORK" --merge --out "$OUT/trainer_mfu.json"
          stamp "$OUT/trainer_mfu.json" trainer_mfu
          gzip -c "$WORK"/trace_0.5b_engine.json > "$OUT/trace_0.5b_engine.json.gz" 2>/dev/null ;;
+    mfuautotune) # #23's open probe: the 1.5B engine step (fixed 8 x 2,048) with inductor's max-autotune, which times
+                 # Triton GEMM templates with fused epilogues against cuBLAS, beside the default; each in its own
+                 # process and inductor cache, profiled (by_kind_ms, idle_ms). Not merged into trainer_mfu.json.
+      part mfu_default 150 env TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-default" python3 bench/trainer_mfu.py \
+        --sizes 1.5b --variants engine --profile engine --out "$OUT/mfu_default.json"
+      part mfu_max_autotune 420 env TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-max-autotune" TORCHINDUCTOR_MAX_AUTOTUNE=1 \
+        python3 bench/trainer_mfu.py --sizes 1.5b --variants engine --profile engine --out "$OUT/mfu_max_autotune.json" ;;
     packing) # remove padding (packed vs padded tokens/s, long-tailed lengths) and the fused head's memory (8 x 4,096,
              # vocab 151,936), Qwen2.5-1.5B-shaped; PACK_PARTS=spread or memory splits it over two calls;
              # PACK_VARIANTS: the spread's variants (bench/trainer_packing.py --variants); PACK_PROFILE=1 profiles each
