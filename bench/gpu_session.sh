@@ -81,12 +81,15 @@ for what in "$@"; do
            --trace-dir "$WORK" --merge --out "$OUT/trainer_mfu.json"
          stamp "$OUT/trainer_mfu.json" trainer_mfu
          gzip -c "$WORK"/trace_0.5b_engine.json > "$OUT/trace_0.5b_engine.json.gz" 2>/dev/null ;;
-    mfuautotune) # #23's open probe: the 1.5B engine step (fixed 8 x 2,048) with inductor's max-autotune, which times
-                 # Triton GEMM templates with fused epilogues against cuBLAS, beside the default; each in its own
-                 # process and inductor cache, profiled (by_kind_ms, idle_ms). Not merged into trainer_mfu.json.
-      part mfu_default 150 env TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-default" python3 bench/trainer_mfu.py \
-        --sizes 1.5b --variants engine --profile engine --out "$OUT/mfu_default.json"
-      part mfu_max_autotune 420 env TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-max-autotune" TORCHINDUCTOR_MAX_AUTOTUNE=1 \
+    mfuautotune) # #23's open probes, 1.5B engine step (fixed 8 x 2,048): the engine beside itself with an fp32
+                 # residual stream (the engine before that change) and in bf16 only, then inductor's max-autotune
+                 # (Triton GEMM templates with fused epilogues timed against cuBLAS); each max-autotune run in its
+                 # own process and inductor cache, both profiled (by_kind_ms, idle_ms). Not merged into
+                 # trainer_mfu.json.
+      part mfu_default 170 env TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-default" python3 bench/trainer_mfu.py \
+        --sizes 1.5b --variants engine,engine_fp32_residual,engine_bf16 --profile engine,engine_fp32_residual \
+        --out "$OUT/mfu_default.json"
+      part mfu_max_autotune 380 env TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-max-autotune" TORCHINDUCTOR_MAX_AUTOTUNE=1 \
         python3 bench/trainer_mfu.py --sizes 1.5b --variants engine --profile engine --out "$OUT/mfu_max_autotune.json" ;;
     packing) # remove padding (packed vs padded tokens/s, long-tailed lengths) and the fused head's memory (8 x 4,096,
              # vocab 151,936), Qwen2.5-1.5B-shaped; PACK_PARTS=spread or memory splits it over two calls;

@@ -14,6 +14,8 @@ one optimizer step per call (mini_batch_size 0, ppo_epochs 1). Variants, all mea
   engine_amp         the same with fp32 master weights (actor.param_dtype float32, actor.dtype bfloat16)
   engine_bf16        the same in bf16 only (actor.param_dtype bfloat16: bf16 weights and AdamW state)
   engine_eager       the same with actor.compile false
+  engine_fp32_residual  the engine without its compute-dtype residual stream (the embedding's output stays fp32
+                     under autocast, so every residual add and norm input is fp32): the engine before that change
   engine_unfused     actor.compile false and actor.fused_logprobs false (fused AdamW, one-sync norm remain)
 
 MFU = model FLOPs / step time / peak, model FLOPs = 6 * N * tokens + 12 * layers * hidden * seq * tokens
@@ -154,8 +156,15 @@ def build_engine(path: str, dev: str, *, amp: bool, dtype: str, budget: int, ove
 
 
 def run_engine(path: str, samples, dev: str, warmup: int, steps: int, *, amp: bool, overrides: dict,
-               dtype: str, budget: int, parity: bool, profile: bool = False, trace: str | None = None) -> dict:
+               dtype: str, budget: int, parity: bool, profile: bool = False, trace: str | None = None,
+               fp32_residual: bool = False) -> dict:
     engine = build_engine(path, dev, amp=amp, dtype=dtype, budget=budget, overrides=overrides)
+    if fp32_residual:
+        from services.trainer.parallelize import _to_autocast_dtype
+
+        hooks = engine.actor.module.model.embed_tokens._forward_hooks
+        for key in [k for k, fn in hooks.items() if fn is _to_autocast_dtype]:
+            del hooks[key]
     extra = {"fused_logprobs": engine.fused_logprobs,
              "adamw": "fused" if engine.actor.optimizer.defaults.get("fused") else
                       "foreach" if engine.actor.optimizer.defaults.get("foreach") else "for-loop"}
@@ -324,6 +333,7 @@ VARIANTS = {
     "engine_amp": ("engine", True, {}),
     "engine_bf16": ("engine", False, {"param_dtype": "bfloat16"}),
     "engine_eager": ("engine", False, {"compile": False}),
+    "engine_fp32_residual": ("engine", False, {}),
     "engine_unfused": ("engine", False, {"compile": False, "fused_logprobs": False}),
 }
 
@@ -405,7 +415,7 @@ def main(argv=None) -> None:
                     else:
                         r = run_engine(str(path), samples, dev, args.warmup, args.steps, amp=amp, overrides={**args.actor, **overrides},
                                        dtype=dtype_name, budget=args.budget, parity=(name == "engine_eager"),
-                                       profile=name in args.profile,
+                                       profile=name in args.profile, fp32_residual=name == "engine_fp32_residual",
                                        trace=(str(Path(args.trace_dir) / f"trace_{size}_{name}.json")
                                               if args.trace_dir else None))
                 except Exception as e:  # noqa: BLE001 - an OOM in one variant must not lose the others
