@@ -81,18 +81,15 @@ for what in "$@"; do
            --trace-dir "$WORK" --merge --out "$OUT/trainer_mfu.json"
          stamp "$OUT/trainer_mfu.json" trainer_mfu
          gzip -c "$WORK"/trace_0.5b_engine.json > "$OUT/trace_0.5b_engine.json.gz" 2>/dev/null ;;
-    mfuautotune) # #23's open probes, 1.5B engine step (fixed 8 x 2,048): the engine beside itself with an fp32
-                 # residual stream (the engine before that change), in bf16 only and with q/k/v and gate/up fused
-                 # into one matmul each (bench/trainer_mfu.py engine_fused_proj), then inductor's max-autotune
-                 # (Triton GEMM templates with fused epilogues timed against cuBLAS); each max-autotune run in its
-                 # own process and inductor cache, both profiled (by_kind_ms, idle_ms). Not merged into
-                 # trainer_mfu.json.
-      part mfu_default 190 env TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-default" python3 bench/trainer_mfu.py \
-        --sizes 1.5b --variants engine,engine_fp32_residual,engine_bf16,engine_fused_proj \
-        --profile engine,engine_fp32_residual,engine_fused_proj \
-        --out "$OUT/mfu_default.json"
+    mfuautotune) # #23's open probes (bench/mfu_probes.py), 1.5B engine step (fixed 8 x 2,048): the engine beside a
+                 # bf16 residual stream under autocast, q/k/v and gate/up fused into one matmul each, and bf16-only
+                 # weights; then the engine with inductor's max-autotune (Triton GEMM templates with fused epilogues
+                 # timed against cuBLAS). Each in its own process and inductor cache, profiled (by_kind_ms, idle_ms).
+                 # Probes: not merged into trainer_mfu.json.
+      part mfu_probes 200 env TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-default" python3 bench/mfu_probes.py \
+        --size 1.5b --out "$OUT/mfu_probes.json"
       part mfu_max_autotune 360 env TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-max-autotune" TORCHINDUCTOR_MAX_AUTOTUNE=1 \
-        python3 bench/trainer_mfu.py --sizes 1.5b --variants engine --profile engine --out "$OUT/mfu_max_autotune.json" ;;
+        python3 bench/mfu_probes.py --size 1.5b --probes engine --profile engine --out "$OUT/mfu_max_autotune.json" ;;
     packing) # remove padding (packed vs padded tokens/s, long-tailed lengths) and the fused head's memory (8 x 4,096,
              # vocab 151,936), Qwen2.5-1.5B-shaped; PACK_PARTS=spread or memory splits it over two calls;
              # PACK_VARIANTS: the spread's variants (bench/trainer_packing.py --variants); PACK_PROFILE=1 profiles each

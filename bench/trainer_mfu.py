@@ -14,10 +14,6 @@ one optimizer step per call (mini_batch_size 0, ppo_epochs 1). Variants, all mea
   engine_amp         the same with fp32 master weights (actor.param_dtype float32, actor.dtype bfloat16)
   engine_bf16        the same in bf16 only (actor.param_dtype bfloat16: bf16 weights and AdamW state)
   engine_eager       the same with actor.compile false
-  engine_fused_proj  a probe, not a trainer feature: the engine with Qwen2's q/k/v and gate/up projections each
-                     run as one matmul over the concatenated weights (patched into the HF classes for this run)
-  engine_fp32_residual  the engine without its compute-dtype residual stream (the embedding's output stays fp32
-                     under autocast, so every residual add and norm input is fp32): the engine before that change
   engine_unfused     actor.compile false and actor.fused_logprobs false (fused AdamW, one-sync norm remain)
 
 MFU = model FLOPs / step time / peak, model FLOPs = 6 * N * tokens + 12 * layers * hidden * seq * tokens
@@ -39,7 +35,6 @@ file's model shapes: `bench/gpu_session.sh packing`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
@@ -158,49 +153,9 @@ def build_engine(path: str, dev: str, *, amp: bool, dtype: str, budget: int, ove
                                                             "actor": actor}))
 
 
-@contextlib.contextmanager
-def fused_projections():
-    """Qwen2's attention and MLP with their input projections fused into one matmul each (concatenated weights,
-    the parameters and their names unchanged): what merging q/k/v (N = 256 each for k and v at 1.5B) and gate/up
-    would buy. A probe for engine_fused_proj only."""
-    import torch.nn.functional as F
-    from transformers.models.qwen2 import modeling_qwen2 as q2
-
-    def mlp(self, x):
-        gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
-
-    def attn(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
-        shape = hidden_states.shape[:-1]
-        qkv = F.linear(hidden_states, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
-                       torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
-        sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
-        q, k, v = (t.reshape(*shape, -1, self.head_dim).transpose(1, 2) for t in qkv.split(sizes, dim=-1))
-        cos, sin = position_embeddings
-        q, k = q2.apply_rotary_pos_emb(q, k, cos, sin)
-        fn = q2.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, q2.eager_attention_forward)
-        out, weights = fn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
-                          sliding_window=self.sliding_window, **kwargs)
-        return self.o_proj(out.reshape(*shape, -1).contiguous()), weights
-
-    saved = q2.Qwen2MLP.forward, q2.Qwen2Attention.forward
-    q2.Qwen2MLP.forward, q2.Qwen2Attention.forward = mlp, attn
-    try:
-        yield
-    finally:
-        q2.Qwen2MLP.forward, q2.Qwen2Attention.forward = saved
-
-
 def run_engine(path: str, samples, dev: str, warmup: int, steps: int, *, amp: bool, overrides: dict,
-               dtype: str, budget: int, parity: bool, profile: bool = False, trace: str | None = None,
-               fp32_residual: bool = False) -> dict:
+               dtype: str, budget: int, parity: bool, profile: bool = False, trace: str | None = None) -> dict:
     engine = build_engine(path, dev, amp=amp, dtype=dtype, budget=budget, overrides=overrides)
-    if fp32_residual:
-        from services.trainer.parallelize import _to_autocast_dtype
-
-        hooks = engine.actor.module.model.embed_tokens._forward_hooks
-        for key in [k for k, fn in hooks.items() if fn is _to_autocast_dtype]:
-            del hooks[key]
     extra = {"fused_logprobs": engine.fused_logprobs,
              "adamw": "fused" if engine.actor.optimizer.defaults.get("fused") else
                       "foreach" if engine.actor.optimizer.defaults.get("foreach") else "for-loop"}
@@ -369,8 +324,6 @@ VARIANTS = {
     "engine_amp": ("engine", True, {}),
     "engine_bf16": ("engine", False, {"param_dtype": "bfloat16"}),
     "engine_eager": ("engine", False, {"compile": False}),
-    "engine_fp32_residual": ("engine", False, {}),
-    "engine_fused_proj": ("engine", False, {}),
     "engine_unfused": ("engine", False, {"compile": False, "fused_logprobs": False}),
 }
 
@@ -449,15 +402,10 @@ def main(argv=None) -> None:
                 try:
                     if kind == "plain":
                         r = run_plain(str(path), samples, dev, args.warmup, args.steps, dtype)
-                    elif name == "engine_fused_proj":
-                        with fused_projections():
-                            r = run_engine(str(path), samples, dev, args.warmup, args.steps, amp=amp,
-                                           overrides={**args.actor, **overrides}, dtype=dtype_name, budget=args.budget,
-                                           parity=False, profile=name in args.profile)
                     else:
                         r = run_engine(str(path), samples, dev, args.warmup, args.steps, amp=amp, overrides={**args.actor, **overrides},
                                        dtype=dtype_name, budget=args.budget, parity=(name == "engine_eager"),
-                                       profile=name in args.profile, fp32_residual=name == "engine_fp32_residual",
+                                       profile=name in args.profile,
                                        trace=(str(Path(args.trace_dir) / f"trace_{size}_{name}.json")
                                               if args.trace_dir else None))
                 except Exception as e:  # noqa: BLE001 - an OOM in one variant must not lose the others

@@ -1,5 +1,4 @@
-"""Applies the mesh to a model in a fixed order: tensor parallel, activation checkpointing, compile, then FSDP or DDP
-(and, under autocast, a compute-dtype residual stream).
+"""Applies the mesh to a model in a fixed order: tensor parallel, activation checkpointing, compile, then FSDP or DDP.
 
 Each step is a no-op when its mesh axis has size 1, so a single CPU process runs this same code.
 """
@@ -170,38 +169,18 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     return wrapped
 
 
-def _to_autocast_dtype(module: nn.Module, args, out):
-    kind = out.device.type
-    if torch.is_autocast_enabled(kind) and out.is_floating_point():
-        return out.to(torch.get_autocast_dtype(kind))
-    return None
-
-
-def compute_dtype_residual(model: nn.Module) -> None:
-    """Under autocast (fp32 master weights on one rank, or under DDP) the token embedding's output is cast to
-    the autocast dtype, so the residual stream runs in the compute dtype, as it does under FSDP2's mixed
-    precision (bf16 copies of the weights give bf16 activations) and in a bf16 model. Without it the fp32
-    embedding makes every residual add, norm input and saved residual fp32: twice the elementwise traffic of
-    a bf16 step. Matmuls and attention run in the autocast dtype either way. A no-op outside autocast and on
-    pipeline stages without the embedding."""
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if embed is not None:
-        embed.register_forward_hook(_to_autocast_dtype)
-
-
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, dp_mode: str, activation_checkpointing: str,
                 param_dtype: str, compute_dtype: str, compile: bool = False,
                 stages_per_rank: int = 1, checkpoint_every: int = 1) -> list[nn.Module]:
-    """PP stage split -> TP -> compute-dtype residual -> activation checkpointing -> compile -> FSDP/DDP, stage by
-    stage. Returns the modules to run forward/backward through: one per pipeline stage this rank holds (without
-    PP, the model itself or its DDP wrapper). `model` keeps every parameter this rank holds, under HF names."""
+    """PP stage split -> TP -> activation checkpointing -> compile -> FSDP/DDP, stage by stage. Returns the
+    modules to run forward/backward through: one per pipeline stage this rank holds (without PP, the model
+    itself or its DDP wrapper). `model` keeps every parameter this rank holds, under HF names."""
     from services.trainer.pipeline import hold_stages, split_stages
 
     chunks = split_stages(model, mesh["pp"], stages_per_rank)
     out = []
     for chunk in chunks:
         apply_tp(chunk, mesh["tp"])
-        compute_dtype_residual(chunk)        # after TP's hooks: the cast sees the embedding's whole output
         apply_activation_checkpointing(chunk, activation_checkpointing, checkpoint_every)
         apply_compile(chunk, compile)
         if dp_mode == "fsdp":

@@ -66,25 +66,5 @@ def test_an_update_below_bf16_resolution_moves_fp32_master_weights_but_not_bf16_
     moved_m = sum(int((v != before_m[k]).sum()) for k, v in named_weights(master.actor.module).items())
     moved_b = sum(int((v != before_b[k]).sum()) for k, v in named_weights(bf16.actor.module).items())
     total = sum(v.numel() for v in before_m.values())
-    # All but the elements whose gradient is exactly 0: the tied embedding's gradient is the sum of its head and
-    # input parts, each computed in bf16, and two bf16 values cancel exactly now and then (1 of 76,352 here).
-    assert moved_m >= total - 8
+    assert moved_m == total
     assert moved_b < 0.05 * total
-
-
-@pytest.mark.parametrize("model_dtype,want", [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
-def test_residual_stream_runs_in_the_compute_dtype(model_path, model_dtype, want):
-    # fp32 master weights under autocast: the embedding's output is cast to bf16, so each block's input (the
-    # residual stream) is bf16 as under FSDP2 mixed precision, in updates and in log-prob passes alike; without
-    # autocast nothing is cast.
-    data = {"model": {"path": model_path, "dtype": model_dtype}, "actor": {"lr": 1e-2}}
-    e = TrainerEngine(load_config(TrainerSettings, data=data))
-    seen = []
-    for block in e.actor.module.model.layers:
-        block.register_forward_pre_hook(
-            lambda m, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).dtype),
-            with_kwargs=True)
-    metrics = step(e)
-    assert seen and set(seen) == {want}
-    assert torch.isfinite(torch.tensor(metrics["loss"]))
-    assert {p.dtype for p in e.actor.module.parameters()} == {torch.float32}
