@@ -9,6 +9,9 @@ trainer features: a change that wins becomes a trainer setting or default and is
   fused_proj        Qwen2's q/k/v and gate/up projections each run as one matmul over the concatenated weights
                     (patched into transformers' Qwen2 classes for the run; parameters and names unchanged)
   bf16_only         actor.param_dtype bfloat16 (bf16 weights and AdamW state: no fp32 master weights)
+  clip_in_adamw     the clip coefficient handed to fused AdamW as its `grad_scale` (the kernel divides each
+                    gradient by it) instead of a foreach multiply over every gradient before the step
+  combined          bf16_residual, fused_proj and clip_in_adamw together: what the three would give as one
 
 Inductor's max-autotune is a probe too: run this script again with TORCHINDUCTOR_MAX_AUTOTUNE=1 in its own process
 and inductor cache (`bench/gpu_session.sh mfuautotune` does both).
@@ -94,11 +97,52 @@ def fused_projections():
         q2.Qwen2MLP.forward, q2.Qwen2Attention.forward = saved
 
 
+@contextlib.contextmanager
+def clip_in_adamw():
+    """The engine's last (deferred) optimizer step clips inside fused AdamW: the norm as before, then
+    grad_scale = 1 / min(1, max_norm / (norm + 1e-6)) on the device; no multiply pass over the gradients."""
+    from services.trainer import trained as tr
+    from services.trainer.optim import total_grad_norm
+
+    real = tr._deferred_step
+
+    def step(trained, layout):
+        assert trained.loss_scale == 1.0 and trained.cfg.grad_clip > 0, "probe: bf16 with grad_clip > 0 only"
+        grads = [p.grad for p in trained.module.parameters()
+                 if p.requires_grad and p.grad is not None and p is not layout.tied_copy]
+        norm = total_grad_norm(grads, pp_group=layout.pp_group)
+        coef = (trained.cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+        opt = trained.optimizer
+        lr = opt.param_groups[0]["lr"]
+        opt.found_inf = (~torch.isfinite(norm)).float()
+        opt.grad_scale = (1.0 / coef).float()
+        try:
+            opt.step()
+        finally:
+            del opt.found_inf, opt.grad_scale
+        opt.zero_grad(set_to_none=True)
+        return norm, lr, None
+
+    tr._deferred_step = step
+    try:
+        yield
+    finally:
+        tr._deferred_step = real
+
+
+@contextlib.contextmanager
+def combined():
+    with bf16_residual(), fused_projections(), clip_in_adamw():
+        yield
+
+
 PROBES = {  # name: (context, actor overrides)
     "engine": (contextlib.nullcontext, {}),
     "bf16_residual": (bf16_residual, {}),
     "fused_proj": (fused_projections, {}),
     "bf16_only": (contextlib.nullcontext, {"param_dtype": "bfloat16"}),
+    "clip_in_adamw": (clip_in_adamw, {}),
+    "combined": (combined, {}),
 }
 
 
@@ -107,7 +151,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--size", default="1.5b", choices=sorted(tm.SHAPES))
     parser.add_argument("--probes", default=",".join(PROBES))
-    parser.add_argument("--profile", type=lambda v: v.split(","), default=["engine", "bf16_residual", "fused_proj"])
+    parser.add_argument("--profile", type=lambda v: v.split(","), default=["engine", "combined"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3)
@@ -135,7 +179,8 @@ def main(argv=None) -> None:
                 with context():
                     r = tm.run_engine(str(path), samples, dev, args.warmup, args.steps, amp=False,
                                       overrides=overrides, dtype=dtype, budget=args.batch * args.seq, parity=False,
-                                      profile=name in args.profile)
+                                      profile=name in args.profile,
+                                      trace=str(Path(tmp) / f"trace_{name}.json") if name in args.profile else None)
                 t = statistics.median(r["times"])
                 r.update(step_seconds=round(t, 4), tokens_per_s=round(args.batch * args.seq / t, 1),
                          mfu=round(flops / t / tm.PEAK_BF16, 4), times=[round(x, 4) for x in r["times"]])
