@@ -12,6 +12,7 @@ trainer features: a change that wins becomes a trainer setting or default and is
   clip_in_adamw     the clip coefficient handed to fused AdamW as its `grad_scale` (the kernel divides each
                     gradient by it) instead of a foreach multiply over every gradient before the step
   combined          bf16_residual, fused_proj and clip_in_adamw together: what the three would give as one
+  residual_clip     bf16_residual and clip_in_adamw together (the two that won alone on an H100, 2026-12-05)
 
 Inductor's max-autotune is a probe too: run this script again with TORCHINDUCTOR_MAX_AUTOTUNE=1 in its own process
 and inductor cache (`bench/gpu_session.sh mfuautotune` does both).
@@ -136,6 +137,12 @@ def combined():
         yield
 
 
+@contextlib.contextmanager
+def residual_clip():
+    with bf16_residual(), clip_in_adamw():
+        yield
+
+
 PROBES = {  # name: (context, actor overrides)
     "engine": (contextlib.nullcontext, {}),
     "bf16_residual": (bf16_residual, {}),
@@ -143,6 +150,7 @@ PROBES = {  # name: (context, actor overrides)
     "bf16_only": (contextlib.nullcontext, {"param_dtype": "bfloat16"}),
     "clip_in_adamw": (clip_in_adamw, {}),
     "combined": (combined, {}),
+    "residual_clip": (residual_clip, {}),
 }
 
 
