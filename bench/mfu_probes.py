@@ -103,15 +103,15 @@ def clip_in_adamw():
     """The engine's last (deferred) optimizer step clips inside fused AdamW: the norm as before, then
     grad_scale = 1 / min(1, max_norm / (norm + 1e-6)) on the device; no multiply pass over the gradients."""
     from services.trainer import trained as tr
-    from services.trainer.optim import total_grad_norm
+    from services.trainer.optim import clip_grad_norm
 
     real = tr._deferred_step
 
     def step(trained, layout):
         assert trained.loss_scale == 1.0 and trained.cfg.grad_clip > 0, "probe: bf16 with grad_clip > 0 only"
-        grads = [p.grad for p in trained.module.parameters()
-                 if p.requires_grad and p.grad is not None and p is not layout.tied_copy]
-        norm = total_grad_norm(grads, pp_group=layout.pp_group)
+        # max_norm 0: the trainer's own norm (tied copy counted once, summed over stages), no multiply.
+        norm = clip_grad_norm([p for p in trained.module.parameters() if p.requires_grad], 0.0,
+                              pp_group=layout.pp_group, skip=layout.tied_copy, sync=False)
         coef = (trained.cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
         opt = trained.optimizer
         lr = opt.param_groups[0]["lr"]
@@ -131,26 +131,14 @@ def clip_in_adamw():
         tr._deferred_step = real
 
 
-@contextlib.contextmanager
-def combined():
-    with bf16_residual(), fused_projections(), clip_in_adamw():
-        yield
-
-
-@contextlib.contextmanager
-def residual_clip():
-    with bf16_residual(), clip_in_adamw():
-        yield
-
-
-PROBES = {  # name: (context, actor overrides)
-    "engine": (contextlib.nullcontext, {}),
-    "bf16_residual": (bf16_residual, {}),
-    "fused_proj": (fused_projections, {}),
-    "bf16_only": (contextlib.nullcontext, {"param_dtype": "bfloat16"}),
-    "clip_in_adamw": (clip_in_adamw, {}),
-    "combined": (combined, {}),
-    "residual_clip": (residual_clip, {}),
+PROBES = {  # name: (contexts entered together, actor overrides)
+    "engine": ((), {}),
+    "bf16_residual": ((bf16_residual,), {}),
+    "fused_proj": ((fused_projections,), {}),
+    "bf16_only": ((), {"param_dtype": "bfloat16"}),
+    "clip_in_adamw": ((clip_in_adamw,), {}),
+    "combined": ((bf16_residual, fused_projections, clip_in_adamw), {}),
+    "residual_clip": ((bf16_residual, clip_in_adamw), {}),
 }
 
 
@@ -181,10 +169,12 @@ def main(argv=None) -> None:
         flops = tm.model_flops_per_step(shape, num_params, args.batch, args.seq)
         samples = tm.make_samples(args.batch, args.seq, shape["vocab_size"])
         for name in args.probes.split(","):
-            context, overrides = PROBES[name]
+            contexts, overrides = PROBES[name]
             t0 = time.perf_counter()
             try:
-                with context():
+                with contextlib.ExitStack() as stack:
+                    for context in contexts:
+                        stack.enter_context(context())
                     r = tm.run_engine(str(path), samples, dev, args.warmup, args.steps, amp=False,
                                       overrides=overrides, dtype=dtype, budget=args.batch * args.seq, parity=False,
                                       profile=name in args.profile,
