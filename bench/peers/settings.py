@@ -47,8 +47,19 @@ SHAPES = {
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
                   max_position_embeddings=4096, rope_theta=1000000.0)
+# The larger Qwen2.5 shapes (their Hugging Face config.json numbers; 7B unties its head and has 152064 tokens).
+QWEN25 = {
+    "qwen2.5-0.5b": QWEN25_05B,
+    "qwen2.5-1.5b": {**QWEN25_05B, "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
+                     "num_key_value_heads": 2, "intermediate_size": 8960},
+    "qwen2.5-3b": {**QWEN25_05B, "hidden_size": 2048, "num_hidden_layers": 36, "num_attention_heads": 16,
+                   "num_key_value_heads": 2, "intermediate_size": 11008},
+    "qwen2.5-7b": {**QWEN25_05B, "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+                   "tie_word_embeddings": False},
+}
 # Random models by name (random:<name>); tiny-256 keeps the arith tokenizer's 44-token vocabulary.
-RANDOM_MODELS = {"qwen2.5-0.5b": QWEN25_05B,
+RANDOM_MODELS = {**QWEN25,
                  "tiny-256": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                   intermediate_size=128, vocab_size=44, tie_word_embeddings=True,
                                   max_position_embeddings=512)}
@@ -74,15 +85,24 @@ def model_path(s: dict, work_dir: Path) -> str:
     return str(path)
 
 
-def make_random_model(path: Path, *, dtype: str, shape: dict = QWEN25_05B) -> None:
-    """Random Qwen2 weights of `shape` (seed 0) saved with the arith tokenizer files beside them."""
+def make_random_model(path: Path, *, dtype: str, shape: dict = QWEN25_05B, init_in_dtype: bool = False) -> None:
+    """Random Qwen2 weights of `shape` (seed 0) saved with the arith tokenizer files beside them.
+
+    init_in_dtype: initialise straight in `dtype` (half the host memory of a float32 init for bf16: a 7B model
+    needs about 15 GB instead of 30); the draws then differ from the default float32 init cast down."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     cfg = Qwen2Config(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
+    saved = torch.get_default_dtype()
+    if init_in_dtype:
+        torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
+    finally:
+        torch.set_default_dtype(saved)
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     model.save_pretrained(path)
