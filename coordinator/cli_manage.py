@@ -1,5 +1,5 @@
 """The commands that look at or steer runs once they started (status, watch, trace, stop, pause, resume,
-services), and the offline ones (plot, profile-model)."""
+services), and the offline ones (plot, profile-model, memory)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from coordinator.cli_app import Connection, _fmt, command, connects, console
+from coordinator.cli_app import PASSTHROUGH, Connection, _fmt, command, connects, console
 
 
 @command()
@@ -128,3 +128,35 @@ def profile_model_cmd(model_path: str = typer.Argument(..., help="local Hugging 
     console.print(table)
     console.print(f"{prof['total_params']:,} parameters; {prof['train_flops_per_token']:.3g} training FLOPs per "
                   f"token at seq_len {seq_len}", highlight=False)
+
+
+@command(context_settings=PASSTHROUGH)
+def memory(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, help="recipe YAML"),
+           gpu_gib: Optional[float] = typer.Option(None, "--gpu-gib",
+                                                   help="memory of each GPU (default: the GPUs found, if any)")):
+    """Estimated GPU memory of each service of a recipe (coordinator/memory.py), summed per GPU as `meshrl up`
+    places them, and whether it fits. After the recipe: `--section.key value` flags, as `meshrl up` takes."""
+    from rich.table import Table
+
+    from coordinator import memory as mem
+    from coordinator.cli_runs import _load_recipe, _placement, _recipe_args
+
+    verl, overrides = _recipe_args(list(ctx.args))
+    raw, cfg = _load_recipe(config, verl, overrides)
+    placement, trainer_devices = _placement(cfg, raw, overrides)
+    gpu_bytes = int(gpu_gib * mem.GIB) if gpu_gib else mem.gpu_memory()
+    estimates = mem.estimate(cfg, placement, trainer_devices, mem.memory_of(gpu_bytes, "cuda:0"))
+    if not estimates:
+        console.print(f"no service of {config} runs on a GPU (model.device: {cfg.model.device})", highlight=False)
+        return
+    table = Table("service", "GPU", "GiB", "parts (GiB)")
+    for e in estimates:
+        table.add_row(e.service, e.gpu, mem.gib(e.total),
+                      ", ".join(f"{name} {mem.gib(n)}" for name, n in e.parts.items()))
+    console.print(table)
+    for gpu, group in mem.by_gpu(estimates).items():
+        total, size = sum(e.total for e in group), mem.memory_of(gpu_bytes, gpu)
+        verdict = "" if size is None else (
+            f" of {mem.gib(size)} GiB: " + ("fits" if total <= mem.FIT_FRACTION * size else
+                                             f"does not fit ({mem.FIT_FRACTION:.0%} usable)"))
+        console.print(f"{gpu}: about {mem.gib(total)} GiB{verdict}", highlight=False)

@@ -76,6 +76,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     After the recipe: verl's overrides (`data.train_files=[a.parquet] actor_rollout_ref.rollout.n=8`,
     docs/from_verl.md) and meshrl's `--section.key value`."""
     from coordinator.launcher import Launcher
+    from coordinator.memory import check_recipe_fits
     from coordinator.preflight import check_run
     from services.common.channel import ClientTLS
 
@@ -87,6 +88,9 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     raw, cfg = _load_recipe(config, verl, overrides)
     check_run(cfg, world_size=cfg.trainer.nproc_per_node)
     placement, trainer_devices = _placement(cfg, raw, overrides)
+    # On a CUDA model.device: the services' estimated memory fits each GPU, or the recipe is refused here with
+    # the estimate and the setting to change (coordinator/memory.py), not an out-of-memory error at step 3.
+    check_recipe_fits(cfg, placement, trainer_devices)
     log_dir = Path(cfg.run.run_dir) / "logs" / time.strftime("%Y%m%d-%H%M%S")
     if verl:  # every service reads the recipe with the verl keys' values in it
         config = _write_private(log_dir / "recipe.yaml", raw)

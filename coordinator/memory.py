@@ -1,0 +1,458 @@
+"""GPU memory each service of a recipe takes, estimated before anything starts; `meshrl up` refuses a recipe
+whose services cannot fit their GPUs (with the estimate and the setting to change), `meshrl memory` prints it.
+
+Arithmetic over the model's config.json (and its safetensors headers, for an exact parameter count): no torch.
+An estimate, not a measurement: allocator fragmentation, torch.compile's and CUDA graphs' own pools and the
+libraries' workspaces come on top, which is why a GPU is full at FIT_FRACTION of its memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+GIB = 2**30
+# What one process's CUDA context, cuBLAS workspaces and allocator slack take before any tensor.
+CUDA_CONTEXT_BYTES = GIB // 2
+# A GPU counts as full past this share of its memory (the estimate leaves fragmentation and workspaces out).
+FIT_FRACTION = 0.95
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The fused LM head's fp32 [rows, vocab] chunk (services/common/fused.py CHUNK_BYTES).
+FUSED_CHUNK_BYTES = 256 * 2**20
+# Prompt length assumed when data.max_prompt_length is unset (the KV cache's length bucket is 256 tokens).
+DEFAULT_PROMPT_TOKENS = 256
+# rollout.max_batch_size: auto (services/rollout/config.py): 512 on the CUDA-graph path, 64 elsewhere.
+AUTO_MAX_BATCH = {True: 512, False: 64}
+# vLLM takes this share of the whole GPU unless rollout.gpu_memory_utilization says otherwise
+# (services/rollout/vllm_engine.py GPU_MEMORY_UTILIZATION).
+VLLM_UTILIZATION = 0.9
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _auto(value) -> bool:
+    """`auto`, or null (its older spelling), as services/common/auto.py reads them."""
+    return value is None or value == "auto"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a decoder-only model (Qwen2/Llama names of config.json)."""
+
+    num_params: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each projection of one decoder block, by its module name."""
+        h, kv, i = self.hidden, self.kv_heads * self.head_dim, self.intermediate
+        q = self.heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def count_params(c: dict) -> int:
+    """Parameters of a Qwen2/Llama-style model from its config (q/k/v biases as Qwen2 has them)."""
+    h, layers, v = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    heads = c["num_attention_heads"]
+    hd = c.get("head_dim") or h // heads
+    kv = c.get("num_key_value_heads", heads) * hd
+    q = heads * hd
+    bias = c.get("attention_bias", c.get("model_type") == "qwen2")
+    attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if bias else 0)
+    mlp = 3 * h * c["intermediate_size"]
+    head = 0 if c.get("tie_word_embeddings", True) else v * h
+    return v * h + layers * (attn + mlp + 2 * h) + h + head
+
+
+def _safetensors_params(folder: Path) -> int | None:
+    """Parameters stored in the folder's safetensors files, from their JSON headers (nothing else is read)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for f in files:
+        with f.open("rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return total
+
+
+def model_shape(path: str) -> ModelShape:
+    """The shape of the model folder at `path`; ValueError when it has no readable config.json."""
+    folder = Path(path)
+    try:
+        c = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"model.path: cannot read {str(folder / 'config.json')!r} ({e})") from None
+    c = c.get("text_config", c)
+    try:
+        heads = c["num_attention_heads"]
+        num_params = _safetensors_params(folder) or count_params(c)
+        return ModelShape(num_params=num_params, hidden=c["hidden_size"], layers=c["num_hidden_layers"],
+                          heads=heads, kv_heads=c.get("num_key_value_heads", heads),
+                          head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                          intermediate=c["intermediate_size"], vocab=c["vocab_size"],
+                          tied=c.get("tie_word_embeddings", True))
+    except KeyError as e:
+        raise ValueError(f"model.path: {str(folder / 'config.json')!r} has no {e.args[0]!r} (the memory estimate "
+                         f"reads decoder-only configs: hidden_size, num_hidden_layers, ...)") from None
+
+
+@dataclass
+class Estimate:
+    """One process's estimated memory on one GPU, by part."""
+
+    service: str                                  # "trainer", "trainer rank 1", "rollout 0", "reference 0", ...
+    gpu: str                                      # "cuda:0": the index among the GPUs `meshrl up` sees
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {gib(n)}" for name, n in self.parts.items() if n >= GIB // 20)
+        return f"{self.service} {gib(self.total)} GiB: {parts}"
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def _gpu(device: str, devices: str, rank: int = 0) -> str | None:
+    """The GPU a process of `device` (model.device) and `devices` (its CUDA_VISIBLE_DEVICES, "" = inherit) uses;
+    None on CPU."""
+    if not device.startswith("cuda"):
+        return None
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    index += rank
+    ids = [d.strip() for d in devices.split(",") if d.strip()]
+    return f"cuda:{ids[min(index, len(ids) - 1)] if ids else index}"
+
+
+def _activation_bytes_per_token_layer(s: ModelShape, compute: int, residual: int) -> int:
+    """What one decoder block keeps for backward per token: two RMSNorms (fp32 input and output; `residual`
+    bytes is the residual stream's, fp32 under autocast), q/k/v after rotary and the attention output
+    (flash/SDPA: no [T, T] scores), the MLP's gate, up, SiLU and product."""
+    norms = 2 * (4 * s.hidden + residual * s.hidden + compute * s.hidden)
+    attn = compute * (3 * s.hidden + 2 * s.kv_heads * s.head_dim)
+    mlp = 4 * compute * s.intermediate
+    return norms + attn + mlp
+
+
+def _activations(cfg, s: ModelShape, tokens: int, compute: int, residual: int) -> tuple[int, str]:
+    """Activation memory of one micro-batch of `tokens` on one rank, and how it was counted."""
+    a = cfg.actor
+    per_layer = _activation_bytes_per_token_layer(s, compute, residual)
+    layers = -(-s.layers // a.pp_size)
+    if a.activation_checkpointing == "full":
+        kept = len(range(0, layers, a.activation_checkpointing_every))
+        # Checkpointed blocks keep their input; the others keep everything; one block is recomputed at a time.
+        per_token = kept * residual * s.hidden + (layers - kept) * per_layer + per_layer
+        how = "activations (checkpointed)"
+    elif a.activation_checkpointing == "selective":
+        # Matmul and attention outputs kept, norms and activations recomputed.
+        kept = residual * s.hidden + compute * (5 * s.hidden + 2 * s.kv_heads * s.head_dim + 2 * s.intermediate)
+        per_token = layers * kept + per_layer
+        how = "activations (selective checkpointing)"
+    else:
+        per_token = layers * per_layer
+        how = "activations"
+    return tokens * per_token // a.tp_size + FUSED_CHUNK_BYTES, how
+
+
+def _micro_batch_tokens(cfg, prompt: int) -> int:
+    """Tokens of the trainer's largest micro-batch: the token budget, at most a step's rows (a sequence longer
+    than the budget runs alone)."""
+    seq = prompt + cfg.rollout.max_tokens
+    rows = cfg.data.rollout_batch_size * cfg.rollout.n
+    return max(seq, min(cfg.actor.micro_batch_token_budget, rows * seq))
+
+
+def _prompt_tokens(cfg) -> int:
+    return cfg.data.max_prompt_length or DEFAULT_PROMPT_TOKENS
+
+
+def _transport(cfg, trainer_gpu: str | None, rollout_gpus: list[str | None]) -> str:
+    """weight_sync.transport as `auto` resolves it: ipc for a replica on the trainer's GPU, nccl on another
+    GPU, grpc for a CPU side."""
+    t = cfg.weight_sync.transport
+    if not _auto(t):
+        return t
+    if trainer_gpu is None or not any(rollout_gpus):
+        return "grpc"
+    return "ipc" if trainer_gpu in rollout_gpus else "nccl"
+
+
+def trainer_estimates(cfg, trainer_devices: str, rollout_gpus: list[str | None]) -> list[Estimate]:
+    """One estimate per trainer rank on a GPU (none on CPU)."""
+    from services.trainer.config import master_and_compute_dtypes
+
+    a, m = cfg.actor, cfg.model
+    world = cfg.trainer.nproc_per_node
+    gpus = [_gpu(m.device, trainer_devices, r) for r in range(world)]
+    if gpus[0] is None:
+        return []
+    s = model_shape(a.model_path or m.path)
+    param_dtype, compute_dtype = master_and_compute_dtypes(a, m.dtype)
+    p, c = DTYPE_BYTES[param_dtype], DTYPE_BYTES[compute_dtype]
+    fsdp = a.dp_mode == "fsdp" and a.dp_size > 1
+    shard = a.tp_size * a.pp_size * (a.dp_size if fsdp else 1)
+    n = s.num_params
+    parts: dict[str, int] = {}
+    if a.lora is None:
+        parts[f"{param_dtype} weights"] = n * p // shard
+        parts["gradients"] = n * p // shard
+        parts["AdamW state"] = 2 * n * p // shard
+        if p != c and not fsdp:   # autocast keeps a compute-dtype copy of every weight through forward + backward
+            parts[f"{compute_dtype} autocast copy"] = n * c // (a.tp_size * a.pp_size)
+    else:
+        base = DTYPE_BYTES[m.dtype]
+        shapes = s.linear_shapes()
+        adapter = s.layers * sum(a.lora.rank * (i + o) for name, (i, o) in shapes.items()
+                                 if name in a.lora.target_modules)
+        parts[f"{m.dtype} frozen base"] = n * base // shard
+        parts[f"LoRA rank {a.lora.rank} adapters + AdamW"] = 4 * adapter * p // shard
+    residual = 4 if (p != c and a.lora is None) or c == 4 else c
+    acts, how = _activations(cfg, s, _micro_batch_tokens(cfg, _prompt_tokens(cfg)), c, residual)
+    parts[how] = acts
+    transport = _transport(cfg, gpus[0], rollout_gpus)
+    sync = DTYPE_BYTES[a.weight_sync_dtype or m.dtype]
+    out = []
+    for rank, gpu in enumerate(gpus):
+        own = dict(parts)
+        if rank == 0 and transport == "ipc":
+            own["ipc weight staging"] = n * sync  # the whole payload, shared with the replicas on this GPU
+        elif rank == 0 and transport == "nccl":
+            own["nccl staging"] = 2 * cfg.weight_sync.device_bucket_bytes
+        own["CUDA context"] = CUDA_CONTEXT_BYTES
+        out.append(Estimate("trainer" if world == 1 else f"trainer rank {rank}", gpu, own))
+    return out
+
+
+def _bucket_batch(n: int, cap: int) -> int:
+    """services/rollout/cuda_decode.py's batch bucket: powers of two from 8, capped."""
+    b = 8
+    while b < n:
+        b *= 2
+    return max(n, min(b, cap))
+
+
+def rollout_estimate(cfg, index: int, devices: str, num_replicas: int, gpu_bytes: int | None) -> Estimate | None:
+    r, m = cfg.rollout, cfg.model
+    gpu = _gpu(m.device, devices)
+    if gpu is None or r.engine == "openai":
+        return None
+    s = model_shape(m.path)
+    b = DTYPE_BYTES[m.dtype]
+    parts = {f"{m.dtype} weights": s.num_params * b}
+    prompt = _prompt_tokens(cfg)
+    if r.engine == "vllm":
+        if r.kv_cache_gib is not None:
+            parts["vLLM KV cache (rollout.kv_cache_gib)"] = int(r.kv_cache_gib * GIB)
+        elif gpu_bytes:
+            share = r.gpu_memory_utilization or VLLM_UTILIZATION
+            parts = {f"vLLM gpu_memory_utilization {share}": int(share * gpu_bytes)}
+    else:
+        graphs = (r.engine == "torch") if _auto(r.cuda_graphs) else bool(r.cuda_graphs)
+        cap = AUTO_MAX_BATCH[graphs] if _auto(r.max_batch_size) else r.max_batch_size
+        # Whole groups go to one replica: a replica's share of a step's rows.
+        rows = -(-cfg.data.rollout_batch_size // num_replicas) * r.n
+        if graphs:
+            batch = _bucket_batch(min(rows, cap), cap)
+            budget = 2 * r.max_tokens if r.continuous_batching else r.max_tokens
+            length = -(-(prompt + budget) // 256) * 256
+            parts[f"KV cache ({batch} rows x {length} tokens)"] = batch * length * s.kv_bytes_per_token(b)
+            parts["decode logits"] = batch * s.vocab * b
+        else:
+            batch = min(rows, cap)
+            parts[f"KV cache ({batch} rows x {prompt + r.max_tokens} tokens)"] = (
+                batch * (prompt + r.max_tokens) * s.kv_bytes_per_token(b))
+            parts["decode logits"] = batch * s.vocab * 4
+        # Prefill: one forward over the distinct prompts, the last position's logits only.
+        prompts = min(batch, -(-cfg.data.rollout_batch_size // num_replicas))
+        parts["prefill"] = prompts * prompt * (2 * s.hidden + 2 * s.intermediate) * b
+    parts["CUDA context"] = CUDA_CONTEXT_BYTES
+    return Estimate(f"rollout {index}", gpu, parts)
+
+
+def reference_estimate(cfg, index: int, devices: str) -> Estimate | None:
+    ref, m = cfg.reference, cfg.model
+    gpu = _gpu(ref.device or m.device, devices)
+    if gpu is None:
+        return None
+    s = model_shape(ref.model_path or m.path)
+    dtype = ref.dtype or m.dtype
+    b = DTYPE_BYTES[dtype]
+    tokens = min(ref.micro_batch_token_budget,
+                 cfg.data.rollout_batch_size * cfg.rollout.n * (_prompt_tokens(cfg) + cfg.rollout.max_tokens))
+    # No-grad forward: one block's hidden states, q/k/v and MLP intermediates live at a time.
+    work = tokens * (3 * s.hidden + 2 * s.kv_heads * s.head_dim + 3 * s.intermediate) * b + FUSED_CHUNK_BYTES
+    return Estimate(f"reference {index}", gpu, {f"{dtype} weights": s.num_params * b, "forward working set": work,
+                                                "CUDA context": CUDA_CONTEXT_BYTES})
+
+
+def reward_estimate(cfg, index: int, devices: str) -> Estimate | None:
+    """Reward models on a GPU (rule functions take none)."""
+    parts: dict[str, int] = {}
+    gpu = None
+    for components in cfg.reward.component_lists().values():
+        for comp in components:
+            params = comp.params or {}
+            if comp.name not in ("model", "embedding") or not params.get("path"):
+                continue
+            device = params.get("device", "cpu")
+            if not str(device).startswith("cuda"):
+                continue
+            gpu = _gpu(str(device), devices)
+            b = DTYPE_BYTES[params.get("dtype", "float32")]
+            try:
+                n = model_shape(params["path"]).num_params
+            except (ValueError, KeyError):
+                continue
+            parts[f"reward model {Path(params['path']).name}"] = n * b
+    if gpu is None:
+        return None
+    parts["CUDA context"] = CUDA_CONTEXT_BYTES
+    return Estimate(f"reward {index}", gpu, parts)
+
+
+def estimate(cfg, placement: Mapping[str, Sequence[str]], trainer_devices: str = "",
+             gpu_bytes: int | None = None) -> list[Estimate]:
+    """Every GPU process of the recipe with its estimate; `placement` is `meshrl up`'s (coordinator/cli_runs.py
+    _placement): each role's replicas' `devices`. gpu_bytes sizes vLLM's share of a GPU, when known."""
+    rollout = list(placement.get("rollout", []))
+    rollout_gpus = [_gpu(cfg.model.device, d) for d in rollout]
+    out = trainer_estimates(cfg, trainer_devices, rollout_gpus)
+    out += [rollout_estimate(cfg, i, d, len(rollout), gpu_bytes) for i, d in enumerate(rollout)]
+    out += [reference_estimate(cfg, i, d) for i, d in enumerate(placement.get("reference", []))]
+    out += [reward_estimate(cfg, i, d) for i, d in enumerate(placement.get("reward", []))]
+    return [e for e in out if e is not None]
+
+
+def by_gpu(estimates: list[Estimate]) -> dict[str, list[Estimate]]:
+    out: dict[str, list[Estimate]] = {}
+    for e in estimates:
+        out.setdefault(e.gpu, []).append(e)
+    return out
+
+
+def memory_of(gpu_bytes: int | Sequence[int] | Mapping[str, int] | None, gpu: str) -> int | None:
+    """The memory of `gpu` ("cuda:1"): gpu_bytes is one size for every GPU, each GPU's by index, or None."""
+    if gpu_bytes is None:
+        return None
+    if isinstance(gpu_bytes, int):
+        return gpu_bytes
+    if isinstance(gpu_bytes, Mapping):
+        return gpu_bytes.get(gpu)
+    index = int(gpu.split(":")[1])
+    return gpu_bytes[index] if index < len(gpu_bytes) else None
+
+
+def _variants(cfg, placement: Mapping[str, Sequence[str]]):
+    """The settings that shrink the trainer or the rollout, as (advice, cfg, placement), in the order offered."""
+    from services.trainer.config import LoraSection
+
+    a = cfg.actor
+    if a.lora is None:
+        no_ref = {**placement, "reference": []}
+        yield ("actor.lora.rank 16 (adapters over a frozen base; with reference.replicas 0 the trainer serves "
+               "the reference)", cfg.model_copy(update={"actor": a.model_copy(update={"lora": LoraSection(rank=16)})}),
+               no_ref)
+        if cfg.model.dtype in ("bfloat16", "float16") and a.param_dtype in (None, "float32"):
+            yield (f"actor.param_dtype {cfg.model.dtype} (no fp32 master weights: 8 bytes/param, not 16+)",
+                   cfg.model_copy(update={"actor": a.model_copy(update={"param_dtype": cfg.model.dtype})}), placement)
+    if a.activation_checkpointing != "full" or a.activation_checkpointing_every > 1:
+        yield ("actor.activation_checkpointing full",
+               cfg.model_copy(update={"actor": a.model_copy(update={"activation_checkpointing": "full",
+                                                                    "activation_checkpointing_every": 1})}),
+               placement)
+    if a.micro_batch_token_budget > 4096:
+        yield ("a smaller actor.micro_batch_token_budget (4096)",
+               cfg.model_copy(update={"actor": a.model_copy(update={"micro_batch_token_budget": 4096})}), placement)
+    r = cfg.rollout
+    if r.engine == "torch":
+        yield ("a smaller rollout.max_batch_size (64)",
+               cfg.model_copy(update={"rollout": r.model_copy(update={"max_batch_size": 64})}), placement)
+
+
+def _over(cfg, placement, gpu_bytes, trainer_devices: str) -> tuple[list[Estimate], list[tuple[str, list[Estimate], int]]]:
+    """The estimates, and each GPU whose sum passes FIT_FRACTION of its memory (with its processes and size)."""
+    estimates = estimate(cfg, placement, trainer_devices, memory_of(gpu_bytes, "cuda:0"))
+    over = []
+    for gpu, group in by_gpu(estimates).items():
+        size = memory_of(gpu_bytes, gpu)
+        if size is not None and sum(e.total for e in group) > FIT_FRACTION * size:
+            over.append((gpu, group, size))
+    return estimates, over
+
+
+def check_fits(cfg, placement: Mapping[str, Sequence[str]], gpu_bytes: int | Sequence[int] | Mapping[str, int],
+               trainer_devices: str = "") -> list[Estimate]:
+    """The estimates when every GPU's sum fits FIT_FRACTION of its memory; else ValueError with the estimate per
+    service and the settings that would make it fit. gpu_bytes: one size for every GPU, or each GPU's by index."""
+    estimates, over = _over(cfg, placement, gpu_bytes, trainer_devices)
+    if not over:
+        return estimates
+    gpu, group, size = over[0]
+    total = sum(e.total for e in group)
+    advice = []
+    for text, variant, where in _variants(cfg, placement):
+        fits = not _over(variant, where, gpu_bytes, trainer_devices)[1]
+        advice.append((not fits, text + ("" if fits else " (not enough alone)")))
+    advice.sort(key=lambda t: t[0])   # the ones that fit alone first, each group in its order
+    roles = {e.service.split()[0] for e in group}
+    if "trainer" in roles and len(roles) > 1:
+        advice.append((False, "put the trainer on its own GPU with trainer.devices (and the replicas on "
+                              "others with rollout.devices / reference.devices)"))
+    raise ValueError(
+        f"model.path: {cfg.model.path} needs about {gib(total)} GiB on {gpu} ({'; '.join(e.describe() for e in group)})"
+        f", the GPU has {gib(size)} GiB ({FIT_FRACTION:.0%}: {gib(FIT_FRACTION * size)} usable); set "
+        + ", or ".join(text for _, text in advice) + " (`meshrl memory` prints the estimate)")
+
+
+def gpu_memory() -> list[int] | None:
+    """Total memory of each GPU (bytes, by index): nvidia-smi, else torch when it is installed; None without
+    a GPU."""
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=30, check=True).stdout
+            sizes = [int(float(line)) * 2**20 for line in out.split() if line.strip()]
+            if sizes:
+                return sizes
+        except (OSError, subprocess.SubprocessError, ValueError):
+            pass
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return [torch.cuda.mem_get_info(i)[1] for i in range(torch.cuda.device_count())]
+
+
+def check_recipe_fits(cfg, placement: Mapping[str, Sequence[str]], trainer_devices: str = "") -> None:
+    """`meshrl up`'s check: on a CUDA model.device, the recipe's services fit the GPUs found; no GPU, no check."""
+    if not cfg.model.device.startswith("cuda"):
+        return
+    sizes = gpu_memory()
+    if sizes:
+        check_fits(cfg, placement, sizes, trainer_devices)
