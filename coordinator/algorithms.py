@@ -67,8 +67,9 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
     trainer = GuardedTrainer(remote.trainer_stub(trainer_channel), cfg.trainer.address)
     try:
         await _reach(pools)
+        running: list[run_settings.Running] = []
         asked, cfg = cfg, await run_settings.settle(cfg, pools.values(), trainer, cfg.trainer.address,
-                                                    recorded=recorded, resume=resume)
+                                                    recorded=recorded, resume=resume, seen=running)
         if cfg.model.path != asked.model.path:      # the running services' model: its tokenizer
             data, state, heldout = _load(cfg, algorithm, position)
     except BaseException:
@@ -76,6 +77,8 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
         raise
     run_dir = Path(cfg.run.run_dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
+    # What the run trains with, `auto` keys as the services resolved them (GetInfo details["resolved"]).
+    (run_dir / "recipe.yaml").write_text(run_settings.resolved_recipe(cfg, running))
     ctx = RunContext(run_id, cfg, algorithm, run_dir, pools["rollout"], pools["reward"], pools["reference"],
                      trainer_channel, trainer, data, heldout, trainer_losses(cfg), state)
     a = cfg.algorithm

@@ -140,8 +140,19 @@ def _drive(launcher, data: dict, conn: Connection, num_steps: int):
     with conn.client() as client:
         run_id = client.start_run(yaml.safe_dump(data, sort_keys=False))
         console.print(f"run {run_id} started")
+        _print_resolved(Path(client.get_run(run_id).run_dir) / "recipe.yaml")
         _follow_while_alive(launcher, client, run_id, num_steps)
         return client.get_run(run_id)
+
+
+def _print_resolved(recipe: Path) -> None:
+    """The `auto` settings as the services resolved them (the comment atop the run's recipe.yaml), once."""
+    try:
+        lines = [line[4:] for line in recipe.read_text().splitlines() if line.startswith("#   ")]
+    except OSError:
+        return
+    for line in lines:
+        console.print(f"resolved: {line}", highlight=False, soft_wrap=True)
 
 
 def _placement(cfg, raw: dict, overrides: dict[str, str]) -> tuple[dict[str, list[str]], str]:

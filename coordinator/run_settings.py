@@ -29,6 +29,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from coordinator import remote
+from services.common import auto
+from services.common.placement import pick_transport, placement_from
 from coordinator.config import RunConfig
 from coordinator.preflight import check_run
 from services.common.config import format_validation_error
@@ -319,6 +321,54 @@ def config_text(cfg: RunConfig) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
+def resolved_choices(running: Iterable[Running]) -> dict[str, list[tuple[str, dict]]]:
+    """Every `auto` key the running services resolved: {key: [(service name, {value, asked, why}), ...]}, with
+    weight_sync.transport per rollout replica by the rule the trainer's AutoSender follows."""
+    out: dict[str, list[tuple[str, dict]]] = {}
+    running = list(running)
+    for svc in running:
+        for key, choice in auto.parse(svc.details).items():
+            if "[" not in key and not (key == "weight_sync.transport" and choice.get("asked") == "auto"):
+                out.setdefault(key, []).append((svc.name, choice))
+    trainer = next((s for s in running if s.role == "trainer"), None)
+    asked = value_at(trainer.settings, "weight_sync.transport") if trainer is not None else _MISSING
+    if trainer is not None and asked in ("auto", None):
+        here = placement_from(trainer.details)
+        for svc in running:
+            if svc.role == "rollout":
+                value, why = pick_transport(here, placement_from(svc.details), nccl_here="nccl" in here.transports)
+                out.setdefault("weight_sync.transport", []).append(
+                    (svc.name, {"value": value, "asked": "auto", "why": why}))
+    return out
+
+
+def resolved_recipe(cfg: RunConfig, running: Iterable[Running]) -> str:
+    """The run's recipe.yaml: its effective config with each `auto` key the services resolved written as the value
+    they chose (kept `auto` where replicas chose differently), under a comment that says what and why. Run again
+    as is, it asks for exactly those values."""
+    data = yaml.safe_load(config_text(cfg))
+    lines = ["# The effective config of this run. Keys that were `auto` hold what the services resolved them to:"]
+    for key, choices in resolved_choices(running).items():
+        values = {json.dumps(c.get("value")) for _, c in choices}
+        grouped: dict[tuple, list[str]] = {}
+        for name, c in choices:
+            grouped.setdefault((c.get("asked"), _plain(c.get("value")), c.get("why")), []).append(name)
+        for (asked, value, why), names in grouped.items():
+            lines.append(f"#   {key}: {asked} -> {value} on the {', '.join(names)} ({why})")
+        *path, leaf = key.split(".")
+        node = data
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if len(values) == 1 and isinstance(node, dict) and leaf in node and node[leaf] in ("auto", None) \
+                and choices[0][1].get("asked") == "auto":
+            node[leaf] = choices[0][1].get("value")
+    return "\n".join(lines) + "\n" + yaml.safe_dump(data, sort_keys=False)
+
+
+def _plain(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 async def _report(role: str, address: str, stub) -> Running:
     info = await remote.info(stub)
     text = info.details.get("settings")
@@ -357,11 +407,14 @@ async def configure_trainer(trainer, cfg: RunConfig, *, reset_schedule: bool) ->
 
 
 async def settle(cfg: RunConfig, pools, trainer, trainer_address: str, *, recorded: dict | None = None,
-                 resume: bool = False) -> RunConfig:
+                 resume: bool = False, seen: list[Running] | None = None) -> RunConfig:
     """Checks a run's fixed keys against the running services and configures the trainer for it; returns the
     effective config. At a resume, `recorded` (the run's effective config as first recorded) is compared key
-    by key, so a service restarted with other settings is refused; otherwise the keys the run sets are."""
+    by key, so a service restarted with other settings is refused; otherwise the keys the run sets are.
+    `seen`, when given, receives the running services that were asked."""
     running = await running_services(trainer, trainer_address, pools)
+    if seen is not None:
+        seen.extend(running)
     if recorded is not None:
         cfg = validated(recorded, secrets_from=cfg)     # every key set: all are held to the record
     dump = cfg.model_dump(mode="json")

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import random
+import time
+from typing import Callable, Sequence
 
+import torch
 from torch import nn
 
 log = logging.getLogger("meshrl.modeling")
@@ -41,3 +45,24 @@ def apply_compile(model: nn.Module, enabled: bool, *, backend: str = "inductor")
     for block in blocks:
         block.compile(backend=backend)
     log.info("Applied torch.compile to %d blocks", len(blocks))
+
+
+# Two shapes of the same kind: the first compiles torch.compile's static graph, the second (another size) its
+# dynamic-size one, which then serves every later size; a warm-up that saw one shape would leave the dynamic
+# compile to a run's second step.
+WARMUP_SHAPES = ((8, 24, 40), (5, 40, 70))      # (sequences, prompt tokens, response tokens)
+
+
+def warm_up_forward(run: Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], object], *, vocab_size: int,
+                    device) -> float:
+    """Calls run(prompts, responses) on seeded random token rows of WARMUP_SHAPES; returns the seconds taken
+    (the device synchronized). For services that compiled their blocks: compile before serving, not in step 1."""
+    t0 = time.perf_counter()
+    rng = random.Random(0)
+    for rows, p_len, r_len in WARMUP_SHAPES:
+        prompts = [[rng.randrange(1, vocab_size) for _ in range(p_len)] for _ in range(rows)]
+        responses = [[rng.randrange(1, vocab_size) for _ in range(r_len)] for _ in range(rows)]
+        run(prompts, responses)
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0

@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
@@ -341,6 +343,24 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 def device_uuid(device: torch.device | int | str) -> str:
     """The UUID of a CUDA device: the name two processes with different CUDA_VISIBLE_DEVICES agree on."""
     return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+
+
+def host_id() -> str:
+    """This machine's boot id: processes (and containers) on one host agree on it, two hosts never do."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def placement_of(device) -> dict[str, str]:
+    """Where a process's weights live, as GetInfo reports it: the host, and the CUDA device's UUID when on one
+    (weight_sync.transport auto compares them with the trainer's)."""
+    out = {"host_id": host_id()}
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        d = torch.device(device)
+        out["device_uuid"] = device_uuid(d if d.index is not None else torch.device("cuda", torch.cuda.current_device()))
+    return out
 
 
 def local_device_of(uuid: str) -> int | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.common.auto import Resolved
+from services.common.compile import warm_up_forward
 from services.common.fused import enable_fused_head, supports_fused_head
 from services.common.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
 from services.common.packing import enable_packing, supports_packing
@@ -24,16 +26,22 @@ class ReferenceEngine:
         self.config = ref
         set_threads(m.num_threads)
         self.model = load_causal_lm(self.model_path, dtype=self.dtype, device=self.device)
-        self.fused = ref.fused_logprobs if ref.fused_logprobs is not None else supports_fused_head(self.model) is None
+        self.resolved = Resolved("reference", log)
+        cuda = str(self.device).startswith("cuda")
+        reason = supports_fused_head(self.model)
+        self.fused = self.resolved.pick("reference.fused_logprobs", ref.fused_logprobs, reason is None,
+                                        "the LM head can be fused" if reason is None else reason)
         if self.fused:
             enable_fused_head(self.model, key="reference.fused_logprobs")
-        self.packed = bool(ref.use_remove_padding)
-        if ref.use_remove_padding is None:            # as the trainer's actor.use_remove_padding: on CUDA in half
-            self.packed = (next(self.model.parameters()).is_cuda and self.dtype in ("bfloat16", "float16")
-                           and supports_packing(self.model) is None)
+        # As the trainer's actor.use_remove_padding: on CUDA in half precision.
+        why_not = ("not on CUDA" if not cuda else f"dtype {self.dtype}" if self.dtype not in ("bfloat16", "float16")
+                   else supports_packing(self.model))
+        self.packed = bool(self.resolved.pick("reference.use_remove_padding", ref.use_remove_padding, why_not is None,
+                                              "half precision on CUDA" if why_not is None else why_not))
         if self.packed:
             enable_packing(self.model, "reference.use_remove_padding")
-        self.compiled = ref.compile if ref.compile is not None else str(self.device).startswith("cuda")
+        self.compiled = bool(self.resolved.pick("reference.compile", ref.compile, cuda,
+                                                "CUDA device" if cuda else "not on CUDA"))
         if self.compiled:
             from services.common.compile import apply_compile
 
@@ -44,12 +52,27 @@ class ReferenceEngine:
         # One forward at a time: torch CPU work is not faster when interleaved, and memory stays bounded.
         self._lock = asyncio.Lock()
         self.num_calls = 0
+        self.warmup_seconds = 0.0
         log.info("reference model %s loaded on %s (%s)", self.model_path, self.device, self.dtype)
+
+    def warm_up(self) -> float:
+        """With compile: no-grad forwards at two packed lengths before serving (seconds taken), so torch.compile
+        builds its static and dynamic-size graphs now rather than inside a run's first steps."""
+        if not (self.compiled and self.config.warmup):
+            return 0.0
+        self.warmup_seconds = warm_up_forward(
+            lambda ps, rs: batched_logprobs(self.model, ps, rs, pad_id=self.pad_id, temperature=1.0,
+                                            token_budget=self.config.micro_batch_token_budget, fused=self.fused,
+                                            packed=self.packed),
+            vocab_size=self.vocab_size, device=self.device)
+        log.info("reference: warm-up (compile) took %.1f s", self.warmup_seconds)
+        return self.warmup_seconds
 
     def info(self) -> dict:
         return {"dtype": self.dtype, "device": self.device, "num_calls": self.num_calls, "micro_batch_token_budget":
                 self.config.micro_batch_token_budget, "max_model_len": self.max_len, "fused_logprobs": self.fused,
-                "use_remove_padding": self.packed, "compile": self.compiled}
+                "use_remove_padding": self.packed, "compile": self.compiled,
+                "resolved": self.resolved.json(), "warmup_seconds": round(self.warmup_seconds, 3)}
 
     def logprobs_sync(self, prompts, responses, temperature: float = 1.0, *, as_arrays: bool = False):
         """Rows as lists, or float32 numpy arrays with as_arrays."""

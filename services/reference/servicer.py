@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from meshrl.v1 import reference_pb2, reference_pb2_grpc
 from services.common import convert
 from services.common.config import settings_json
@@ -33,6 +35,7 @@ SERVICE_NAME = reference_pb2.DESCRIPTOR.services_by_name["Reference"].full_name
 
 async def start(settings: ReferenceSettings, address: str | None = None) -> tuple[MeshServer, int, ReferenceEngine]:
     engine = ReferenceEngine(settings)
+    await asyncio.to_thread(engine.warm_up)      # before the server exists: SERVING means warm
     mesh, port = await create_server([(reference_pb2_grpc.add_ReferenceServicer_to_server,
                                        ReferenceServicer(engine, settings))], [SERVICE_NAME], address=address,
                                      config=settings.server)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from services.common.auto import AUTO, Auto
 from services.common.config import MeshSettings, ModelConfig, PoolConfig, Section, ServerConfig
 from services.common.registry import RegistryRunSection
 from services.common.tool_calls import TOOL_CALL_PARSERS
@@ -91,8 +92,9 @@ class RolloutConfig(PoolConfig):
     max_tokens: int = Field(512, ge=1)
     stop: list[str] = Field(default_factory=list)
     seed: int | None = None
-    # Rows (prompts x samples) decoded together; larger requests run in several chunks.
-    max_batch_size: int = Field(64, ge=1)
+    # Rows (prompts x samples) decoded together; larger requests run in several chunks. auto: 512 on the
+    # torch engine's CUDA-graph path (the KV cache follows the rows a batch has, not this cap), 64 elsewhere.
+    max_batch_size: Annotated[int, Field(ge=1)] | Auto = AUTO
     # Prompt + response token limit; None = the model's max_position_embeddings.
     max_model_len: int | None = Field(None, ge=2)
     # Micro-batch token budget of ComputeLogProbs.
@@ -136,10 +138,16 @@ class RolloutConfig(PoolConfig):
     vllm_engine_args: dict[str, Any] = Field(default_factory=dict)
     # engine "torch" on CUDA: decode with one captured CUDA graph per step over a static KV cache
     # (services/rollout/cuda_decode.py), seeded rows, stop strings and top-logprobs included; only seeded rows in
-    # a batch that needs top-p (or without Triton) use the eager loop.
-    cuda_graphs: bool = False
-    # With cuda_graphs: torch.compile the decode step's layers first (fewer, fused kernels; compiles at first use).
-    cuda_graph_compile: bool = True
+    # a batch that needs top-p (or without Triton) use the eager loop. auto: on for the torch engine on a CUDA
+    # device whose model the graph decoder supports (Qwen2, Llama), off elsewhere; true where it cannot work is
+    # refused when the replica starts.
+    cuda_graphs: bool | Auto = AUTO
+    # With cuda_graphs: torch.compile the decode step's layers first (fewer, fused kernels; compiled during the
+    # replica's warm-up). auto: on where Triton runs (inductor's GPU backend), off elsewhere.
+    cuda_graph_compile: bool | Auto = AUTO
+    # Warm up before serving (the replica reports SERVING after it): with cuda_graphs, compile the decode step and
+    # capture graphs on a small batch at rollout.max_tokens, so a run's first step costs what later ones do.
+    warmup: bool = True
     # With cuda_graphs: sample (temperature / greedy, not top-p) with one fused Triton kernel per step
     # (services/rollout/fused_sample.py) instead of torch ops over fp32 copies of the logits.
     cuda_graph_fused_sampler: bool = True
@@ -158,6 +166,13 @@ class RolloutConfig(PoolConfig):
     partial_rollouts: Literal["off", "continue", "pause"] = "off"
     # Multi-turn episodes (GenerateEpisodes): the agent loop and its limits.
     agent: AgentConfig = AgentConfig()
+
+    @model_validator(mode="after")
+    def _graphs_need_torch(self):
+        if self.cuda_graphs is True and self.engine != "torch":
+            raise ValueError(f"cuda_graphs: true needs engine 'torch' (the {self.engine} engine decodes its own way); "
+                             "set it to auto or false")
+        return self
 
     @model_validator(mode="after")
     def _partial_needs_torch(self):

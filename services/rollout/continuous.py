@@ -143,7 +143,7 @@ def graph_decode(engine, rows: list, flight: Flight) -> None:
             [r.sampling.top_p for r in rows], seeds=seeds, top_logprobs=max(r.sampling.top_logprobs for r in rows),
             between_steps=(lambda i: engine._between_steps(list(joining.live.values()), i + 2)) if partial else None,
             join=joining, ended=joining.ended)
-        rows = joining.next_rows(engine.config.max_batch_size)
+        rows = joining.next_rows(engine.max_batch_size)
         version = engine._swap_point() if partial else engine.weight_version
         for row in rows:
             row.version = version

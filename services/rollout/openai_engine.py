@@ -19,6 +19,7 @@ import os
 import time
 from typing import AsyncIterable, Mapping
 
+from services.common.auto import Resolved
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.weights import Manifest
 from services.rollout.config import RolloutSettings
@@ -49,6 +50,9 @@ class OpenAIEngine(RolloutEngine):
         self.model_path = settings.model.path
         self.tokenizer = try_tokenizer(self.model_path) if os.path.isdir(self.model_path) else None
         self.max_model_len = r.max_model_len
+        self.resolved = Resolved("rollout", log)
+        self.max_batch_size = self.resolved.pick("rollout.max_batch_size", r.max_batch_size, 64,
+                                                 "requests in flight to the upstream server")
         self.weight_version = 0
         self._openai = openai
         api_key = r.api_key.get_secret_value() if r.api_key else "none"
@@ -66,8 +70,8 @@ class OpenAIEngine(RolloutEngine):
     def info(self) -> dict:
         capability, why = self.upstream.capability, self.upstream.why
         return {"engine": "openai", "server_url": self.server_url, "upstream_model": self._upstream_model or "",
-                "max_model_len": self.max_model_len or "", "max_batch_size": self.config.max_batch_size,
-                "device": "remote", "dtype": "", "openai_api": self.config.openai_api,
+                "max_model_len": self.max_model_len or "", "max_batch_size": self.max_batch_size,
+                "resolved": self.resolved.json(), "device": "remote", "dtype": "", "openai_api": self.config.openai_api,
                 "weight_updates": capability, "weight_updates_why": why, "rederived_token_ids": self.rederived}
 
     async def close(self) -> None:
@@ -100,7 +104,7 @@ class OpenAIEngine(RolloutEngine):
                 raise ValueError(f"prompts[{i}]: needs prompt_ids or text")
         model = await self._model()
         # Bounded fan-out: one request per prompt, at most max_batch_size in flight.
-        gate = asyncio.Semaphore(self.config.max_batch_size)
+        gate = asyncio.Semaphore(self.max_batch_size)
 
         async def one(i: int, p: PromptInput) -> PromptResult:
             async with gate:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common import convert as common_convert
 from services.common.config import settings_json
 from services.common.server import MeshServer, create_server
-from services.common.weight_transport import decode_bucket
+from services.common.weight_transport import decode_bucket, placement_of
 from services.rollout import convert
 from services.rollout.config import RolloutSettings
 from services.rollout.engines import build_engine
@@ -54,6 +55,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def GetInfo(self, request, context):
         await self.engine.refresh()
         details = {**self.engine.info(), "weight_transports": ",".join(self.receivers.available()),
+                   **placement_of(self.receivers.device),
                    "settings": settings_json(self.settings)}
         return common_convert.info_to_pb("rollout", self.engine.model_path, self.engine.weight_version, details)
 
@@ -204,6 +206,14 @@ async def start(settings: RolloutSettings, address: str | None = None, *,
     engine = engine or build_engine(settings)
     replica = RolloutReplica(engine)
     r = settings.rollout
+    warm_up = getattr(engine, "warm_up", None)
+    if warm_up is not None:
+        # Before the server exists: health answers SERVING only once the first batch costs what later ones do.
+        try:
+            await asyncio.to_thread(warm_up)
+        except BaseException:
+            await replica.close()
+            raise
     if r.http_port is not None:
         try:
             from services.rollout.http_api import start_http

@@ -19,6 +19,7 @@ from typing import AsyncIterable, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from services.common.auto import Resolved
 from services.common.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
 from services.common.weight_transport import receive_host
 from services.common.weights import Manifest, apply_weights, check_against, named_weights
@@ -30,6 +31,37 @@ from services.rollout.types import (GenerateBatch, PromptResult, SampleResult, S
                                     check_weight_version)
 
 log = logging.getLogger("meshrl.rollout")
+
+
+def resolve_speed(r, device: str, model) -> Resolved:
+    """The torch engine's `auto` switches: CUDA graphs (and their compile) on a CUDA device with a model the graph
+    decoder supports, 512 rows per batch there (64 elsewhere). An explicit true that cannot work is refused."""
+    from services.rollout.cuda_decode import unsupported_reason
+
+    out = Resolved("rollout", log)
+    cuda = str(device).startswith("cuda")
+    reason = unsupported_reason(model) if cuda else f"model.device is {device!r}, not CUDA"
+    if r.cuda_graphs is True and reason is not None:
+        raise ValueError(f"rollout.cuda_graphs: true cannot work here ({reason}); set it to auto or false")
+    graphs = out.pick("rollout.cuda_graphs", r.cuda_graphs, reason is None,
+                      "CUDA device, torch engine" if reason is None else reason)
+    triton_ok = _triton_available() if graphs else False
+    if graphs and r.cuda_graph_compile is True and not triton_ok:
+        raise ValueError("rollout.cuda_graph_compile: true needs Triton (inductor's GPU backend), which does not "
+                         "import here; set it to auto or false")
+    out.pick("rollout.cuda_graph_compile", r.cuda_graph_compile, graphs and triton_ok,
+             "Triton available" if triton_ok else ("no Triton" if graphs else "no CUDA graphs"))
+    out.pick("rollout.max_batch_size", r.max_batch_size, 512 if graphs else 64,
+             "CUDA-graph decode: the KV cache follows each batch's rows" if graphs else "eager decode loop")
+    return out
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        return True
+    except ImportError:
+        return False
 
 
 @dataclass
@@ -175,18 +207,41 @@ class TorchEngine(LocalModelEngine):
         self._swaps_mutex = threading.Lock()
         self.stats = {"requests": 0, "decode_batches": 0, "samples": 0, "generated_tokens": 0,
                       "swaps_mid_generation": 0, "joined_rows": 0}
+        self.resolved = resolve_speed(r, self.device, self.model)
+        self.max_batch_size = self.resolved.value("rollout.max_batch_size")
         self._graph_decoder = None
-        if r.cuda_graphs:
-            if not str(self.device).startswith("cuda"):
-                raise ValueError(f"rollout.cuda_graphs: needs a CUDA device, model.device is {self.device!r}")
+        if self.resolved.value("rollout.cuda_graphs"):
             from services.rollout.cuda_decode import GraphDecoder
             self._graph_decoder = GraphDecoder(self.model, pad_id=self.pad_id, eos_ids=sorted(self.eos_ids),
-                                               max_batch_size=r.max_batch_size, compile=r.cuda_graph_compile,
+                                               max_batch_size=self.max_batch_size,
+                                               compile=self.resolved.value("rollout.cuda_graph_compile"),
                                                fused_sampler=r.cuda_graph_fused_sampler,
                                                triton_attention=r.cuda_graph_triton_attention)
+        self.warmup_seconds = 0.0
         log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer=%s",
-                 self.model_path, self.device, self.dtype, self.max_model_len, r.max_batch_size,
+                 self.model_path, self.device, self.dtype, self.max_model_len, self.max_batch_size,
                  "yes" if self.tokenizer is not None else "none")
+
+    def warm_up(self) -> float:
+        """Compiles the graph decoder's step and captures its graphs before the replica serves (seconds taken).
+
+        Two small batches at rollout.max_tokens (sampled, then greedy as held-out evaluation decodes): the second
+        batch size makes torch.compile build its dynamic-size graph now, so a run's first batch of any size only
+        captures a graph (well under a second), instead of compiling inside the run's first step. The warm-up's
+        KV buckets are dropped afterwards; the compiled code, Triton kernels and cuBLAS handles stay."""
+        if self._graph_decoder is None or not self.config.warmup:
+            return 0.0
+        t0 = time.perf_counter()
+        budget = max(1, min(self.config.max_tokens, self.max_model_len - 2))
+        prompt = [self.pad_id + 1 if self.pad_id + 1 < self.vocab_size else 0]
+        for rows, temperature in ((min(8, self.max_batch_size), 1.0), (min(16, self.max_batch_size), 0.0)):
+            self._graph_decoder.decode([prompt] * rows, [budget] * rows, [temperature] * rows, [1.0] * rows,
+                                       seeds=[None] * rows)
+        self._graph_decoder.reset()
+        torch.cuda.synchronize(self._graph_decoder.device)
+        self.warmup_seconds = time.perf_counter() - t0
+        log.info("rollout: warm-up (compile + graph capture) took %.1f s", self.warmup_seconds)
+        return self.warmup_seconds
 
     @property
     def _lock(self) -> asyncio.Lock:
@@ -201,7 +256,8 @@ class TorchEngine(LocalModelEngine):
     # ---- RolloutEngine
 
     def info(self) -> dict:
-        return {"engine": "torch", "max_model_len": self.max_model_len, "max_batch_size": self.config.max_batch_size,
+        return {"engine": "torch", "max_model_len": self.max_model_len, "max_batch_size": self.max_batch_size,
+                "resolved": self.resolved.json(), "warmup_seconds": round(self.warmup_seconds, 3),
                 "device": self.device, "dtype": self.dtype, "vocab_size": self.vocab_size,
                 "tokenizer": self.tokenizer is not None, **self.stats}
 
@@ -379,7 +435,7 @@ class TorchEngine(LocalModelEngine):
         partial = "off" if "off" in modes else "pause" if "pause" in modes else "continue"
         flight = Flight(partial, self._results_of)
         rows = [row for job in jobs for row in flight.add(job, self._rows_of(job))]
-        chunk = self.config.max_batch_size
+        chunk = self.max_batch_size
         try:
             for start in range(0, len(rows), chunk):
                 version = self._swap_point() if partial != "off" else self.weight_version

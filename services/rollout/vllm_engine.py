@@ -30,6 +30,7 @@ from typing import AsyncIterable, Mapping, Sequence
 
 import torch
 
+from services.common.auto import Resolved
 from services.common.codec import DTYPES
 from services.common.errors import FailedPrecondition, Unavailable
 from services.common.modeling import validate_sequences
@@ -175,6 +176,10 @@ class VLLMEngine(LocalModelEngine):
         self.device = str(current_platform.device_type)
         if self.device == "cpu":
             _check_cpu_head_dim(m.path, cfg)
+        # vLLM captures its own CUDA graphs; its default of 256 sequences on a GPU, 64 on the CPU backend.
+        self.resolved = Resolved("rollout", log)
+        self.max_batch_size = self.resolved.pick("rollout.max_batch_size", r.max_batch_size,
+                                                 64 if self.device == "cpu" else 256, f"vLLM on {self.device}")
         args = self._engine_args(settings)
         # vLLM forks its engine process unless told otherwise; forking a process with gRPC threads is unsafe.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -186,7 +191,7 @@ class VLLMEngine(LocalModelEngine):
         self.stats = {"requests": 0, "samples": 0, "generated_tokens": 0, "updates_applied": 0}
         log.info("rollout vllm engine: %s on %s (%s, vLLM %s), max_model_len=%d, max_num_seqs=%d, memory share %.2f, "
                  "started in %.1fs", self.model_path, self.device, self.dtype, self.vllm_version, self.max_model_len,
-                 r.max_batch_size, args["gpu_memory_utilization"], time.perf_counter() - start)
+                 self.max_batch_size, args["gpu_memory_utilization"], time.perf_counter() - start)
 
     def _engine_args(self, settings: RolloutSettings) -> dict:
         """The vllm.AsyncEngineArgs of this replica: meshrl's choices, then rollout.vllm_engine_args over them."""
@@ -194,7 +199,7 @@ class VLLMEngine(LocalModelEngine):
         on_cpu = self.device == "cpu"
         mem = r.gpu_memory_utilization or (CPU_MEMORY_UTILIZATION if on_cpu else GPU_MEMORY_UTILIZATION)
         args = dict(model=m.path, tokenizer=m.path, dtype=m.dtype, max_model_len=self.max_model_len,
-                    max_num_seqs=r.max_batch_size, gpu_memory_utilization=mem, enable_prefix_caching=True,
+                    max_num_seqs=self.max_batch_size, gpu_memory_utilization=mem, enable_prefix_caching=True,
                     logprobs_mode="raw_logprobs", generation_config="vllm", worker_extension_cls=EXTENSION,
                     # on GPUs one worker runs inside the engine-core process (vLLM's CPU platform always
                     # starts a worker process); on CPU eager mode starts in seconds and needs no C compiler
@@ -226,7 +231,8 @@ class VLLMEngine(LocalModelEngine):
 
     def info(self) -> dict:
         return {"engine": "vllm", "vllm_version": self.vllm_version, "max_model_len": self.max_model_len,
-                "max_batch_size": self.config.max_batch_size, "device": self.device, "dtype": self.dtype,
+                "max_batch_size": self.max_batch_size, "resolved": self.resolved.json(), "device": self.device,
+                "dtype": self.dtype,
                 "vocab_size": self.vocab_size, "tokenizer": self.tokenizer is not None,
                 "logprobs_mode": "raw_logprobs", "prefix_caching": True,
                 "weight_updates": self.update_problem or "in place", **self.stats}

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from services.common.auto import AUTO, Auto
 from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig
 from services.common.weights import DEFAULT_BUCKET_BYTES
 
@@ -134,20 +135,24 @@ class ActorConfig(OptimSection):
     # true/false mean full/none.
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     activation_checkpointing_every: int = Field(1, ge=1)
-    # torch.compile each decoder block (regional: one compiled graph serves every block). Default (null):
-    # on for CUDA, off elsewhere.
-    compile: bool | None = None
+    # torch.compile each decoder block (regional: one compiled graph serves every block). auto (or null): on for
+    # CUDA, off elsewhere; compiled during the trainer's warm-up, before it serves.
+    compile: bool | Auto | None = AUTO
     # Response log-probs and entropy through the fused LM head (services/common/fused.py): no fp32
     # [tokens, vocab] tensors; Triton kernels on CUDA, a chunked pure-torch path elsewhere, vocab-parallel
-    # under TP, chunked on the last pipeline stage. Default (null): on wherever the head can be fused
+    # under TP, chunked on the last pipeline stage. auto (or null): on wherever the head can be fused
     # (not for biased heads or soft-capped logits); false runs the model's own full logits (the baseline).
-    fused_logprobs: bool | None = None
+    fused_logprobs: bool | Auto | None = AUTO
     # Remove padding (verl's use_remove_padding): each micro-batch runs as one packed row, position ids
     # restarting per sequence and attention confined to each (services/common/packing.py); micro-batches
-    # are filled to micro_batch_token_budget tokens. Default (null): on for bf16/fp16 compute on CUDA where the
+    # are filled to micro_batch_token_budget tokens. auto (or null): on for bf16/fp16 compute on CUDA where the
     # model and mesh allow (faster than padded rows on one H200: bench/results/trainer_packing.json), off on
     # CPU and under actor.pp_size > 1; true under actor.pp_size > 1 is refused.
-    use_remove_padding: bool | None = None
+    use_remove_padding: bool | Auto | None = AUTO
+    # Warm up before serving: with compile, one forward + backward (and one no-grad forward) at two packed
+    # lengths, so torch.compile builds its dynamic-size graphs before the first step; gradients are dropped and
+    # the weights, optimizer state and step count stay as they were.
+    warmup: bool = True
     # Master weights, gradients and AdamW state. Default: float32 when model.dtype is bfloat16 or float16
     # (fp32 master weights, half-precision compute: 16 bytes/param), else model.dtype. `bfloat16` with
     # model.dtype bfloat16 trains in bf16 only (8 bytes/param). See docs/trainer.md.
@@ -211,8 +216,10 @@ class WeightSyncConfig(Section):
     """`weight_sync:` section: how PushWeights moves the actor's weights to rollout replicas."""
 
     # grpc: a CRC-checked stream, any host and engine. ipc: CUDA IPC handles, trainer and replicas on one GPU.
-    # nccl: one NCCL communicator of rank 0 and every replica's GPU (needs CuPy), broadcast.
-    transport: Literal["grpc", "ipc", "nccl"] = "grpc"
+    # nccl: one NCCL communicator of rank 0 and every replica's GPU (needs CuPy), broadcast. auto: per replica,
+    # from what it reports in GetInfo: ipc when it holds the trainer rank 0's GPU, nccl when it is on another GPU
+    # of the same host (and CuPy's NCCL imports on both), grpc otherwise (a CPU trainer or replica, another host).
+    transport: Literal["grpc", "ipc", "nccl", "auto"] = "auto"
     # Bucket size of ipc / nccl (device staging); grpc uses actor.weight_bucket_bytes. PushWeights'
     # bucket_bytes overrides both when set.
     device_bucket_bytes: int = Field(128 * 1024 * 1024, ge=1024 * 1024)

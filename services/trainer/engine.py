@@ -13,6 +13,7 @@ import logging
 import math
 import shutil
 import threading
+import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -23,7 +24,9 @@ import torch.distributed as dist
 from pydantic import ValidationError
 from torch import nn
 
+from services.common.auto import Resolved
 from services.common.codec import DTYPES
+from services.common.compile import warm_up_forward
 from services.common.config import format_validation_error
 from services.common.errors import FailedPrecondition, passes_through
 from services.common.fused import enable_fused_head, sequence_logprobs, supports_fused_head
@@ -96,6 +99,7 @@ class TrainerEngine:
         init_distributed(self.device.type)
         self.rank = dist.get_rank()
         module = self._load_actor()
+        self.resolved = Resolved("trainer", log, emit=self.rank == 0)
         packed = self._setup_packing(module, a.use_remove_padding)
         self.layout = RankLayout(
             self.dims, self.device, pad_id=self.pad_id, compute_dtype=self.compute_dtype,
@@ -104,7 +108,8 @@ class TrainerEngine:
             num_microbatches=a.num_microbatches or self.dims.pp, schedule=a.pipeline_schedule, packed=packed)
         self.channel = CommandChannel()
         on_cuda = self.device.type == "cuda"
-        compile_blocks = on_cuda if a.compile is None else a.compile
+        compile_blocks = self.compiled = bool(self.resolved.pick(
+            "actor.compile", a.compile, on_cuda, "CUDA device" if on_cuda else f"device {self.device.type}"))
         # Before parallelize: the check reads plain parameters, and the forward it installs is the one
         # FSDP's and DDP's wrappers then call.
         self.fused_logprobs = self._setup_fused_head(module, a.fused_logprobs)
@@ -120,6 +125,7 @@ class TrainerEngine:
                                         settings.critic, a, self.param_dtype, self.compute_dtype,
                                         compile=compile_blocks)
         self.weight_version = 0
+        self.warmup_seconds = 0.0
         # Gathers each pipeline stage's weights to its sender for weight sync and export (built on first use).
         self._gatherer: StageGatherer | None = None
         self.steps = StepRecord()
@@ -157,12 +163,12 @@ class TrainerEngine:
         refused by enable_fused_head). Pipeline stages compute their log-probs from the last stage's hidden
         states in chunks whatever this says (services/trainer/pipeline.py). Under TP the head is vocab-parallel
         (services/common/vocab_parallel.py)."""
-        if wanted is False or self.dims.pp > 1:
-            return False
+        if self.dims.pp > 1:
+            return self.resolved.pick("actor.fused_logprobs", wanted if wanted is not True else False, False,
+                                      "pipeline stages compute log-probs in chunks on the last stage")
         reason = supports_fused_head(module)
-        if wanted is None and reason is not None:
-            if self.rank == 0:
-                log.info("actor.fused_logprobs: plain log-prob path (%s)", reason)
+        if not self.resolved.pick("actor.fused_logprobs", wanted, reason is None,
+                                  "the LM head can be fused" if reason is None else reason):
             return False
         enable_fused_head(module)
         return True
@@ -172,15 +178,15 @@ class TrainerEngine:
         allow (the varlen kernel; measured faster than padded rows on one H200, bench/results/trainer_packing.json),
         off elsewhere; true under PP or on a model whose attention cannot be confined to each sequence is refused
         by name."""
-        if wanted is False:
-            return False
-        if wanted is None and (self.device.type != "cuda" or self.compute_dtype not in ("bfloat16", "float16")
-                               or self.dims.pp > 1 or supports_packing(module) is not None):
-            return False
-        if self.dims.pp > 1:
-            if wanted:
-                raise ValueError("actor.use_remove_padding: pipeline stages run right-padded rows "
-                                 "(actor.pp_size > 1); leave it null or set it false")
+        if self.dims.pp > 1 and wanted is True:
+            raise ValueError("actor.use_remove_padding: pipeline stages run right-padded rows "
+                             "(actor.pp_size > 1); leave it auto or set it false")
+        why_not = ("actor.pp_size > 1: pipeline stages run right-padded rows" if self.dims.pp > 1
+                   else f"device {self.device.type}" if self.device.type != "cuda"
+                   else f"compute dtype {self.compute_dtype}" if self.compute_dtype not in ("bfloat16", "float16")
+                   else supports_packing(module))
+        if not self.resolved.pick("actor.use_remove_padding", wanted, why_not is None,
+                                  "half-precision compute on CUDA" if why_not is None else why_not):
             return False
         enable_packing(module, "actor.use_remove_padding")
         return True
@@ -210,6 +216,22 @@ class TrainerEngine:
         """Runs a command on this rank, inside its NVTX range where it is one phase (nvtx.PHASES)."""
         with phase(COMMAND_PHASES[name]) if name in COMMAND_PHASES else nullcontext():
             return getattr(self, f"_local_{name}")(*args)
+
+    def warm_up(self) -> float:
+        """With compile, builds the actor's compiled graphs before the trainer serves (seconds taken; every rank).
+
+        One forward + backward and one no-grad forward at two shapes (services/common/compile.py WARMUP_SHAPES),
+        through the training step's own log-prob call; the gradients are dropped. Weights, optimizer state, step
+        count and weight version are untouched. Skipped under pipeline parallel (its schedule compiles at the
+        first step)."""
+        if not (self.compiled and self.cfg.warmup) or self.dims.pp > 1:
+            return 0.0
+        t0 = time.perf_counter()
+        self._run("warm_up")
+        self.warmup_seconds = time.perf_counter() - t0
+        if self.rank == 0:
+            log.info("trainer: warm-up (compile) took %.1f s", self.warmup_seconds)
+        return self.warmup_seconds
 
     def compute_logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                          temperature: float = 1.0) -> list[list[float]]:
@@ -335,6 +357,7 @@ class TrainerEngine:
                 "activation_checkpointing": self.cfg.activation_checkpointing,
                 "fused_logprobs": self.fused_logprobs, "use_remove_padding": self.layout.packed,
                 "lora_rank": self.cfg.lora.rank if self.cfg.lora else 0,
+                "compile": self.compiled, "warmup_seconds": round(self.warmup_seconds, 3),
                 **self.steps.details()}
 
     def close(self) -> None:
@@ -412,6 +435,23 @@ class TrainerEngine:
         for p in parts:
             merged.update(p)
         return [merged[i] for i in range(n)]
+
+    def _local_warm_up(self) -> None:
+        def forward_backward(prompts, responses):
+            with self.layout.amp():
+                logp, mask, entropy = sequence_logprobs(self.actor.forward, prompts, responses, pad_id=self.pad_id,
+                                                        device=self.device, packed=self.layout.packed,
+                                                        fused=self.fused_logprobs)
+            ((logp * mask).sum() + (entropy * mask).sum()).backward()
+
+        for trained in self._models():
+            trained.optimizer.zero_grad(set_to_none=True)
+        warm_up_forward(forward_backward, vocab_size=self.vocab_size, device=self.device)
+        for trained in self._models():
+            trained.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            warm_up_forward(lambda ps, rs: self._actor_logprobs(ps, rs, 1.0), vocab_size=self.vocab_size,
+                            device=self.device)
 
     @torch.no_grad()
     def _local_compute_logprobs(self, prompts, responses, temperature: float, base: bool = False):

@@ -8,11 +8,13 @@ import time
 from meshrl.v1 import reference_pb2, reference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common import convert as common_convert
 from services.common.config import settings_json
+from services.common.placement import Placement
 from services.common.server import MeshServer, create_server
+from services.common.weight_transport import placement_of
 from services.trainer import convert
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.weight_sync import WeightSender, build_sender
+from services.trainer.weight_sync import AutoSender, WeightSender, available_senders, build_sender, check_transport
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -59,9 +61,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if request.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes: must be >= 0, got {request.bucket_bytes}")
         t0 = time.perf_counter()
+        if isinstance(self.sender, AutoSender):
+            await self.sender.prepare(targets)      # each replica's transport, before the state is fetched
         state, version = await asyncio.to_thread(self.engine.state_for_sync, self.sender.on_device)
-        default = self.engine.cfg.weight_bucket_bytes if self.sender.transport == "grpc" else \
-            self.engine.settings.weight_sync.device_bucket_bytes
+        if isinstance(self.sender, AutoSender):
+            default = 0                             # each transport's own
+        else:
+            default = self.engine.cfg.weight_bucket_bytes if self.sender.transport == "grpc" else \
+                self.engine.settings.weight_sync.device_bucket_bytes
         outcomes = await self.sender.push(state, version, targets, bucket_bytes=request.bucket_bytes or default)
         return trainer_pb2.PushWeightsResponse(
             weight_version=version, num_bytes=sum(t.numel() * t.element_size() for t in state.values()),
@@ -82,6 +89,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def GetInfo(self, request, context):
         return common_convert.info_to_pb("trainer", self.engine.model_path, self.engine.weight_version,
                                          {**self.engine.info(), "weight_transport": self.sender.transport,
+                                          "resolved": self.engine.resolved.json(),
+                                          **placement_of(self.engine.device),
+                                          "weight_transports": ",".join(available_senders(self.engine.device)),
                                           "settings": settings_json(self.engine.settings)})
 
     async def ConfigureRun(self, request, context):
@@ -119,8 +129,23 @@ async def start(settings: TrainerSettings, address: str | None = None, *,
     engine = engine or TrainerEngine(settings)
     token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None
     ws = settings.weight_sync
+    check_transport(ws.transport, engine.device)
+    auto = {}
+    if ws.transport == "auto":
+        placement = placement_of(engine.device)
+        auto = dict(trainer=Placement(placement["host_id"], placement.get("device_uuid", "")),
+                    grpc_bucket_bytes=engine.cfg.weight_bucket_bytes, device_bucket_bytes=ws.device_bucket_bytes,
+                    on_choice=lambda target, transport, why: engine.resolved.record(
+                        f"weight_sync.transport[{target}]", transport, "auto", why))
+        engine.resolved.record("weight_sync.transport", "per replica", "auto",
+                               "ipc to replicas on the trainer's GPU, nccl to other GPUs of this host, grpc otherwise"
+                               if placement.get("device_uuid") else "the trainer is not on a CUDA device: grpc")
+    else:
+        engine.resolved.record("weight_sync.transport", ws.transport, ws.transport, "set explicitly")
     sender = build_sender(ws.transport, token=token, timeout=settings.server.call_timeout_s,
-                          collective_timeout=ws.collective_timeout_s)
+                          collective_timeout=ws.collective_timeout_s, **auto)
+    # Before the server exists: SERVING means compiled.
+    await asyncio.to_thread(engine.warm_up)
     servicers, names = [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(engine, sender))], [SERVICE_NAME]
     if engine.cfg.lora is not None:
         servicers.append((reference_pb2_grpc.add_ReferenceServicer_to_server, BaseModelReference(engine)))
