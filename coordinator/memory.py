@@ -87,10 +87,13 @@ def _safetensors_params(folder: Path) -> int | None:
         return None
     total = 0
     for f in files:
-        with f.open("rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+        try:
+            with f.open("rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
+            total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+        except (OSError, struct.error, ValueError, KeyError, TypeError):
+            return None            # not a readable safetensors file: the config's count instead
     return total
 
 
@@ -420,8 +423,10 @@ def check_fits(cfg, placement: Mapping[str, Sequence[str]], gpu_bytes: int | Seq
     advice.sort(key=lambda t: t[0])   # the ones that fit alone first, each group in its order
     roles = {e.service.split()[0] for e in group}
     if "trainer" in roles and len(roles) > 1:
+        alone = sum(e.total for e in group if e.service.startswith("trainer")) <= FIT_FRACTION * size
         advice.append((False, "put the trainer on its own GPU with trainer.devices (and the replicas on "
-                              "others with rollout.devices / reference.devices)"))
+                              "others with rollout.devices / reference.devices)" + ("" if alone else
+                              " (not enough alone)")))
     raise ValueError(
         f"model.path: {cfg.model.path} needs about {gib(total)} GiB on {gpu} ({'; '.join(e.describe() for e in group)})"
         f", the GPU has {gib(size)} GiB ({FIT_FRACTION:.0%}: {gib(FIT_FRACTION * size)} usable); set "

@@ -1,0 +1,202 @@
+"""coordinator/memory.py: per-service GPU memory estimates of a recipe and `meshrl up`'s fit check; and the
+one-GPU recipe examples/gpu/grpo.yaml, which relies on the `auto` defaults."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench.peers.settings import QWEN25
+from coordinator import memory
+from coordinator.cli_runs import _load_recipe, _placement
+from coordinator.memory import FUSED_CHUNK_BYTES, GIB
+
+REPO = Path(__file__).resolve().parents[2]
+GPU_RECIPE = REPO / "examples" / "gpu" / "grpo.yaml"
+H100 = 80 * GIB
+
+TINY = dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=100, tie_word_embeddings=True, max_position_embeddings=512)
+
+
+def _folder(tmp_path: Path, name: str, config: dict) -> str:
+    """A model folder with only its config.json: the estimate reads nothing else."""
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def _qwen(tmp_path: Path, size: str) -> str:
+    return _folder(tmp_path, f"qwen2.5-{size}", {"model_type": "qwen2", **QWEN25[f"qwen2.5-{size}"]})
+
+
+def _recipe(path: Path, overrides: dict[str, str]):
+    """The recipe's run config and `meshrl up`'s placement of it."""
+    raw, cfg = _load_recipe(path, {}, overrides)
+    placement, trainer_devices = _placement(cfg, raw, overrides)
+    return cfg, placement, trainer_devices
+
+
+def test_parameter_counts_match_the_published_qwen25_sizes():
+    counts = {size: memory.count_params({"model_type": "qwen2", **QWEN25[f"qwen2.5-{size}"]})
+              for size in ("0.5b", "1.5b", "3b", "7b")}
+    assert counts == {"0.5b": 494_032_768, "1.5b": 1_543_714_304, "3b": 3_085_938_688, "7b": 7_615_616_512}
+
+
+def test_tiny_config_estimates_equal_the_hand_computed_bytes(tmp_path):
+    path = _folder(tmp_path, "tiny", TINY)
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"path": path, "device": "cuda", "dtype": "float32"},
+        "rollout": {"engine": "torch", "replicas": 1, "n": 2, "max_tokens": 16},
+        "reference": {"replicas": 1}, "algorithm": {"use_kl_loss": True},
+        "data": {"rollout_batch_size": 2, "max_prompt_length": 16}}))
+    cfg, placement, trainer_devices = _recipe(recipe, {})
+    by_service = {e.service: e for e in memory.estimate(cfg, placement, trainer_devices)}
+    # embed 100*64; per block q 64*64+64, k and v 64*32+32, o 64*64, MLP 3*64*128, two norms 64; final norm 64.
+    params = 6400 + 2 * (4160 + 2 * 2080 + 4096 + 24576 + 128) + 64
+    assert params == 80704
+    trainer = by_service["trainer"].parts
+    assert trainer["float32 weights"] == trainer["gradients"] == params * 4
+    assert trainer["AdamW state"] == 2 * params * 4
+    assert "bfloat16 autocast copy" not in trainer and "float32 autocast copy" not in trainer
+    # 2 prompts x 2 samples x (16 + 16) tokens = 128 tokens; per block and token (fp32): norms 2*(3*4*64),
+    # q/k/v + attention out 4*(3*64 + 2*32), MLP 4*4*128.
+    assert trainer["activations"] == 128 * 2 * (1536 + 1024 + 2048) + FUSED_CHUNK_BYTES
+    assert trainer["ipc weight staging"] == params * 4          # transport auto, replica on the trainer's GPU
+    rollout = by_service["rollout 0"].parts
+    # CUDA graphs (auto, torch engine): 4 rows -> batch bucket 8; 16 + 2*16 tokens -> length bucket 256;
+    # K and V of 2 layers x 2 kv heads x 16 dims in fp32.
+    assert rollout["KV cache (8 rows x 256 tokens)"] == 8 * 256 * (2 * 2 * 2 * 16 * 4)
+    assert by_service["reference 0"].parts["float32 weights"] == params * 4
+    assert all(e.gpu == "cuda:0" and e.parts["CUDA context"] == GIB // 2 for e in by_service.values())
+
+
+def test_the_one_gpu_recipe_at_1_5b_fits_an_80_gib_gpu(tmp_path):
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": _qwen(tmp_path, "1.5b")})
+    estimates = memory.check_fits(cfg, placement, H100, trainer_devices)
+    assert sorted(e.service for e in estimates) == ["reference 0", "rollout 0", "trainer"]
+    total = sum(e.total for e in estimates)
+    assert 30 * GIB < total < 0.95 * H100
+    trainer = next(e for e in estimates if e.service == "trainer").parts
+    assert trainer["float32 weights"] == 1_543_714_304 * 4     # fp32 master weights under bf16 compute
+
+
+def test_the_one_gpu_recipe_without_activation_checkpointing_is_refused_at_1_5b(tmp_path):
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": _qwen(tmp_path, "1.5b"),
+                                                           "actor.activation_checkpointing": "none"})
+    with pytest.raises(ValueError, match="actor.activation_checkpointing full"):
+        memory.check_fits(cfg, placement, H100, trainer_devices)
+
+
+def test_7b_full_fine_tuning_is_refused_naming_the_estimate_and_the_settings_to_change(tmp_path):
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": _qwen(tmp_path, "7b")})
+    with pytest.raises(ValueError) as e:
+        memory.check_fits(cfg, placement, H100, trainer_devices)
+    msg = str(e.value)
+    assert msg.startswith("model.path: ") and "on cuda:0" in msg and "the GPU has 80.0 GiB" in msg
+    assert "trainer " in msg and "AdamW state" in msg and "rollout 0 " in msg and "reference 0 " in msg
+    # LoRA fits alone and comes first; bf16 master weights alone do not.
+    assert msg.index("set actor.lora.rank 16") < msg.index("actor.param_dtype bfloat16")
+    assert "actor.param_dtype bfloat16 (no fp32 master weights: 8 bytes/param, not 16+) (not enough alone)" in msg
+    assert "trainer.devices" in msg
+
+
+def test_7b_with_lora_and_the_trainer_as_reference_fits_an_80_gib_gpu(tmp_path):
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": _qwen(tmp_path, "7b"),
+                                                           "actor.lora.rank": "16", "reference.replicas": "0"})
+    estimates = memory.check_fits(cfg, placement, H100, trainer_devices)
+    assert sorted(e.service for e in estimates) == ["rollout 0", "trainer"]
+    trainer = next(e for e in estimates if e.service == "trainer").parts
+    assert trainer["bfloat16 frozen base"] == 7_615_616_512 * 2
+    assert trainer["LoRA rank 16 adapters + AdamW"] < GIB
+
+
+def test_services_on_their_own_gpus_are_summed_per_gpu(tmp_path):
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": _qwen(tmp_path, "3b"),
+                                                           "trainer.devices": "0", "rollout.devices": "1",
+                                                           "reference.devices": "1"})
+    # Together the 3B recipe passes 95% of an 80 GiB GPU; the trainer alone on GPU 0 fits.
+    gpus = memory.by_gpu(memory.check_fits(cfg, placement, [H100, H100], trainer_devices))
+    assert sorted(gpus) == ["cuda:0", "cuda:1"]
+    assert [e.service for e in gpus["cuda:0"]] == ["trainer"]
+    assert "nccl staging" in gpus["cuda:0"][0].parts       # transport auto: the replica is on another GPU
+    shared, _, _ = _recipe(GPU_RECIPE, {"model.path": str(tmp_path / "qwen2.5-3b")})
+    with pytest.raises(ValueError, match="on cuda:0"):
+        memory.check_fits(shared, placement={k: [""] * len(v) for k, v in placement.items()}, gpu_bytes=H100)
+
+
+def test_a_recipe_on_cpu_is_not_checked(monkeypatch):
+    cfg, placement, trainer_devices = _recipe(REPO / "examples" / "arith" / "grpo.yaml", {})
+
+    def no_gpu_query():
+        raise AssertionError("a CPU recipe must not look for GPUs")
+
+    monkeypatch.setattr(memory, "gpu_memory", no_gpu_query)
+    assert memory.estimate(cfg, placement, trainer_devices) == []
+    memory.check_recipe_fits(cfg, placement, trainer_devices)      # no GPU query, no error
+    assert memory.check_fits(cfg, placement, 1, trainer_devices) == []
+
+
+def test_no_gpu_found_skips_the_check(tmp_path, monkeypatch):
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": _qwen(tmp_path, "7b")})
+    monkeypatch.setattr(memory, "gpu_memory", lambda: None)
+    memory.check_recipe_fits(cfg, placement, trainer_devices)
+    monkeypatch.setattr(memory, "gpu_memory", lambda: [H100])
+    with pytest.raises(ValueError, match="needs about"):
+        memory.check_recipe_fits(cfg, placement, trainer_devices)
+
+
+def test_meshrl_up_refuses_a_recipe_that_cannot_fit_before_any_process_starts(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from coordinator import launcher
+    from coordinator.cli import app
+
+    path = _qwen(tmp_path, "7b")
+    (Path(path) / "model.safetensors").write_bytes(b"")       # preflight wants a weights file; it is not read
+    monkeypatch.setattr(memory, "gpu_memory", lambda: [H100])
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("the launcher started")
+
+    monkeypatch.setattr(launcher, "Launcher", no_start)
+    result = CliRunner().invoke(app, ["up", str(GPU_RECIPE), "--model.path", path])
+    assert result.exit_code == 2, result.output
+    assert "meshrl up: model.path: " in result.output and "actor.lora.rank 16" in result.output
+
+
+def test_meshrl_memory_prints_each_service_and_the_verdict(tmp_path):
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    result = CliRunner().invoke(app, ["memory", str(GPU_RECIPE), "--gpu-gib", "80",
+                                      "--model.path", _qwen(tmp_path, "1.5b")])
+    assert result.exit_code == 0, result.output
+    assert "trainer" in result.output and "rollout 0" in result.output and "reference 0" in result.output
+    assert "of 80.0 GiB: fits" in result.output
+
+
+def _keys(data) -> set[str]:
+    if isinstance(data, dict):
+        return set(data) | {k for v in data.values() for k in _keys(v)}
+    if isinstance(data, list):
+        return {k for v in data for k in _keys(v)}
+    return set()
+
+
+def test_the_one_gpu_recipe_loads_and_sets_no_speed_switch():
+    raw = yaml.safe_load(GPU_RECIPE.read_text())
+    assert not _keys(raw) & {"cuda_graphs", "transport", "compile", "max_batch_size", "cuda_graph_compile",
+                             "use_remove_padding", "fused_logprobs", "weight_sync"}
+    _, cfg = _load_recipe(GPU_RECIPE, {}, {})
+    assert (cfg.model.path, cfg.model.device, cfg.model.dtype) == ("examples/gpu/models/qwen2.5-1.5b", "cuda",
+                                                                   "bfloat16")
+    assert (cfg.rollout.engine, cfg.rollout.replicas, cfg.rollout.n, cfg.rollout.max_tokens) == ("torch", 1, 8, 512)
+    assert cfg.data.rollout_batch_size == 32 and cfg.algorithm.use_kl_loss and cfg.algorithm.kl_loss_type == "k3"
+    assert all(Path(REPO / f).is_file() for f in cfg.data.train_files + cfg.data.heldout_files)
