@@ -29,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from coordinator import remote
-from services.common import auto
+from services.common.auto import parse as parse_resolved
 from services.common.placement import pick_transport, placement_from
 from coordinator.config import RunConfig
 from coordinator.preflight import check_run
@@ -327,7 +327,7 @@ def resolved_choices(running: Iterable[Running]) -> dict[str, list[tuple[str, di
     out: dict[str, list[tuple[str, dict]]] = {}
     running = list(running)
     for svc in running:
-        for key, choice in auto.parse(svc.details).items():
+        for key, choice in parse_resolved(svc.details).items():
             if "[" not in key and not (key == "weight_sync.transport" and choice.get("asked") == "auto"):
                 out.setdefault(key, []).append((svc.name, choice))
     trainer = next((s for s in running if s.role == "trainer"), None)

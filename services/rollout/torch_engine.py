@@ -19,49 +19,18 @@ from typing import AsyncIterable, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from services.common.auto import Resolved
 from services.common.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
 from services.common.weight_transport import receive_host
 from services.common.weights import Manifest, apply_weights, check_against, named_weights
 from services.rollout.config import RolloutSettings
 from services.rollout.continuous import Flight, answer_of, fill_row, graph_decode
 from services.rollout.local_model import LocalModelEngine, find_eos_ids, model_len_limit, try_tokenizer
+from services.rollout.speed import resolve_speed, warm_up_decoder
 from services.rollout.sampling import left_padded, row_generator, sample_tokens
 from services.rollout.types import (GenerateBatch, PromptResult, SampleResult, SamplingParams,
                                     check_weight_version)
 
 log = logging.getLogger("meshrl.rollout")
-
-
-def resolve_speed(r, device: str, model) -> Resolved:
-    """The torch engine's `auto` switches: CUDA graphs (and their compile) on a CUDA device with a model the graph
-    decoder supports, 512 rows per batch there (64 elsewhere). An explicit true that cannot work is refused."""
-    from services.rollout.cuda_decode import unsupported_reason
-
-    out = Resolved("rollout", log)
-    cuda = str(device).startswith("cuda")
-    reason = unsupported_reason(model) if cuda else f"model.device is {device!r}, not CUDA"
-    if r.cuda_graphs is True and reason is not None:
-        raise ValueError(f"rollout.cuda_graphs: true cannot work here ({reason}); set it to auto or false")
-    graphs = out.pick("rollout.cuda_graphs", r.cuda_graphs, reason is None,
-                      "CUDA device, torch engine" if reason is None else reason)
-    triton_ok = _triton_available() if graphs else False
-    if graphs and r.cuda_graph_compile is True and not triton_ok:
-        raise ValueError("rollout.cuda_graph_compile: true needs Triton (inductor's GPU backend), which does not "
-                         "import here; set it to auto or false")
-    out.pick("rollout.cuda_graph_compile", r.cuda_graph_compile, graphs and triton_ok,
-             "Triton available" if triton_ok else ("no Triton" if graphs else "no CUDA graphs"))
-    out.pick("rollout.max_batch_size", r.max_batch_size, 512 if graphs else 64,
-             "CUDA-graph decode: the KV cache follows each batch's rows" if graphs else "eager decode loop")
-    return out
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-        return True
-    except ImportError:
-        return False
 
 
 @dataclass
@@ -223,24 +192,11 @@ class TorchEngine(LocalModelEngine):
                  "yes" if self.tokenizer is not None else "none")
 
     def warm_up(self) -> float:
-        """Compiles the graph decoder's step and captures its graphs before the replica serves (seconds taken).
-
-        Two small batches at rollout.max_tokens (sampled, then greedy as held-out evaluation decodes): the second
-        batch size makes torch.compile build its dynamic-size graph now, so a run's first batch of any size only
-        captures a graph (well under a second), instead of compiling inside the run's first step. The warm-up's
-        KV buckets are dropped afterwards; the compiled code, Triton kernels and cuBLAS handles stay."""
-        if self._graph_decoder is None or not self.config.warmup:
-            return 0.0
-        t0 = time.perf_counter()
-        budget = max(1, min(self.config.max_tokens, self.max_model_len - 2))
-        prompt = [self.pad_id + 1 if self.pad_id + 1 < self.vocab_size else 0]
-        for rows, temperature in ((min(8, self.max_batch_size), 1.0), (min(16, self.max_batch_size), 0.0)):
-            self._graph_decoder.decode([prompt] * rows, [budget] * rows, [temperature] * rows, [1.0] * rows,
-                                       seeds=[None] * rows)
-        self._graph_decoder.reset()
-        torch.cuda.synchronize(self._graph_decoder.device)
-        self.warmup_seconds = time.perf_counter() - t0
-        log.info("rollout: warm-up (compile + graph capture) took %.1f s", self.warmup_seconds)
+        """Compiles the graph decoder's step and captures graphs before the replica serves (seconds; 0 without
+        CUDA graphs or with rollout.warmup false): services/rollout/speed.py."""
+        if self._graph_decoder is not None and self.config.warmup:
+            self.warmup_seconds = warm_up_decoder(self._graph_decoder, self.config.max_tokens, self.max_model_len,
+                                                  self.pad_id, self.vocab_size, self.max_batch_size)
         return self.warmup_seconds
 
     @property

@@ -1,0 +1,63 @@
+"""The torch engine's speed settings: its `auto` switches, resolved once at start-up, and its warm-up."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from services.common.auto import Resolved
+
+log = logging.getLogger("meshrl.rollout")
+
+
+def resolve_speed(r, device: str, model) -> Resolved:
+    """The torch engine's `auto` switches: CUDA graphs (and their compile) on a CUDA device with a model the graph
+    decoder supports, 512 rows per batch there (64 elsewhere). An explicit true that cannot work is refused."""
+    from services.rollout.cuda_decode import unsupported_reason
+
+    out = Resolved("rollout", log)
+    cuda = str(device).startswith("cuda")
+    reason = unsupported_reason(model) if cuda else f"model.device is {device!r}, not CUDA"
+    if r.cuda_graphs is True and reason is not None:
+        raise ValueError(f"rollout.cuda_graphs: true cannot work here ({reason}); set it to auto or false")
+    graphs = out.pick("rollout.cuda_graphs", r.cuda_graphs, reason is None,
+                      "CUDA device, torch engine" if reason is None else reason)
+    triton_ok = _triton_available() if graphs else False
+    if graphs and r.cuda_graph_compile is True and not triton_ok:
+        raise ValueError("rollout.cuda_graph_compile: true needs Triton (inductor's GPU backend), which does not "
+                         "import here; set it to auto or false")
+    out.pick("rollout.cuda_graph_compile", r.cuda_graph_compile, graphs and triton_ok,
+             "Triton available" if triton_ok else ("no Triton" if graphs else "no CUDA graphs"))
+    out.pick("rollout.max_batch_size", r.max_batch_size, 512 if graphs else 64,
+             "CUDA-graph decode: the KV cache follows each batch's rows" if graphs else "eager decode loop")
+    return out
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def warm_up_decoder(decoder, max_tokens: int, max_model_len: int, pad_id: int, vocab_size: int,
+                    max_batch_size: int) -> float:
+    """Compiles the graph decoder's step and captures its graphs before the replica serves; returns the seconds.
+
+    Two small batches at rollout.max_tokens (sampled, then greedy as held-out evaluation decodes): the second
+    batch size makes torch.compile build its dynamic-size graph now, so a run's first batch of any size only
+    captures a graph (well under a second) instead of compiling inside the run's first step. The warm-up's KV
+    buckets are dropped afterwards; the compiled code, Triton kernels and cuBLAS handles stay."""
+    t0 = time.perf_counter()
+    budget = max(1, min(max_tokens, max_model_len - 2))
+    prompt = [pad_id + 1 if pad_id + 1 < vocab_size else 0]
+    for rows, temperature in ((min(8, max_batch_size), 1.0), (min(16, max_batch_size), 0.0)):
+        decoder.decode([prompt] * rows, [budget] * rows, [temperature] * rows, [1.0] * rows, seeds=[None] * rows)
+    decoder.reset()
+    torch.cuda.synchronize(decoder.device)
+    seconds = time.perf_counter() - t0
+    log.info("rollout: warm-up (compile + graph capture) took %.1f s", seconds)
+    return seconds
