@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--force", action="store_true", help="build again over an existing folder")
     args = p.parse_args(argv)
     out = args.out or MODELS_DIR / args.shape
-    if (out / "config.json").is_file() and not args.force:
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")) and not args.force:
         print(f"{out} already holds a model (--force builds it again)")
         return out
     start = time.perf_counter()
