@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -32,6 +34,17 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(node.values()) if isinstance(node, nn.ModuleDict) else list(node)
 
 
+def keep_compile_cache() -> str:
+    """Points inductor's cache at ~/.cache/meshrl/inductor (XDG_CACHE_HOME honoured) unless
+    TORCHINDUCTOR_CACHE_DIR is set: its default under /tmp is lost when a machine or container restarts, and with
+    it every compiled graph, so each run of a new container would compile from scratch. Returns the folder."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        folder = os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / "meshrl" / "inductor")
+    return folder
+
+
 def apply_compile(model: nn.Module, enabled: bool, *, backend: str = "inductor") -> None:
     """torch.compile each decoder block in place (Module.compile: names and state dicts unchanged).
 
@@ -41,6 +54,7 @@ def apply_compile(model: nn.Module, enabled: bool, *, backend: str = "inductor")
     """
     if not enabled:
         return
+    keep_compile_cache()
     blocks = transformer_blocks(model)
     for block in blocks:
         block.compile(backend=backend)

@@ -8,6 +8,7 @@ import time
 import torch
 
 from services.common.auto import Resolved
+from services.common.compile import keep_compile_cache
 
 log = logging.getLogger("meshrl.rollout")
 
@@ -28,8 +29,9 @@ def resolve_speed(r, device: str, model) -> Resolved:
     if graphs and r.cuda_graph_compile is True and not triton_ok:
         raise ValueError("rollout.cuda_graph_compile: true needs Triton (inductor's GPU backend), which does not "
                          "import here; set it to auto or false")
-    out.pick("rollout.cuda_graph_compile", r.cuda_graph_compile, graphs and triton_ok,
-             "Triton available" if triton_ok else ("no Triton" if graphs else "no CUDA graphs"))
+    if out.pick("rollout.cuda_graph_compile", r.cuda_graph_compile, graphs and triton_ok,
+                "Triton available" if triton_ok else ("no Triton" if graphs else "no CUDA graphs")):
+        keep_compile_cache()
     out.pick("rollout.max_batch_size", r.max_batch_size, 512 if graphs else 64,
              "CUDA-graph decode: the KV cache follows each batch's rows" if graphs else "eager decode loop")
     return out
