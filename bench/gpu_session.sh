@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
 #   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench spy
-#          mfuautotune
+#          mfuautotune upgpu
 #          meshrl trl trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
 #   (bench/async_rl.py; ~6 e2e runs, split the workloads over two calls when STEPS is large):
@@ -20,6 +20,11 @@
 #     MESHRL_COMMIT=<short sha> bench/gpu_session.sh versions rollout decode mfu bundle
 #     MESHRL_COMMIT=<short sha> STEPS=8 WARMUP=2 bench/gpu_session.sh meshrl trl bundle
 #   each result JSON is stamped with the commit (git's, else $MESHRL_COMMIT) and a digest of the code it measures.
+#   `meshrl up examples/gpu/grpo.yaml` with the recipe alone beside the tuned flags, one GPU (bench/up_gpu.py, #38;
+#   ~8 min at 1.5B: the model is built first when examples/gpu/models/ lacks it, each run compiles cold):
+#     UP_STEPS=8 bench/gpu_session.sh upgpu bundle        # -> $OUT/up_gpu.json, up-logs.tgz
+#   UP_STEPS (steps per run, default 8), UP_WARMUP (left out of the steady median, 2), UP_SHAPE (qwen2.5-1.5b),
+#   UP_RECIPE, UP_ORDER (defaults,tuned), UP_RUN_TIMEOUT (seconds one run may take, 300), UP_BUDGET (540)
 #   multi-GPU hosts: OUT=/tmp/gpu bench/gpu_session.sh versions meshtests wstest multigpu bundle
 #
 # Python packages the image lacks travel as wheels: .whl/ (meshrl's: pydantic, pydantic-settings, tenacity,
@@ -162,9 +167,20 @@ for what in "$@"; do
     trl) PYTHONPATH="$PWD:/tmp/site-trl:/tmp/site" part trl 560 python3 bench/peers/trl_grpo.py --device cuda \
            --shape qwen2.5-0.5b --steps "$STEPS" --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" \
            --work-dir "$WORK" --out "$OUT/trl.json" ;;
+    upgpu)  # `meshrl up` with the recipe alone (defaults) and with the tuned flags, one call (bench/up_gpu.py)
+      part upgpu 560 python3 bench/up_gpu.py --recipe "${UP_RECIPE:-examples/gpu/grpo.yaml}" \
+        --shape "${UP_SHAPE:-qwen2.5-1.5b}" --steps "${UP_STEPS:-8}" --warmup "${UP_WARMUP:-2}" \
+        --order "${UP_ORDER:-defaults,tuned}" --timeout-per-run "${UP_RUN_TIMEOUT:-300}" --budget "${UP_BUDGET:-540}" \
+        --work-dir "$WORK/up" --out "$OUT/up_gpu.json"
+      # up_gpu.py stamps itself; again here once bench/provenance.py lists up_gpu's sources
+      if python3 -c "import sys; from bench.provenance import SOURCES; sys.exit('up_gpu' not in SOURCES)"; then
+        stamp "$OUT/up_gpu.json" up_gpu
+      fi
+      (cd "$WORK/up" && tar czf "$OUT/up-logs.tgz" */meshrl-up.log */runs/logs */runs/*/metrics.jsonl \
+        */runs/*/recipe.yaml 2>/dev/null) ;;
     bundle)  # the device tool brings back at most 8 files: the logs travel as one archive
       wait
-      (cd "$OUT" && tar czf logs.tgz --remove-files $(ls -d *.log meshrl-logs.tgz multi-logs.tgz async-runs.tgz asyncsplit-runs.tgz spy 2>/dev/null)) ;;
+      (cd "$OUT" && tar czf logs.tgz --remove-files $(ls -d *.log meshrl-logs.tgz up-logs.tgz multi-logs.tgz async-runs.tgz asyncsplit-runs.tgz spy 2>/dev/null)) ;;
     *) echo "gpu_session.sh: unknown part $what" >&2; exit 2 ;;
   esac
 done

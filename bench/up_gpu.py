@@ -147,6 +147,14 @@ def summarize_steps(records: list[dict], warmup: int) -> dict:
     }
 
 
+def run_timeout(per_run: float, budget: float | None, elapsed: float, runs_left: int, reserve: float = 20.0) -> float:
+    """Seconds the next run may take: --timeout-per-run, or less, its even share of the budget still left (less a
+    reserve for stopping it and writing the JSON)."""
+    if budget is None:
+        return per_run
+    return max(30.0, min(per_run, (budget - elapsed - reserve * runs_left) / max(1, runs_left)))
+
+
 def goal(value: float | None, limit: float) -> dict:
     return {"value": value, "limit": limit, "met": None if value is None else bool(value <= limit)}
 
@@ -448,8 +456,18 @@ def _die_with_parent(cmd: list[str]) -> list[str]:
     return ["setpriv", "--pdeathsig", "TERM", "--", *cmd] if shutil.which("setpriv") else cmd
 
 
+# The `meshrl up` child running now: a SIGTERM to this bench (the session's `timeout`) stops it and its services.
+_ACTIVE: list[subprocess.Popen] = []
+
+
+def _on_sigterm(signum, frame):
+    for proc in _ACTIVE:
+        _stop(proc, grace=5.0)
+    raise SystemExit(128 + signum)
+
+
 def run_up(name: str, recipe: Path, flags: list[str], *, steps: int, warmup: int, work: Path, timeout: float,
-           memory_interval: float) -> dict:
+           memory_interval: float, shared_compile_cache: bool = False) -> dict:
     """One `meshrl up RECIPE --run.num_steps N --run.run_dir DIR FLAGS...` to its end (or --timeout-per-run)."""
     run_root = work / name
     if run_root.exists():
@@ -459,6 +477,11 @@ def run_up(name: str, recipe: Path, flags: list[str], *, steps: int, warmup: int
     cmd = meshrl_command() + args
     # COLUMNS: rich prints the `run ... metrics in DIR` line whole instead of wrapping it at 80 columns.
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="1000")
+    if not shared_compile_cache:
+        # Each run compiles from a cold cache, as a first `meshrl up` on a fresh machine does: the second run of
+        # the call gains no start-up or step 1 from the first's inductor and Triton caches.
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(run_root / "inductor-cache")
+        env["TRITON_CACHE_DIR"] = str(run_root / "triton-cache")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(REPO / "protos"), os.environ.get("PYTHONPATH"))
                                         if p)
     log_path = run_root / "meshrl-up.log"
@@ -466,6 +489,7 @@ def run_up(name: str, recipe: Path, flags: list[str], *, steps: int, warmup: int
     t0 = time.perf_counter()
     proc = subprocess.Popen(_die_with_parent(cmd), cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _ACTIVE.append(proc)
     sampler = MemorySampler(proc.pid, memory_interval).start()
     state: dict = {"mesh_up_seconds": None, "addresses": None, "infos": {}, "end": None, "run_id": None,
                    "resolved_lines": []}
@@ -513,6 +537,10 @@ def run_up(name: str, recipe: Path, flags: list[str], *, steps: int, warmup: int
         print(f"   {name}: still running after {timeout:.0f}s (--timeout-per-run): stopping it", flush=True)
         _stop(proc)
         rc = proc.returncode
+    finally:
+        if proc.returncode is None:   # interrupted: leave nothing running on the GPU
+            _stop(proc, grace=5.0)
+        _ACTIVE.remove(proc)
     wall = time.perf_counter() - t0
     reader.join(timeout=10)
     for th in info_threads:
@@ -526,7 +554,7 @@ def run_up(name: str, recipe: Path, flags: list[str], *, steps: int, warmup: int
     if run_dir and (run_dir / "recipe.yaml").is_file():
         recipe_text = (run_dir / "recipe.yaml").read_text()
     out = {"command": ["meshrl", *args], "flags": flags, "rc": rc, "timed_out": timed_out,
-           "timeout_seconds": timeout, "wall_seconds": wall, "mesh_up_seconds": state["mesh_up_seconds"],
+           "timeout_seconds": timeout, "compile_cache": "shared" if shared_compile_cache else "cold, this run's own", "wall_seconds": wall, "mesh_up_seconds": state["mesh_up_seconds"],
            "run_id": state["run_id"], "state": (state["end"] or {}).get("state"),
            "run_dir": str(run_dir) if run_dir else None, "log": str(log_path),
            **summarize_steps(records, warmup),
@@ -632,6 +660,7 @@ def build_result(args, recipe: dict, model: dict, runs: dict) -> dict:
                      "model_device": (recipe.get("model") or {}).get("device"),
                      "dtype": (recipe.get("model") or {}).get("dtype"),
                      "steps": args.steps, "warmup_steps": args.warmup, "order": args.order,
+                     "budget_seconds": args.budget, "timeout_per_run_seconds": args.timeout_per_run,
                      "heldout_files": data.get("heldout_files") or [],
                      "tuned_flags": tuned_flags(recipe) if args.tuned_flags is None else args.tuned_flags.split()},
         "runs": runs,
@@ -661,10 +690,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="the tuned run's flags, one string (default: tuned_flags() of the recipe)")
     ap.add_argument("--timeout-per-run", type=float, default=600.0,
                     help="seconds one `meshrl up` may take before it is stopped (its steps so far are kept)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole bench (model build included): each run gets at most its share of "
+                         "what is left, so the last run still starts and the JSON is written")
+    ap.add_argument("--shared-compile-cache", action="store_true",
+                    help="let the runs share inductor/Triton caches (default: each compiles cold)")
     ap.add_argument("--memory-interval", type=float, default=0.5)
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/meshrl-up-gpu"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "up_gpu.json")
     args = ap.parse_args(argv)
+    started = time.perf_counter()
+    signal.signal(signal.SIGTERM, _on_sigterm)
     order = [x.strip() for x in args.order.split(",") if x.strip()]
     bad = [x for x in order if x not in ("defaults", "tuned")] or (len(set(order)) != len(order) and order)
     if bad or not order:
@@ -678,9 +714,11 @@ def main(argv: list[str] | None = None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs: dict = {}
-    for name in order:
+    for i, name in enumerate(order):
+        timeout = run_timeout(args.timeout_per_run, args.budget, time.perf_counter() - started, len(order) - i)
         runs[name] = run_up(name, recipe_path, flags[name], steps=args.steps, warmup=args.warmup,
-                            work=args.work_dir, timeout=args.timeout_per_run, memory_interval=args.memory_interval)
+                            work=args.work_dir, timeout=timeout, memory_interval=args.memory_interval,
+                            shared_compile_cache=args.shared_compile_cache)
         result = build_result(args, recipe, model, runs)
         args.out.write_text(json.dumps(result, indent=1) + "\n")   # after each run: a cut call keeps what ended
     print(f"up_gpu: default_over_tuned {result['default_over_tuned']}; goals "
