@@ -523,9 +523,10 @@ def run_up(name: str, recipe: Path, flags: list[str], *, steps: int, warmup: int
                     state["run_id"] = m.group(1)
                 elif end := parse_run_end(line):
                     state["end"] = end
-                elif line.lstrip().startswith("step "):
+                elif m := re.match(r"step\s+(\d+)/", line.strip()):
                     print("  ", line.rstrip(), flush=True)
-                    requery()
+                    if int(m.group(1)) <= 2:   # after the first pushes; later steps run unobserved
+                        requery()
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -613,9 +614,11 @@ def ensure_model(recipe: dict, shape: str) -> dict:
     script = REPO / "examples" / "gpu" / "make_model.py"
     if script.is_file():
         how = f"examples/gpu/make_model.py --shape {shape}"
-        subprocess.run([sys.executable, str(script), "--shape", shape, "--out", str(path)], cwd=REPO, check=True,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "protos"),
-                                                                         os.environ.get("PYTHONPATH", "")])))
+        got = subprocess.run([sys.executable, str(script), "--shape", shape, "--out", str(path)], cwd=REPO,
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "protos"),
+                                                                               os.environ.get("PYTHONPATH", "")])))
+        if got.returncode != 0:
+            raise SystemExit(f"up_gpu: {how} --out {path} failed (exit {got.returncode}); no model, no runs")
     else:
         from bench.peers.settings import RANDOM_MODELS, make_random_model
 
