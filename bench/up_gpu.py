@@ -614,7 +614,8 @@ def ensure_model(recipe: dict, shape: str) -> dict:
     script = REPO / "examples" / "gpu" / "make_model.py"
     if script.is_file():
         how = f"examples/gpu/make_model.py --shape {shape}"
-        got = subprocess.run([sys.executable, str(script), "--shape", shape, "--out", str(path)], cwd=REPO,
+        dtype = ["--dtype", model["dtype"]] if model.get("dtype") in ("bfloat16", "float16", "float32") else []
+        got = subprocess.run([sys.executable, str(script), "--shape", shape, "--out", str(path), *dtype], cwd=REPO,
                              env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "protos"),
                                                                                os.environ.get("PYTHONPATH", "")])))
         if got.returncode != 0:
