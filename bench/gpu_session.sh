@@ -5,7 +5,7 @@
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
 #   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench spy
 #          mfuautotune upgpu
-#          meshrl trl trllong asyncbench asynctests asyncsplit splittests bundle
+#          meshrl trl trl15 trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
 #   (bench/async_rl.py; ~6 e2e runs, split the workloads over two calls when STEPS is large):
 #     STEPS=8 WARMUP=2 bench/gpu_session.sh asynctests asyncbench bundle
@@ -29,7 +29,7 @@
 #
 # Python packages the image lacks travel as wheels: .whl/ (meshrl's: pydantic, pydantic-settings, tenacity,
 # redis, grpcio-health-checking/-reflection, isal, ...) goes to /tmp/site for every part; .whl-trl/ (trl,
-# datasets, dill, multiprocess) to /tmp/site-trl for the TRL part only. Without them the image's own are used.
+# datasets, dill, multiprocess, fsspec) to /tmp/site-trl for the TRL part only. Without them the image's own are used.
 # STEPS (meshrl / trl GRPO steps, default 12), WARMUP (left out of the medians, default 3); LIMIT_<PART> (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -167,6 +167,12 @@ for what in "$@"; do
     trl) PYTHONPATH="$PWD:/tmp/site-trl:/tmp/site" part trl 560 python3 bench/peers/trl_grpo.py --device cuda \
            --shape qwen2.5-0.5b --steps "$STEPS" --warmup-steps "$WARMUP" --seed 1 --threads "$OMP_NUM_THREADS" \
            --work-dir "$WORK" --out "$OUT/trl.json" ;;
+    trl15)  # TRL on examples/gpu/grpo.yaml's work (#38: 1.5B, 32 x 8, 512 tokens), on the model folder upgpu uses
+      part trl15model 240 python3 examples/gpu/make_model.py --shape qwen2.5-1.5b   # no-op when already built
+      PYTHONPATH="$PWD:/tmp/site-trl:/tmp/site" part trl15 300 python3 bench/peers/trl_grpo.py --device cuda \
+        --shape qwen2.5-1.5b --model-path examples/gpu/models/qwen2.5-1.5b --steps "${TRL_STEPS:-4}" \
+        --warmup-steps "${TRL_WARMUP:-1}" --seed 1 --threads "$OMP_NUM_THREADS" --work-dir "$WORK" \
+        --out "$OUT/trl_1_5b.json" ;;
     upgpu)  # `meshrl up` with the recipe alone (defaults) and with the tuned flags, one call (bench/up_gpu.py)
       part upgpu 560 python3 bench/up_gpu.py --recipe "${UP_RECIPE:-examples/gpu/grpo.yaml}" \
         --shape "${UP_SHAPE:-qwen2.5-1.5b}" --steps "${UP_STEPS:-8}" --warmup "${UP_WARMUP:-2}" \

@@ -38,6 +38,11 @@ SHAPES = {
     # of its vocabulary), 64 prompts x 8 samples, 256 new tokens (a random model rarely samples eos).
     "qwen2.5-0.5b": dict(model="random:qwen2.5-0.5b", prompts_per_step=64, n=8, max_new_tokens=256, lr=1.0e-6,
                          dtype="bfloat16", steps=20, warmup_steps=3),
+    # examples/gpu/grpo.yaml's work (issue #38): Qwen2.5-1.5B-shaped random bf16 model, 32 prompts x 8 samples,
+    # 512 new tokens, lr 1e-6. The recipe checkpoints every decoder block (actor.activation_checkpointing: full);
+    # TRL's GRPOConfig does too by default (gradient_checkpointing=True, which bench/peers/trl_grpo.py keeps).
+    "qwen2.5-1.5b": dict(model="random:qwen2.5-1.5b", prompts_per_step=32, n=8, max_new_tokens=512, lr=1.0e-6,
+                         dtype="bfloat16", steps=8, warmup_steps=2),
     # The GPU variant's payloads (64 x 8 samples, 256 new tokens) with a tiny random model, so the mesh
     # overhead of those message sizes can be measured and profiled on a CPU.
     "tiny-256": dict(model="random:tiny-256", prompts_per_step=64, n=8, max_new_tokens=256, lr=1.0e-6,

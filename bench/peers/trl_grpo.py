@@ -6,6 +6,15 @@ without vLLM). The reward is meshrl's own exact_match rule, imported, so both si
 
     PYTHONPATH=. bench/.venv-trl/bin/python bench/peers/trl_grpo.py --out /tmp/trl.json
     PYTHONPATH=. bench/.venv-trl/bin/python bench/peers/trl_grpo.py --device cuda --shape qwen2.5-0.5b --out ...
+    # examples/gpu/grpo.yaml's work (#38), on the folder examples/gpu/make_model.py builds for `meshrl up`:
+    ... trl_grpo.py --device cuda --shape qwen2.5-1.5b --model-path examples/gpu/models/qwen2.5-1.5b --out ...
+
+On the GPU machine TRL travels as wheels in .whl-trl/ (bench/gpu_session.sh installs them into /tmp/site-trl):
+trl 1.16.0, datasets 5.2.0, dill 0.4.1, multiprocess 0.70.19 and fsspec 2026.9.0 (2 MB), pure-Python wheels
+fetched with `pip download --no-deps --python-version 3.12 ...`. These are the only modules TRL and datasets
+import that the device image lacks (device KINDS.md lists accelerate, pandas, pyarrow, xxhash,
+huggingface-hub, tqdm, psutil, jinja2 and pyyaml as present); fsspec comes along because datasets 5.2 pins
+fsspec<=2026.9.0 and the image's may be newer. Its accelerate (1.15) is used as is: trl needs >=1.10.1.
 """
 
 from __future__ import annotations
@@ -100,7 +109,9 @@ def patch_profiling(clock) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="arith", help="arith (the demo model) or qwen2.5-0.5b (random, for GPUs)")
+    p.add_argument("--shape", default="arith",
+                   help="arith (the demo model), qwen2.5-0.5b or qwen2.5-1.5b (random, for GPUs), tiny-256 "
+                        "(bench/peers/settings.py SHAPES)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup-steps", type=int, help="steps left out of the timing medians")
@@ -115,6 +126,9 @@ def main(argv=None) -> None:
     p.add_argument("--length-sigma", type=float, default=1.0)
     p.add_argument("--length-cap", type=int, default=1024)
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "meshrl-bench")
+    p.add_argument("--model-path", type=Path,
+                   help="an existing model folder in place of the shape's (a random:... shape is otherwise built "
+                        "under --work-dir), e.g. the one examples/gpu/make_model.py builds for meshrl up")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     s = settings(args.shape, steps=args.steps, warmup_steps=args.warmup_steps, sampling_seed=args.seed)
@@ -132,7 +146,9 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(args.threads)
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    path = model_path(s, args.work_dir)
+    if args.model_path is not None and not (args.model_path / "config.json").is_file():
+        raise SystemExit(f"--model-path: {args.model_path} holds no config.json")
+    path = str(args.model_path.resolve()) if args.model_path is not None else model_path(s, args.work_dir)
     rows = prompt_rows(TRAIN_FILE, seed=s["data_seed"], count=s["steps"] * s["prompts_per_step"])
     # bf16 on CUDA as meshrl's GPU recipe does it: fp32 master weights, bf16 autocast (Trainer's bf16=True).
     autocast_bf16 = args.device == "cuda" and s["dtype"] == "bfloat16"
@@ -155,6 +171,10 @@ def main(argv=None) -> None:
         max_grad_norm=s["grad_clip"], beta=s["kl_coef"], epsilon=s["clip_ratio"], loss_type="dapo",
         scale_rewards="group" if s["scale_rewards_by_group_std"] else "none",
         model_init_kwargs={"dtype": dtype}, dataloader_num_workers=0, disable_tqdm=True,
+        # TRL's default, spelled out: every decoder block recomputed in backward, as meshrl's GPU recipe does
+        # (activation_checkpointing: full). Without it a 64-sample micro-batch at 1.5B (~35k tokens) would keep
+        # ~100 GB of activations; with it ~6 GB of block inputs (TRL's fused LM head never holds full logits).
+        gradient_checkpointing=True,
     )
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
@@ -194,7 +214,8 @@ def main(argv=None) -> None:
                                     "torch": torch.__version__, "python": platform.python_version()},
         "workload": {"lengths": args.lengths, "spec": lengths_spec},
         "settings": {**s, "device": args.device, "threads": args.threads, "model_path": path,
-                     "loss_type": "dapo", "batch_samples": batch, "micro_batch": micro},
+                     "loss_type": "dapo", "batch_samples": batch, "micro_batch": micro,
+                     "gradient_checkpointing": bool(getattr(cfg, "gradient_checkpointing", None))},
         "seconds_total": total,
         "heldout_accuracy_before": before, "heldout_accuracy_after": after,
         "timed_steps": len(timed),
