@@ -1,4 +1,4 @@
-"""The pure parts of bench/up_gpu.py: which role a process is, what `meshrl up` printed, step medians, the goals and
+"""The pure parts of bench/up_gpu.py and bench/peers/mesh_watch.py: which role a process is, what `meshrl up` printed, step medians, the goals and
 the resolved settings."""
 
 import json
@@ -10,6 +10,7 @@ import time
 import pytest
 
 from bench import up_gpu
+from bench.peers import mesh_watch
 
 
 @pytest.mark.parametrize("argv, role", [
@@ -28,20 +29,20 @@ from bench import up_gpu
     ([], None),
 ])
 def test_role_of_a_process_comes_from_its_command_line(argv, role):
-    assert up_gpu.role_of(argv) == role
+    assert mesh_watch.role_of(argv) == role
 
 
 def test_the_timing_wrapper_takes_its_role_from_the_environment():
     argv = ["python", "-m", "bench.peers.mesh_timing", "--config", "r.yaml"]
-    assert up_gpu.role_of(argv, {"MESHRL_BENCH_ROLE": "rollout"}) == "rollout"
-    assert up_gpu.role_of(argv, {}) is None
+    assert mesh_watch.role_of(argv, {"MESHRL_BENCH_ROLE": "rollout"}) == "rollout"
+    assert mesh_watch.role_of(argv, {}) is None
 
 
 def test_descendants_maps_a_child_process_to_its_role():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-m", "services.reward"])
     try:
         for _ in range(50):   # until the child has exec'd
-            tree = up_gpu.descendants(os.getpid())
+            tree = mesh_watch.descendants(os.getpid())
             if tree.get(child.pid) == "reward":
                 break
             time.sleep(0.1)
@@ -173,7 +174,7 @@ def test_replicas_that_chose_differently_keep_every_group():
 
 
 def test_getinfo_details_are_decoded_and_the_settings_blob_left_out():
-    d = up_gpu.parse_details({"settings": "{...}", "resolved": '{"rollout.cuda_graphs": {"value": true}}',
+    d = mesh_watch.parse_details({"settings": "{...}", "resolved": '{"rollout.cuda_graphs": {"value": true}}',
                               "warmup_seconds": "41.5", "engine": "torch"})
     assert d == {"resolved": {"rollout.cuda_graphs": {"value": True}}, "warmup_seconds": 41.5, "engine": "torch"}
     infos = {"rollout": [{"details": d}], "reward": [{"details": {}}], "trainer": [{"error": "x"}]}
@@ -183,9 +184,9 @@ def test_getinfo_details_are_decoded_and_the_settings_blob_left_out():
 def test_newer_getinfo_answers_replace_older_ones_unless_they_failed():
     old = {"trainer": [{"address": "a", "details": {"step": 0}}]}
     new = {"trainer": [{"address": "a", "error": "UNAVAILABLE"}], "rollout": [{"address": "b", "details": {}}]}
-    merged = up_gpu.merge_infos(old, new)
+    merged = mesh_watch.merge_infos(old, new)
     assert merged["trainer"] == [{"address": "a", "details": {"step": 0}}] and merged["rollout"][0]["address"] == "b"
-    assert up_gpu.merge_infos(merged, {"trainer": [{"address": "a", "details": {"step": 2}}]})["trainer"][0][
+    assert mesh_watch.merge_infos(merged, {"trainer": [{"address": "a", "details": {"step": 2}}]})["trainer"][0][
         "details"] == {"step": 2}
 
 
@@ -207,8 +208,8 @@ def test_each_run_gets_its_share_of_the_budget_left():
 
 
 def test_the_memory_sampler_is_off_without_nvidia_smi(monkeypatch):
-    monkeypatch.setattr(up_gpu.shutil, "which", lambda name: None)
-    sampler = up_gpu.MemorySampler(os.getpid()).start()
+    monkeypatch.setattr(mesh_watch.shutil, "which", lambda name: None)
+    sampler = mesh_watch.MemorySampler(os.getpid()).start()
     sampler.stop()
     assert sampler.result() is None
 
@@ -217,10 +218,10 @@ def test_the_memory_sampler_puts_each_process_to_its_role(monkeypatch):
     rows = {"--query-compute-apps=pid,used_memory": [["101", "30000"], ["102", "9000"], ["103", "4000"],
                                                       ["999", "500"]],
             "--query-gpu=memory.used": [["43600"]]}
-    monkeypatch.setattr(up_gpu, "nvidia_smi", lambda q: rows[q])
-    monkeypatch.setattr(up_gpu, "descendants",
+    monkeypatch.setattr(mesh_watch, "nvidia_smi", lambda q: rows[q])
+    monkeypatch.setattr(mesh_watch, "descendants",
                         lambda root: {root: "launcher", 101: "trainer", 102: "rollout", 103: "reference"})
-    sampler = up_gpu.MemorySampler(7)
+    sampler = mesh_watch.MemorySampler(7)
     sampler.sample()
     rows["--query-compute-apps=pid,used_memory"][0][1] = "20000"   # the trainer's memory drops: the peak stays
     sampler.sample()
