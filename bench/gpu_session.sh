@@ -174,14 +174,12 @@ for what in "$@"; do
         --warmup-steps "${TRL_WARMUP:-1}" --seed 1 --threads "$OMP_NUM_THREADS" --work-dir "$WORK" \
         --out "$OUT/trl_1_5b.json" ;;
     upgpu)  # `meshrl up` with the recipe alone (defaults) and with the tuned flags, one call (bench/up_gpu.py)
+      part upgpumodel 240 python3 examples/gpu/make_model.py --shape "${UP_SHAPE:-qwen2.5-1.5b}"   # no-op when built
       part upgpu 560 python3 bench/up_gpu.py --recipe "${UP_RECIPE:-examples/gpu/grpo.yaml}" \
         --shape "${UP_SHAPE:-qwen2.5-1.5b}" --steps "${UP_STEPS:-8}" --warmup "${UP_WARMUP:-2}" \
         --order "${UP_ORDER:-defaults,tuned}" --timeout-per-run "${UP_RUN_TIMEOUT:-300}" --budget "${UP_BUDGET:-540}" \
         --work-dir "$WORK/up" --out "$OUT/up_gpu.json"
-      # up_gpu.py stamps itself; again here once bench/provenance.py lists up_gpu's sources
-      if python3 -c "import sys; from bench.provenance import SOURCES; sys.exit('up_gpu' not in SOURCES)"; then
-        stamp "$OUT/up_gpu.json" up_gpu
-      fi
+      stamp "$OUT/up_gpu.json" up_gpu
       (cd "$WORK/up" && tar czf "$OUT/up-logs.tgz" */meshrl-up.log */runs/logs */runs/*/metrics.jsonl \
         */runs/*/recipe.yaml 2>/dev/null) ;;
     bundle)  # the device tool brings back at most 8 files: the logs travel as one archive

@@ -23,6 +23,9 @@ RESULTS = REPO / "bench" / "results"
 _MESH = ["services", "coordinator", "protos/meshrl"]
 # results file stem -> the code whose change makes its figures stale (files or folders, relative to the repo)
 SOURCES: dict[str, list[str]] = {
+    # `meshrl up` of a recipe with its defaults beside the tuned flags: every service's code is measured.
+    "up_gpu": ["services", "coordinator", "protos/meshrl", "examples/gpu", "bench/up_gpu.py",
+               "bench/peers/mesh_watch.py"],
     "trainer_mfu": ["services/trainer", "services/common/fused.py", "services/common/compile.py",
                     "services/common/modeling.py", "bench/trainer_mfu.py"],
     "trainer_packing": ["services/trainer", "services/common/fused.py", "services/common/packing.py",

@@ -47,8 +47,6 @@ GOALS = {"steady_step_le_6s": 6.0, "weight_sync_le_0_2s": 0.2, "step1_le_1_5x_st
 MESH_UP = re.compile(r"mesh up: (\{.*\}) \(logs in (.*)\)\s*$")
 RUN_END = re.compile(r"^run (\S+) (\w+) after (\d+) steps; metrics in (\S+)")
 # bench/provenance.py's SOURCES entry for up_gpu.json (used when that file has none).
-UP_GPU_SOURCES = ["services", "coordinator", "protos/meshrl", "examples/gpu", "bench/up_gpu.py",
-                  "bench/peers/mesh_watch.py"]
 # Qwen2.5-1.5B's shape, for building the random model when examples/gpu/make_model.py is not there.
 QWEN25_15B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                   intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
@@ -478,10 +476,8 @@ def build_result(args, recipe: dict, model: dict, runs: dict) -> dict:
                             "median <= 0.2 s, step 1 / steady step <= 1.5; defaults steady / tuned steady <= 1.10 "
                             "(issue #38: Qwen2.5-1.5B shape, 32 prompts x 8 samples, 512 new tokens, one GPU)",
     }
-    from bench.provenance import SOURCES, stamp
+    from bench.provenance import stamp
 
-    # The code whose change makes these figures stale, until bench/provenance.py lists it itself.
-    SOURCES.setdefault("up_gpu", UP_GPU_SOURCES)
     return stamp("up_gpu", result)
 
 
