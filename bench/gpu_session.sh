@@ -39,7 +39,23 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NU
 STEPS="${STEPS:-12}"
 WARMUP="${WARMUP:-3}"
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" "${@:2}"; }
-if compgen -G ".whl/*.whl" >/dev/null; then pipi /tmp/site .whl/*.whl || exit 1; fi
+# Only the wheels whose distribution the image lacks: one it has (typing_extensions, httpx, ...) stays the image's,
+# so what torch, transformers and JAX were built against is not shadowed by /tmp/site.
+missing() {
+  python3 - "$@" <<'PY'
+import importlib.metadata as md, re, sys
+for path in sys.argv[1:]:
+    name = re.split(r"-\d", path.rsplit("/", 1)[-1], maxsplit=1)[0]
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        print(path)
+PY
+}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  need=$(missing .whl/*.whl)
+  if [ -n "$need" ]; then pipi /tmp/site $need || exit 1; fi
+fi
 if compgen -G ".whl-trl/*.whl" >/dev/null; then pipi /tmp/site-trl .whl-trl/*.whl || exit 1; fi
 export PYTHONPATH="$PWD:$PWD/protos:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 WORK=/tmp/meshrl-gpu-work
