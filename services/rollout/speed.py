@@ -9,6 +9,7 @@ import torch
 
 from services.common.auto import Resolved
 from services.common.compile import keep_compile_cache
+from services.rollout.cuda_decode import _bucket_len as bucket_len
 
 log = logging.getLogger("meshrl.rollout")
 
@@ -50,13 +51,21 @@ def warm_up_decoder(decoder, max_tokens: int, max_model_len: int, pad_id: int, v
     """Compiles the graph decoder's step and captures its graphs before the replica serves; returns the seconds.
 
     Two small batches at rollout.max_tokens (sampled, then greedy as held-out evaluation decodes): the second
-    batch size makes torch.compile build its dynamic-size graph now, so a run's first batch of any size only
-    captures a graph (well under a second) instead of compiling inside the run's first step. The warm-up's KV
-    buckets are dropped afterwards; the compiled code, Triton kernels and cuBLAS handles stay."""
+    batch's other size and length bucket make torch.compile build its dynamic-size graph now, so a run's first
+    batch of any size only captures a graph (well under a second) instead of compiling inside the run's first
+    step. The warm-up's KV buckets are dropped afterwards; the compiled code, Triton kernels and cuBLAS handles
+    stay."""
     t0 = time.perf_counter()
-    budget = max(1, min(max_tokens, max_model_len - 2))
-    prompt = [pad_id + 1 if pad_id + 1 < vocab_size else 0]
-    for rows, temperature in ((min(8, max_batch_size), 1.0), (min(16, max_batch_size), 0.0)):
+    budget = max(1, min(max_tokens, max_model_len // 2 - 1))
+    token = pad_id + 1 if pad_id + 1 < vocab_size else 0
+    # The second batch differs from the first in rows and in KV length bucket (a longer prompt crosses into the
+    # next 256-token bucket), so both dimensions are compiled dynamic here, not at a run's first batch.
+    longer = bucket_len(1 + budget) + 1 - budget
+    if longer + budget > max_model_len:
+        longer = 1
+    for rows, prompt_len, temperature in ((min(8, max_batch_size), 1, 1.0),
+                                          (min(16, max_batch_size), longer, 0.0)):
+        prompt = [token] * prompt_len
         decoder.decode([prompt] * rows, [budget] * rows, [temperature] * rows, [1.0] * rows, seeds=[None] * rows)
     decoder.reset()
     torch.cuda.synchronize(decoder.device)
