@@ -90,11 +90,13 @@ def model_path(s: dict, work_dir: Path) -> str:
     return str(path)
 
 
-def make_random_model(path: Path, *, dtype: str, shape: dict = QWEN25_05B, init_in_dtype: bool = False) -> None:
+def make_random_model(path: Path, *, dtype: str, shape: dict = QWEN25_05B, init_in_dtype: bool = False,
+                      device: str = "cpu") -> None:
     """Random Qwen2 weights of `shape` (seed 0) saved with the arith tokenizer files beside them.
 
     init_in_dtype: initialise straight in `dtype` (half the host memory of a float32 init for bf16: a 7B model
-    needs about 15 GB instead of 30); the draws then differ from the default float32 init cast down."""
+    needs about 15 GB instead of 30); the draws then differ from the default float32 init cast down.
+    device: where the weights are drawn (a 1.5B init takes about 90 s on a CPU, seconds on a GPU; the draws differ)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -105,7 +107,8 @@ def make_random_model(path: Path, *, dtype: str, shape: dict = QWEN25_05B, init_
     if init_in_dtype:
         torch.set_default_dtype(getattr(torch, dtype))
     try:
-        model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
+        with torch.device(device):
+            model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
     finally:
         torch.set_default_dtype(saved)
     model.generation_config.eos_token_id = 2

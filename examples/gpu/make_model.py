@@ -34,15 +34,20 @@ def main(argv: list[str] | None = None) -> Path:
                    help="model folder (default: examples/gpu/models/<shape>, git-ignored)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--force", action="store_true", help="build again over an existing folder")
+    p.add_argument("--device", default=None,
+                   help="where the weights are drawn (default: cuda when there is one, else cpu; seconds vs minutes)")
     args = p.parse_args(argv)
     out = args.out or MODELS_DIR / args.shape
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")) and not args.force:
         print(f"{out} already holds a model (--force builds it again)")
         return out
     start = time.perf_counter()
-    make_random_model(out, dtype=args.dtype, shape=QWEN25[args.shape], init_in_dtype=True)
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    make_random_model(out, dtype=args.dtype, shape=QWEN25[args.shape], init_in_dtype=True, device=device)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**30
-    print(f"{args.shape} ({args.dtype}, random weights, seed 0) in {out}: {size:.2f} GiB of weights, "
+    print(f"{args.shape} ({args.dtype}, random weights, seed 0, drawn on {device}) in {out}: {size:.2f} GiB of weights, "
           f"{time.perf_counter() - start:.0f}s")
     return out
 

@@ -320,8 +320,12 @@ class GraphDecoder:
         return tuple(p.data_ptr() for p in self.model.parameters()) + tuple(b.data_ptr() for b in self.model.buffers())
 
     def reset(self) -> None:
-        """Drops every captured graph and its cache (the next decode captures again)."""
+        """Drops every captured graph and its cache (the next decode captures again), and starts a new graph memory
+        pool: capturing into a pool whose graphs are all gone trips the caching allocator's assert
+        (`it->second->use_count > 0`, CUDACachingAllocator.cpp), seen on an H100 after the warm-up's reset."""
         self._states.clear()
+        if self.use_graphs:
+            self._pool = torch.cuda.graph_pool_handle()
 
     # ---- buckets and graphs
 
