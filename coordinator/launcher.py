@@ -176,10 +176,24 @@ class Launcher:
                 c.proc.wait()
 
     def __enter__(self):
+        # SIGTERM (a scheduler's stop, `timeout`, `kill`) unwinds like Ctrl-C, so the children are stopped here:
+        # Python's default would end this process at once, and without setpriv (not on every image) nothing else
+        # stops them; an orphaned trainer keeps its GPU memory.
+        self._old_sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         return self
 
     def __exit__(self, *exc):
-        self.stop_all()
+        try:
+            self.stop_all()
+        finally:
+            if self._old_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _announced(child: Child, line: str) -> bool:

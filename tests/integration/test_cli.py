@@ -18,7 +18,8 @@ def _meshrl(*args, timeout=600, env=None):
 
 def _service_processes(marker: str) -> list[str]:
     """Service processes whose command line carries `marker` (the run dir every child is given)."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    # -ww: ps cuts lines at $COLUMNS (pytest sets it), which cut the marker off every line
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if marker in line
             and ("-m services." in line or "-m coordinator --config" in line)]
 
@@ -73,3 +74,37 @@ def test_meshrl_plot_writes_a_valid_png_of_non_trivial_size(tmp_path):
     import struct
     width, height = struct.unpack(">II", data[16:24])
     assert width >= 800 and height >= 500
+
+
+@pytest.mark.slow
+def test_meshrl_up_stopped_by_sigterm_leaves_no_service_behind_even_without_setpriv(arith_model_path, tmp_path):
+    """SIGTERM (a scheduler's stop, `timeout`) stops every service: without setpriv on PATH no kernel death signal
+    reaches the children, so `meshrl up` itself must stop them (an orphaned trainer keeps its GPU memory)."""
+    import signal
+    import time
+
+    bin_dir = tmp_path / "bin"          # PATH without setpriv: only this Python
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "up", "examples/arith/grpo.yaml",
+                             "--run-dir", str(tmp_path), "--model.path", arith_model_path, "--run.num_steps", "500",
+                             "--run.eval_every", "0", "--data.heldout_size", "20"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": str(bin_dir)})
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step   2/500"):
+                break
+        assert len(_service_processes(str(tmp_path))) >= 5, "".join(seen)[-3000:]
+        assert not any("setpriv" in p for p in _service_processes(str(tmp_path)))
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.time() + 15
+        while _service_processes(str(tmp_path)) and time.time() < deadline:
+            time.sleep(0.5)
+        assert _service_processes(str(tmp_path)) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
