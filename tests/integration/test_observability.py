@@ -139,7 +139,11 @@ def _check_traces(path: Path) -> None:
         assert {s["attributes"]["meshrl.role"] for s in servers} == {"rollout", "reward", "reference", "trainer"}
         # the trainer's push to both rollout processes sits under its PushWeights server span
         push = next(s for s in servers if s["name"] == "trainer PushWeights")
-        pushed = [s for s in mine.values() if s["parent_id"] == push["span_id"] and s["kind"] == "client"]
+        calls = [s for s in mine.values() if s["parent_id"] == push["span_id"] and s["kind"] == "client"]
+        pushed = [s for s in calls if s["name"].endswith("UpdateWeights")]
+        # weight_sync.transport auto asks each replica where it is (GetInfo) before its first push only
+        asked = sorted(s["name"] for s in calls if s not in pushed)
+        assert asked == (["Rollout/GetInfo"] * 2 if root["attributes"]["meshrl.step"] == 1 else []), asked
         assert len(pushed) == 2 and all(
             any(c["parent_id"] == p["span_id"] and c["name"] == "rollout UpdateWeights" for c in servers)
             for p in pushed)

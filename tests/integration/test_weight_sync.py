@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -114,10 +115,15 @@ def test_three_replicas_end_every_sync_on_the_trainers_version_and_logprobs(mode
                 pushed = await stub.PushWeights(trainer_pb2.PushWeightsRequest(targets=targets, bucket_bytes=8192))
                 want = [list(r.logprobs) for r in (await stub.ComputeLogProbs(sequences_pb(samples))).results]
                 rounds.append((pushed, want, [await served(t, samples) for t in targets]))
-            return info, before, rounds
+            after = await stub.GetInfo(common_pb2.GetInfoRequest())
+            return info, after, targets, before, rounds
 
-    info, before, rounds = asyncio.run(main())
-    assert info.details["weight_transport"] == "grpc"
+    info, after, targets, before, rounds = asyncio.run(main())
+    # the default, auto, takes grpc to every replica of a CPU trainer, and says so per replica
+    assert info.details["weight_transport"] == "auto"
+    resolved = json.loads(after.details["resolved"])
+    assert {k: v["value"] for k, v in resolved.items() if k.startswith("weight_sync.transport[")} == \
+        {f"weight_sync.transport[{t}]": "grpc" for t in targets}
     assert {b[0] for b in before} == {0}
     for version, (pushed, want, replicas) in enumerate(rounds, start=1):
         assert pushed.weight_version == version
