@@ -61,21 +61,32 @@ def apply_compile(model: nn.Module, enabled: bool, *, backend: str = "inductor")
     log.info("Applied torch.compile to %d blocks", len(blocks))
 
 
-# Two shapes of the same kind: the first compiles torch.compile's static graph, the second (another size) its
-# dynamic-size one, which then serves every later size; a warm-up that saw one shape would leave the dynamic
-# compile to a run's second step.
-WARMUP_SHAPES = ((8, 24, 40), (5, 40, 70))      # (sequences, prompt tokens, response tokens)
+# The shapes a warm-up runs: (prompt tokens, response tokens of each sequence). torch.compile builds a static graph
+# at a path's first shape and a dynamic one at its second, which then serves every later size; and the packed path
+# (sequences of different lengths in one row, services/common/packing.py) and the padded one (sequences of one
+# length run as [B, L]) are different graphs. So each path is called at two sizes: a warm-up that missed one would
+# leave its compiles to a run's first steps (seen on an H100: step 1 at 5x a steady step).
+WARMUP_SHAPES = (
+    [(24, 40 + 3 * i) for i in range(8)],           # different lengths: one packed row where packing is on
+    [(40, 70 + 5 * i) for i in range(5)],
+    [(24, 40)] * 8,                                 # one length: [B, L] rows
+    [(40, 70)] * 5,
+)
 
 
 def warm_up_forward(run: Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], object], *, vocab_size: int,
-                    device) -> float:
-    """Calls run(prompts, responses) on seeded random token rows of WARMUP_SHAPES; returns the seconds taken
-    (the device synchronized). For services that compiled their blocks: compile before serving, not in step 1."""
+                    device, max_len: int | None = None) -> float:
+    """Calls run(prompts, responses) on seeded random token rows of each of WARMUP_SHAPES (scaled down to fit
+    `max_len` tokens a sequence); returns the seconds taken (the device synchronized). For services that compiled
+    their blocks: compile before serving, not in step 1."""
     t0 = time.perf_counter()
     rng = random.Random(0)
-    for rows, p_len, r_len in WARMUP_SHAPES:
-        prompts = [[rng.randrange(1, vocab_size) for _ in range(p_len)] for _ in range(rows)]
-        responses = [[rng.randrange(1, vocab_size) for _ in range(r_len)] for _ in range(rows)]
+    for shape in WARMUP_SHAPES:
+        longest = max(p + r for p, r in shape)
+        if max_len and longest > max_len:
+            shape = [(max(1, p * max_len // longest), max(1, r * max_len // longest)) for p, r in shape]
+        prompts = [[rng.randrange(1, vocab_size) for _ in range(p)] for p, _ in shape]
+        responses = [[rng.randrange(1, vocab_size) for _ in range(r)] for _, r in shape]
         run(prompts, responses)
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()

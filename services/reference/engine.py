@@ -64,7 +64,7 @@ class ReferenceEngine:
             lambda ps, rs: batched_logprobs(self.model, ps, rs, pad_id=self.pad_id, temperature=1.0,
                                             token_budget=self.config.micro_batch_token_budget, fused=self.fused,
                                             packed=self.packed),
-            vocab_size=self.vocab_size, device=self.device)
+            vocab_size=self.vocab_size, device=self.device, max_len=self.max_len)
         log.info("reference: warm-up (compile) took %.1f s", self.warmup_seconds)
         return self.warmup_seconds
 

@@ -446,12 +446,12 @@ class TrainerEngine:
 
         for trained in self._models():
             trained.optimizer.zero_grad(set_to_none=True)
-        warm_up_forward(forward_backward, vocab_size=self.vocab_size, device=self.device)
+        warm_up_forward(forward_backward, vocab_size=self.vocab_size, device=self.device, max_len=self.max_len)
         for trained in self._models():
             trained.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             warm_up_forward(lambda ps, rs: self._actor_logprobs(ps, rs, 1.0), vocab_size=self.vocab_size,
-                            device=self.device)
+                            device=self.device, max_len=self.max_len)
 
     @torch.no_grad()
     def _local_compute_logprobs(self, prompts, responses, temperature: float, base: bool = False):
