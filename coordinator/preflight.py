@@ -152,6 +152,19 @@ def check_lengths(cfg: RunConfig) -> None:
                          f"{limit} tokens, {where}")
 
 
+def check_speed_switches(cfg: RunConfig) -> None:
+    """An explicit speed switch that cannot work on the configured devices, refused before anything starts (the
+    services refuse it too, at their start, for a mesh `meshrl up` does not launch)."""
+    device = str(cfg.model.device)
+    if cfg.rollout.cuda_graphs is True and cfg.rollout.engine == "torch" and not device.startswith("cuda"):
+        raise ValueError(f"rollout.cuda_graphs: true needs a CUDA device (model.device is {device!r}); set it to "
+                         "auto or false")
+    transport = cfg.weight_sync.transport
+    if transport in ("ipc", "nccl") and not device.startswith("cuda"):
+        raise ValueError(f"weight_sync.transport: {transport} needs the trainer and replicas on CUDA devices "
+                         f"(model.device is {device!r}); set it to auto or grpc")
+
+
 def check_run(cfg: RunConfig, *, world_size: int | None = None, files: str = "all",
               keys: set[str] | None = None) -> None:
     """Raises ValueError (one line, starting with the user's key) for the first check that fails.
@@ -171,7 +184,7 @@ def check_run(cfg: RunConfig, *, world_size: int | None = None, files: str = "al
             check_data_files(key, paths)
     a = cfg.actor
     checks = [lambda: check_batches(cfg), lambda: check_groups(cfg), lambda: check_lengths(cfg),
-              lambda: check_rollout_weights(cfg), lambda: check_proxy_agent(cfg)]
+              lambda: check_rollout_weights(cfg), lambda: check_proxy_agent(cfg), lambda: check_speed_switches(cfg)]
     actor_model = ("actor.model_path", a.model_path) if a.model_path else ("model.path", cfg.model.path)
     if a.lora is not None and actor_model[0] in scope:
         # The model's own layer names: a target that matches none is refused before any process starts.

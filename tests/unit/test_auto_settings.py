@@ -117,3 +117,14 @@ def test_torch_engine_on_cpu_resolves_eager_decoding_and_refuses_cuda_graphs_tru
     with pytest.raises(ValueError, match="rollout.cuda_graphs: true cannot work here"):
         TorchEngine(RolloutSettings(model={"path": arith_model_path}, rollout={"cuda_graphs": True}),
                     model=engine.model, tokenizer=engine.tokenizer)
+
+
+def test_meshrl_up_refuses_gpu_only_switches_on_a_cpu_recipe_before_anything_starts():
+    from coordinator.preflight import check_speed_switches
+
+    check_speed_switches(parse_run_config("model: {device: cpu}\n"))           # auto: nothing to refuse
+    with pytest.raises(ValueError, match=r"^rollout.cuda_graphs: true needs a CUDA device \(model.device is 'cpu'\)"):
+        check_speed_switches(parse_run_config("model: {device: cpu}\nrollout: {cuda_graphs: true}\n"))
+    with pytest.raises(ValueError, match=r"^weight_sync.transport: ipc needs the trainer and replicas on CUDA"):
+        check_speed_switches(parse_run_config("model: {device: cpu}\nweight_sync: {transport: ipc}\n"))
+    check_speed_switches(parse_run_config("model: {device: cuda}\nweight_sync: {transport: nccl}\n"))
