@@ -1,19 +1,24 @@
-"""Python client for scripts: `from coordinator.client import Client` drives runs over the run API."""
+"""Python client for scripts: `from coordinator.client import Client` drives runs over the run API.
+
+Light on purpose: it imports grpcio, protobuf, pyyaml and the standard library only (no torch, numpy or pydantic),
+so a script that starts and follows runs needs none of the services' dependencies (tests/unit/test_light_client.py).
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import grpc
 import yaml
-from pydantic import SecretStr
 
-from coordinator.config import RunConfig
 from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.common.channel import MAX_MESSAGE_BYTES, ClientTLS, service_config
+from services.common.grpc_config import MAX_MESSAGE_BYTES, ClientTLS, service_config
+
+if TYPE_CHECKING:                       # the typed config, for readers and type checkers only: it needs pydantic
+    from coordinator.config import RunConfig
 
 STATE_NAMES = {v: k[len("RUN_STATE_"):] for k, v in coordinator_pb2.RunState.items()}
 
@@ -53,7 +58,7 @@ def _status(pb: coordinator_pb2.RunStatus) -> RunStatus:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, SecretStr):
+    if hasattr(value, "get_secret_value"):            # pydantic's SecretStr, without importing pydantic
         return value.get_secret_value()
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
@@ -62,9 +67,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def config_text(config: RunConfig | dict | str | Path) -> str:
+def config_text(config: "RunConfig | dict | str | Path") -> str:
     """Run configs travel as YAML text; typed RunConfig objects and dicts are dumped to it."""
-    if isinstance(config, RunConfig):
+    if hasattr(config, "model_dump"):                 # a RunConfig (any pydantic model of the recipe)
         return yaml.safe_dump(_plain(config.model_dump(mode="python")), sort_keys=False)
     if isinstance(config, dict):
         return yaml.safe_dump(config, sort_keys=False)
@@ -93,7 +98,7 @@ class Client:
     def _call(self, method: str, request, timeout: float | None = None):
         return getattr(self._stub, method)(request, metadata=self._metadata, timeout=timeout or self._timeout)
 
-    def start_run(self, config: RunConfig | dict | str | Path, run_id: str = "") -> str:
+    def start_run(self, config: "RunConfig | dict | str | Path", run_id: str = "") -> str:
         return self._call("StartRun", coordinator_pb2.StartRunRequest(config=config_text(config),
                                                                       run_id=run_id)).run_id
 
