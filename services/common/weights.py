@@ -9,33 +9,13 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 
 from services.common.codec import dtype_from_name, dtype_name, tensor_bytes, tensor_from_bytes
-
-DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Name, dtype and shape of one tensor and where its bytes sit in the payload."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What a weight update holds: its version and every tensor, in payload order."""
-
-    version: int
-    tensors: tuple[TensorMeta, ...]
-    total_bytes: int
+# The manifest types are the wire's and light (services/common/manifest.py); re-exported for the tensor side.
+from services.common.manifest import DEFAULT_BUCKET_BYTES, Manifest, TensorMeta, manifest_from_kwargs  # noqa: F401
 
 
 def build_manifest(state: Mapping[str, torch.Tensor], version: int) -> Manifest:
@@ -160,6 +140,3 @@ def manifest_to_kwargs(manifest: Manifest) -> dict:
                          for m in manifest.tensors])
 
 
-def manifest_from_kwargs(version: int, total_bytes: int, tensors: Iterable) -> Manifest:
-    return Manifest(int(version), tuple(TensorMeta(t.name, t.dtype, tuple(int(s) for s in t.shape), int(t.offset),
-                                                   int(t.nbytes)) for t in tensors), int(total_bytes))

@@ -15,7 +15,7 @@ from services.common.errors import FailedPrecondition
 if TYPE_CHECKING:   # a client that imports this face loads no torch
     import torch
 
-    from services.common.weights import Manifest
+    from services.common.manifest import Manifest
 
 MAX_SAMPLES_PER_PROMPT = 1024
 PARTIAL_ROLLOUTS = ("off", "continue", "pause")

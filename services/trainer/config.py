@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from services.common.auto import AUTO, Auto
 from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig
-from services.common.weights import DEFAULT_BUCKET_BYTES
+from services.common.manifest import DEFAULT_BUCKET_BYTES
 
 DType = Literal["float32", "bfloat16", "float16"]
 # Schedules that run several stages per rank.

@@ -7,7 +7,7 @@ import numpy as np
 
 from services.common.packed import (F32, I32, concat, field_of, pack_f32, pack_i32, row_lengths, row_lengths_of,
                                     set_rows, split_rows, unpack, unpack_rows)
-from services.common.weights import Manifest
+from services.common.manifest import Manifest
 from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, OptimSettings, PreferencePair,
                                     RunOptim, RunStep, TrainSample)
 
