@@ -10,15 +10,14 @@ import sys
 import typer
 
 from coordinator.cli_app import PASSTHROUGH, app, command
+from services.common.roles import PACKAGES
 
-ROLES = {"coordinator": "coordinator.__main__", "trainer": "services.trainer.__main__",
-         "rollout": "services.rollout.__main__", "reward": "services.reward.__main__",
-         "reference": "services.reference.__main__", "env": "services.env.__main__"}
+ROLES = {role: f"{package}.__main__" for role, package in PACKAGES.items()}
 
 
 @command(context_settings=PASSTHROUGH)
 def serve(ctx: typer.Context,
-          role: str = typer.Argument(..., help="coordinator, trainer, rollout, reward, reference, env")):
+          role: str = typer.Argument(..., help=", ".join(PACKAGES))):
     """Run one service: `meshrl serve rollout --config FILE [--port N] [--section.key value ...]`."""
     if role not in ROLES:
         raise typer.BadParameter(f"unknown role {role!r}; expected one of {', '.join(ROLES)}", param_hint="ROLE")

@@ -15,8 +15,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MODULES = {"coordinator": "coordinator", "trainer": "services.trainer", "rollout": "services.rollout",
-           "reward": "services.reward", "reference": "services.reference", "env": "services.env"}
+from services.common.roles import PACKAGES
+
+# The module each role runs as (`python -m`); a copy, since bench/e2e_grpo.py swaps one for a timed wrapper.
+MODULES = dict(PACKAGES)
 # Roles whose replicas the coordinator's pools (and, for env, the rollout replicas' env pool) fail over between: one
 # that dies is restarted, the run goes on.
 REPLICATED = ("rollout", "reward", "reference", "env")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.config import deep_merge, load_config
+from services.common.roles import PACKAGES, SERVICE_ROLES, settings_class
 
 
 @dataclass
@@ -36,13 +37,8 @@ class LocalMesh:
 
 # Each role's settings class and the servicer module whose `start(settings, address)` serves it, imported
 # when that role first starts (a test that starts one reward service loads no trainer).
-ROLES: dict[str, tuple[str, str]] = {
-    "trainer": ("services.trainer.config:TrainerSettings", "services.trainer.servicer"),
-    "reference": ("services.reference.config:ReferenceSettings", "services.reference.servicer"),
-    "reward": ("services.reward.config:RewardSettings", "services.reward.servicer"),
-    "rollout": ("services.rollout.config:RolloutSettings", "services.rollout.servicer"),
-    "env": ("services.env.config:EnvSettings", "services.env.servicer"),
-}
+ROLES: dict[str, tuple[str, str]] = {role: (settings_class(role), f"{PACKAGES[role]}.servicer")
+                                     for role in SERVICE_ROLES}
 
 
 async def start_role(role: str, data: dict):
@@ -60,8 +56,8 @@ async def start_local_mesh(config: dict, *, num_rollout: int = 2, num_reward: in
     replicas start before the rollout replicas, whose episode loops call them (`env.servers`)."""
     data = copy.deepcopy(config)
     mesh = LocalMesh(data)
-    for role, count in (("trainer", 1), ("reference", num_reference), ("reward", num_reward), ("env", num_env),
-                        ("rollout", num_rollout)):
+    counts = {"trainer": 1, "reference": num_reference, "reward": num_reward, "env": num_env, "rollout": num_rollout}
+    for role, count in ((role, counts[role]) for role in SERVICE_ROLES):
         if role == "rollout" and mesh.addresses.get("env"):
             data["env"] = deep_merge(data.get("env") or {}, {"servers": mesh.addresses["env"]})
         for _ in range(count):
