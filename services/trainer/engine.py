@@ -1,7 +1,7 @@
 """Trainer engine: the actor (and optional critic) on the device mesh, its updates, log-probs, checkpoints, export.
 
 SPMD: rank 0 validates each command, broadcasts it over the CommandChannel and runs it like every
-other rank (`_local_<command>`); ranks > 0 sit in `serve_workers`. Each rank trains on its DP
+other rank (`COMMANDS`, name -> method); ranks > 0 sit in `serve_workers`. Each rank trains on its DP
 shard of every mini-batch (services/trainer/updates); results come back to rank 0. One process is the
 world-size-1 case of the same code. No gRPC here.
 """
@@ -215,7 +215,7 @@ class TrainerEngine:
     def _local(self, name: str, args) -> Any:
         """Runs a command on this rank, inside its NVTX range where it is one phase (nvtx.PHASES)."""
         with phase(COMMAND_PHASES[name]) if name in COMMAND_PHASES else nullcontext():
-            return getattr(self, f"_local_{name}")(*args)
+            return self.COMMANDS[name](self, *args)
 
     def warm_up(self) -> float:
         """With compile, builds the actor's compiled graphs before the trainer serves (seconds taken; every rank).
@@ -575,3 +575,12 @@ class TrainerEngine:
                                     or f.name == "config.json"):
                 shutil.copy2(f, out / f.name)
         log.info("exported actor (step %d) to %s", self.actor.step, out)
+
+    # The commands rank 0 broadcasts and every rank runs (`_run(name, *args)`): the ranks' channel carries the
+    # name, and this table is the one place a name maps to code.
+    COMMANDS = {"warm_up": _local_warm_up, "compute_logprobs": _local_compute_logprobs,
+                "compute_values": _local_compute_values, "train_actor": _local_train_actor,
+                "train_dpo": _local_train_dpo, "train_critic": _local_train_critic,
+                "state_for_sync": _local_state_for_sync, "save_checkpoint": _local_save_checkpoint,
+                "load_checkpoint": _local_load_checkpoint, "export_hf": _local_export_hf,
+                "configure_run": _local_configure_run}
