@@ -157,8 +157,7 @@ class RunContext:
         seed = None
         if r.seed is not None:
             seed = ((r.seed * 1_000_003 + step) & (2**63 - 1)) or 1
-        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                              stop=list(r.stop), seed=seed)
+        return r.sampling(seed=seed)
 
     async def close(self) -> None:
         if self.prefetched:

@@ -421,8 +421,7 @@ async def evaluate(ctx: RunContext) -> float:
     """Held-out accuracy with greedy decoding through the rollout and reward pools."""
     if not ctx.heldout or ctx.rollout is None or ctx.reward is None:
         return float("nan")
-    greedy = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=ctx.cfg.rollout.max_tokens,
-                            stop=list(ctx.cfg.rollout.stop))
+    greedy = ctx.cfg.rollout.sampling(n=1, temperature=0.0, top_p=1.0, seed=None)
     samples = await generate(ctx, ctx.heldout, greedy)
     await score(ctx, samples)
     # A sample whose score failed counts as not correct.
