@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from services.common.auto import is_auto
+from services.rollout.config import AUTO_MAX_BATCH_SIZE
+from services.rollout.types import bucket_batch, bucket_len
+
 GIB = 2**30
 # What one process's CUDA context, cuBLAS workspaces and allocator slack take before any tensor.
 CUDA_CONTEXT_BYTES = GIB // 2
@@ -27,17 +31,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FUSED_CHUNK_BYTES = 256 * 2**20
 # Prompt length assumed when data.max_prompt_length is unset (the KV cache's length bucket is 256 tokens).
 DEFAULT_PROMPT_TOKENS = 256
-# rollout.max_batch_size: auto (services/rollout/config.py): 512 on the CUDA-graph path, 64 elsewhere.
-AUTO_MAX_BATCH = {True: 512, False: 64}
 # vLLM takes this share of the whole GPU unless rollout.gpu_memory_utilization says otherwise
 # (services/rollout/vllm_engine.py GPU_MEMORY_UTILIZATION).
 VLLM_UTILIZATION = 0.9
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _auto(value) -> bool:
-    """`auto`, or null (its older spelling), as services/common/auto.py reads them."""
-    return value is None or value == "auto"
 
 
 @dataclass(frozen=True)
@@ -197,7 +194,7 @@ def _transport(cfg, trainer_gpu: str | None, rollout_gpus: list[str | None]) -> 
     """weight_sync.transport as `auto` resolves it: ipc for a replica on the trainer's GPU, nccl on another
     GPU, grpc for a CPU side."""
     t = cfg.weight_sync.transport
-    if not _auto(t):
+    if not is_auto(t):
         return t
     if trainer_gpu is None or not any(rollout_gpus):
         return "grpc"
@@ -250,14 +247,6 @@ def trainer_estimates(cfg, trainer_devices: str, rollout_gpus: list[str | None])
     return out
 
 
-def _bucket_batch(n: int, cap: int) -> int:
-    """services/rollout/cuda_decode.py's batch bucket: powers of two from 8, capped."""
-    b = 8
-    while b < n:
-        b *= 2
-    return max(n, min(b, cap))
-
-
 def rollout_estimate(cfg, index: int, devices: str, num_replicas: int, gpu_bytes: int | None) -> Estimate | None:
     r, m = cfg.rollout, cfg.model
     gpu = _gpu(m.device, devices)
@@ -274,14 +263,14 @@ def rollout_estimate(cfg, index: int, devices: str, num_replicas: int, gpu_bytes
             share = r.gpu_memory_utilization or VLLM_UTILIZATION
             parts = {f"vLLM gpu_memory_utilization {share}": int(share * gpu_bytes)}
     else:
-        graphs = (r.engine == "torch") if _auto(r.cuda_graphs) else bool(r.cuda_graphs)
-        cap = AUTO_MAX_BATCH[graphs] if _auto(r.max_batch_size) else r.max_batch_size
+        graphs = (r.engine == "torch") if is_auto(r.cuda_graphs) else bool(r.cuda_graphs)
+        cap = AUTO_MAX_BATCH_SIZE[graphs] if is_auto(r.max_batch_size) else r.max_batch_size
         # Whole groups go to one replica: a replica's share of a step's rows.
         rows = -(-cfg.data.rollout_batch_size // num_replicas) * r.n
         if graphs:
-            batch = _bucket_batch(min(rows, cap), cap)
+            batch = bucket_batch(min(rows, cap), cap)
             budget = 2 * r.max_tokens if r.continuous_batching else r.max_tokens
-            length = -(-(prompt + budget) // 256) * 256
+            length = bucket_len(prompt + budget)
             parts[f"KV cache ({batch} rows x {length} tokens)"] = batch * length * s.kv_bytes_per_token(b)
             parts["decode logits"] = batch * s.vocab * b
         else:

@@ -24,6 +24,10 @@ ENGINES: dict[str, str] = {
 }
 
 
+# rollout.max_batch_size auto, by whether the torch engine decodes with CUDA graphs (services/rollout/speed.py).
+AUTO_MAX_BATCH_SIZE = {True: 512, False: 64}
+
+
 # Agent loops by name (`rollout.agent.name`, a data row's verl `agent_name`): the loops themselves are
 # services.rollout.episodes.AGENT_LOOPS; verl's names are aliases of meshrl's.
 AGENT_NAMES = ("single_turn", "tool_agent", "env_agent", "openai_agent")
@@ -93,7 +97,8 @@ class RolloutConfig(PoolConfig):
     stop: list[str] = Field(default_factory=list)
     seed: int | None = None
     # Rows (prompts x samples) decoded together; larger requests run in several chunks. auto: 512 on the
-    # torch engine's CUDA-graph path (the KV cache follows the rows a batch has, not this cap), 64 elsewhere.
+    # torch engine's CUDA-graph path (the KV cache follows the rows a batch has, not this cap), 64 elsewhere
+    # (AUTO_MAX_BATCH_SIZE).
     max_batch_size: Annotated[int, Field(ge=1)] | Auto = AUTO
     # Prompt + response token limit; None = the model's max_position_embeddings.
     max_model_len: int | None = Field(None, ge=2)

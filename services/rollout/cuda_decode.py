@@ -41,6 +41,7 @@ import torch
 from services.rollout import decode_attention, decode_join, fused_sample
 from services.rollout.decode_join import Joiner, Room
 from services.rollout.sampling import left_padded, top_p_filter
+from services.rollout.types import bucket_batch, bucket_len
 
 log = logging.getLogger("meshrl.rollout")
 
@@ -78,17 +79,6 @@ def unsupported_reason(model) -> str | None:
     if hasattr(attn, "q_norm") or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "attention with q/k norms or fused projections"
     return None
-
-
-def _bucket_batch(n: int, cap: int) -> int:
-    b = 8
-    while b < n:
-        b *= 2
-    return max(n, min(b, cap))
-
-
-def _bucket_len(n: int, step: int = 256) -> int:
-    return -(-n // step) * step
 
 
 @dataclass
@@ -245,7 +235,7 @@ class GraphDecoder:
         fan = [uniq.setdefault(tuple(q), len(uniq)) for q in prompts]
         L = max(len(q) for q in uniq)
         T = max(budgets)
-        st = self._state(_bucket_batch(R, self.max_batch_size), _bucket_len(L + (2 * T if join else T)))
+        st = self._state(bucket_batch(R, self.max_batch_size), bucket_len(L + (2 * T if join else T)))
         k = min(top_logprobs, TOP_K, self.vocab_size)
         if k and st.top_ids is None:
             st.top_ids = torch.zeros((st.B, st.S, min(TOP_K, self.vocab_size)), dtype=torch.long, device=self.device)

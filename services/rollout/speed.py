@@ -9,7 +9,8 @@ import torch
 
 from services.common.auto import Resolved
 from services.common.compile import keep_compile_cache
-from services.rollout.cuda_decode import _bucket_len as bucket_len
+from services.rollout.config import AUTO_MAX_BATCH_SIZE
+from services.rollout.types import bucket_len
 
 log = logging.getLogger("meshrl.rollout")
 
@@ -33,7 +34,7 @@ def resolve_speed(r, device: str, model) -> Resolved:
     if out.pick("rollout.cuda_graph_compile", r.cuda_graph_compile, graphs and triton_ok,
                 "Triton available" if triton_ok else ("no Triton" if graphs else "no CUDA graphs")):
         keep_compile_cache()
-    out.pick("rollout.max_batch_size", r.max_batch_size, 512 if graphs else 64,
+    out.pick("rollout.max_batch_size", r.max_batch_size, AUTO_MAX_BATCH_SIZE[graphs],
              "CUDA-graph decode: the KV cache follows each batch's rows" if graphs else "eager decode loop")
     return out
 

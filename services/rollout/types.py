@@ -18,6 +18,22 @@ if TYPE_CHECKING:   # a client that imports this face loads no torch
     from services.common.manifest import Manifest
 
 MAX_SAMPLES_PER_PROMPT = 1024
+
+
+# The CUDA-graph decoder's static KV cache is sized in buckets (services/rollout/cuda_decode.py); the memory
+# estimate of a recipe (coordinator/memory.py) sizes it by the same rule.
+def bucket_batch(n: int, cap: int) -> int:
+    """Rows of the cache bucket for `n` rows: powers of two from 8, at most `cap` (and at least `n`)."""
+    b = 8
+    while b < n:
+        b *= 2
+    return max(n, min(b, cap))
+
+
+def bucket_len(n: int, step: int = 256) -> int:
+    """Token slots of the cache bucket for `n` tokens a row: the next multiple of `step`."""
+    return -(-n // step) * step
+
 PARTIAL_ROLLOUTS = ("off", "continue", "pause")
 
 
