@@ -55,6 +55,7 @@ def apply_compile(model: nn.Module, enabled: bool, *, backend: str = "inductor")
     if not enabled:
         return
     keep_compile_cache()
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     blocks = transformer_blocks(model)
     for block in blocks:
         block.compile(backend=backend)
@@ -65,13 +66,20 @@ def apply_compile(model: nn.Module, enabled: bool, *, backend: str = "inductor")
 # at a path's first shape and a dynamic one at its second, which then serves every later size; and the packed path
 # (sequences of different lengths in one row, services/common/packing.py) and the padded one (sequences of one
 # length run as [B, L]) are different graphs. So each path is called at two sizes: a warm-up that missed one would
-# leave its compiles to a run's first steps (seen on an H100: step 1 at 5x a steady step).
+# leave its compiles to a run's first steps (seen on an H100: step 1 at 5x a steady step). A third, large size:
+# inductor guards some fusion choices on a call's token count (`s0*s1 >= 4096`, seen in an H100 trainer log), so a
+# warm-up whose calls all stay under it left a recompile of forward and backward to step 1 (step 1 at 4.5x).
 WARMUP_SHAPES = (
     [(24, 40 + 3 * i) for i in range(8)],           # different lengths: one packed row where packing is on
     [(40, 70 + 5 * i) for i in range(5)],
+    [(64, 448 + 8 * i) for i in range(12)],         # about 6,700 tokens in one call
     [(24, 40)] * 8,                                 # one length: [B, L] rows
     [(40, 70)] * 5,
+    [(64, 448)] * 12,                               # [12, 512]: 6,144 tokens
 )
+# One code object serves every block, in each grad mode, path and size regime: more graphs than dynamo's default
+# limit of 8 (past it, a block runs eager for the rest of the process: seen as `hit config.recompile_limit (8)`).
+RECOMPILE_LIMIT = 64
 
 
 def warm_up_forward(run: Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], object], *, vocab_size: int,
