@@ -56,6 +56,10 @@ def apply_compile(model: nn.Module, enabled: bool, *, backend: str = "inductor")
         return
     keep_compile_cache()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
+        inductor_config.triton.mix_order_reduction_non_strict_mode = MIX_ORDER_NON_STRICT
     blocks = transformer_blocks(model)
     for block in blocks:
         block.compile(backend=backend)
@@ -66,9 +70,8 @@ def apply_compile(model: nn.Module, enabled: bool, *, backend: str = "inductor")
 # at a path's first shape and a dynamic one at its second, which then serves every later size; and the packed path
 # (sequences of different lengths in one row, services/common/packing.py) and the padded one (sequences of one
 # length run as [B, L]) are different graphs. So each path is called at two sizes: a warm-up that missed one would
-# leave its compiles to a run's first steps (seen on an H100: step 1 at 5x a steady step). A third, large size:
-# inductor guards some fusion choices on a call's token count (`s0*s1 >= 4096`, seen in an H100 trainer log), so a
-# warm-up whose calls all stay under it left a recompile of forward and backward to step 1 (step 1 at 4.5x).
+# leave its compiles to a run's first steps (seen on an H100: step 1 at 5x a steady step). A third, large size, for
+# size-dependent choices inductor may still make (MIX_ORDER_NON_STRICT below removes the ones seen so far).
 WARMUP_SHAPES = (
     [(24, 40 + 3 * i) for i in range(8)],           # different lengths: one packed row where packing is on
     [(40, 70 + 5 * i) for i in range(5)],
@@ -80,6 +83,12 @@ WARMUP_SHAPES = (
 # One code object serves every block, in each grad mode, path and size regime: more graphs than dynamo's default
 # limit of 8 (past it, a block runs eager for the rest of the process: seen as `hit config.recompile_limit (8)`).
 RECOMPILE_LIMIT = 64
+# Inductor's mix-order reduction (RMSNorm's backward reductions fused) checks a call's token count against three
+# thresholds (tokens x hidden >= 5 MiB, tokens >= 2 x hidden, tokens >= 4096) and guards on each: four size regimes,
+# each its own graph of forward and backward, and a run's micro-batches land in whichever the warm-up missed (an H100
+# trainer log: padded [7, 540] recompiled in step 1, step 1 at 2.4x a steady step). Non-strict mode skips those
+# checks ("helpful to avoid recompilations", its config says): one graph for every size.
+MIX_ORDER_NON_STRICT = True
 
 
 def warm_up_forward(run: Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], object], *, vocab_size: int,
