@@ -100,7 +100,7 @@ def build(args):
 
 
 def engine_for(args, model, tokenizer, *, batch: int, eos: bool = True):
-    from services.rollout.torch_engine import TorchEngine
+    from services.rollout.engine_torch.engine import TorchEngine
 
     cuda = args.device.startswith("cuda")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from services.rollout.config import RolloutSettings  # noqa: E402
-from services.rollout.torch_engine import TorchEngine  # noqa: E402
+from services.rollout.engine_torch.engine import TorchEngine  # noqa: E402
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams  # noqa: E402
 
 ARITH_MODEL = REPO / "examples" / "arith" / "model"

@@ -18,8 +18,8 @@ import torch
 from services.common.modeling import load_causal_lm, response_logprobs
 from services.common.weights import apply_weights, build_manifest, iter_buckets
 from services.rollout.config import RolloutSettings
+from services.rollout.engine_torch.engine import TorchEngine
 from services.rollout.testing import make_tiny_model, random_state_like
-from services.rollout.torch_engine import TorchEngine
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
 
 pytestmark = [pytest.mark.slow,

@@ -3,7 +3,7 @@
 Left padding and a KV cache, so that every sampled token's log-prob is the raw-model log-prob the
 trainer will recompute; requests that queue while one decodes are decoded together, and weight swaps
 land whole between decodes, or (partial rollouts) between two decode steps of a running one. With CUDA graphs
-and rollout.continuous_batching, requests that arrive mid-decode join it (services/rollout/continuous.py).
+and rollout.continuous_batching, requests that arrive mid-decode join it (continuous.py).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from services.common.modeling import batched_logprobs, load_causal_lm, set_threa
 from services.common.weight_transport import receive_host
 from services.common.weights import Manifest, apply_weights, check_against, named_weights
 from services.rollout.config import RolloutSettings
-from services.rollout.continuous import Flight, answer_of, fill_row, graph_decode
+from services.rollout.engine_torch.continuous import Flight, answer_of, fill_row, graph_decode
+from services.rollout.engine_torch.sampling import left_padded, row_generator, sample_tokens
+from services.rollout.engine_torch.speed import resolve_speed, warm_up_decoder
 from services.rollout.local_model import LocalModelEngine, find_eos_ids, model_len_limit, try_tokenizer
-from services.rollout.speed import resolve_speed, warm_up_decoder
-from services.rollout.sampling import left_padded, row_generator, sample_tokens
 from services.rollout.types import (GenerateBatch, PromptResult, SampleResult, SamplingParams,
                                     check_weight_version)
 
@@ -180,7 +180,7 @@ class TorchEngine(LocalModelEngine):
         self.max_batch_size = self.resolved.value("rollout.max_batch_size")
         self._graph_decoder = None
         if self.resolved.value("rollout.cuda_graphs"):
-            from services.rollout.cuda_decode import GraphDecoder
+            from services.rollout.engine_torch.cuda_decode import GraphDecoder
             self._graph_decoder = GraphDecoder(self.model, pad_id=self.pad_id, eos_ids=sorted(self.eos_ids),
                                                max_batch_size=self.max_batch_size,
                                                compile=self.resolved.value("rollout.cuda_graph_compile"),
@@ -193,7 +193,7 @@ class TorchEngine(LocalModelEngine):
 
     def warm_up(self) -> float:
         """Compiles the graph decoder's step and captures graphs before the replica serves (seconds; 0 without
-        CUDA graphs or with rollout.warmup false): services/rollout/speed.py."""
+        CUDA graphs or with rollout.warmup false): speed.py."""
         if self._graph_decoder is not None and self.config.warmup:
             self.warmup_seconds = warm_up_decoder(self._graph_decoder, self.config.max_tokens, self.max_model_len,
                                                   self.pad_id, self.vocab_size, self.max_batch_size)

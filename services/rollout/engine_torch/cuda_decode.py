@@ -24,7 +24,7 @@ or without the Triton sampler, stay on the engine's eager loop (`serves`).
 Weight swaps that copy into the parameters in place keep the captured graphs valid; when parameters
 move (swapped by reference), the next decode captures again.
 
-Continuous batching (`join`, services/rollout/decode_join.py): at each sync, rows that arrived meanwhile take
+Continuous batching (`join`, decode_join.py): at each sync, rows that arrived meanwhile take
 the batch rows of rows that ended; `budget` holds each row's absolute end step, so the captured step is the same.
 """
 
@@ -38,9 +38,9 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from services.rollout import decode_attention, decode_join, fused_sample
-from services.rollout.decode_join import Joiner, Room
-from services.rollout.sampling import left_padded, top_p_filter
+from services.rollout.engine_torch import decode_attention, decode_join, fused_sample
+from services.rollout.engine_torch.decode_join import Joiner, Room
+from services.rollout.engine_torch.sampling import left_padded, top_p_filter
 from services.rollout.types import bucket_batch, bucket_len
 
 log = logging.getLogger("meshrl.rollout")
