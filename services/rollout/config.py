@@ -19,7 +19,7 @@ from services.rollout.types import AgentLimits, SamplingParams
 # none). A new engine is its own file and one line here.
 ENGINES: dict[str, str] = {
     "torch": "services.rollout.engine_torch.engine:TorchEngine",
-    "vllm": "services.rollout.vllm_engine:VLLMEngine",
+    "vllm": "services.rollout.engine_vllm.engine:VLLMEngine",
     "openai": "services.rollout.openai_engine:OpenAIEngine",
 }
 
