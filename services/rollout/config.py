@@ -20,7 +20,7 @@ from services.rollout.types import AgentLimits, SamplingParams
 ENGINES: dict[str, str] = {
     "torch": "services.rollout.engine_torch.engine:TorchEngine",
     "vllm": "services.rollout.engine_vllm.engine:VLLMEngine",
-    "openai": "services.rollout.openai_engine:OpenAIEngine",
+    "openai": "services.rollout.engine_openai.engine:OpenAIEngine",
 }
 
 

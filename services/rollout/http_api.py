@@ -170,7 +170,7 @@ class OpenAIApi:
         return web.json_response(payload)
 
     # ---- vLLM's weight-update routes (rollout.http_weight_updates): an `openai` replica proxying this one
-    # pushes weights through them (services/rollout/upstream_weights.py).
+    # pushes weights through them (services/rollout/engine_openai/upstream_weights.py).
 
     async def is_paused(self, request: web.Request) -> web.Response:
         return web.json_response({"is_paused": False})
