@@ -111,7 +111,7 @@ def check_rollout_weights(cfg: RunConfig) -> None:
 
 def check_proxy_agent(cfg: RunConfig) -> None:
     """The openai_agent loop runs a user's agent program against the rollout replicas' own HTTP API
-    (services/rollout/openai_agent.py): it needs the program and the API."""
+    (services/rollout/agents/openai_agent.py): it needs the program and the API."""
     from services.rollout.config import AGENT_ALIASES
 
     agent = cfg.rollout.agent

@@ -30,7 +30,7 @@ AUTO_MAX_BATCH_SIZE = {True: 512, False: 64}
 
 
 # Agent loops by name (`rollout.agent.name`, a data row's verl `agent_name`): the loops themselves are
-# services.rollout.episodes.AGENT_LOOPS; verl's names are aliases of meshrl's.
+# services.rollout.agents.episodes.AGENT_LOOPS; verl's names are aliases of meshrl's.
 AGENT_NAMES = ("single_turn", "tool_agent", "env_agent", "openai_agent")
 AGENT_ALIASES = {"single_turn_agent": "single_turn"}
 

@@ -128,7 +128,7 @@ class PromptResult:
     samples: list[SampleResult]
 
 
-# ---- episodes (multi-turn, tool calls): the loop lives in services/rollout/episodes.py
+# ---- episodes (multi-turn, tool calls): the loop lives in services/rollout/agents/episodes.py
 
 END_REASONS = ("answer", "max_turns", "length", "tool_error", "env_lost")
 
