@@ -16,7 +16,7 @@ from services.rollout.types import AgentLimits, SamplingParams
 
 # The engine class of each `rollout.engine` name, as a dotted path that services/rollout/engines.py imports only
 # when a replica starts with that engine (so vLLM loads only where chosen, and a client of these settings loads
-# none). A new engine is its own file and one line here.
+# none). A new engine is its own folder (engine_<name>/engine.py) and one line here.
 ENGINES: dict[str, str] = {
     "torch": "services.rollout.engine_torch.engine:TorchEngine",
     "vllm": "services.rollout.engine_vllm.engine:VLLMEngine",
