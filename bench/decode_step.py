@@ -2,11 +2,12 @@
 
 The GRPO GPU step's rollout shape: a Qwen2.5-0.5B-shaped random bf16 model, --prompts distinct prompts
 of --prompt-len tokens, each sampled --n times (512 rows), --new-tokens new tokens, temperature 1, top_p 1.
-Variants of services/rollout/cuda_decode.GraphDecoder, all in one process on the same prompts:
+Variants of services/rollout/engine_torch/cuda_decode.GraphDecoder, all in one process on the same prompts:
 
   torch            torch sampler (a dozen fp32 passes over [B, V]) and torch attention over the whole bucket
-  fused_sampler    the one-pass Triton sampler (services/rollout/fused_sample.py), torch attention
-  fused            the Triton sampler and the length-aware Triton attention (services/rollout/decode_attention.py)
+  fused_sampler    the one-pass Triton sampler (services/rollout/engine_torch/fused_sample.py), torch attention
+  fused            the Triton sampler and the length-aware Triton attention
+                   (services/rollout/engine_torch/decode_attention.py)
   fused_bn32, ...  the same with other attention tilings (slots per iteration, warps): for tuning
   fused_seeded_stop  fused, every row seeded (its own Philox key) and a stop string checked on the host at each
                    sync over the steps since the last one (as TorchEngine does: a tail decode per running row,
@@ -41,8 +42,8 @@ import torch  # noqa: E402
 
 from rollout_gpu import EOS, PAD, QWEN25_05B, build_model  # noqa: E402
 from services.common.modeling import response_logprobs  # noqa: E402
-from services.rollout import decode_attention  # noqa: E402
-from services.rollout.cuda_decode import GraphDecoder  # noqa: E402
+from services.rollout.engine_torch import decode_attention  # noqa: E402
+from services.rollout.engine_torch.cuda_decode import GraphDecoder  # noqa: E402
 
 VARIANTS = {"torch": dict(fused_sampler=False, triton_attention=False),
             "fused_sampler": dict(fused_sampler=True, triton_attention=False),

@@ -6,11 +6,11 @@ Qwen2.5-0.5B-shaped model, torch engine with its CUDA-graph decode).
     PYTHONPATH=.:protos python bench/episodes.py --device cuda --shape qwen2.5-0.5b      # bench/gpu_session.sh episodes
 
 The tool-calling workload (`tool_calling` in the JSON): P prompts x n episodes of the real `tool_agent` loop
-(services/rollout/agent_loops.py), each T model turns of K sampled tokens with a `calculator` call after each of the
+(services/rollout/agents/loops.py), each T model turns of K sampled tokens with a `calculator` call after each of the
 first T-1 turns. Each prompt is a chat message rendered with the calculator's schema in the system turn (the
 tokenizer's template knows no tools: the Hermes tools text, as the HTTP API's function calling writes it). The env
 replica is its own process (`python -m services.env`, port 0, started as `meshrl up` starts it); each call goes to it
-over gRPC through the replica's env pool (services/rollout/env_client.py) and its answer is appended as the chat
+over gRPC through the replica's env pool (services/rollout/agents/env_client.py) and its answer is appended as the chat
 template's delta for the tool message (token-exact, mask 0). SCRIPTED: the model side's tool call. A random (or
 arith) model writes no `<tool_call>` text, so the loop's tool-call parser is the bench's `scripted_calculator_call`,
 which reads every turn as one calculator call whose expression is computed from the turn's decoded text; the
@@ -47,9 +47,9 @@ import yaml  # noqa: E402
 
 from bench.provenance import stamp  # noqa: E402
 from services.common.tool_calls import ParsedText, ToolCall  # noqa: E402
-from services.rollout import episodes  # noqa: E402
+from services.rollout.agents import episodes  # noqa: E402
+from services.rollout.agents.episodes import EpisodePrompt, EpisodeRunner  # noqa: E402
 from services.rollout.config import AgentConfig, RolloutSettings  # noqa: E402
-from services.rollout.episodes import EpisodePrompt, EpisodeRunner  # noqa: E402
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams  # noqa: E402
 
 ARITH = REPO / "examples" / "arith" / "model"
@@ -100,7 +100,7 @@ def build(args):
 
 
 def engine_for(args, model, tokenizer, *, batch: int, eos: bool = True):
-    from services.rollout.torch_engine import TorchEngine
+    from services.rollout.engine_torch.engine import TorchEngine
 
     cuda = args.device.startswith("cuda")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -317,7 +317,7 @@ async def run_loop_cases(engine, rounds: int) -> dict:
 
 async def measure(args, address: str) -> dict:
     from services.env.config import EnvConfig
-    from services.rollout.env_client import EnvClient
+    from services.rollout.agents.env_client import EnvClient
 
     import torch
     model, tokenizer = build(args)

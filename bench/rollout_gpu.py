@@ -4,7 +4,7 @@ A Qwen2.5-0.5B-shaped model with random weights in bf16; random prompts of --pro
 --new-tokens new tokens per row (temperature 1, top_p 1, top_k off); one sample per prompt.
 Measured in one process, on the same prompts:
 
-  engine_cuda_graphs   TorchEngine with rollout.cuda_graphs (services/rollout/cuda_decode.py: decode step
+  engine_cuda_graphs   TorchEngine with rollout.cuda_graphs (services/rollout/engine_torch/cuda_decode.py: decode step
                        compiled, then captured), median of --repeats calls after a first call that
                        compiles and captures (reported apart)
   engine_cuda_graphs_nocompile   the same with rollout.cuda_graph_compile off (eager kernels captured)
@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from services.common.modeling import response_logprobs  # noqa: E402
 from services.rollout.config import RolloutSettings  # noqa: E402
-from services.rollout.torch_engine import TorchEngine  # noqa: E402
+from services.rollout.engine_torch.engine import TorchEngine  # noqa: E402
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -160,7 +160,7 @@ def main(argv=None) -> None:
         engines["engine_cuda_graphs_nocompile"] = TorchEngine(settings(True, False), model=model, tokenizer=None)
     elif args.tiny and "engine_cuda_graphs" not in skip:
         # CPU smoke test of the graph decoder's step, run eagerly (no graphs on CPU).
-        from services.rollout.cuda_decode import GraphDecoder
+        from services.rollout.engine_torch.cuda_decode import GraphDecoder
         e = engines["engine_cuda_graphs"] = TorchEngine(settings(False), model=model, tokenizer=None)
         e._graph_decoder = GraphDecoder(model, pad_id=pad_id, eos_ids=sorted(e.eos_ids), max_batch_size=max(batches),
                                         use_graphs=False)

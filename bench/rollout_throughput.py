@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from services.rollout.config import RolloutSettings  # noqa: E402
-from services.rollout.torch_engine import TorchEngine  # noqa: E402
+from services.rollout.engine_torch.engine import TorchEngine  # noqa: E402
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams  # noqa: E402
 
 ARITH_MODEL = REPO / "examples" / "arith" / "model"
@@ -141,7 +141,7 @@ def main(argv=None) -> None:
         model, tokenizer = engine.model, engine.tokenizer
         vllm_engine = None
         if args.vllm:
-            from services.rollout.vllm_engine import VLLMEngine
+            from services.rollout.engine_vllm.engine import VLLMEngine
             vllm_engine = VLLMEngine(RolloutSettings(model={"path": path}, rollout={
                 "engine": "vllm", "max_batch_size": 512, "gpu_memory_utilization": 0.1}))
         rows = []

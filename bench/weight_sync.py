@@ -90,7 +90,7 @@ def rollout_proc(conn, size: str, device: str) -> None:
     sys.path[:0] = [str(REPO), str(REPO / "protos")]
     from services.common.weights import named_weights
     from services.rollout.config import RolloutSettings
-    from services.rollout.torch_engine import TorchEngine
+    from services.rollout.engine_torch.engine import TorchEngine
     from services.rollout.servicer import start
 
     torch.set_num_threads(1)

@@ -32,7 +32,7 @@ FUSED_CHUNK_BYTES = 256 * 2**20
 # Prompt length assumed when data.max_prompt_length is unset (the KV cache's length bucket is 256 tokens).
 DEFAULT_PROMPT_TOKENS = 256
 # vLLM takes this share of the whole GPU unless rollout.gpu_memory_utilization says otherwise
-# (services/rollout/vllm_engine.py GPU_MEMORY_UTILIZATION).
+# (services/rollout/engine_vllm/engine.py GPU_MEMORY_UTILIZATION).
 VLLM_UTILIZATION = 0.9
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -99,7 +99,8 @@ def check_groups(cfg: RunConfig) -> None:
 
 def check_rollout_weights(cfg: RunConfig) -> None:
     """An RL run pushes weights to its rollout replicas every step; an `openai` replica takes them only through
-    rollout.weights_dir (services/rollout/upstream_weights.py). DPO and evaluation need no weight updates."""
+    rollout.weights_dir (services/rollout/engine_openai/upstream_weights.py). DPO and evaluation need no weight
+    updates."""
     r = cfg.rollout
     if cfg.algorithm.kind == "rl" and r.engine == "openai" and not r.weights_dir:
         raise ValueError(f"rollout.weights_dir: rollout.engine openai proxies {r.server_url} and an RL run "
@@ -110,7 +111,7 @@ def check_rollout_weights(cfg: RunConfig) -> None:
 
 def check_proxy_agent(cfg: RunConfig) -> None:
     """The openai_agent loop runs a user's agent program against the rollout replicas' own HTTP API
-    (services/rollout/openai_agent.py): it needs the program and the API."""
+    (services/rollout/agents/openai_agent.py): it needs the program and the API."""
     from services.rollout.config import AGENT_ALIASES
 
     agent = cfg.rollout.agent

@@ -34,7 +34,7 @@ def install() -> None:
     there for every path: a batch's own decode and rows that join a running one (continuous batching)."""
     if not os.environ.get(ENV):
         return
-    from services.rollout import torch_engine
+    from services.rollout.engine_torch import engine as torch_engine
 
     lengths = draws(*parse(os.environ[ENV]))
     orig = torch_engine.TorchEngine._rows_of

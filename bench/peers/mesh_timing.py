@@ -115,7 +115,8 @@ def _converts(module, *names: str) -> None:
 
 
 def instrument_rollout():
-    from services.rollout import servicer, torch_engine
+    from services.rollout import servicer
+    from services.rollout.engine_torch import engine as torch_engine
 
     for rpc in ("Generate", "ComputeLogProbs", "UpdateWeights"):
         _handler(servicer.RolloutServicer, rpc)

@@ -16,20 +16,21 @@ from services.rollout.types import AgentLimits, SamplingParams
 
 # The engine class of each `rollout.engine` name, as a dotted path that services/rollout/engines.py imports only
 # when a replica starts with that engine (so vLLM loads only where chosen, and a client of these settings loads
-# none). A new engine is its own file and one line here.
+# none). A new engine is its own folder (engine_<name>/engine.py) and one line here.
 ENGINES: dict[str, str] = {
-    "torch": "services.rollout.torch_engine:TorchEngine",
-    "vllm": "services.rollout.vllm_engine:VLLMEngine",
-    "openai": "services.rollout.openai_engine:OpenAIEngine",
+    "torch": "services.rollout.engine_torch.engine:TorchEngine",
+    "vllm": "services.rollout.engine_vllm.engine:VLLMEngine",
+    "openai": "services.rollout.engine_openai.engine:OpenAIEngine",
 }
 
 
-# rollout.max_batch_size auto, by whether the torch engine decodes with CUDA graphs (services/rollout/speed.py).
+# rollout.max_batch_size auto, by whether the torch engine decodes with CUDA graphs
+# (services/rollout/engine_torch/speed.py).
 AUTO_MAX_BATCH_SIZE = {True: 512, False: 64}
 
 
 # Agent loops by name (`rollout.agent.name`, a data row's verl `agent_name`): the loops themselves are
-# services.rollout.episodes.AGENT_LOOPS; verl's names are aliases of meshrl's.
+# services.rollout.agents.episodes.AGENT_LOOPS; verl's names are aliases of meshrl's.
 AGENT_NAMES = ("single_turn", "tool_agent", "env_agent", "openai_agent")
 AGENT_ALIASES = {"single_turn_agent": "single_turn"}
 
@@ -142,10 +143,10 @@ class RolloutConfig(PoolConfig):
     # override the ones meshrl sets.
     vllm_engine_args: dict[str, Any] = Field(default_factory=dict)
     # engine "torch" on CUDA: decode with one captured CUDA graph per step over a static KV cache
-    # (services/rollout/cuda_decode.py), seeded rows, stop strings and top-logprobs included; only seeded rows in
-    # a batch that needs top-p (or without Triton) use the eager loop. auto: on for the torch engine on a CUDA
-    # device whose model the graph decoder supports (Qwen2, Llama), off elsewhere; true where it cannot work is
-    # refused when the replica starts.
+    # (services/rollout/engine_torch/cuda_decode.py), seeded rows, stop strings and top-logprobs included; only
+    # seeded rows in a batch that needs top-p (or without Triton) use the eager loop. auto: on for the torch engine
+    # on a CUDA device whose model the graph decoder supports (Qwen2, Llama), off elsewhere; true where it cannot
+    # work is refused when the replica starts.
     cuda_graphs: bool | Auto = AUTO
     # With cuda_graphs: torch.compile the decode step's layers first (fewer, fused kernels; compiled during the
     # replica's warm-up). auto: on where Triton runs (inductor's GPU backend), off elsewhere.
@@ -154,14 +155,14 @@ class RolloutConfig(PoolConfig):
     # capture graphs on a small batch at rollout.max_tokens, so a run's first step costs what later ones do.
     warmup: bool = True
     # With cuda_graphs: sample (temperature / greedy, not top-p) with one fused Triton kernel per step
-    # (services/rollout/fused_sample.py) instead of torch ops over fp32 copies of the logits.
+    # (services/rollout/engine_torch/fused_sample.py) instead of torch ops over fp32 copies of the logits.
     cuda_graph_fused_sampler: bool = True
     # With cuda_graphs: attention over each row's filled cache slots only, in one Triton kernel per layer
-    # (services/rollout/decode_attention.py), instead of torch ops over the whole length bucket.
+    # (services/rollout/engine_torch/decode_attention.py), instead of torch ops over the whole length bucket.
     cuda_graph_triton_attention: bool = True
     # With cuda_graphs: requests that arrive while a graph decode runs join it in the batch rows of ended rows, and
-    # each request is answered as soon as its rows ended (services/rollout/continuous.py; unseeded requests without
-    # stop strings). The KV cache then has room for joiners: prompt + twice the longest budget per row.
+    # each request is answered as soon as its rows ended (services/rollout/engine_torch/continuous.py; unseeded
+    # requests without stop strings). The KV cache then has room for joiners: prompt + twice the longest budget per row.
     continuous_batching: bool = True
     # A run's partial rollouts (run.async_mode): a weight update lands between two decode steps of the batches in
     # flight instead of waiting for them to end, each token tagged with its version: `continue` goes on over the

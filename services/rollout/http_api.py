@@ -5,9 +5,9 @@ weights and version are shared). Request and response shapes follow the OpenAI A
 also understands `return_token_ids` (adds `token_ids` / `prompt_token_ids` to each choice) and
 `return_tokens_as_token_ids` (tokens spelled "token_id:N"), which the openai proxy engine relies on.
 `stream: true` is answered as server-sent events with one chunk per choice once generation ends. Chat takes
-OpenAI's `tools` and `tool_choice` and answers with `tool_calls` (services/rollout/function_calling.py).
+OpenAI's `tools` and `tool_choice` and answers with `tool_calls` (services/rollout/agents/function_calling.py).
 Proxy mode: the same chat route under `/sessions/<session_id>/v1` records each session's calls as a token-exact
-trajectory, which `GET /sessions/<session_id>` returns (services/rollout/sessions.py).
+trajectory, which `GET /sessions/<session_id>` returns (services/rollout/agents/sessions.py).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any
 from aiohttp import web
 
 from services.common.errors import MeshError, NotFound
+from services.rollout.agents.function_calling import FunctionCalling, render_messages
+from services.rollout.agents.sessions import Session, check_session_id, endpoint_for
 from services.rollout.config import RolloutConfig
-from services.rollout.function_calling import FunctionCalling, render_messages
-from services.rollout.sessions import Session, check_session_id, endpoint_for
 from services.rollout.types import GenerateBatch, PromptInput, PromptResult, RolloutEngine, SamplingParams
 
 log = logging.getLogger("meshrl.rollout.http")
@@ -170,7 +170,7 @@ class OpenAIApi:
         return web.json_response(payload)
 
     # ---- vLLM's weight-update routes (rollout.http_weight_updates): an `openai` replica proxying this one
-    # pushes weights through them (services/rollout/upstream_weights.py).
+    # pushes weights through them (services/rollout/engine_openai/upstream_weights.py).
 
     async def is_paused(self, request: web.Request) -> web.Response:
         return web.json_response({"is_paused": False})
@@ -365,7 +365,7 @@ def build_app(engine: RolloutEngine, *, model_name: str, defaults: RolloutConfig
     app = web.Application(middlewares=_middlewares(auth_token), client_max_size=64 * 1024 * 1024)
     app.add_routes([web.get("/v1/models", api.models), web.get("/health", api.health),
                     web.post("/v1/completions", api.completions), web.post("/v1/chat/completions", api.chat),
-                    # proxy mode (services/rollout/sessions.py)
+                    # proxy mode (services/rollout/agents/sessions.py)
                     web.get("/sessions/{session_id}/v1/models", api.models),
                     web.post("/sessions/{session_id}/v1/chat/completions", api.session_chat),
                     web.post("/sessions/{session_id}/v1/completions", api.session_completions),

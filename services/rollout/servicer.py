@@ -16,10 +16,10 @@ from services.common.config import settings_json
 from services.common.server import MeshServer, create_server
 from services.common.weight_transport import decode_bucket, placement_of
 from services.rollout import convert
+from services.rollout.agents.env_client import EnvClient
+from services.rollout.agents.episodes import EpisodeRunner
 from services.rollout.config import RolloutSettings
 from services.rollout.engines import build_engine
-from services.rollout.env_client import EnvClient
-from services.rollout.episodes import EpisodeRunner
 from services.rollout.types import RolloutEngine
 from services.rollout.weight_receivers import DeviceBucketSpec, DeviceReceivers, IpcHandle
 

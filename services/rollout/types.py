@@ -20,8 +20,8 @@ if TYPE_CHECKING:   # a client that imports this face loads no torch
 MAX_SAMPLES_PER_PROMPT = 1024
 
 
-# The CUDA-graph decoder's static KV cache is sized in buckets (services/rollout/cuda_decode.py); the memory
-# estimate of a recipe (coordinator/memory.py) sizes it by the same rule.
+# The CUDA-graph decoder's static KV cache is sized in buckets (services/rollout/engine_torch/cuda_decode.py); the
+# memory estimate of a recipe (coordinator/memory.py) sizes it by the same rule.
 def bucket_batch(n: int, cap: int) -> int:
     """Rows of the cache bucket for `n` rows: powers of two from 8, at most `cap` (and at least `n`)."""
     b = 8
@@ -128,7 +128,7 @@ class PromptResult:
     samples: list[SampleResult]
 
 
-# ---- episodes (multi-turn, tool calls): the loop lives in services/rollout/episodes.py
+# ---- episodes (multi-turn, tool calls): the loop lives in services/rollout/agents/episodes.py
 
 END_REASONS = ("answer", "max_turns", "length", "tool_error", "env_lost")
 

@@ -1,4 +1,5 @@
-"""GPU tests of the rollout engine's CUDA-graph decode (services/rollout/cuda_decode.py); skipped without CUDA."""
+"""GPU tests of the rollout engine's CUDA-graph decode (services/rollout/engine_torch/cuda_decode.py); skipped without
+CUDA."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from services.common.modeling import response_logprobs
 from services.common.weights import build_manifest, iter_buckets
 from services.rollout.config import RolloutSettings
+from services.rollout.engine_torch.engine import TorchEngine
 from services.rollout.testing import make_tiny_model, random_state_like
-from services.rollout.torch_engine import TorchEngine
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
 
 pytestmark = [pytest.mark.gpu,
@@ -172,11 +173,11 @@ def test_weights_swapped_by_reference_are_recaptured(model_dir):
     assert eng._graph_decoder.stats["graphs_captured"] > captured
 
 
-# ---- the Triton kernels of the decode step (services/rollout/fused_sample.py, decode_attention.py)
+# ---- the Triton kernels of the decode step (services/rollout/engine_torch/fused_sample.py, decode_attention.py)
 
 
 def test_fused_sampler_draws_from_softmax_over_temperature_and_records_the_raw_logprob():
-    from services.rollout import fused_sample
+    from services.rollout.engine_torch import fused_sample
 
     n, V = 20000, 11
     z = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 3.0, -5.0, 1.5, 2.5, 0.2, -0.3], device="cuda")
@@ -200,7 +201,7 @@ def test_fused_sampler_draws_from_softmax_over_temperature_and_records_the_raw_l
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_triton_decode_attention_matches_masked_softmax_attention(dtype, atol):
-    from services.rollout.decode_attention import decode_attention
+    from services.rollout.engine_torch.decode_attention import decode_attention
 
     torch.manual_seed(0)
     B, H, KV, S, hd = 5, 14, 2, 320, 64
@@ -234,7 +235,7 @@ def test_graph_decode_with_torch_kernels_gives_the_same_greedy_tokens(model_dir,
 
 
 def test_seeded_graph_decode_equals_the_eager_step_and_does_not_depend_on_the_batch(model_dir, graph_engine):
-    from services.rollout.cuda_decode import GraphDecoder
+    from services.rollout.engine_torch.cuda_decode import GraphDecoder
 
     dec = graph_engine._graph_decoder
     eager = GraphDecoder(graph_engine.model, pad_id=graph_engine.pad_id, eos_ids=sorted(graph_engine.eos_ids),
@@ -281,11 +282,11 @@ def test_top_logprobs_on_the_graph_path_equal_the_eager_loops(graph_engine, eage
                    for (_, p), (_, q) in zip(sx, sy)) < 1e-4
 
 
-# ---- continuous batching: rows join a running captured decode (services/rollout/continuous.py)
+# ---- continuous batching: rows join a running captured decode (services/rollout/engine_torch/continuous.py)
 
 
 def test_rows_that_join_a_captured_decode_give_the_tokens_they_give_alone(graph_engine):
-    from services.rollout.cuda_decode import Joiner
+    from services.rollout.engine_torch.cuda_decode import Joiner
 
     dec = graph_engine._graph_decoder
     joiners, budgets = [Joiner([9, 9, 8], 24, 0.0, 1.0), Joiner([5, 6, 7, 8, 9, 10], 40, 0.0, 1.0)], [8, 60, 20]

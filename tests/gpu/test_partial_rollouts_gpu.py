@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from services.rollout.config import RolloutSettings
+from services.rollout.engine_torch.engine import TorchEngine
 from services.rollout.testing import make_tiny_model, random_state_like
-from services.rollout.torch_engine import TorchEngine
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

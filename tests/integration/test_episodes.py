@@ -18,13 +18,13 @@ from examples.toolcalc.chat import build_tokenizer
 from meshrl.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.chat_delta import observation_ids
 from services.common.config import load_config
+from services.common.registry import Registry
 from services.env.config import EnvConfig, EnvSettings
 from services.env.servicer import start as start_env
-from services.common.registry import Registry
+from services.rollout.agents.env_client import EnvClient
+from services.rollout.agents.episodes import EpisodePrompt, EpisodeRunner, episode_seed
 from services.rollout.config import AgentConfig, RolloutSettings
 from services.rollout.convert import agent_from_pb
-from services.rollout.env_client import EnvClient
-from services.rollout.episodes import EpisodePrompt, EpisodeRunner, episode_seed
 from services.rollout.servicer import episode_runner
 from services.rollout.servicer import start as start_rollout
 from services.rollout.types import GenerateBatch, PromptResult, RolloutEngine, SampleResult, SamplingParams

@@ -10,7 +10,7 @@ import torch
 
 from services.common.modeling import response_logprobs
 from services.rollout.config import RolloutSettings
-from services.rollout.torch_engine import TorchEngine
+from services.rollout.engine_torch.engine import TorchEngine
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
 
 ARITH_MODEL = Path(__file__).resolve().parents[2] / "examples" / "arith" / "model"

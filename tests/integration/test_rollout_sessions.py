@@ -13,8 +13,8 @@ import pytest
 
 from services.common.chat_delta import observation_ids
 from services.common.tool_calls import ToolCall, format_hermes
+from services.rollout.agents.function_calling import render_messages
 from services.rollout.config import RolloutConfig, RolloutSettings
-from services.rollout.function_calling import render_messages
 from services.rollout.http_api import start_http
 from services.rollout.servicer import start
 from services.rollout.testing import char_tokenizer, make_tiny_model

@@ -18,8 +18,8 @@ import torch
 from services.common.modeling import load_causal_lm, response_logprobs
 from services.common.weights import apply_weights, build_manifest, iter_buckets
 from services.rollout.config import RolloutSettings
+from services.rollout.engine_torch.engine import TorchEngine
 from services.rollout.testing import make_tiny_model, random_state_like
-from services.rollout.torch_engine import TorchEngine
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
 
 pytestmark = [pytest.mark.slow,
@@ -42,7 +42,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     try:
-        from services.rollout.vllm_engine import VLLMEngine
+        from services.rollout.engine_vllm.engine import VLLMEngine
         import vllm  # noqa: F401
     except Exception as e:  # noqa: BLE001 - a broken vLLM install (e.g. torchvision beside it) skips too
         pytest.skip(f"vLLM is not importable: {type(e).__name__}: {e}")
@@ -161,7 +161,7 @@ def test_vllm_rejects_a_bad_update_naming_the_tensor_and_keeps_weights_and_versi
         engine.update_weights_sync(bad, version + 1)
     # Past the trainer-side check (as a buggy sender or another model's names would be), the worker's own
     # check still stops it before any copy.
-    from services.rollout.vllm_weights import pack_tensors
+    from services.rollout.engine_vllm.weights import pack_tensors
     done = engine._loop.call(engine.llm.collective_rpc("meshrl_swap_weights", args=pack_tensors(bad)))[0]
     assert "model.layers.1.mlp.up_proj.weight" in done["error"] and "gate_up_proj" in done["error"]
     with pytest.raises(ValueError, match="lacks tensor 'model.norm.weight'"):
@@ -240,7 +240,7 @@ def test_vllm_replica_serves_grpc_and_http_and_takes_pushed_weights(served):
 
 
 def test_vllm_refuses_at_start_a_head_size_its_cpu_attention_lacks(tmp_path, served):
-    from services.rollout.vllm_engine import VLLMEngine
+    from services.rollout.engine_vllm.engine import VLLMEngine
     if served.engine.device != "cpu":
         pytest.skip("CPU attention only")
     path = make_tiny_model(tmp_path / "head16")         # hidden 64 / 4 heads = 16

@@ -137,7 +137,7 @@ def test_three_replicas_end_every_sync_on_the_trainers_version_and_logprobs(mode
 def _slow_replica_main(model_dir: str) -> None:
     """A rollout replica that stops in the middle of a weight update, until the test kills it there."""
     from services.rollout.config import RolloutSettings
-    from services.rollout.torch_engine import TorchEngine
+    from services.rollout.engine_torch.engine import TorchEngine
     from services.rollout.servicer import start
 
     class StuckEngine(TorchEngine):

@@ -8,9 +8,9 @@ import torch
 
 from services.common.config import load_config
 from services.common.weights import build_manifest, iter_buckets, named_weights
-from services.rollout import torch_engine as rollout_engine
 from services.rollout.config import RolloutSettings
-from services.rollout.torch_engine import TorchEngine
+from services.rollout.engine_torch import engine as rollout_engine
+from services.rollout.engine_torch.engine import TorchEngine
 
 PROMPT, RESPONSE = [1, 5, 14, 6, 16], [7, 2]
 

@@ -107,7 +107,7 @@ def test_recipe_yaml_keeps_auto_where_replicas_chose_differently():
 
 
 def test_torch_engine_on_cpu_resolves_eager_decoding_and_refuses_cuda_graphs_true(arith_model_path):
-    from services.rollout.torch_engine import TorchEngine
+    from services.rollout.engine_torch.engine import TorchEngine
 
     engine = TorchEngine(RolloutSettings(model={"path": arith_model_path}))
     resolved = json.loads(engine.info()["resolved"])

@@ -1,5 +1,5 @@
-"""Continuous batching in the torch engine's graph decode (services/rollout/continuous.py): requests that arrive
-mid-decode join it in freed batch rows and each request is answered when its own rows ended. On CPU the graph
+"""Continuous batching in the torch engine's graph decode (services/rollout/engine_torch/continuous.py): requests that
+arrive mid-decode join it in freed batch rows and each request is answered when its own rows ended. On CPU the graph
 decoder runs its step eagerly (use_graphs=False; no Triton sampler or attention)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from services.rollout.config import RolloutSettings
-from services.rollout.cuda_decode import GraphDecoder, Joiner
+from services.rollout.engine_torch.cuda_decode import GraphDecoder, Joiner
+from services.rollout.engine_torch.engine import TorchEngine
 from services.rollout.testing import Gate, make_tiny_model, random_state_like
-from services.rollout.torch_engine import TorchEngine
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
 
 PROMPTS = [[4, 5, 13, 6, 15], [7, 3, 9, 12, 8, 10, 11], [20]]

@@ -13,8 +13,8 @@ from meshrl.v1 import rollout_pb2
 from services.common.modeling import response_logprobs
 from services.rollout import convert
 from services.rollout.config import RolloutSettings
+from services.rollout.engine_torch.engine import TorchEngine
 from services.rollout.testing import Gate, make_tiny_model, random_state_like
-from services.rollout.torch_engine import TorchEngine
 from services.rollout.types import GenerateBatch, PromptInput, PromptResult, SampleResult, SamplingParams
 
 PROMPTS = [[4, 5, 13, 6, 15], [7, 3, 9, 12, 8], [20, 21]]

@@ -9,10 +9,10 @@ import asyncio
 import pytest
 
 from services.rollout import convert
+from services.rollout.agents.episodes import EpisodeRunner
 from services.rollout.config import AgentConfig, RolloutSettings
-from services.rollout.episodes import EpisodeRunner
+from services.rollout.engine_torch.engine import TorchEngine
 from services.rollout.testing import Gate, make_tiny_model, random_state_like
-from services.rollout.torch_engine import TorchEngine
 from services.rollout.types import EpisodePrompt, SamplingParams
 
 MAX_TOKENS = 40

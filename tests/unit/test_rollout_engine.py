@@ -9,9 +9,9 @@ import torch
 from services.common.modeling import response_logprobs
 from services.common.weights import build_manifest, iter_buckets
 from services.rollout.config import RolloutSettings
-from services.rollout.sampling import sample_tokens, top_p_filter
+from services.rollout.engine_torch.engine import TorchEngine
+from services.rollout.engine_torch.sampling import sample_tokens, top_p_filter
 from services.rollout.testing import make_tiny_model, random_state_like
-from services.rollout.torch_engine import TorchEngine
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
 
 PROMPTS = [[4, 5, 13, 6, 15], [7, 3, 9, 12, 8, 10, 11, 14, 16, 4, 4, 5], [20]]
@@ -304,7 +304,7 @@ def test_requests_that_queue_behind_a_running_one_are_decoded_together_with_thei
 def test_a_cancelled_generation_holds_the_lock_until_its_thread_ends(model_dir, monkeypatch):
     import threading
 
-    import services.rollout.torch_engine as engine_module
+    import services.rollout.engine_torch.engine as engine_module
 
     eng = make_engine(model_dir, max_batch_size=1)
     order = []

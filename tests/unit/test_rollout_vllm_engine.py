@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from services.rollout.config import RolloutSettings
+from services.rollout.engine_vllm.engine import _kv_cache_bytes, _SwapGate, prompt_seed
 from services.rollout.engines import build_engine
-from services.rollout.vllm_engine import _kv_cache_bytes, _SwapGate, prompt_seed
 
 
 def test_engine_vllm_without_vllm_installed_fails_at_start_naming_the_key(monkeypatch):

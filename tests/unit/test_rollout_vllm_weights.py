@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.rollout.vllm_weights import check_plan, pack_tensors, plan_update, swap_weights, unpack_tensors
+from services.rollout.engine_vllm.weights import check_plan, pack_tensors, plan_update, swap_weights, unpack_tensors
 
 H, Q, KV, I, V, V_PADDED = 8, 8, 4, 12, 5, 8
 

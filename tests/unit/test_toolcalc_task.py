@@ -101,10 +101,10 @@ def test_sft_rendering_is_the_episode_loops_assembly_and_the_whole_conversation(
 
 @pytest.mark.parametrize("mode", ["call", "bad_call"])
 def test_sft_rendering_is_what_the_rollout_tool_agent_records(tok, mode):
-    """The replica's EpisodeContext (services/rollout/episodes.py) renders the prompt and the tool turn's delta
+    """The replica's EpisodeContext (services/rollout/agents/episodes.py) renders the prompt and the tool turn's delta
     exactly as the SFT data has them."""
     from services.common.tool_calls import parse_hermes
-    from services.rollout.episodes import EpisodeContext
+    from services.rollout.agents.episodes import EpisodeContext
     from services.rollout.types import SampleResult
 
     template = tok.chat_template

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from services.rollout.decode_join import Joiner, Room
+from services.rollout.engine_torch.decode_join import Joiner, Room
 
 
 def fill_row(row, tokens: list[int], logprobs: list[float], stopped: bool, top) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 from services.common.chat_delta import observation_ids
 from services.common.errors import NotFound
 from services.common.tool_calls import tool_call_from_openai
-from services.rollout.function_calling import render_messages, template_turns
+from services.rollout.agents.function_calling import render_messages, template_turns
 from services.rollout.types import AgentLimits, GenerateBatch, PromptInput, PromptResult, SampleResult, SamplingParams
 
 # Live sessions one replica keeps at most (the least recently used is dropped past it), and how long an untouched

@@ -52,9 +52,9 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from services.common.chat_delta import observation_ids
 from services.common.tool_calls import ToolCallParser, load_parser
+from services.rollout.agents.env_client import EnvClient
+from services.rollout.agents.function_calling import render_messages
 from services.rollout.config import AGENT_ALIASES, AgentConfig
-from services.rollout.env_client import EnvClient
-from services.rollout.function_calling import render_messages
 from services.rollout.types import (END_REASONS, AgentLimits, Episode, EpisodeGroup, EpisodePrompt,  # noqa: F401
                                     GenerateBatch, PARTIAL_ROLLOUTS, PromptInput, RolloutEngine, SampleResult,
                                     SamplingParams)
@@ -85,10 +85,10 @@ class LazyLoop:
 # Loops by name (`rollout.agent.name`, a row's `agent_name`; services.rollout.config.AGENT_NAMES lists them for the
 # config check). A new loop: a function of the AgentLoop shape, one line here and its name in AGENT_NAMES.
 AGENT_LOOPS: dict[str, AgentLoop] = {
-    "single_turn": LazyLoop("services.rollout.agent_loops:single_turn"),
-    "tool_agent": LazyLoop("services.rollout.agent_loops:tool_agent"),
-    "env_agent": LazyLoop("services.rollout.agent_loops:env_agent"),
-    "openai_agent": LazyLoop("services.rollout.openai_agent:openai_agent"),
+    "single_turn": LazyLoop("services.rollout.agents.loops:single_turn"),
+    "tool_agent": LazyLoop("services.rollout.agents.loops:tool_agent"),
+    "env_agent": LazyLoop("services.rollout.agents.loops:env_agent"),
+    "openai_agent": LazyLoop("services.rollout.agents.openai_agent:openai_agent"),
 }
 
 

@@ -1,5 +1,5 @@
 """The `openai_agent` loop: an unmodified agent program plays each episode against this replica's own OpenAI-compatible
-HTTP API (proxy mode, services/rollout/sessions.py), and the session it recorded becomes the Episode the coordinator
+HTTP API (proxy mode, sessions.py), and the session it recorded becomes the Episode the coordinator
 rewards and trains on.
 
 The program is `rollout.agent.program: package.module:function` (or `file.py:function`), sync or async:
@@ -28,7 +28,7 @@ import logging
 from typing import Any
 
 from services.common.plugins import load_object
-from services.rollout.sessions import Session, serving_endpoint
+from services.rollout.agents.sessions import Session, serving_endpoint
 from services.rollout.types import Episode, PromptInput, SamplingParams
 
 log = logging.getLogger("meshrl.rollout.openai_agent")
@@ -36,7 +36,7 @@ KEY = "rollout.agent.program"
 
 
 async def openai_agent(ctx, prompt: PromptInput, sampling: SamplingParams) -> Episode:
-    """An AgentLoop (services/rollout/episodes.py): the program's chat calls, recorded token-exact, as one episode."""
+    """An AgentLoop (episodes.py): the program's chat calls, recorded token-exact, as one episode."""
     if not ctx.program:
         raise ValueError(f"{KEY}: the openai_agent loop needs the agent program (package.module:function)")
     program = load_program(ctx.program)

@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from services.rollout.sampling import left_padded
+from services.rollout.engine_torch.sampling import left_padded
 
 
 class Room(NamedTuple):

@@ -6,7 +6,7 @@ share one prefill). Every sampled token's log-prob is vLLM's `raw_logprobs` (log
 model's logits before temperature, top-p or any processor), which is what the trainer recomputes.
 
 Weight updates reach vLLM's worker through `collective_rpc` and the worker extension of
-services/rollout/vllm_weights.py, which checks every shape before it touches anything and swaps the whole
+weights.py (this folder), which checks every shape before it touches anything and swaps the whole
 update in or none of it. The engine resets the prefix cache and bumps the version only after that succeeded.
 
 AsyncLLM lives on its own event loop in a background thread, so the engine works from the gRPC
@@ -36,13 +36,13 @@ from services.common.errors import FailedPrecondition, Unavailable
 from services.common.modeling import validate_sequences
 from services.common.weights import Manifest, PayloadAssembler, check_against, named_weights
 from services.rollout.config import RolloutSettings
+from services.rollout.engine_vllm.weights import pack_tensors
 from services.rollout.local_model import LocalModelEngine, find_eos_ids, model_len_limit, try_tokenizer
 from services.rollout.types import GenerateBatch, PromptResult, SampleResult, SamplingParams, check_weight_version
-from services.rollout.vllm_weights import pack_tensors
 
 log = logging.getLogger("meshrl.rollout.vllm")
 
-EXTENSION = "services.rollout.vllm_weights.WeightSwapExtension"
+EXTENSION = "services.rollout.engine_vllm.weights.WeightSwapExtension"
 CPU_MEMORY_UTILIZATION = 0.1    # on CPU the KV cache takes this share of RAM
 GPU_MEMORY_UTILIZATION = 0.9
 

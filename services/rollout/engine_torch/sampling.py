@@ -1,4 +1,4 @@
-"""Sampling math the rollout engines share: left-padded prompt batches, nucleus filtering, per-row sampling and
+"""Sampling math of the torch engine: left-padded prompt batches, nucleus filtering, per-row sampling and
 seeded row generators."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One-pass sampling from rows of logits on the GPU: the next token and its raw log-prob, two Triton kernels.
 
-The CUDA-graph decoder (services/rollout/cuda_decode.py) samples every row of a [B, V] logits tensor per
+The CUDA-graph decoder (cuda_decode.py) samples every row of a [B, V] logits tensor per
 token. In torch that is a dozen passes over fp32 copies of the logits (cast, divide by the temperature,
 draw exponentials, log, subtract, two argmaxes, logsumexp; ~4 GB of traffic per step at B=512 and
 Qwen's 151,936 entries). Here the logits are read once, in their own dtype:

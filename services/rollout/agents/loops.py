@@ -1,4 +1,4 @@
-"""The built-in agent loops (services.rollout.episodes.AGENT_LOOPS): one model turn (single_turn), a model that
+"""The built-in agent loops (episodes.AGENT_LOOPS): one model turn (single_turn), a model that
 calls tools through the env replicas (tool_agent), and a model acting in a text environment (env_agent).
 
 Each turn's ids are recorded as sampled and each observation as the chat template's delta (EpisodeRecorder), so an
@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 
 from services.common.tool_calls import ParsedText
-from services.rollout.env_client import EnvLost
-from services.rollout.episodes import Episode, EpisodeContext, EpisodeRecorder
+from services.rollout.agents.env_client import EnvLost
+from services.rollout.agents.episodes import Episode, EpisodeContext, EpisodeRecorder
 from services.rollout.types import PromptInput, SampleResult, SamplingParams
 
 log = logging.getLogger("meshrl.rollout.episodes")

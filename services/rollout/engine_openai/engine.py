@@ -6,7 +6,7 @@ Token ids come from the upstream's `return_token_ids` / `return_tokens_as_token_
 meshrl replicas have them; set `rollout.request_token_ids: false` for servers that reject unknown fields, and
 the local tokenizer at `model.path` maps tokens back; a chat answer without ids is re-tokenised once, counted in
 GetInfo's `rederived_token_ids`). UpdateWeights lands the weights in `rollout.weights_dir` and has the server
-reload them through vLLM's weight-update HTTP endpoints (services/rollout/upstream_weights.py); a server
+reload them through vLLM's weight-update HTTP endpoints (upstream_weights.py); a server
 without them reports `weight_updates: none` and on-policy runs refuse it before step 1. ComputeLogProbs is
 FAILED_PRECONDITION here.
 """
@@ -23,8 +23,8 @@ from services.common.auto import Resolved
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.weights import Manifest
 from services.rollout.config import RolloutSettings
+from services.rollout.engine_openai.upstream_weights import UpstreamWeights, server_root
 from services.rollout.local_model import try_tokenizer
-from services.rollout.upstream_weights import UpstreamWeights, server_root
 from services.rollout.types import (GenerateBatch, PromptInput, PromptResult, RolloutEngine, SampleResult, SamplingParams,
                                     check_weight_version)
 

@@ -3,7 +3,7 @@
 Tool calls are stateless, so the pool (services.common.pools) retries a call that lost its replica on another one.
 An environment's state lives on the replica that ran its Reset: `step` goes to that replica only, and raises
 EnvLost when it is gone (UNAVAILABLE, a deadline) or forgot the episode (NOT_FOUND, e.g. it restarted); the loop
-then replays the episode elsewhere or records it as env_lost (services/rollout/agent_loops.py).
+then replays the episode elsewhere or records it as env_lost (loops.py).
 """
 
 from __future__ import annotations

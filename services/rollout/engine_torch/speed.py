@@ -18,7 +18,7 @@ log = logging.getLogger("meshrl.rollout")
 def resolve_speed(r, device: str, model) -> Resolved:
     """The torch engine's `auto` switches: CUDA graphs (and their compile) on a CUDA device with a model the graph
     decoder supports, 512 rows per batch there (64 elsewhere). An explicit true that cannot work is refused."""
-    from services.rollout.cuda_decode import unsupported_reason
+    from services.rollout.engine_torch.graph_step import unsupported_reason
 
     out = Resolved("rollout", log)
     cuda = str(device).startswith("cuda")

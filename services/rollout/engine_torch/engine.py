@@ -1,9 +1,10 @@
 """The `torch` rollout engine: a Hugging Face causal LM with its own batched decode loop.
 
-Left padding and a KV cache, so that every sampled token's log-prob is the raw-model log-prob the
-trainer will recompute; requests that queue while one decodes are decoded together, and weight swaps
-land whole between decodes, or (partial rollouts) between two decode steps of a running one. With CUDA graphs
-and rollout.continuous_batching, requests that arrive mid-decode join it (services/rollout/continuous.py).
+Here the engine's side of a decode: requests that queue while one decodes are decoded together (one engine lock,
+one torch job at a time), each row gets its sampling settings, and weight swaps land whole between decodes, or
+(partial rollouts) between two decode steps of a running one. How one chunk of rows is decoded (left padding and a
+KV cache, so every sampled token's log-prob is the raw-model log-prob the trainer will recompute) is decode.py;
+with CUDA graphs and rollout.continuous_batching, requests that arrive mid-decode join it (continuous.py).
 """
 
 from __future__ import annotations
@@ -13,54 +14,23 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import AsyncIterable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import AsyncIterable, Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 
 from services.common.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
 from services.common.weight_transport import receive_host
 from services.common.weights import Manifest, apply_weights, check_against, named_weights
 from services.rollout.config import RolloutSettings
-from services.rollout.continuous import Flight, answer_of, fill_row, graph_decode
+from services.rollout.engine_torch.continuous import Flight, answer_of
+from services.rollout.engine_torch.decode import Row, decode_rows
+from services.rollout.engine_torch.sampling import row_generator
+from services.rollout.engine_torch.speed import resolve_speed, warm_up_decoder
 from services.rollout.local_model import LocalModelEngine, find_eos_ids, model_len_limit, try_tokenizer
-from services.rollout.speed import resolve_speed, warm_up_decoder
-from services.rollout.sampling import left_padded, row_generator, sample_tokens
-from services.rollout.types import (GenerateBatch, PromptResult, SampleResult, SamplingParams,
-                                    check_weight_version)
+from services.rollout.types import GenerateBatch, PromptResult, SampleResult, check_weight_version
 
 log = logging.getLogger("meshrl.rollout")
-
-
-@dataclass
-class _Row:
-    """Decode state of one (prompt, sample) row, with its request's sampling settings."""
-
-    prompt: list[int]
-    budget: int                                   # new tokens this row may produce
-    sampling: SamplingParams
-    generator: torch.Generator | None = None
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    text: str | None = None                       # set when a stop string cut it
-    top: list[list[tuple[int, float]]] | None = None
-    version: int = 0                              # the weight version its decode started on
-    start: int = 0                                # the decode step of its first token (a row that joined later)
-    # (first token index, version) of each weight swap that landed while it decoded (partial rollouts)
-    swaps: list[tuple[int, int]] = field(default_factory=list)
-
-    def weight_versions(self) -> list[int] | None:
-        """Per token, the version whose forward produced it; None when no swap landed inside its tokens."""
-        swaps = [(i, v) for i, v in self.swaps if i < len(self.tokens)]
-        if not swaps:
-            return None
-        out, version, at = [], self.version, 0
-        for i, v in swaps:
-            out += [version] * (i - at)
-            version, at = v, i
-        return out + [version] * (len(self.tokens) - at)
 
 
 class _Swap:
@@ -100,49 +70,6 @@ class _Job:
     future: asyncio.Future | None
 
 
-@dataclass
-class _Outputs:
-    """What a decode produced per row, kept in tensors (one op per step, not one Python step per row)."""
-
-    tokens: torch.Tensor                          # [R, T]
-    logprobs: torch.Tensor                        # [R, T]
-    top_ids: torch.Tensor | None                  # [R, T, k] when some row asked for top-logprobs
-    top_logprobs: torch.Tensor | None             # [R, T, k]
-    lengths: torch.Tensor                         # [R]
-    stopped: torch.Tensor                         # [R] eos or a stop string
-
-    @classmethod
-    def empty(cls, rows: list[_Row], vocab_size: int, device) -> _Outputs:
-        R, T = len(rows), max(r.budget for r in rows)
-        k = min(max(r.sampling.top_logprobs for r in rows), vocab_size)
-        return cls(torch.zeros((R, T), dtype=torch.long, device=device),
-                   torch.zeros((R, T), dtype=torch.float32, device=device),
-                   torch.zeros((R, T, k), dtype=torch.long, device=device) if k else None,
-                   torch.zeros((R, T, k), dtype=torch.float32, device=device) if k else None,
-                   torch.zeros(R, dtype=torch.long, device=device), torch.zeros(R, dtype=torch.bool, device=device))
-
-    def record(self, active: torch.Tensor, step: int, tok: torch.Tensor, logp: torch.Tensor) -> None:
-        """The sampled tokens of the running rows at `step`, their raw log-probs and the top-k."""
-        self.tokens[active, step] = tok
-        self.logprobs[active, step] = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-        if self.top_ids is not None:
-            top_v, top_i = logp.topk(self.top_ids.size(-1), dim=-1)
-            self.top_ids[active, step], self.top_logprobs[active, step] = top_i, top_v
-
-    def write_to(self, rows: list[_Row]) -> None:
-        tok_l, lp_l = self.tokens.tolist(), self.logprobs.tolist()
-        len_l, stop_l = self.lengths.tolist(), self.stopped.tolist()
-        if self.top_ids is not None:
-            ti_l, tv_l = self.top_ids.tolist(), self.top_logprobs.tolist()
-        for a, row in enumerate(rows):
-            L = len_l[a]
-            row.tokens, row.logprobs = tok_l[a][:L], lp_l[a][:L]
-            row.finish_reason = "stop" if stop_l[a] else "length"
-            k = row.sampling.top_logprobs
-            if k:
-                row.top = [list(zip(ti_l[a][t][:k], tv_l[a][t][:k])) for t in range(L)]
-
-
 class TorchEngine(LocalModelEngine):
     """Generates with a transformers model and a batched KV-cache decode loop; no gRPC here."""
 
@@ -180,7 +107,7 @@ class TorchEngine(LocalModelEngine):
         self.max_batch_size = self.resolved.value("rollout.max_batch_size")
         self._graph_decoder = None
         if self.resolved.value("rollout.cuda_graphs"):
-            from services.rollout.cuda_decode import GraphDecoder
+            from services.rollout.engine_torch.cuda_decode import GraphDecoder
             self._graph_decoder = GraphDecoder(self.model, pad_id=self.pad_id, eos_ids=sorted(self.eos_ids),
                                                max_batch_size=self.max_batch_size,
                                                compile=self.resolved.value("rollout.cuda_graph_compile"),
@@ -193,7 +120,7 @@ class TorchEngine(LocalModelEngine):
 
     def warm_up(self) -> float:
         """Compiles the graph decoder's step and captures graphs before the replica serves (seconds; 0 without
-        CUDA graphs or with rollout.warmup false): services/rollout/speed.py."""
+        CUDA graphs or with rollout.warmup false): speed.py."""
         if self._graph_decoder is not None and self.config.warmup:
             self.warmup_seconds = warm_up_decoder(self._graph_decoder, self.config.max_tokens, self.max_model_len,
                                                   self.pad_id, self.vocab_size, self.max_batch_size)
@@ -397,7 +324,7 @@ class TorchEngine(LocalModelEngine):
                 version = self._swap_point() if partial != "off" else self.weight_version
                 for row in rows[start:start + chunk]:
                     row.version = version
-                self._decode(rows[start:start + chunk], partial=partial, flight=flight)
+                decode_rows(self, rows[start:start + chunk], partial=partial, flight=flight)
                 flight.ended(rows[start:start + chunk])
         except BaseException as e:
             flight.fail(e)
@@ -408,13 +335,13 @@ class TorchEngine(LocalModelEngine):
         self.stats["generated_tokens"] += sum(len(r.tokens) for r in flight.rows)
         return [flight.results[id(job)] for job in jobs]
 
-    def _rows_of(self, job: _Job) -> list[_Row]:
+    def _rows_of(self, job: _Job) -> list[Row]:
         p = job.batch.sampling
-        return [_Row(prompt=ids, budget=min(p.max_tokens, self.max_model_len - len(ids)), sampling=p,
-                     generator=row_generator(p.seed, ids, j) if p.seed is not None else None)
+        return [Row(prompt=ids, budget=min(p.max_tokens, self.max_model_len - len(ids)), sampling=p,
+                    generator=row_generator(p.seed, ids, j) if p.seed is not None else None)
                 for ids in job.prompt_ids for j in range(p.n)]       # prompt-major: row = prompt * n + sample
 
-    def _results_of(self, job: _Job, rows: list[_Row]) -> list[PromptResult]:
+    def _results_of(self, job: _Job, rows: list[Row]) -> list[PromptResult]:
         results, it = [], iter(rows)
         for prompt, ids in zip(job.batch.prompts, job.prompt_ids):
             samples = []
@@ -428,7 +355,7 @@ class TorchEngine(LocalModelEngine):
             results.append(PromptResult(prompt_id=prompt.id, prompt_ids=ids, samples=samples))
         return results
 
-    def _between_steps(self, rows: list[_Row], first_token: int) -> bool:
+    def _between_steps(self, rows: list[Row], first_token: int) -> bool:
         """Partial rollouts: lands the posted weight swaps; the rows' tokens from `first_token` on are the new
         version's. Whether the version moved."""
         before = self.weight_version
@@ -437,127 +364,6 @@ class TorchEngine(LocalModelEngine):
             for r in rows:
                 r.swaps.append((first_token - r.start, after))
         return after != before
-
-    @torch.inference_mode()
-    def _decode(self, rows: list[_Row], *, partial: str = "off", flight: Flight | None = None) -> None:
-        """Decodes rows together: left-padded prefill, then one token per step for the rows still running.
-
-        Rows that finish are dropped from the batch (and the KV cache), so long tails do not pay for
-        finished rows. partial (continue / pause): posted weight swaps land between two steps (_between_steps);
-        pause recomputes the running rows' KV cache with the new weights (on this loop, not the graph one).
-        """
-        if partial != "pause" and self._graph_decoder is not None and self._graph_decoder.serves(
-                [r.generator is not None for r in rows], [r.sampling.temperature for r in rows],
-                [r.sampling.top_p for r in rows]):
-            return self._graph_decode(rows, partial=partial != "off", flight=flight)
-        dev = self.device
-        cache, logits, mask, next_pos = self._prefill([r.prompt for r in rows])
-        out = _Outputs.empty(rows, self.vocab_size, dev)
-        budget = torch.tensor([r.budget for r in rows], dtype=torch.long, device=dev)
-        eos = torch.tensor(sorted(self.eos_ids) or [-1], dtype=torch.long, device=dev)
-        temperature = torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=dev)
-        top_p = torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32, device=dev)
-        gens = [r.generator for r in rows]
-        with_stops = any(r.sampling.stop for r in rows)
-        active = torch.arange(len(rows), device=dev)                       # row index of each batch row
-        step = 0
-        while True:
-            logp = F.log_softmax(logits, dim=-1)                              # raw distribution, fp32
-            act = active.tolist()
-            tok = sample_tokens(logits, temperature=temperature[active], top_p=top_p[active],
-                                generators=[gens[a] for a in act])
-            out.record(active, step, tok, logp)
-            hit = torch.isin(tok, eos)
-            if with_stops:
-                self._mark_stop_strings(hit, rows, act, out.tokens, step)
-            done = hit | (step + 1 >= budget[active])
-            out.stopped[active[hit]] = True
-            out.lengths[active[done]] = step + 1
-            if bool(done.all()):
-                break
-            if bool(done.any()):
-                keep = (~done).nonzero().flatten()
-                cache.batch_select_indices(keep)
-                tok, mask, next_pos, active = tok[keep], mask[keep], next_pos[keep], active[keep]
-            if partial != "off" and self._between_steps(rows, step + 1) and partial == "pause":
-                # The running rows' prompt and tokens so far through the new weights: a fresh KV cache.
-                cache, logits, mask, next_pos = self._prefill(
-                    [rows[a].prompt + out.tokens[a, :step + 1].tolist() for a in active.tolist()])
-            else:
-                mask = torch.cat([mask, mask.new_ones((mask.size(0), 1))], dim=1)
-                logits = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
-                                    past_key_values=cache, use_cache=True).logits[:, -1, :].float()
-                next_pos = next_pos + 1
-            step += 1
-        out.write_to(rows)
-
-    def _prefill(self, sequences: list[list[int]]):
-        """Runs each distinct sequence once (left-padded), then fans its KV cache out to the rows that share it.
-
-        Returns the cache, the last logits [R, V] (fp32), the attention mask [R, L] and the next positions [R, 1].
-        """
-        from transformers import DynamicCache
-
-        dev = self.device
-        uniq: dict[tuple[int, ...], int] = {}
-        fan = [uniq.setdefault(tuple(q), len(uniq)) for q in sequences]
-        prompts = list(uniq)
-        L = max(len(q) for q in prompts)
-        ids, mask, pos = left_padded(prompts, self.pad_id, L)
-        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1, :].float()
-        fan_t = torch.tensor(fan, dtype=torch.long, device=dev)
-        if len(prompts) != len(sequences) or fan != list(range(len(sequences))):
-            cache.batch_select_indices(fan_t)
-            logits, mask, pos = logits[fan_t], mask[fan_t], pos[fan_t]
-        return cache, logits, mask, pos[:, -1:] + 1
-
-    def _mark_stop_strings(self, hit: torch.Tensor, rows: list[_Row], act: list[int], tokens: torch.Tensor,
-                           step: int) -> None:
-        """Sets `hit` for the running rows whose response now holds one of their stop strings."""
-        for b in (~hit).nonzero().flatten().tolist():
-            row = rows[act[b]]
-            stops = row.sampling.stop
-            if stops and self._hit_stop(row, tokens[act[b], :step + 1].tolist(), stops):
-                hit[b] = True
-
-    def _graph_decode(self, rows: list[_Row], *, partial: bool = False, flight: Flight | None = None) -> None:
-        """The same decode as _decode, each step one CUDA graph replay (rows stay in the batch until all end, or
-        with continuous batching, give their batch row to pending requests' rows)."""
-        if flight is not None and self.config.continuous_batching and not any(r.sampling.stop for r in rows):
-            return graph_decode(self, rows, flight)
-
-        def stop_check(r: int, tokens: list[int], since: int) -> bool:
-            # The tail from `since` back by the longest stop string (each token is >= 1 character) first: a bounded
-            # decode per row and sync; the whole response only once a stop string is there.
-            stops = rows[r].sampling.stop
-            if not stops or not any(x in self.decode(tokens[max(0, since - max(map(len, stops))):]) for x in stops):
-                return False
-            return self._hit_stop(rows[r], tokens, stops)
-
-        # A seeded row's Philox key: the first draw of its generator (a hash of seed, prompt and sample index).
-        seeds = [int(torch.randint(0, 2**62, (1,), generator=r.generator)) if r.generator is not None else None
-                 for r in rows]
-        out = self._graph_decoder.decode(
-            [r.prompt for r in rows], [r.budget for r in rows], [r.sampling.temperature for r in rows],
-            [r.sampling.top_p for r in rows], seeds=seeds, top_logprobs=max(r.sampling.top_logprobs for r in rows),
-            stop_check=stop_check if any(r.sampling.stop for r in rows) else None,
-            # the logits of token i + 1 were computed before the boundary after step i: the swap shows from i + 2
-            between_steps=(lambda i: self._between_steps(rows, i + 2)) if partial else None)
-        for i, row in enumerate(rows):
-            fill_row(row, out.tokens[i], out.logprobs[i], out.stopped[i], out.top[i] if out.top is not None else None)
-
-    def _hit_stop(self, row: _Row, tokens: list[int], stops: Sequence[str]) -> bool:
-        """True when the decoded response contains a stop string; the text is cut before it (as in vLLM)."""
-        text = self.decode(tokens)
-        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if cut < 0:
-            return False
-        row.text = text[:cut]
-        return True
 
 
 @torch.no_grad()
