@@ -42,8 +42,8 @@ from services.trainer.lora import adapters_off, apply_lora, merged_weights
 from services.trainer.pipeline import last_stage_head, stage_logprobs
 from services.trainer.nvtx import phase
 from services.trainer.optim import apply_hyperparams
-from services.trainer.parallel import (CommandChannel, ParallelDims, gather_to_rank0, init_distributed,
-                                       launched_world_size, local_device)
+from services.trainer.parallel.mesh import (CommandChannel, ParallelDims, gather_to_rank0, init_distributed,
+                                            launched_world_size, local_device)
 from services.trainer.steps import StepRecord
 from services.trainer.trained import Trained, ValueModel, build_trained
 from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, OptimSettings, PreferencePair,

@@ -143,7 +143,7 @@ def test_adamw_is_foreach_on_cpu_and_a_per_parameter_loop_for_mixed_meshes():
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     import torch.distributed as dist
-    from services.trainer.parallel import init_distributed
+    from services.trainer.parallel.mesh import init_distributed
 
     init_distributed("cpu")
     assert dist.is_initialized()

@@ -17,7 +17,7 @@ import torch
 from services.trainer.batch import mini_batches
 from services.trainer.layout import RankLayout
 from services.trainer.nvtx import phase
-from services.trainer.parallel import all_reduce_sum
+from services.trainer.parallel.mesh import all_reduce_sum
 from services.trainer.trained import Trained, finish_deferred, grad_sync, optimizer_step
 
 
