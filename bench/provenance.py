@@ -64,11 +64,11 @@ SOURCES: dict[str, list[str]] = {
     "payloads": ["services/common/packed.py", "protos/meshrl/v1/common.proto", "protos/meshrl/v1/rollout.proto",
                  "protos/meshrl/v1/reference.proto", "protos/meshrl/v1/trainer.proto", "bench/payloads.py"],
     "multi_gpu": [*_MESH, "bench/multi_gpu.py"],
-    "weight_gather": ["services/trainer/gather.py", "services/trainer/parallelize.py", "bench/weight_gather.py"],
-    "weight_gather_gpu": ["services/trainer/gather.py", "services/trainer/parallelize.py", "bench/weight_gather.py"],
-    "trainer_fit": ["services/trainer/lora.py", "services/trainer/parallelize.py", "services/trainer/optim.py",
+    "weight_gather": ["services/trainer/gather.py", "services/trainer/parallel/parallelize.py", "bench/weight_gather.py"],
+    "weight_gather_gpu": ["services/trainer/gather.py", "services/trainer/parallel/parallelize.py", "bench/weight_gather.py"],
+    "trainer_fit": ["services/trainer/lora.py", "services/trainer/parallel/parallelize.py", "services/trainer/optim.py",
                     "bench/trainer_fit.py"],
-    "trainer_fit_gpu": ["services/trainer/lora.py", "services/trainer/parallelize.py", "services/trainer/optim.py",
+    "trainer_fit_gpu": ["services/trainer/lora.py", "services/trainer/parallel/parallelize.py", "services/trainer/optim.py",
                         "bench/trainer_fit.py"],
 }
 

@@ -30,7 +30,7 @@ from trainer_mfu import SHAPES  # noqa: E402
 
 from services.common.weights import named_weights  # noqa: E402
 from services.trainer.gather import stage_gatherers  # noqa: E402
-from services.trainer.parallelize import apply_fsdp  # noqa: E402
+from services.trainer.parallel.parallelize import apply_fsdp  # noqa: E402
 
 
 def build(size: str, device: torch.device):

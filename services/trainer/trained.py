@@ -14,7 +14,7 @@ from services.trainer.config import ActorConfig, OptimSection
 from services.trainer.layout import RankLayout
 from services.trainer.nvtx import phase
 from services.trainer.optim import DynamicLossScaler, build_adamw, clip_grad_norm, lr_lambda
-from services.trainer.parallelize import parallelize
+from services.trainer.parallel.parallelize import parallelize
 
 
 class ValueModel(nn.Module):

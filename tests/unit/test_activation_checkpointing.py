@@ -13,7 +13,7 @@ from services.common.modeling import load_causal_lm
 from services.common.weights import named_weights
 from services.trainer.config import ActorConfig, TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.parallelize import apply_activation_checkpointing, checkpointed_blocks
+from services.trainer.parallel.parallelize import apply_activation_checkpointing, checkpointed_blocks
 from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import ActorLoss
 
