@@ -39,7 +39,7 @@ from services.trainer.config import CriticConfig, TrainerSettings, check_lora_ta
 from services.trainer.gather import StageGatherer, stage_gatherers
 from services.trainer.layout import RankLayout
 from services.trainer.lora import adapters_off, apply_lora, merged_weights
-from services.trainer.pipeline import last_stage_head, stage_logprobs
+from services.trainer.parallel.pipeline import last_stage_head, stage_logprobs
 from services.trainer.nvtx import phase
 from services.trainer.optim import apply_hyperparams
 from services.trainer.parallel.mesh import (CommandChannel, ParallelDims, gather_to_rank0, init_distributed,
@@ -161,7 +161,7 @@ class TrainerEngine:
     def _setup_fused_head(self, module: nn.Module, wanted: bool | None) -> bool:
         """Turns the fused head on where it applies (null: wherever it can; true on a head it cannot fuse is
         refused by enable_fused_head). Pipeline stages compute their log-probs from the last stage's hidden
-        states in chunks whatever this says (services/trainer/pipeline.py). Under TP the head is vocab-parallel
+        states in chunks whatever this says (services/trainer/parallel/pipeline.py). Under TP the head is vocab-parallel
         (services/common/vocab_parallel.py)."""
         if self.dims.pp > 1:
             return self.resolved.pick("actor.fused_logprobs", wanted if wanted is not True else False, False,

@@ -53,7 +53,7 @@ class Update(ABC):
     def pipeline_loss(self, hidden: torch.Tensor, target: torch.Tensor,
                       denom: float) -> tuple[torch.Tensor, torch.Tensor]:
         """`loss` on the last pipeline stage: from one pipeline micro-batch's final hidden states and its target
-        (the LM head runs here, in chunks: services.trainer.pipeline.stage_logprobs)."""
+        (the LM head runs here, in chunks: services.trainer.parallel.pipeline.stage_logprobs)."""
         raise NotImplementedError(f"{type(self).__name__}: no pipeline-parallel path")
 
     @abstractmethod
