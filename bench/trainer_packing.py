@@ -125,7 +125,7 @@ def print_profile(name: str, fn) -> None:
 
 
 def run_spread(path: str, dev: str, scale: dict, vocab: int, *, warmup: int, steps: int, variants: list[str]) -> dict:
-    from services.trainer import layout as layout_mod
+    from services.trainer.parallel import layout as layout_mod
 
     samples = spread_samples(scale["samples"], scale["prompt"], scale["response"], vocab)
     prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
