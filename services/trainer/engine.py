@@ -36,7 +36,7 @@ from services.common.weights import named_weights
 from services.trainer import checkpoint
 from services.trainer.batch import validate_actor_batch, validate_critic_batch, validate_dpo_batch
 from services.trainer.config import CriticConfig, TrainerSettings, check_lora_targets, master_and_compute_dtypes
-from services.trainer.gather import StageGatherer, stage_gatherers
+from services.trainer.weights.gather import StageGatherer, stage_gatherers
 from services.trainer.parallel.layout import RankLayout
 from services.trainer.lora import adapters_off, apply_lora, merged_weights
 from services.trainer.parallel.pipeline import last_stage_head, stage_logprobs
@@ -515,7 +515,7 @@ class TrainerEngine:
         HF names, tied weights once.
 
         Each pipeline stage's TP/FSDP shards are gathered to the stage's sender (its rank at dp = tp = 0) in
-        buckets of weight_sync.device_bucket_bytes, one gather per bucket (services/trainer/gather.py); the
+        buckets of weight_sync.device_bucket_bytes, one gather per bucket (services/trainer/weights/gather.py); the
         stages' senders then send their part to rank 0.
         """
         # Replicas and exported folders hold the model's dtype, whatever the master weights' dtype.
