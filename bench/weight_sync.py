@@ -303,7 +303,7 @@ def push_times(sender, state, target: str, repeats: int, bucket_bytes: int, *, f
 
 def bench_size(size: str, transport: str, *, repeats: int, device: str, replica_device: str,
                bucket_mib: int) -> dict:
-    from services.trainer.sender_choice import build_sender
+    from services.trainer.weights.choice import build_sender
 
     on_device = transport != "grpc"
     state = trainer_state(size, device if on_device else "cpu")

@@ -14,7 +14,7 @@ from services.common.weight_transport import placement_of
 from services.trainer import convert
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.sender_choice import AutoSender, available_senders, build_sender, check_transport
+from services.trainer.weights.choice import AutoSender, available_senders, build_sender, check_transport
 from services.trainer.weight_sync import WeightSender
 
 

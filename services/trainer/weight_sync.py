@@ -1,6 +1,6 @@
 """Weight senders: push the trainer's current weights to rollout replicas under a version.
 
-`WeightSender` is the interface, and `build_sender` (services/trainer/sender_choice.py) picks one by
+`WeightSender` is the interface, and `build_sender` (services/trainer/weights/choice.py) picks one by
 `weight_sync.transport` (`auto`: per replica):
 - "grpc": a manifest and CRC-checked buckets streamed over `Rollout.UpdateWeights` to every target
   concurrently; works across hosts and with every engine. CRCs are computed once per push and the
