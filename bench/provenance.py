@@ -57,7 +57,7 @@ SOURCES: dict[str, list[str]] = {
                      "services/rollout/decode_attention.py", "services/rollout/fused_sample.py",
                      "services/common/chat_delta.py", "services/env", "bench/episodes.py"],
     "env_tools": ["services/env", "services/common/tool_calls.py", "protos/meshrl/v1/env.proto", "bench/env_tools.py"],
-    "weight_sync": ["services/trainer/weight_sync.py", "services/trainer/weights/choice.py",
+    "weight_sync": ["services/trainer/weights/senders.py", "services/trainer/weights/choice.py",
                     "services/common/weight_transport.py",
                     "services/rollout/weight_receivers.py", "bench/weight_sync.py"],
     "weight_sync_ipc": ["services/common/weight_transport.py", "bench/weight_sync_ipc.py"],

@@ -15,7 +15,7 @@ from services.trainer import convert
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.weights.choice import AutoSender, available_senders, build_sender, check_transport
-from services.trainer.weight_sync import WeightSender
+from services.trainer.weights.senders import WeightSender
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):

@@ -1,6 +1,6 @@
 """Which sender pushes the trainer's weights: `build_sender` for `weight_sync.transport`, and `AutoSender` for its
 `auto`, which picks each replica's transport from where the replica says it is (services/common/placement.py).
-The transports themselves are services/trainer/weight_sync.py's."""
+The transports themselves are services/trainer/weights/senders.py's."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
 from services.common.manifest import DEFAULT_BUCKET_BYTES
 from services.common.placement import Placement, pick_transport, placement_from
-from services.trainer.weight_sync import (DEVICE_BUCKET_BYTES, SENDERS, NcclSender, PushOutcome, WeightSender,
-                                          _error, _nccl_importable, _RpcSender)
+from services.trainer.weights.senders import (DEVICE_BUCKET_BYTES, SENDERS, NcclSender, PushOutcome, WeightSender,
+                                              _error, _nccl_importable, _RpcSender)
 
 log = logging.getLogger("meshrl.trainer")
 
