@@ -29,7 +29,7 @@ from provenance import stamp  # noqa: E402
 from trainer_mfu import SHAPES  # noqa: E402
 
 from services.trainer.config import LoraSection  # noqa: E402
-from services.trainer.lora import apply_lora  # noqa: E402
+from services.trainer.model.lora import apply_lora  # noqa: E402
 from services.trainer.optim import build_adamw  # noqa: E402
 from services.trainer.parallel.parallelize import apply_activation_checkpointing  # noqa: E402
 

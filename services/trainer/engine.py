@@ -38,7 +38,7 @@ from services.trainer.batch import validate_actor_batch, validate_critic_batch, 
 from services.trainer.config import CriticConfig, TrainerSettings, check_lora_targets, master_and_compute_dtypes
 from services.trainer.weights.gather import StageGatherer, stage_gatherers
 from services.trainer.parallel.layout import RankLayout
-from services.trainer.lora import adapters_off, apply_lora, merged_weights
+from services.trainer.model.lora import adapters_off, apply_lora, merged_weights
 from services.trainer.parallel.pipeline import last_stage_head, stage_logprobs
 from services.trainer.nvtx import phase
 from services.trainer.optim import apply_hyperparams
