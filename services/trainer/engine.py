@@ -45,7 +45,7 @@ from services.trainer.optim import apply_hyperparams
 from services.trainer.parallel.mesh import (CommandChannel, ParallelDims, gather_to_rank0, init_distributed,
                                             launched_world_size, local_device)
 from services.trainer.steps import StepRecord
-from services.trainer.trained import Trained, ValueModel, build_trained
+from services.trainer.model.trained import Trained, ValueModel, build_trained
 from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, OptimSettings, PreferencePair,
                                     RunOptim, RunStep, TrainSample)
 from services.trainer.updates.actor import ActorUpdate

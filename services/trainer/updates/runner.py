@@ -18,7 +18,7 @@ from services.trainer.batch import mini_batches
 from services.trainer.parallel.layout import RankLayout
 from services.trainer.nvtx import phase
 from services.trainer.parallel.mesh import all_reduce_sum
-from services.trainer.trained import Trained, finish_deferred, grad_sync, optimizer_step
+from services.trainer.model.trained import Trained, finish_deferred, grad_sync, optimizer_step
 
 
 class Update(ABC):
