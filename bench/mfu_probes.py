@@ -103,7 +103,7 @@ def clip_in_adamw():
     """The engine's last (deferred) optimizer step clips inside fused AdamW: the norm as before, then
     grad_scale = 1 / min(1, max_norm / (norm + 1e-6)) on the device; no multiply pass over the gradients."""
     from services.trainer.model import trained as tr
-    from services.trainer.optim import clip_grad_norm
+    from services.trainer.model.optim import clip_grad_norm
 
     real = tr._deferred_step
 

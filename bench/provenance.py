@@ -66,9 +66,9 @@ SOURCES: dict[str, list[str]] = {
     "multi_gpu": [*_MESH, "bench/multi_gpu.py"],
     "weight_gather": ["services/trainer/weights/gather.py", "services/trainer/parallel/parallelize.py", "bench/weight_gather.py"],
     "weight_gather_gpu": ["services/trainer/weights/gather.py", "services/trainer/parallel/parallelize.py", "bench/weight_gather.py"],
-    "trainer_fit": ["services/trainer/model/lora.py", "services/trainer/parallel/parallelize.py", "services/trainer/optim.py",
+    "trainer_fit": ["services/trainer/model/lora.py", "services/trainer/parallel/parallelize.py", "services/trainer/model/optim.py",
                     "bench/trainer_fit.py"],
-    "trainer_fit_gpu": ["services/trainer/model/lora.py", "services/trainer/parallel/parallelize.py", "services/trainer/optim.py",
+    "trainer_fit_gpu": ["services/trainer/model/lora.py", "services/trainer/parallel/parallelize.py", "services/trainer/model/optim.py",
                         "bench/trainer_fit.py"],
 }
 

@@ -30,7 +30,7 @@ from trainer_mfu import SHAPES  # noqa: E402
 
 from services.trainer.config import LoraSection  # noqa: E402
 from services.trainer.model.lora import apply_lora  # noqa: E402
-from services.trainer.optim import build_adamw  # noqa: E402
+from services.trainer.model.optim import build_adamw  # noqa: E402
 from services.trainer.parallel.parallelize import apply_activation_checkpointing  # noqa: E402
 
 SIZES = {**SHAPES,

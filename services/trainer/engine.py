@@ -41,7 +41,7 @@ from services.trainer.parallel.layout import RankLayout
 from services.trainer.model.lora import adapters_off, apply_lora, merged_weights
 from services.trainer.parallel.pipeline import last_stage_head, stage_logprobs
 from services.trainer.nvtx import phase
-from services.trainer.optim import apply_hyperparams
+from services.trainer.model.optim import apply_hyperparams
 from services.trainer.parallel.mesh import (CommandChannel, ParallelDims, gather_to_rank0, init_distributed,
                                             launched_world_size, local_device)
 from services.trainer.steps import StepRecord

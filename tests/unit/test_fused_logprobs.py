@@ -18,7 +18,7 @@ from services.common.weights import named_weights
 from services.common import fused
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.optim import adamw_impl, build_adamw, clip_grad_norm
+from services.trainer.model.optim import adamw_impl, build_adamw, clip_grad_norm
 from services.trainer.types import ActorLoss
 from services.common.compile import apply_compile, transformer_blocks
 from services.trainer.testing import make_tiny_model, random_samples

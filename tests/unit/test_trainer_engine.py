@@ -12,7 +12,7 @@ from services.common.errors import FailedPrecondition, NotFound
 from services.common.weights import named_weights
 from services.trainer.config import ActorConfig, TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.optim import lr_lambda
+from services.trainer.model.optim import lr_lambda
 from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import ActorLoss, CriticLoss, CriticSample, TrainSample
 

@@ -10,7 +10,7 @@ from services.common.config import load_config
 from services.common.weights import named_weights
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.optim import DynamicLossScaler
+from services.trainer.model.optim import DynamicLossScaler
 from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import ActorLoss
 
