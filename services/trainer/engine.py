@@ -33,7 +33,7 @@ from services.common.fused import enable_fused_head, sequence_logprobs, supports
 from services.common.modeling import load_causal_lm, set_threads, validate_sequences
 from services.common.packing import enable_packing, supports_packing
 from services.common.weights import named_weights
-from services.trainer import checkpoint
+from services.trainer.model import checkpoint
 from services.trainer.batch import validate_actor_batch, validate_critic_batch, validate_dpo_batch
 from services.trainer.config import CriticConfig, TrainerSettings, check_lora_targets, master_and_compute_dtypes
 from services.trainer.weights.gather import StageGatherer, stage_gatherers

@@ -21,7 +21,7 @@ from services.common.channel import create_channel
 from services.common.config import load_config
 from services.common.errors import passes_through
 from services.common.server import status_for
-from services.trainer import checkpoint
+from services.trainer.model import checkpoint
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.servicer import start
