@@ -11,7 +11,7 @@ from services.common import fused
 from services.common.config import load_config
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.losses import logprobs_from_logits
+from services.trainer.updates.losses import logprobs_from_logits
 from services.trainer.parallel.pipeline import stage_logprobs
 from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import DPOLoss, PreferencePair

@@ -16,7 +16,7 @@ from services.common.weights import named_weights
 from services.trainer import convert
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.losses import AGG_MODES
+from services.trainer.updates.losses import AGG_MODES
 from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import ActorLoss, CriticLoss, CriticSample, TrainSample
 from services.trainer.updates.actor import actor_loss

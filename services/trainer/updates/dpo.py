@@ -12,7 +12,7 @@ import torch
 
 from services.common.fused import sequence_logprobs
 from services.trainer.parallel.layout import RankLayout
-from services.trainer.losses import dpo_loss
+from services.trainer.updates.losses import dpo_loss
 from services.trainer.parallel.pipeline import last_stage_head, stage_logprobs
 from services.trainer.model.trained import Trained
 from services.trainer.types import DPOLoss, PreferencePair
