@@ -58,7 +58,7 @@ def bf16_residual():
 
     def build(*args, **kwargs):
         engine = real(*args, **kwargs)
-        engine.actor.module.model.embed_tokens.register_forward_hook(_to_autocast_dtype)
+        engine.rank.actor.module.model.embed_tokens.register_forward_hook(_to_autocast_dtype)
         return engine
 
     tm.build_engine = build
