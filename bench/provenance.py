@@ -66,12 +66,14 @@ SOURCES: dict[str, list[str]] = {
     "payloads": ["services/common/packed.py", "protos/meshrl/v1/common.proto", "protos/meshrl/v1/rollout.proto",
                  "protos/meshrl/v1/reference.proto", "protos/meshrl/v1/trainer.proto", "bench/payloads.py"],
     "multi_gpu": [*_MESH, "bench/multi_gpu.py"],
-    "weight_gather": ["services/trainer/weights/gather.py", "services/trainer/parallel/parallelize.py", "bench/weight_gather.py"],
-    "weight_gather_gpu": ["services/trainer/weights/gather.py", "services/trainer/parallel/parallelize.py", "bench/weight_gather.py"],
-    "trainer_fit": ["services/trainer/model/lora.py", "services/trainer/parallel/parallelize.py", "services/trainer/model/optim.py",
-                    "bench/trainer_fit.py"],
-    "trainer_fit_gpu": ["services/trainer/model/lora.py", "services/trainer/parallel/parallelize.py", "services/trainer/model/optim.py",
-                        "bench/trainer_fit.py"],
+    "weight_gather": ["services/trainer/weights/gather.py", "services/trainer/parallel/parallelize.py",
+                      "bench/weight_gather.py"],
+    "weight_gather_gpu": ["services/trainer/weights/gather.py", "services/trainer/parallel/parallelize.py",
+                          "bench/weight_gather.py"],
+    "trainer_fit": ["services/trainer/model/lora.py", "services/trainer/parallel/parallelize.py",
+                    "services/trainer/model/optim.py", "bench/trainer_fit.py"],
+    "trainer_fit_gpu": ["services/trainer/model/lora.py", "services/trainer/parallel/parallelize.py",
+                        "services/trainer/model/optim.py", "bench/trainer_fit.py"],
 }
 
 
