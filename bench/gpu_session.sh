@@ -127,7 +127,7 @@ for what in "$@"; do
         ${MULTI_LAYOUTS:+--layouts "$MULTI_LAYOUTS"} ${MULTI_GRPO_STEPS:+--grpo-steps "$MULTI_GRPO_STEPS"} --work-dir "$WORK/multi" --out "$OUT/multi_gpu.json"
       (cd "$WORK/multi" && tar czf "$OUT/multi-logs.tgz" logs-* *.log grpo-runs/logs 2>/dev/null) ;;
     wgather) # the trainer side of a push, FSDP over every GPU, Qwen2.5-1.5B-shaped: full_tensor() on every rank vs
-             # the bucketed gather to the sender (services/trainer/gather.py)
+             # the bucketed gather to the sender (services/trainer/weights/gather.py)
       part wgather 300 python3 -m torch.distributed.run --standalone --nproc_per_node="$(nvidia-smi -L | wc -l)" \
         bench/weight_gather.py --size "${WGATHER_SIZE:-1.5b}" --out "$OUT/weight_gather_gpu.json" ;;
     wgathercpu) # the same comparison at 1.5B on this host's CPUs (gloo, 4 ranks): for when one GPU is all there is

@@ -58,7 +58,7 @@ def bf16_residual():
 
     def build(*args, **kwargs):
         engine = real(*args, **kwargs)
-        engine.actor.module.model.embed_tokens.register_forward_hook(_to_autocast_dtype)
+        engine.rank.actor.module.model.embed_tokens.register_forward_hook(_to_autocast_dtype)
         return engine
 
     tm.build_engine = build
@@ -102,8 +102,8 @@ def fused_projections():
 def clip_in_adamw():
     """The engine's last (deferred) optimizer step clips inside fused AdamW: the norm as before, then
     grad_scale = 1 / min(1, max_norm / (norm + 1e-6)) on the device; no multiply pass over the gradients."""
-    from services.trainer import trained as tr
-    from services.trainer.optim import clip_grad_norm
+    from services.trainer.model import trained as tr
+    from services.trainer.model.optim import clip_grad_norm
 
     real = tr._deferred_step
 

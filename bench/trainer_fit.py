@@ -29,9 +29,9 @@ from provenance import stamp  # noqa: E402
 from trainer_mfu import SHAPES  # noqa: E402
 
 from services.trainer.config import LoraSection  # noqa: E402
-from services.trainer.lora import apply_lora  # noqa: E402
-from services.trainer.optim import build_adamw  # noqa: E402
-from services.trainer.parallelize import apply_activation_checkpointing  # noqa: E402
+from services.trainer.model.lora import apply_lora  # noqa: E402
+from services.trainer.model.optim import build_adamw  # noqa: E402
+from services.trainer.parallel.parallelize import apply_activation_checkpointing  # noqa: E402
 
 SIZES = {**SHAPES,
          "3b": dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,

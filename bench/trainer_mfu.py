@@ -156,10 +156,10 @@ def build_engine(path: str, dev: str, *, amp: bool, dtype: str, budget: int, ove
 def run_engine(path: str, samples, dev: str, warmup: int, steps: int, *, amp: bool, overrides: dict,
                dtype: str, budget: int, parity: bool, profile: bool = False, trace: str | None = None) -> dict:
     engine = build_engine(path, dev, amp=amp, dtype=dtype, budget=budget, overrides=overrides)
-    extra = {"fused_logprobs": engine.fused_logprobs,
-             "adamw": "fused" if engine.actor.optimizer.defaults.get("fused") else
-                      "foreach" if engine.actor.optimizer.defaults.get("foreach") else "for-loop"}
-    if parity and engine.fused_logprobs:
+    extra = {"fused_logprobs": engine.rank.fused_logprobs,
+             "adamw": "fused" if engine.rank.actor.optimizer.defaults.get("fused") else
+                      "foreach" if engine.rank.actor.optimizer.defaults.get("foreach") else "for-loop"}
+    if parity and engine.rank.fused_logprobs:
         extra["fused_head_parity"] = head_parity(engine, samples, dev)
     loss = ActorLoss()
     metrics = []
@@ -270,18 +270,19 @@ def trace_profile(trace: str, min_us: float = 100.0) -> dict:
 def head_parity(engine, samples, dev: str) -> dict:
     """The trainer's fused head vs services.common.modeling.response_logprobs on 2 x 512 tokens: values and
     gradients (run on a variant without compile: the 512-token shape would compile again)."""
-    model = engine.actor.module
+    rank = engine.rank
+    model = rank.actor.module
     n = min(511, len(samples[0].response_ids))
     ps = [s.prompt_ids for s in samples[:2]]
     rs = [s.response_ids[:n] for s in samples[:2]]
     adv = torch.randn(2, n, generator=torch.Generator().manual_seed(3)).to(dev)
     watch = {"lm_head": model.lm_head.weight, "layer0_down_proj": model.model.layers[0].mlp.down_proj.weight}
-    paths = {"reference": lambda: response_logprobs(model, ps, rs, pad_id=engine.pad_id, with_entropy=True),
-             "fused": lambda: fused.fused_response_logprobs(model, ps, rs, pad_id=engine.pad_id, device=engine.device)}
+    paths = {"reference": lambda: response_logprobs(model, ps, rs, pad_id=rank.pad_id, with_entropy=True),
+             "fused": lambda: fused.fused_response_logprobs(model, ps, rs, pad_id=rank.pad_id, device=rank.device)}
     out = {}
     for name, fn in paths.items():
         model.zero_grad(set_to_none=True)
-        with engine._amp():
+        with rank.layout.amp():
             logp, mask, ent = fn()
         ((logp * adv).sum() + 0.1 * ent.sum()).backward()
         out[name] = (logp.detach().float(), ent.detach().float(), {k: w.grad.detach().float().clone()

@@ -125,7 +125,7 @@ def print_profile(name: str, fn) -> None:
 
 
 def run_spread(path: str, dev: str, scale: dict, vocab: int, *, warmup: int, steps: int, variants: list[str]) -> dict:
-    from services.trainer import layout as layout_mod
+    from services.trainer.parallel import layout as layout_mod
 
     samples = spread_samples(scale["samples"], scale["prompt"], scale["response"], vocab)
     prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
@@ -151,7 +151,7 @@ def run_spread(path: str, dev: str, scale: dict, vocab: int, *, warmup: int, ste
             if os.environ.get("PACK_PROFILE") and dev.startswith("cuda"):
                 print_profile(name, lambda: engine.train_actor(samples, ActorLoss()))
             out[name] = {"actor_step_s": step_s, "actor_tokens_per_s": tokens / step_s, "logprobs_s": lp_s,
-                         "logprobs_tokens_per_s": tokens / lp_s, "fused_logprobs": engine.fused_logprobs,
+                         "logprobs_tokens_per_s": tokens / lp_s, "fused_logprobs": engine.rank.fused_logprobs,
                          "token_slots": slots(order_lengths, scale["budget"], packed, grouping)}
             engine.close()
             del engine

@@ -1,6 +1,6 @@
 """The trainer side of a weight push on an FSDP mesh: every rank calling full_tensor() on every weight and
 copying the whole model to the host (before) vs the bucketed gather to the sending rank
-(services/trainer/gather.py, now). Per variant: seconds (median), and what a rank that does not send holds at
+(services/trainer/weights/gather.py, now). Per variant: seconds (median), and what a rank that does not send holds at
 its peak: device bytes over the sharded model, and host bytes of weight copies.
 
     torchrun --nproc_per_node=2 bench/weight_gather.py --size tiny            # CPU (gloo): bench/results/weight_gather.json
@@ -29,8 +29,8 @@ from provenance import stamp  # noqa: E402
 from trainer_mfu import SHAPES  # noqa: E402
 
 from services.common.weights import named_weights  # noqa: E402
-from services.trainer.gather import stage_gatherers  # noqa: E402
-from services.trainer.parallelize import apply_fsdp  # noqa: E402
+from services.trainer.weights.gather import stage_gatherers  # noqa: E402
+from services.trainer.parallel.parallelize import apply_fsdp  # noqa: E402
 
 
 def build(size: str, device: torch.device):

@@ -1,7 +1,7 @@
 """Weight sync trainer -> rollout: seconds and GB/s per transport for Qwen2.5-0.5B- and 1.5B-shaped bf16 weights.
 
 The trainer side is this process: a bf16 state dict with the HF names and shapes of the model (tied
-embedding once), pushed by the trainer's own sender (`services/trainer/weight_sync.py`). The rollout side
+embedding once), pushed by the trainer's own sender (`services/trainer/weights/senders.py`). The rollout side
 is a spawned process running the real rollout server (servicer, `TorchEngine`, receivers) around an
 uninitialised Qwen2 of the same shape, so every push goes through the whole path: stream or handles,
 checks (CRC / device checksums), staging, the all-or-nothing swap into the model, the version reply.
@@ -303,7 +303,7 @@ def push_times(sender, state, target: str, repeats: int, bucket_bytes: int, *, f
 
 def bench_size(size: str, transport: str, *, repeats: int, device: str, replica_device: str,
                bucket_mib: int) -> dict:
-    from services.trainer.sender_choice import build_sender
+    from services.trainer.weights.choice import build_sender
 
     on_device = transport != "grpc"
     state = trainer_state(size, device if on_device else "cpu")

@@ -10,7 +10,7 @@ from services.common.launch import parse_args, serve_main
 from services.common.server import setup_logging
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.parallel import launched_rank
+from services.trainer.parallel.mesh import launched_rank
 from services.trainer.servicer import start
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from services.common.auto import AUTO, Auto
-from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig
+from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig, format_validation_error
 from services.common.manifest import DEFAULT_BUCKET_BYTES
+from services.trainer.types import OptimSettings
 
 DType = Literal["float32", "bfloat16", "float16"]
 # Schedules that run several stages per rank.
@@ -81,6 +83,14 @@ class OptimSection(Section):
             if not 0 <= b < 1:
                 raise ValueError(f"betas: each must be in [0, 1), got {list(self.betas)}")
         return self
+
+    def with_run(self, optim: OptimSettings, section: str) -> OptimSection:
+        """This section with a run's optimizer settings (ConfigureRun) in place of its own, validated as the YAML
+        is; an error names the key (`actor.lr: ...`)."""
+        try:
+            return type(self)(**{**self.model_dump(), **asdict(optim)})
+        except ValidationError as e:
+            raise ValueError(format_validation_error(e, source="", section=section)) from None
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

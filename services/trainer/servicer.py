@@ -14,8 +14,8 @@ from services.common.weight_transport import placement_of
 from services.trainer import convert
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.sender_choice import AutoSender, available_senders, build_sender, check_transport
-from services.trainer.weight_sync import WeightSender
+from services.trainer.weights.choice import AutoSender, available_senders, build_sender, check_transport
+from services.trainer.weights.senders import WeightSender
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -27,8 +27,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         batch = common_convert.sequences_from_pb(request)
         logprobs = await asyncio.to_thread(self.engine.compute_logprobs, batch.prompts, batch.responses,
                                            batch.temperature)
-        return common_convert.logprobs_to_pb(batch.ids, logprobs, self.engine.weight_version, packed=request.packed,
-                                             columnar=batch.columnar)
+        return common_convert.logprobs_to_pb(batch.ids, logprobs, self.engine.rank.weight_version,
+                                             packed=request.packed, columnar=batch.columnar)
 
     async def ComputeValues(self, request, context):
         ids, prompts, responses = convert.values_request_from_pb(request)
@@ -39,19 +39,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         samples, loss = convert.train_actor_from_pb(request)
         metrics, repeated = await asyncio.to_thread(self.engine.train_actor_step, samples, loss,
                                                     convert.run_step_from_pb(request))
-        return convert.train_response_to_pb(self.engine.actor.step, metrics, repeated)
+        return convert.train_response_to_pb(self.engine.rank.actor.step, metrics, repeated)
 
     async def TrainCritic(self, request, context):
         samples, loss = convert.train_critic_from_pb(request)
         metrics, repeated = await asyncio.to_thread(self.engine.train_critic_step, samples, loss,
                                                     convert.run_step_from_pb(request))
-        return convert.train_response_to_pb(self.engine.critic.step, metrics, repeated)
+        return convert.train_response_to_pb(self.engine.rank.critic.step, metrics, repeated)
 
     async def TrainDPO(self, request, context):
         pairs, loss = convert.train_dpo_from_pb(request)
         metrics, repeated = await asyncio.to_thread(self.engine.train_dpo_step, pairs, loss,
                                                     convert.run_step_from_pb(request))
-        return convert.train_response_to_pb(self.engine.actor.step, metrics, repeated)
+        return convert.train_response_to_pb(self.engine.rank.actor.step, metrics, repeated)
 
     async def PushWeights(self, request, context):
         targets = list(request.targets)
@@ -65,11 +65,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if isinstance(self.sender, AutoSender):
             await self.sender.prepare(targets)      # each replica's transport, before the state is fetched
         state, version = await asyncio.to_thread(self.engine.state_for_sync, self.sender.on_device)
+        rank = self.engine.rank
         if isinstance(self.sender, AutoSender):
             default = 0                             # each transport's own
         else:
-            default = self.engine.cfg.weight_bucket_bytes if self.sender.transport == "grpc" else \
-                self.engine.settings.weight_sync.device_bucket_bytes
+            default = rank.cfg.weight_bucket_bytes if self.sender.transport == "grpc" else \
+                rank.settings.weight_sync.device_bucket_bytes
         outcomes = await self.sender.push(state, version, targets, bucket_bytes=request.bucket_bytes or default)
         return trainer_pb2.PushWeightsResponse(
             weight_version=version, num_bytes=sum(t.numel() * t.element_size() for t in state.values()),
@@ -88,12 +89,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.export_hf, request.path))
 
     async def GetInfo(self, request, context):
-        return common_convert.info_to_pb("trainer", self.engine.model_path, self.engine.weight_version,
+        rank = self.engine.rank
+        return common_convert.info_to_pb("trainer", rank.model_path, rank.weight_version,
                                          {**self.engine.info(), "weight_transport": self.sender.transport,
-                                          "resolved": self.engine.resolved.json(),
-                                          **placement_of(self.engine.device),
-                                          "weight_transports": ",".join(available_senders(self.engine.device)),
-                                          "settings": settings_json(self.engine.settings)})
+                                          "resolved": rank.resolved.json(), **placement_of(rank.device),
+                                          "weight_transports": ",".join(available_senders(rank.device)),
+                                          "settings": settings_json(rank.settings)})
 
     async def ConfigureRun(self, request, context):
         applied = await asyncio.to_thread(self.engine.configure_run, convert.run_optim_from_pb(request))
@@ -114,9 +115,9 @@ class BaseModelReference(reference_pb2_grpc.ReferenceServicer):
         return common_convert.logprobs_to_pb(batch.ids, logprobs, 0, packed=request.packed, columnar=batch.columnar)
 
     async def GetInfo(self, request, context):
-        return common_convert.info_to_pb("reference", self.engine.model_path, 0,
+        return common_convert.info_to_pb("reference", self.engine.rank.model_path, 0,
                                          {"colocated": "trainer (actor.lora base model, adapters off)",
-                                          "settings": settings_json(self.engine.settings)})
+                                          "settings": settings_json(self.engine.rank.settings)})
 
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
@@ -128,27 +129,28 @@ async def start(settings: TrainerSettings, address: str | None = None, *,
     """Rank 0's server. The engine (collective on every rank) is built here unless one is given."""
     # Built on the loop's thread: torch.cuda.set_device and process-group start-up belong to it.
     engine = engine or TrainerEngine(settings)
+    rank = engine.rank
     token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None
     ws = settings.weight_sync
-    check_transport(ws.transport, engine.device)
+    check_transport(ws.transport, rank.device)
     auto = {}
     if ws.transport == "auto":
-        placement = placement_of(engine.device)
+        placement = placement_of(rank.device)
         auto = dict(trainer=Placement(placement["host_id"], placement.get("device_uuid", "")),
-                    grpc_bucket_bytes=engine.cfg.weight_bucket_bytes, device_bucket_bytes=ws.device_bucket_bytes,
-                    on_choice=lambda target, transport, why: engine.resolved.record(
+                    grpc_bucket_bytes=rank.cfg.weight_bucket_bytes, device_bucket_bytes=ws.device_bucket_bytes,
+                    on_choice=lambda target, transport, why: rank.resolved.record(
                         f"weight_sync.transport[{target}]", transport, "auto", why))
-        engine.resolved.record("weight_sync.transport", "per replica", "auto",
-                               "ipc to replicas on the trainer's GPU, nccl to other GPUs of this host, grpc otherwise"
-                               if placement.get("device_uuid") else "the trainer is not on a CUDA device: grpc")
+        rank.resolved.record("weight_sync.transport", "per replica", "auto",
+                             "ipc to replicas on the trainer's GPU, nccl to other GPUs of this host, grpc otherwise"
+                             if placement.get("device_uuid") else "the trainer is not on a CUDA device: grpc")
     else:
-        engine.resolved.record("weight_sync.transport", ws.transport, ws.transport, "set explicitly")
+        rank.resolved.record("weight_sync.transport", ws.transport, ws.transport, "set explicitly")
     sender = build_sender(ws.transport, token=token, timeout=settings.server.call_timeout_s,
                           collective_timeout=ws.collective_timeout_s, **auto)
     # Before the server exists: SERVING means compiled.
     await asyncio.to_thread(engine.warm_up)
     servicers, names = [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(engine, sender))], [SERVICE_NAME]
-    if engine.cfg.lora is not None:
+    if rank.cfg.lora is not None:
         servicers.append((reference_pb2_grpc.add_ReferenceServicer_to_server, BaseModelReference(engine)))
         names.append(REFERENCE_SERVICE_NAME)
     mesh, port = await create_server(servicers, names, address=address, config=settings.server)

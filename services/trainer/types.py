@@ -35,10 +35,10 @@ class ActorLoss:
     # Dual-clip constant c > 1 for negative advantages; 0 turns it off.
     dual_clip: float = 0.0
     kl_coef: float = 0.0
-    # A key of services.trainer.losses.KL_PENALTIES (or one of verl's aliases).
+    # A key of services.trainer.updates.losses.KL_PENALTIES (or one of verl's aliases).
     kl_type: str = "k3"
     entropy_coef: float = 0.0
-    # A key of services.trainer.losses.AGG_MODES.
+    # A key of services.trainer.updates.losses.AGG_MODES.
     loss_agg_mode: str = "token-mean"
     ppo_epochs: int = 1
     # Samples per optimizer step; 0 = the whole batch.
@@ -84,7 +84,7 @@ class PreferencePair:
 class DPOLoss:
     """Settings of one TrainDPO call (the DPOLoss message, with proto zeros read as defaults)."""
 
-    # A key of services.trainer.losses.DPO_LOSSES.
+    # A key of services.trainer.updates.losses.DPO_LOSSES.
     loss_type: str = "sigmoid"
     beta: float = 0.1
     # cdpo only: probability that a preference label is flipped.

@@ -62,13 +62,13 @@ def test_a_cuda_step_with_the_fused_head_equals_the_plain_one(tmp_path):
         "model": {"path": path, "device": "cuda"},
         "actor": {"lr": 1e-3, "fused_logprobs": on, "compile": False, "micro_batch_token_budget": 40}}))
         for on in (False, True)]
-    assert [e.fused_logprobs for e in engines] == [False, True]
+    assert [e.rank.fused_logprobs for e in engines] == [False, True]
     samples = random_samples(8, vocab_size=300, seed=1)
     loss = ActorLoss(mini_batch_size=4, entropy_coef=0.01)
     mp, mf = (e.train_actor(samples, loss) for e in engines)
     for key in ("pg_loss", "entropy", "grad_norm", "loss"):
         assert mf[key] == pytest.approx(mp[key], abs=1e-5, rel=1e-5), key
-    wp, wf = (named_weights(e.actor.module) for e in engines)
+    wp, wf = (named_weights(e.rank.actor.module) for e in engines)
     assert max((wp[k] - wf[k]).abs().max().item() for k in wp) < 1e-5
     for e in engines:
         e.close()
@@ -110,7 +110,7 @@ def test_a_cuda_step_packed_equals_padded(tmp_path):
                                                             "actor": {"lr": 1e-3, "compile": False, "shuffle": False,
                                                                       "use_remove_padding": packed,
                                                                       "micro_batch_token_budget": 120}}))
-        assert e.layout.packed is packed and e.fused_logprobs
+        assert e.rank.layout.packed is packed and e.rank.fused_logprobs
         metrics.append(e.train_actor(samples, ActorLoss()))
         e.close()
     for key in ("pg_loss", "entropy", "grad_norm"):
@@ -140,7 +140,7 @@ def test_packed_rows_under_fp32_master_weights_take_the_varlen_kernel(tmp_path, 
     e = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": path, "device": "cuda", "dtype": "bfloat16"},
                                                         "actor": {"lr": 1e-3, "compile": False,
                                                                   "use_remove_padding": True}}))
-    assert (e.param_dtype, e.compute_dtype, e.layout.packed) == ("float32", "bfloat16", True)
+    assert (e.rank.param_dtype, e.rank.compute_dtype, e.rank.layout.packed) == ("float32", "bfloat16", True)
     samples = random_samples(6, vocab_size=300, seed=5, max_prompt=20, max_response=30)
     e.compute_logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples])
     metrics = e.train_actor(samples, ActorLoss())

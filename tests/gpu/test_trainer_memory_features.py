@@ -45,7 +45,7 @@ def step(e: TrainerEngine) -> tuple[dict, int]:
 def test_checkpointing_modes_on_cuda(model_path, mode):
     off_metrics, off_peak = step(engine(model_path))
     on = engine(model_path, activation_checkpointing=mode)
-    assert (on.param_dtype, on.compute_dtype) == ("float32", "bfloat16")
+    assert (on.rank.param_dtype, on.rank.compute_dtype) == ("float32", "bfloat16")
     on_metrics, on_peak = step(on)
     assert on_metrics["pg_loss"] == pytest.approx(off_metrics["pg_loss"], abs=1e-2)
     assert on_peak < off_peak

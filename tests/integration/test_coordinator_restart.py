@@ -51,7 +51,7 @@ def test_coordinator_restart_resumes_from_the_last_completed_step(arith_model_pa
             # Killed after the trainer applied an update that was never recorded, the run commits that step as
             # recovered instead of training it again (coordinator/recovery.py): versions line up exactly.
             assert final.step == 6 and final.weight_version == 6
-            trainer_version = mesh.engines["trainer"][0].weight_version
+            trainer_version = mesh.engines["trainer"][0].rank.weight_version
             assert final.weight_version == trainer_version
             for replica in mesh.engines["rollout"]:
                 assert replica.engine.weight_version == trainer_version

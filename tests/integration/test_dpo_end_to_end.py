@@ -69,7 +69,7 @@ def test_a_dpo_run_through_the_run_api_raises_held_out_preference_accuracy(arith
         assert final.step == 6 and final.weight_version == 6
         # The trainer and the rollout replica (synced before the final greedy evaluation) agree.
         trainer = mesh.engines["trainer"][0]
-        assert trainer.weight_version == 6 and trainer.actor.step == 6
+        assert trainer.rank.weight_version == 6 and trainer.rank.actor.step == 6
         async with create_channel(mesh.addresses["rollout"][0]) as channel:
             assert (await remote.info(remote.rollout_stub(channel))).weight_version == 6
         client.close()

@@ -76,7 +76,7 @@ def test_bad_pairs_are_invalid_argument_naming_the_field_and_pair_and_nothing_is
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await stub.TrainDPO(request)
                 errors.append((err.value.code(), err.value.details()))
-            return errors, engine.weight_version, engine.actor.step
+            return errors, engine.rank.weight_version, engine.rank.actor.step
 
     errors, version, step = asyncio.run(main())
     assert all(code == grpc.StatusCode.INVALID_ARGUMENT for code, _ in errors)

@@ -89,7 +89,7 @@ def test_bad_input_is_invalid_argument_naming_the_field_and_a_missing_critic_is_
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await call
                 errors.append((err.value.code(), err.value.details()))
-            return errors, engine.weight_version
+            return errors, engine.rank.weight_version
 
     errors, version = asyncio.run(main())
     assert errors[0][0] == grpc.StatusCode.INVALID_ARGUMENT and "samples[1].advantages" in errors[0][1]

@@ -1,5 +1,5 @@
 """A checkpoint step that fails on one rank of a two-rank trainer is answered by rank 0, and the mesh keeps serving:
-every rank's part of a save ends in an exchange of errors (services/trainer/checkpoint.py `_together`)."""
+every rank's part of a save ends in an exchange of errors (services/trainer/model/checkpoint.py `_together`)."""
 
 from __future__ import annotations
 

@@ -164,7 +164,7 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
         first = _samples(1, single)
         expected_lp = single.compute_logprobs([s.prompt_ids for s in first], [s.response_ids for s in first])
         expected = single.train_actor(first, LOSS)
-        expected_weights = {k: v.detach().clone() for k, v in named_weights(single.actor.module).items()}
+        expected_weights = {k: v.detach().clone() for k, v in named_weights(single.rank.actor.module).items()}
         second = _samples(2, single)
         expected_next = single.train_actor(second, LOSS)
 
@@ -194,10 +194,10 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
     again = resumed.train_actor(second, LOSS)
     assert again["pg_loss"] == pytest.approx(trained_next.metrics["pg_loss"], abs=tol.metric_abs, rel=tol.metric_rel)
     assert again["grad_norm"] == pytest.approx(trained_next.metrics["grad_norm"], rel=max(1e-5, tol.metric_rel))
-    assert resumed.actor.step == 4 and resumed.weight_version == 2
-    for k, v in named_weights(resumed.actor.module).items():
+    assert resumed.rank.actor.step == 4 and resumed.rank.weight_version == 2
+    for k, v in named_weights(resumed.rank.actor.module).items():
         # Two steps apart from the single run: twice the one-step tolerance.
-        assert torch.allclose(v, named_weights(single.actor.module)[k], atol=2 * tol.weight if device == "cuda"
+        assert torch.allclose(v, named_weights(single.rank.actor.module)[k], atol=2 * tol.weight if device == "cuda"
                               else tol.weight), k
 
 
@@ -278,6 +278,6 @@ def test_a_single_process_checkpoint_resumes_on_a_two_stage_pipeline(tmp_path):
     from safetensors.torch import load_file
 
     exported = load_file(tmp_path / "hf" / "model.safetensors")
-    want = named_weights(single.actor.module)
+    want = named_weights(single.rank.actor.module)
     assert set(exported) == set(want)
     assert max((exported[k] - want[k]).abs().max().item() for k in want) < 1e-5

@@ -1,4 +1,4 @@
-"""services/trainer/gather.py on a 4-rank gloo mesh (dp=2 x tp=2): every weight layout the trainer produces
+"""services/trainer/weights/gather.py on a 4-rank gloo mesh (dp=2 x tp=2): every weight layout the trainer produces
 (FSDP's Shard(0), FSDP over TP's _StridedShard, TP's row/column shards, uneven splits, a DP-only weight, a
 plain replicated tensor) arrives whole on the sender, equal to DTensor.full_tensor(), through several buckets;
 the other ranks get nothing."""
@@ -42,7 +42,7 @@ def _worker(rank: int, out: str, bucket_bytes: int) -> None:
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from services.trainer.gather import stage_gatherers
+        from services.trainer.weights.gather import stage_gatherers
 
         mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
         module, full = _weights(mesh["dp", "tp"])
@@ -68,7 +68,7 @@ def test_every_layout_arrives_whole_on_the_sender_only(tmp_path, bucket_bytes):
 
 @pytest.mark.parametrize("bucket_bytes", [1, 10 ** 9])
 def test_buckets_cut_by_bytes_keep_every_name_once_in_order(bucket_bytes):
-    from services.trainer.gather import _buckets
+    from services.trainer.weights.gather import _buckets
 
     names, sizes = ["a", "b", "c", "d"], [40, 40, 200, 8]
     buckets = list(_buckets(names, sizes, bucket_bytes))

@@ -21,7 +21,7 @@ from services.common.channel import create_channel
 from services.common.config import load_config
 from services.common.errors import passes_through
 from services.common.server import status_for
-from services.trainer import checkpoint
+from services.trainer.model import checkpoint
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.servicer import start
@@ -70,7 +70,7 @@ def rewrite_manifest(path: Path) -> None:
 def test_a_saved_checkpoint_lists_every_file_in_its_manifest_and_loads_back(engine, saved):
     files = json.loads((saved / "manifest.json").read_text())["files"]
     assert sorted(files) == ["dcp/.metadata", "dcp/__0_0.distcp", "rng/rank0.pt", "trainer_state.json"]
-    assert engine.load_checkpoint(str(saved))["weight_version"] == engine.weight_version
+    assert engine.load_checkpoint(str(saved))["weight_version"] == engine.rank.weight_version
 
 
 def test_flipped_bytes_in_a_shard_are_refused_naming_the_file(engine, saved, tmp_path):
@@ -185,7 +185,7 @@ def test_torchs_checkpoint_exceptions_over_grpc_are_answered_with_the_path_and_c
         raise _checkpoint_exception(RuntimeError("PytorchStreamReader failed reading zip archive"))
 
     async def main():
-        mesh, port, _ = await start(engine.settings, "127.0.0.1:0", engine=engine)
+        mesh, port, _ = await start(engine.rank.settings, "127.0.0.1:0", engine=engine)
         try:
             async with create_channel(f"127.0.0.1:{port}") as channel:
                 stub = trainer_pb2_grpc.TrainerStub(channel)
@@ -269,11 +269,11 @@ def test_a_checkpoint_of_another_model_is_refused_before_any_weight_changes(engi
     other_model = make_tiny_model(tmp_path / "other", vocab_size=40)
     other = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": other_model}, "actor": {"lr": 1e-2}}))
     other.save_checkpoint(str(tmp_path / "other_ck"))
-    before = {k: v.clone() for k, v in named_weights(engine.actor.module).items()}
+    before = {k: v.clone() for k, v in named_weights(engine.rank.actor.module).items()}
     code, message = refused(engine.load_checkpoint, str(tmp_path / "other_ck"))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert message.startswith(f"path: checkpoint '{tmp_path}/other_ck' does not fit this model: actor ")
-    assert all((before[k] == v).all() for k, v in named_weights(engine.actor.module).items())
+    assert all((before[k] == v).all() for k, v in named_weights(engine.rank.actor.module).items())
 
 
 def test_resuming_from_a_refused_checkpoint_falls_back_to_the_one_before_and_says_so(engine, tmp_path, caplog):
@@ -293,7 +293,7 @@ def test_resuming_from_a_refused_checkpoint_falls_back_to_the_one_before_and_say
                f"is missing (the save did not finish, or the folder is not a meshrl checkpoint)")
 
     async def main():
-        mesh, port, _ = await start(engine.settings, "127.0.0.1:0", engine=engine)
+        mesh, port, _ = await start(engine.rank.settings, "127.0.0.1:0", engine=engine)
         try:
             async with create_channel(f"127.0.0.1:{port}") as channel:
                 ctx = SimpleNamespace(run_dir=tmp_path, trainer=GuardedTrainer(

@@ -36,17 +36,17 @@ def tiny_engine(tmp_path_factory) -> TrainerEngine:
 
 
 def _weights(e: TrainerEngine) -> dict:
-    return {k: v.detach().clone() for k, v in named_weights(e.actor.module).items()}
+    return {k: v.detach().clone() for k, v in named_weights(e.rank.actor.module).items()}
 
 
 def test_a_repeated_run_step_is_answered_from_the_record_without_training_again(tiny_engine):
     e = tiny_engine
     first = RunStep("run-a", 1, 4)
     metrics, repeated = e.train_actor_step(random_samples(4, seed=0), ActorLoss(), first)
-    version, weights = e.weight_version, _weights(e)
+    version, weights = e.rank.weight_version, _weights(e)
     again, repeated_again = e.train_actor_step(random_samples(4, seed=1), ActorLoss(), first)
     assert (repeated, repeated_again) == (False, True)
-    assert again == metrics and e.weight_version == version
+    assert again == metrics and e.rank.weight_version == version
     assert all(weights[k].equal(v) for k, v in _weights(e).items())
     assert {k: e.info()[k] for k in ("run_id", "run_step", "run_data_position")} == \
         {"run_id": "run-a", "run_step": 1, "run_data_position": 4}
@@ -55,14 +55,14 @@ def test_a_repeated_run_step_is_answered_from_the_record_without_training_again(
 def test_a_run_step_out_of_order_is_refused_by_name_and_another_run_starts_anywhere(tiny_engine):
     e = tiny_engine
     e.train_actor_step(random_samples(4, seed=2), ActorLoss(), RunStep("run-b", 1, 4))
-    version = e.weight_version
+    version = e.rank.weight_version
     with pytest.raises(FailedPrecondition) as err:
         e.train_actor_step(random_samples(4, seed=3), ActorLoss(), RunStep("run-b", 3, 12))
     assert str(err.value) == ("run_step.step: run 'run-b' step 3 does not follow the step this trainer last "
                               "applied (1); the run must resume from a checkpoint")
-    assert e.weight_version == version
+    assert e.rank.weight_version == version
     e.train_actor_step(random_samples(4, seed=4), ActorLoss(), RunStep("run-c", 7, 28))
-    assert e.weight_version == version + 1 and e.info()["run_step"] == 7
+    assert e.rank.weight_version == version + 1 and e.info()["run_step"] == 7
 
 
 def test_a_checkpoint_reports_the_run_step_it_holds_and_a_load_makes_it_the_record(tiny_engine, tmp_path):
@@ -87,7 +87,7 @@ def test_a_critic_update_of_a_step_redone_is_not_applied_twice(tmp_path):
     values = e.compute_values([[1, 5]], [[3, 4]])
     # The coordinator died before the step's actor update: the redone step's critic call is a repeat.
     _, again = e.train_critic_step(samples, CriticLoss(), step)
-    assert (first, again) == (False, True) and e.critic.step == 1
+    assert (first, again) == (False, True) and e.rank.critic.step == 1
     assert e.compute_values([[1, 5]], [[3, 4]]) == values
 
 

@@ -13,7 +13,7 @@ from services.common.modeling import load_causal_lm
 from services.common.weights import named_weights
 from services.trainer.config import ActorConfig, TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.parallelize import apply_activation_checkpointing, checkpointed_blocks
+from services.trainer.parallel.parallelize import apply_activation_checkpointing, checkpointed_blocks
 from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import ActorLoss
 
@@ -114,11 +114,11 @@ def test_checkpoint_and_export_with_checkpointing_load_where_it_is_off(model_pat
     on.save_checkpoint(str(tmp_path / "ck"))
     on.export_hf(str(tmp_path / "hf"))
     exported = load_file(tmp_path / "hf" / "model.safetensors")
-    want = named_weights(on.actor.module)
+    want = named_weights(on.rank.actor.module)
     assert set(exported) == set(want)
     off = engine(model_path, "none")
     off.load_checkpoint(str(tmp_path / "ck"))
-    for k, v in named_weights(off.actor.module).items():
+    for k, v in named_weights(off.rank.actor.module).items():
         assert torch.equal(v, want[k]), k
     # The exported folder loads as the HF model it is.
     reloaded = load_causal_lm(str(tmp_path / "hf"), dtype="float32", device="cpu")

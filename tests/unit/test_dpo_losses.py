@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.losses import dpo_loss
+from services.trainer.updates.losses import dpo_loss
 
 
 def _t(*xs):

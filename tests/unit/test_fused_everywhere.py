@@ -11,8 +11,8 @@ from services.common import fused
 from services.common.config import load_config
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.losses import logprobs_from_logits
-from services.trainer.pipeline import stage_logprobs
+from services.trainer.updates.losses import logprobs_from_logits
+from services.trainer.parallel.pipeline import stage_logprobs
 from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import DPOLoss, PreferencePair
 
@@ -110,7 +110,7 @@ def test_compute_logprobs_and_dpo_through_the_fused_head_equal_full_logits(model
     out = []
     for on in (False, True):
         e = engine(model_path, on)
-        assert e.fused_logprobs is on
+        assert e.rank.fused_logprobs is on
         out.append((e.compute_logprobs(prompts, responses), e.train_dpo(pairs, DPOLoss(beta=0.1)),
                     e.compute_logprobs(prompts, responses)))
     (lp_a, m_a, after_a), (lp_b, m_b, after_b) = out

@@ -18,7 +18,7 @@ from services.common.weights import named_weights
 from services.common import fused
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.optim import adamw_impl, build_adamw, clip_grad_norm
+from services.trainer.model.optim import adamw_impl, build_adamw, clip_grad_norm
 from services.trainer.types import ActorLoss
 from services.common.compile import apply_compile, transformer_blocks
 from services.trainer.testing import make_tiny_model, random_samples
@@ -89,7 +89,7 @@ def test_fused_response_logprobs_match_the_plain_path_on_a_model_with_ragged_row
 
 def test_a_fused_training_step_equals_the_plain_one(model_path):
     plain, fast = engine(model_path, fused_logprobs=False), engine(model_path, fused_logprobs=True)
-    assert (plain.fused_logprobs, fast.fused_logprobs) == (False, True)
+    assert (plain.rank.fused_logprobs, fast.rank.fused_logprobs) == (False, True)
     loss = ActorLoss(mini_batch_size=4, kl_coef=0.05, entropy_coef=0.01)
     for seed in (1, 2):
         samples = random_samples(8, vocab_size=48, seed=seed)
@@ -99,7 +99,7 @@ def test_a_fused_training_step_equals_the_plain_one(model_path):
         mp, mf = plain.train_actor(samples, loss), fast.train_actor(samples, loss)
         for key in ("pg_loss", "kl_loss", "entropy", "approx_kl", "clip_frac", "grad_norm", "loss"):
             assert mf[key] == pytest.approx(mp[key], abs=1e-5, rel=1e-5), key
-    wp, wf = named_weights(plain.actor.module), named_weights(fast.actor.module)
+    wp, wf = named_weights(plain.rank.actor.module), named_weights(fast.rank.actor.module)
     assert max((wp[k] - wf[k]).abs().max().item() for k in wp) < 1e-5
 
 
@@ -143,7 +143,7 @@ def test_adamw_is_foreach_on_cpu_and_a_per_parameter_loop_for_mixed_meshes():
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     import torch.distributed as dist
-    from services.trainer.parallel import init_distributed
+    from services.trainer.parallel.mesh import init_distributed
 
     init_distributed("cpu")
     assert dist.is_initialized()
@@ -178,12 +178,12 @@ def test_the_one_sync_grad_norm_equals_torchs_and_clips_the_same():
 
 def test_a_non_finite_gradient_norm_skips_the_step_and_keeps_the_weights(model_path):
     e = engine(model_path)
-    before = {k: v.detach().clone() for k, v in named_weights(e.actor.module).items()}
+    before = {k: v.detach().clone() for k, v in named_weights(e.rank.actor.module).items()}
     samples = random_samples(4, vocab_size=48, seed=3)
     samples[0].advantages[0] = 1e38                       # finite input, an inf gradient
     m = e.train_actor(samples, ActorLoss())
     assert m["num_skipped_steps"] == 1 and m["num_optimizer_steps"] == 0
-    after = named_weights(e.actor.module)
+    after = named_weights(e.rank.actor.module)
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -221,7 +221,7 @@ def test_a_train_step_reads_the_device_once_per_optimizer_step_however_many_micr
     for budget in (100_000, 12):                          # one micro-batch per mini-batch, then about one a sample
         e = engine(model_path, micro_batch_token_budget=budget, fused_logprobs=fused_logprobs)
         with monkeypatch.context() as m:
-            counts = _count_host_reads(m, e.actor.optimizer)
+            counts = _count_host_reads(m, e.rank.actor.optimizer)
             e.train_actor(samples, ActorLoss(mini_batch_size=4, kl_coef=0.0))
         reads[budget] = dict(counts)
     assert reads[12] == reads[100_000]
@@ -231,9 +231,9 @@ def test_a_train_step_reads_the_device_once_per_optimizer_step_however_many_micr
 
 def test_compile_wraps_every_block_in_place_and_keeps_names_and_results(model_path):
     e = engine(model_path, compile=True)
-    assert all(b._compiled_call_impl is not None for b in transformer_blocks(e.actor.module))
+    assert all(b._compiled_call_impl is not None for b in transformer_blocks(e.rank.actor.module))
     plain = load_causal_lm(model_path, trainable=True)
-    assert set(named_weights(e.actor.module)) == set(named_weights(plain))
+    assert set(named_weights(e.rank.actor.module)) == set(named_weights(plain))
     # The wiring on the eager backend (the graphs dynamo captures, run without inductor's codegen).
     compiled = load_causal_lm(model_path, trainable=True)
     apply_compile(compiled, True, backend="eager")
@@ -250,5 +250,5 @@ def test_compile_wraps_every_block_in_place_and_keeps_names_and_results(model_pa
 
 def test_compile_default_off_on_cpu_fused_logprobs_default_on_and_packing_default_off(model_path):
     e = engine(model_path)
-    assert e.fused_logprobs is True and e.layout.packed is False
-    assert all(getattr(b, "_compiled_call_impl", None) is None for b in transformer_blocks(e.actor.module))
+    assert e.rank.fused_logprobs is True and e.rank.layout.packed is False
+    assert all(getattr(b, "_compiled_call_impl", None) is None for b in transformer_blocks(e.rank.actor.module))

@@ -53,9 +53,9 @@ def base_logprobs(model_path: str, samples) -> list[list[float]]:
 
 def test_only_adapters_train_and_the_reference_stays_the_base_model(model_path):
     e = engine(model_path)
-    trainable = {n for n, p in e.actor.module.named_parameters() if p.requires_grad}
+    trainable = {n for n, p in e.rank.actor.module.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
-    frozen = {n: p.detach().clone() for n, p in e.actor.module.named_parameters() if not p.requires_grad}
+    frozen = {n: p.detach().clone() for n, p in e.rank.actor.module.named_parameters() if not p.requires_grad}
     samples = random_samples(6, seed=1)
     base = base_logprobs(model_path, samples)
     # Adapters start at B = 0: the policy is the base model until the first step.
@@ -66,7 +66,7 @@ def test_only_adapters_train_and_the_reference_stays_the_base_model(model_path):
     assert max(abs(a - b) for x, y in zip(after, base) for a, b in zip(x, y)) > 1e-3
     for got, want in zip(e.compute_reference_logprobs(*ids(samples)), base):
         assert got == pytest.approx(want, abs=1e-6)
-    for n, p in e.actor.module.named_parameters():
+    for n, p in e.rank.actor.module.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), n
     # The adapters are back on after the reference pass.
@@ -97,7 +97,7 @@ def test_a_checkpoint_holds_the_adapters_and_resumes_the_policy(model_path, tmp_
     resumed = engine(model_path)
     resumed.load_checkpoint(str(tmp_path / "ck"))
     assert resumed.compute_logprobs(*ids(samples)) == e.compute_logprobs(*ids(samples))
-    assert resumed.actor.step == e.actor.step
+    assert resumed.rank.actor.step == e.rank.actor.step
     # Only the adapters (and their AdamW state) are in it, not the frozen base weights.
     from torch.distributed.checkpoint import FileSystemReader
 

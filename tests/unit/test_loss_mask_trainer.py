@@ -16,7 +16,7 @@ from services.common.weights import named_weights
 from services.trainer import convert
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.losses import AGG_MODES
+from services.trainer.updates.losses import AGG_MODES
 from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import ActorLoss, CriticLoss, CriticSample, TrainSample
 from services.trainer.updates.actor import actor_loss
@@ -71,7 +71,7 @@ def _on_observations(samples: list[TrainSample], value) -> list[TrainSample]:
 
 
 def _weights(e: TrainerEngine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in named_weights(e.actor.module).items()}
+    return {k: v.detach().clone() for k, v in named_weights(e.rank.actor.module).items()}
 
 
 @pytest.mark.parametrize("mode", list(AGG_MODES))
@@ -197,8 +197,8 @@ def test_the_value_loss_counts_the_model_tokens_only(model_path):
         assert got[key] == want[key], key
     assert got["num_tokens"] == sum(int(s.loss_mask.sum()) for s in samples) < sum(len(s.response_ids)
                                                                                     for s in samples)
-    ca = dict(a.critic.module.named_parameters())
-    assert all(torch.equal(ca[k], v) for k, v in b.critic.module.named_parameters())
+    ca = dict(a.rank.critic.module.named_parameters())
+    assert all(torch.equal(ca[k], v) for k, v in b.rank.critic.module.named_parameters())
 
 
 @pytest.mark.parametrize("mask,error", [([1, 0], r"samples\[0\]\.loss_mask: 2 values for 3 response tokens"),

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from services.trainer.losses import (aggregate, clipped_policy_loss, clipped_value_loss, entropy_from_logits,
-                                     kl_penalty, num_units)
+from services.trainer.updates.losses import (aggregate, clipped_policy_loss, clipped_value_loss, entropy_from_logits,
+                                             kl_penalty, num_units)
 
 
 def _policy(ratios, advs, **kw):

@@ -43,10 +43,10 @@ def step(e: TrainerEngine):
 
 def test_bf16_model_trains_fp32_master_weights_and_adam_state_and_syncs_bf16(model_path, tmp_path):
     e = engine(model_path)
-    assert (e.param_dtype, e.compute_dtype) == ("float32", "bfloat16") and e.layout.autocast
+    assert (e.rank.param_dtype, e.rank.compute_dtype) == ("float32", "bfloat16") and e.rank.layout.autocast
     step(e)
-    assert {p.dtype for p in e.actor.module.parameters()} == {torch.float32}
-    states = [s for s in e.actor.optimizer.state.values()]
+    assert {p.dtype for p in e.rank.actor.module.parameters()} == {torch.float32}
+    states = [s for s in e.rank.actor.optimizer.state.values()]
     assert states and {s["exp_avg"].dtype for s in states} == {torch.float32}
     synced, _ = e.state_for_sync()
     assert {t.dtype for t in synced.values()} == {torch.bfloat16}
@@ -59,12 +59,12 @@ def test_bf16_model_trains_fp32_master_weights_and_adam_state_and_syncs_bf16(mod
 def test_an_update_below_bf16_resolution_moves_fp32_master_weights_but_not_bf16_only_ones(model_path):
     # AdamW's first step moves each weight by about lr; 1e-6 is far below bf16's spacing near weights of ~0.02.
     master, bf16 = engine(model_path, lr=1e-6), engine(model_path, lr=1e-6, param_dtype="bfloat16")
-    assert {p.dtype for p in bf16.actor.module.parameters()} == {torch.bfloat16}
-    before_m = {k: v.detach().clone() for k, v in named_weights(master.actor.module).items()}
-    before_b = {k: v.detach().clone() for k, v in named_weights(bf16.actor.module).items()}
+    assert {p.dtype for p in bf16.rank.actor.module.parameters()} == {torch.bfloat16}
+    before_m = {k: v.detach().clone() for k, v in named_weights(master.rank.actor.module).items()}
+    before_b = {k: v.detach().clone() for k, v in named_weights(bf16.rank.actor.module).items()}
     step(master), step(bf16)
-    moved_m = sum(int((v != before_m[k]).sum()) for k, v in named_weights(master.actor.module).items())
-    moved_b = sum(int((v != before_b[k]).sum()) for k, v in named_weights(bf16.actor.module).items())
+    moved_m = sum(int((v != before_m[k]).sum()) for k, v in named_weights(master.rank.actor.module).items())
+    moved_b = sum(int((v != before_b[k]).sum()) for k, v in named_weights(bf16.rank.actor.module).items())
     total = sum(v.numel() for v in before_m.values())
     assert moved_m == total
     assert moved_b < 0.05 * total

@@ -40,23 +40,23 @@ def test_an_update_without_old_logprobs_equals_one_given_the_old_policys_logprob
     m_given, m_own = given.train_actor(with_old, loss), own.train_actor(samples, loss)
     assert m_own["pg_loss"] == pytest.approx(m_given["pg_loss"], abs=1e-6)
     assert m_own["approx_kl"] == 0.0 and m_own["clip_frac"] == 0.0
-    pg, po = named_weights(given.actor.module), named_weights(own.actor.module)
+    pg, po = named_weights(given.rank.actor.module), named_weights(own.rank.actor.module)
     assert max(float((pg[k] - po[k]).abs().max()) for k in pg) < 1e-6
     # and the update moved the weights at all
-    fresh = named_weights(engine(model_path).actor.module)
+    fresh = named_weights(engine(model_path).rank.actor.module)
     assert max(float((fresh[k] - po[k]).abs().max()) for k in po) > 1e-4
 
 
 @pytest.mark.parametrize("loss", [ActorLoss(ppo_epochs=2), ActorLoss(mini_batch_size=4)])
 def test_missing_old_logprobs_with_several_optimizer_steps_is_refused_naming_the_field(model_path, loss):
     e = engine(model_path)
-    before = {k: v.clone() for k, v in named_weights(e.actor.module).items()}
+    before = {k: v.clone() for k, v in named_weights(e.rank.actor.module).items()}
     samples = random_samples(8, seed=2)
     for s in samples:
         s.old_logprobs = []
     with pytest.raises(ValueError, match=r"old_logprobs: empty, which is allowed only for one optimizer step"):
         e.train_actor(samples, loss)
-    after = named_weights(e.actor.module)
+    after = named_weights(e.rank.actor.module)
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 

@@ -111,12 +111,12 @@ def test_the_actor_step_and_compute_logprobs_packed_equal_padded(model_path):
         # AdamW's eps 1e-6, not 1e-8: its first step moves a weight by lr * g / (|g| + eps), so a gradient within
         # rounding of 0 (1e-11 apart on the two paths) would move the weights 1e-5 apart with eps 1e-8.
         e = engine(model_path, packed, micro_batch_token_budget=30, eps=1e-6)
-        assert e.layout.packed is packed
+        assert e.rank.layout.packed is packed
         lps = e.compute_logprobs(*ids(samples))
         for s, lp in zip(samples, lps):
             s.old_logprobs, s.ref_logprobs = lp, [x - 0.05 for x in lp]
         metrics = e.train_actor(samples, loss)
-        results.append((lps, metrics, {k: v.detach().clone() for k, v in named_weights(e.actor.module).items()}))
+        results.append((lps, metrics, {k: v.detach().clone() for k, v in named_weights(e.rank.actor.module).items()}))
     (lp_a, m_a, w_a), (lp_b, m_b, w_b) = results
     assert max(abs(x - y) for ra, rb in zip(lp_a, lp_b) for x, y in zip(ra, rb)) < TOL
     for key in ("pg_loss", "kl_loss", "entropy", "loss", "grad_norm"):

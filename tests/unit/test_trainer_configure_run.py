@@ -34,7 +34,7 @@ def test_a_runs_learning_rate_replaces_the_trainers_and_shows_in_the_step_metric
     assert applied.actor == asked
     assert applied.actor_lr == 0.5
     assert train_step(e)["lr"] == 0.5
-    assert e.actor.optimizer.param_groups[0]["weight_decay"] == 0.1
+    assert e.rank.actor.optimizer.param_groups[0]["weight_decay"] == 0.1
 
 
 def test_a_new_run_restarts_the_warmup_and_a_resumed_one_keeps_its_step(model_path):
@@ -53,7 +53,7 @@ def test_an_invalid_run_setting_is_refused_by_its_key_and_nothing_changes(model_
         e.configure_run(RunOptim(OptimSettings(lr=0.1, lr_schedule="cosine", warmup_steps=5, total_steps=3)))
     assert str(err.value) == ("actor.total_steps: the cosine schedule needs total_steps > "
                               "warmup_steps (3 <= 5)")
-    assert e.actor.optimizer.param_groups[0]["lr"] == 2e-5
+    assert e.rank.actor.optimizer.param_groups[0]["lr"] == 2e-5
 
 
 def test_critic_settings_for_a_trainer_without_a_critic_are_refused(model_path):

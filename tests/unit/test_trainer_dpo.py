@@ -30,7 +30,7 @@ def engine(model_path: str, **actor) -> TrainerEngine:
 
 
 def params(e: TrainerEngine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in named_weights(e.actor.module).items()}
+    return {k: v.detach().clone() for k, v in named_weights(e.rank.actor.module).items()}
 
 
 def random_pairs(num: int, *, seed: int = 0, vocab_size: int = 32) -> list[PreferencePair]:
@@ -91,7 +91,7 @@ def test_one_dpo_step_equals_a_hand_written_adamw_step_on_the_plain_model(model_
     # (~1e-9: k_proj.bias, whose exact gradient is 0) turns an fp32 summation-order difference into an update
     # difference of ~1e-6. eps 1e-5 keeps the noise out and every real gradient in Adam's normal regime.
     e = engine(model_path, lr=1e-3, grad_clip=0.5, eps=1e-5)
-    model = copy.deepcopy(e.actor.module)
+    model = copy.deepcopy(e.rank.actor.module)
     pairs = random_pairs(4, seed=1)
     e.train_dpo(pairs, DPOLoss(beta=0.3))
 
@@ -111,10 +111,10 @@ def test_one_dpo_step_equals_a_hand_written_adamw_step_on_the_plain_model(model_
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     opt.step()
     want = named_weights(model)
-    got = named_weights(e.actor.module)
+    got = named_weights(e.rank.actor.module)
     diff = max((got[k] - want[k]).abs().max().item() for k in want)
     assert diff < 1e-6
-    assert e.weight_version == 1 and e.actor.step == 1
+    assert e.rank.weight_version == 1 and e.rank.actor.step == 1
 
 
 def test_micro_batches_by_token_budget_accumulate_to_exactly_the_whole_batch_gradient(model_path):
@@ -134,7 +134,7 @@ def test_micro_batches_by_token_budget_accumulate_to_exactly_the_whole_batch_gra
 def test_mini_batches_take_one_optimizer_step_each_and_bump_the_weight_version_once(model_path):
     e = engine(model_path)
     m = e.train_dpo(random_pairs(5, seed=3), DPOLoss(mini_batch_size=2))
-    assert m["num_optimizer_steps"] == 3 and e.actor.step == 3 and e.weight_version == 1
+    assert m["num_optimizer_steps"] == 3 and e.rank.actor.step == 3 and e.rank.weight_version == 1
 
 
 def test_one_dpo_step_raises_the_chosen_over_rejected_margin_of_the_pairs(model_path):
@@ -153,7 +153,7 @@ def test_one_dpo_step_raises_the_chosen_over_rejected_margin_of_the_pairs(model_
     second = e.train_dpo(pairs, DPOLoss(beta=0.1))
     assert second["rewards/margins"] > 0 and second["loss"] < math.log(2)
     assert second["rewards/accuracy"] > 0.5
-    assert e.weight_version == 2
+    assert e.rank.weight_version == 2
 
 
 def _bad_cases():
@@ -198,13 +198,13 @@ def shared_engine(model_path) -> TrainerEngine:
 def test_bad_dpo_input_is_a_value_error_naming_the_field_and_pair_and_nothing_is_applied(shared_engine, case):
     (pairs, loss), pattern = BAD[case]
     e = shared_engine
-    before, version, step = params(e), e.weight_version, e.actor.step
+    before, version, step = params(e), e.rank.weight_version, e.rank.actor.step
     with pytest.raises(ValueError, match=pattern):
         e.train_dpo(pairs, loss)
     after = params(e)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert (e.weight_version, e.actor.step) == (version, step)
-    assert not e.actor.optimizer.state
+    assert (e.rank.weight_version, e.rank.actor.step) == (version, step)
+    assert not e.rank.actor.optimizer.state
 
 
 def test_proto_zeros_of_dpo_loss_read_as_defaults_and_pairs_round_trip():

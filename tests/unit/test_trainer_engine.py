@@ -12,7 +12,7 @@ from services.common.errors import FailedPrecondition, NotFound
 from services.common.weights import named_weights
 from services.trainer.config import ActorConfig, TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.optim import lr_lambda
+from services.trainer.model.optim import lr_lambda
 from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import ActorLoss, CriticLoss, CriticSample, TrainSample
 
@@ -35,7 +35,7 @@ def engine(model_path: str, **actor) -> TrainerEngine:
 
 
 def params(e: TrainerEngine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in named_weights(e.actor.module).items()}
+    return {k: v.detach().clone() for k, v in named_weights(e.rank.actor.module).items()}
 
 
 def with_old_logprobs(e: TrainerEngine, samples: list[TrainSample]) -> list[TrainSample]:
@@ -53,7 +53,7 @@ def test_one_grpo_step_with_positive_advantage_raises_the_sampled_responses_logp
     response = []
     with torch.no_grad():
         for _ in range(6):
-            logits = e.actor.module(input_ids=torch.tensor([prompt + response])).logits[0, -1]
+            logits = e.rank.actor.module(input_ids=torch.tensor([prompt + response])).logits[0, -1]
             response.append(int(torch.multinomial(logits.softmax(-1), 1, generator=g)))
     before = e.compute_logprobs([prompt], [response])[0]
     sample = TrainSample(prompt, response, advantages=[1.0] * len(response), old_logprobs=before)
@@ -63,7 +63,7 @@ def test_one_grpo_step_with_positive_advantage_raises_the_sampled_responses_logp
     assert metrics["clip_frac"] == 0.0           # on-policy: the first step's ratio is exactly 1
     assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["num_tokens"] == len(response)
-    assert e.weight_version == 1 and e.actor.step == 1
+    assert e.rank.weight_version == 1 and e.rank.actor.step == 1
 
 
 def test_train_actor_reports_every_metric_the_coordinator_records(model_path):
@@ -78,7 +78,7 @@ def test_train_actor_reports_every_metric_the_coordinator_records(model_path):
     assert metrics["num_optimizer_steps"] == 4
     assert metrics["kl_loss"] > 0
     assert metrics["entropy"] > 0
-    assert e.actor.step == 4 and e.weight_version == 1
+    assert e.rank.actor.step == 4 and e.rank.weight_version == 1
 
 
 def _bad_cases():
@@ -121,13 +121,13 @@ def shared_engine(model_path) -> TrainerEngine:
 def test_bad_train_input_is_a_value_error_naming_the_field_and_nothing_is_applied(shared_engine, case):
     (samples, loss), pattern = BAD[case]
     e = shared_engine
-    before, version, step = params(e), e.weight_version, e.actor.step
+    before, version, step = params(e), e.rank.weight_version, e.rank.actor.step
     with pytest.raises(ValueError, match=pattern):
         e.train_actor(samples, loss)
     after = params(e)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert (e.weight_version, e.actor.step) == (version, step)
-    assert not e.actor.optimizer.state
+    assert (e.rank.weight_version, e.rank.actor.step) == (version, step)
+    assert not e.rank.actor.optimizer.state
 
 
 def test_trainer_logprobs_equal_the_reference_services_bit_for_bit(model_path):
@@ -194,7 +194,7 @@ def test_checkpoint_round_trip_gives_the_same_next_step_as_an_uninterrupted_run(
     assert got["lr"] == pytest.approx(expected["lr"])
     pa, pb = params(a), params(b)
     assert max((pa[k] - pb[k]).abs().max().item() for k in pa) < 1e-6
-    assert b.weight_version == a.weight_version == 3
+    assert b.rank.weight_version == a.rank.weight_version == 3
 
 
 def test_loading_a_missing_checkpoint_is_not_found(shared_engine, tmp_path):
@@ -226,7 +226,7 @@ def test_weights_for_sync_carry_hf_names_once_per_tied_tensor_and_the_version(sh
     state, version = shared_engine.state_for_sync()
     assert "model.embed_tokens.weight" in state and "lm_head.weight" not in state
     assert "model.layers.1.mlp.down_proj.weight" in state
-    assert version == shared_engine.weight_version
+    assert version == shared_engine.rank.weight_version
     assert all(t.device.type == "cpu" for t in state.values())
 
 
@@ -262,14 +262,14 @@ def test_critic_updates_move_values_toward_returns_and_never_touch_the_actor(mod
     after = e.compute_values(prompts, responses)
     err = lambda vs: sum((v - t) ** 2 for row, rt in zip(vs, returns) for v, t in zip(row, rt))  # noqa: E731
     assert err(after) < err(old)
-    assert first["num_optimizer_steps"] == 3 and e.critic.step == 3
+    assert first["num_optimizer_steps"] == 3 and e.rank.critic.step == 3
     assert all(torch.equal(actor_before[k], v) for k, v in params(e).items())
-    assert e.weight_version == 0 and e.actor.step == 0
+    assert e.rank.weight_version == 0 and e.rank.actor.step == 0
 
-    critic_before = {k: v.detach().clone() for k, v in e.critic.module.named_parameters()}
+    critic_before = {k: v.detach().clone() for k, v in e.rank.critic.module.named_parameters()}
     train = with_old_logprobs(e, random_samples(3))
     e.train_actor(train, ActorLoss())
-    assert all(torch.equal(critic_before[k], v) for k, v in e.critic.module.named_parameters())
+    assert all(torch.equal(critic_before[k], v) for k, v in e.rank.critic.module.named_parameters())
 
 
 def test_value_clipping_bounds_how_far_one_step_moves_from_old_values(model_path):

@@ -10,7 +10,7 @@ from services.common.config import load_config
 from services.common.weights import named_weights
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
-from services.trainer.optim import DynamicLossScaler
+from services.trainer.model.optim import DynamicLossScaler
 from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import ActorLoss
 
@@ -28,7 +28,7 @@ def engine(model_path: str, **actor) -> TrainerEngine:
 
 
 def params(e: TrainerEngine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in named_weights(e.actor.module).items()}
+    return {k: v.detach().clone() for k, v in named_weights(e.rank.actor.module).items()}
 
 
 def batch(e: TrainerEngine, seed: int = 0):
@@ -52,24 +52,24 @@ def test_the_scaler_backs_off_on_overflow_and_grows_after_the_interval_by_torchs
 
 def test_an_fp16_step_that_overflows_is_skipped_without_touching_weights_and_halves_the_scale(model_path):
     e = engine(model_path, dtype="float16", loss_scale_growth_interval=2)
-    assert e.compute_dtype == "float16" and e.param_dtype == "float32" and e.actor.scaler is not None
+    assert e.rank.compute_dtype == "float16" and e.rank.param_dtype == "float32" and e.rank.actor.scaler is not None
     samples = batch(e)
     before = params(e)
     # Injected overflow: a scale far beyond fp16's range makes the fp16 backward produce inf gradients.
-    e.actor.scaler.scale = 2.0 ** 40
+    e.rank.actor.scaler.scale = 2.0 ** 40
     m = e.train_actor(samples, LOSS)
     assert m["num_skipped_steps"] == 1 and m["num_optimizer_steps"] == 0
     assert m["loss_scale"] == 2.0 ** 39
     assert all(torch.equal(before[k], v) for k, v in params(e).items())
-    assert e.actor.step == 0 and all(p.grad is None for p in e.actor.module.parameters())
+    assert e.rank.actor.step == 0 and all(p.grad is None for p in e.rank.actor.module.parameters())
 
     # A scale that fits: steps are taken, and after growth_interval=2 finite steps in a row the scale doubles.
-    e.actor.scaler.scale = 2.0 ** 8
+    e.rank.actor.scaler.scale = 2.0 ** 8
     m1 = e.train_actor(samples, LOSS)
     assert m1["num_skipped_steps"] == 0 and m1["loss_scale"] == 2.0 ** 8
     m2 = e.train_actor(batch(e, seed=1), LOSS)
     assert m2["num_skipped_steps"] == 0 and m2["loss_scale"] == 2.0 ** 9
-    assert e.actor.step == 2
+    assert e.rank.actor.step == 2
     assert any(not torch.equal(before[k], v) for k, v in params(e).items())
 
 
@@ -92,20 +92,20 @@ def test_an_fp16_step_unscales_to_the_fp32_update(model_path):
 def test_the_loss_scale_and_its_growth_tracker_survive_a_checkpoint(model_path, tmp_path):
     a = engine(model_path, dtype="float16", loss_scale_init=1024.0, loss_scale_growth_interval=3)
     a.train_actor(batch(a), LOSS)
-    a.actor.scaler.scale = 2.0 ** 40
+    a.rank.actor.scaler.scale = 2.0 ** 40
     a.train_actor(batch(a, seed=1), LOSS)                    # skipped: 2**39
-    a.actor.scaler.scale = 512.0
+    a.rank.actor.scaler.scale = 512.0
     a.train_actor(batch(a, seed=2), LOSS)                    # one good step in a row
     a.save_checkpoint(str(tmp_path / "ck"))
     b = engine(model_path, dtype="float16")
     b.load_checkpoint(str(tmp_path / "ck"))
-    assert b.actor.scaler.state_dict() == a.actor.scaler.state_dict()
-    assert b.actor.scaler.state_dict()["_growth_tracker"] == 1 and b.actor.scaler.scale == 512.0
+    assert b.rank.actor.scaler.state_dict() == a.rank.actor.scaler.state_dict()
+    assert b.rank.actor.scaler.state_dict()["_growth_tracker"] == 1 and b.rank.actor.scaler.scale == 512.0
     samples = batch(a, seed=3)
     assert b.train_actor(samples, LOSS)["pg_loss"] == pytest.approx(a.train_actor(samples, LOSS)["pg_loss"], abs=1e-6)
 
 
 def test_without_fp16_there_is_no_loss_scaling(model_path):
     e = engine(model_path, dtype="bfloat16")
-    assert e.actor.scaler is None
+    assert e.rank.actor.scaler is None
     assert e.train_actor(batch(e), LOSS)["loss_scale"] == 1.0

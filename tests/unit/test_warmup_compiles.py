@@ -41,7 +41,7 @@ def test_after_warm_up_the_first_logprobs_and_update_compile_nothing(model_path)
         warmed = _frames()
         assert warmed > 0                                   # the warm-up compiled the blocks
         rng = random.Random(1)
-        vocab = eng.vocab_size
+        vocab = eng.rank.vocab_size
         samples = []
         for _ in range(12):                                 # a GRPO batch: lengths that differ, as a run's do
             p, r = rng.randrange(3, 20), rng.randrange(5, 40)           # within the tiny model's 64

@@ -7,10 +7,10 @@ import torch
 
 from services.common.fused import sequence_logprobs
 from services.trainer.batch import has_loss_mask, is_on_policy, loss_mask_of, num_model_tokens
-from services.trainer.layout import RankLayout
-from services.trainer.losses import AGG_MODES, aggregate, clipped_policy_loss, kl_penalty
-from services.trainer.pipeline import last_stage_head, stage_logprobs
-from services.trainer.trained import Trained
+from services.trainer.parallel.layout import RankLayout
+from services.trainer.updates.losses import AGG_MODES, aggregate, clipped_policy_loss, kl_penalty
+from services.trainer.parallel.pipeline import last_stage_head, stage_logprobs
+from services.trainer.model.trained import Trained
 from services.trainer.types import ActorLoss, TrainSample
 from services.trainer.updates.runner import Update
 

@@ -8,9 +8,9 @@ from torch import nn
 
 from services.common.packing import token_layout
 from services.trainer.batch import has_loss_mask, loss_mask_of, num_model_tokens
-from services.trainer.layout import RankLayout
-from services.trainer.losses import aggregate, clipped_value_loss
-from services.trainer.trained import Trained
+from services.trainer.parallel.layout import RankLayout
+from services.trainer.updates.losses import aggregate, clipped_value_loss
+from services.trainer.model.trained import Trained
 from services.trainer.types import CriticLoss, CriticSample
 from services.trainer.updates.runner import Update
 

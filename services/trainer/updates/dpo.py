@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from services.common.fused import sequence_logprobs
-from services.trainer.layout import RankLayout
-from services.trainer.losses import dpo_loss
-from services.trainer.pipeline import last_stage_head, stage_logprobs
-from services.trainer.trained import Trained
+from services.trainer.parallel.layout import RankLayout
+from services.trainer.updates.losses import dpo_loss
+from services.trainer.parallel.pipeline import last_stage_head, stage_logprobs
+from services.trainer.model.trained import Trained
 from services.trainer.types import DPOLoss, PreferencePair
 from services.trainer.updates.runner import Update
 

@@ -15,10 +15,10 @@ from typing import Any, Sequence
 import torch
 
 from services.trainer.batch import mini_batches
-from services.trainer.layout import RankLayout
+from services.trainer.parallel.layout import RankLayout
 from services.trainer.nvtx import phase
-from services.trainer.parallel import all_reduce_sum
-from services.trainer.trained import Trained, finish_deferred, grad_sync, optimizer_step
+from services.trainer.parallel.mesh import all_reduce_sum
+from services.trainer.model.trained import Trained, finish_deferred, grad_sync, optimizer_step
 
 
 class Update(ABC):
@@ -53,7 +53,7 @@ class Update(ABC):
     def pipeline_loss(self, hidden: torch.Tensor, target: torch.Tensor,
                       denom: float) -> tuple[torch.Tensor, torch.Tensor]:
         """`loss` on the last pipeline stage: from one pipeline micro-batch's final hidden states and its target
-        (the LM head runs here, in chunks: services.trainer.pipeline.stage_logprobs)."""
+        (the LM head runs here, in chunks: services.trainer.parallel.pipeline.stage_logprobs)."""
         raise NotImplementedError(f"{type(self).__name__}: no pipeline-parallel path")
 
     @abstractmethod

@@ -19,8 +19,8 @@ from services.common.codec import DTYPES
 from services.common.fused import host_to_device
 from services.common.modeling import pack_by_token_budget, pad_batch
 from services.common.packing import pack_by_token_sum
-from services.trainer.parallel import ParallelDims
-from services.trainer.pipeline import build_schedule, tied_embedding
+from services.trainer.parallel.mesh import ParallelDims
+from services.trainer.parallel.pipeline import build_schedule, tied_embedding
 
 
 class RankLayout:

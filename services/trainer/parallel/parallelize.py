@@ -175,7 +175,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, dp_mode: str, activation_
     """PP stage split -> TP -> activation checkpointing -> compile -> FSDP/DDP, stage by stage. Returns the
     modules to run forward/backward through: one per pipeline stage this rank holds (without PP, the model
     itself or its DDP wrapper). `model` keeps every parameter this rank holds, under HF names."""
-    from services.trainer.pipeline import hold_stages, split_stages
+    from services.trainer.parallel.pipeline import hold_stages, split_stages
 
     chunks = split_stages(model, mesh["pp"], stages_per_rank)
     out = []

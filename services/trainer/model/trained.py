@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from services.trainer.config import ActorConfig, OptimSection
-from services.trainer.layout import RankLayout
+from services.trainer.parallel.layout import RankLayout
 from services.trainer.nvtx import phase
-from services.trainer.optim import DynamicLossScaler, build_adamw, clip_grad_norm, lr_lambda
-from services.trainer.parallelize import parallelize
+from services.trainer.model.optim import DynamicLossScaler, build_adamw, clip_grad_norm, lr_lambda
+from services.trainer.parallel.parallelize import parallelize
 
 
 class ValueModel(nn.Module):

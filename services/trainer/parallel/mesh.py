@@ -1,4 +1,4 @@
-"""The trainer's device mesh: ParallelDims, process-group start-up, SPMD command channel, collectives.
+"""The trainer's device mesh: ParallelDims, process-group start-up, the group commands travel on, collectives.
 
 The trainer always runs inside a process group: under torchrun it joins the launched world
 (env://); alone it starts a one-rank gloo group on an in-memory store. So one CPU process runs the
@@ -21,7 +21,7 @@ from services.trainer.config import check_mesh
 
 log = logging.getLogger("meshrl.trainer")
 
-# Ranks > 0 wait on the command channel while the service is idle; that wait must not time out.
+# Ranks > 0 wait for rank 0's next command while the service is idle; that wait must not time out.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
@@ -79,27 +79,11 @@ def local_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-class CommandChannel:
-    """Rank 0 broadcasts each command (name, args) to every rank; the others block in `receive`.
-
-    A separate gloo group carries the (pickled) commands so they never queue behind NCCL kernels
-    and an idle service does not hit the collective timeout.
-    """
-
-    def __init__(self):
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if self.world_size > 1 else None
-
-    def send(self, command: Any) -> None:
-        assert self.rank == 0, "only rank 0 issues commands"
-        if self.world_size > 1:
-            dist.broadcast_object_list([command], src=0, group=self.group)
-
-    def receive(self) -> Any:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+def object_group():
+    """A gloo group of every rank for pickled objects: rank 0's commands (services/trainer/commands.py) and what
+    ranks gather back to it. Separate, so they never queue behind NCCL kernels, and without a deadline: ranks > 0
+    wait on it while the service is idle. None in a one-rank world."""
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if dist.get_world_size() > 1 else None
 
 
 def all_reduce_sum(values: list[float], group=None, device: torch.device | str = "cpu") -> list[float]:

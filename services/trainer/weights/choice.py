@@ -1,6 +1,7 @@
-"""Which sender pushes the trainer's weights: `build_sender` for `weight_sync.transport`, and `AutoSender` for its
-`auto`, which picks each replica's transport from where the replica says it is (services/common/placement.py).
-The transports themselves are services/trainer/weight_sync.py's."""
+"""Which sender pushes the trainer's weights: `SENDERS` (transport name -> sender class), `build_sender` for
+`weight_sync.transport`, and `AutoSender` for its `auto`, which picks each replica's transport from where the
+replica says it is (services/common/placement.py). The transports themselves are services/trainer/weights/
+(senders.py: the interface and what they share; grpc_sender.py, ipc_sender.py, nccl_sender.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ import torch
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
 from services.common.manifest import DEFAULT_BUCKET_BYTES
 from services.common.placement import Placement, pick_transport, placement_from
-from services.trainer.weight_sync import (DEVICE_BUCKET_BYTES, SENDERS, NcclSender, PushOutcome, WeightSender,
-                                          _error, _nccl_importable, _RpcSender)
+from services.trainer.weights.grpc_sender import GrpcSender
+from services.trainer.weights.ipc_sender import IpcSender
+from services.trainer.weights.nccl_sender import NcclSender, nccl_importable
+from services.trainer.weights.senders import DEVICE_BUCKET_BYTES, PushOutcome, RpcSender, WeightSender, error_text
 
 log = logging.getLogger("meshrl.trainer")
 
+SENDERS = {"grpc": GrpcSender, "ipc": IpcSender, "nccl": NcclSender}
 
-class AutoSender(_RpcSender):
+
+class AutoSender(RpcSender):
     """weight_sync.transport auto: each replica gets the fastest transport that reaches it (pick_transport),
     from its GetInfo, asked once per replica address and again after a failed push (a restarted replica may sit
     elsewhere). Replicas of one push may differ: each transport's share is pushed concurrently."""
@@ -57,13 +62,13 @@ class AutoSender(_RpcSender):
         """The transport of each target for the next push (asking GetInfo of those not chosen yet, once); sets
         on_device (a device transport is used). A target whose GetInfo failed takes grpc for this push only."""
         if self._nccl is None:
-            self._nccl = bool(self.trainer.device_uuid) and _nccl_importable()
+            self._nccl = bool(self.trainer.device_uuid) and nccl_importable()
 
         async def choose(t):
             try:
                 transport, why = pick_transport(self.trainer, await self._placement_of(t), nccl_here=self._nccl)
             except Exception as e:  # noqa: BLE001 - unreachable now: grpc this time, asked again next push
-                return t, ("grpc", f"GetInfo failed ({_error(e)}); asked again at the next push"), False
+                return t, ("grpc", f"GetInfo failed ({error_text(e)}); asked again at the next push"), False
             return t, (transport, why), True
 
         plan = {t: self.chosen[t][0] for t in targets if t in self.chosen}
@@ -109,12 +114,11 @@ class AutoSender(_RpcSender):
         self._senders.clear()
 
 
-
 def available_senders(device) -> list[str]:
     """The transports this trainer can send over (GetInfo's weight_transports)."""
     if torch.device(device).type != "cuda":
         return ["grpc"]
-    return ["grpc", "ipc"] + (["nccl"] if _nccl_importable() else [])
+    return ["grpc", "ipc"] + (["nccl"] if nccl_importable() else [])
 
 
 def check_transport(transport: str, device: torch.device) -> None:
@@ -122,7 +126,7 @@ def check_transport(transport: str, device: torch.device) -> None:
     if transport in ("ipc", "nccl") and torch.device(device).type != "cuda":
         raise ValueError(f"weight_sync.transport: {transport} needs the trainer on a CUDA device (model.device is "
                          f"{str(device)!r}); set it to auto or grpc")
-    if transport == "nccl" and not _nccl_importable():
+    if transport == "nccl" and not nccl_importable():
         raise ValueError("weight_sync.transport: nccl needs CuPy with NCCL (pip install cupy-cuda12x), which does "
                          "not import here; set it to auto, ipc or grpc")
 

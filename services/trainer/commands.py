@@ -1,0 +1,148 @@
+"""The commands rank 0 runs on every rank: what each one runs (`COMMANDS`), the channel that carries them, and
+the loop of ranks > 0.
+
+SPMD: rank 0 checks a request (services/trainer/engine.py), broadcasts the command (name, args) on the
+CommandChannel and runs it like every other rank; ranks > 0 wait in `Commands.serve`. A command is a function
+`(rank, *args)` of the module that does its work (services/trainer/forward.py, weights/full.py), or one of the
+few-line ones below; `COMMANDS` is the one place a name maps to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from services.common.errors import FailedPrecondition, passes_through
+from services.trainer import forward
+from services.trainer.config import ActorConfig, CriticConfig
+from services.trainer.model import checkpoint
+from services.trainer.model.optim import apply_hyperparams
+from services.trainer.nvtx import phase
+from services.trainer.rank import Rank
+from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample
+from services.trainer.updates.actor import ActorUpdate
+from services.trainer.updates.critic import CriticUpdate
+from services.trainer.updates.dpo import DPOUpdate
+from services.trainer.updates.runner import Update, run_update
+from services.trainer.weights import full
+
+log = logging.getLogger("meshrl.trainer")
+
+
+def _update(rank: Rank, update: Update) -> dict[str, float]:
+    return run_update(update, seed=rank.cfg.seed if rank.cfg.shuffle else None, defer_last_step=rank.defer_last_step)
+
+
+def train_actor(rank: Rank, samples: list[TrainSample], loss: ActorLoss) -> dict[str, float]:
+    metrics = _update(rank, ActorUpdate(rank.layout, rank.actor, samples, loss, fused=rank.fused_logprobs))
+    rank.weight_version += 1
+    return metrics
+
+
+def train_dpo(rank: Rank, pairs: list[PreferencePair], loss: DPOLoss) -> dict[str, float]:
+    metrics = _update(rank, DPOUpdate(rank.layout, rank.actor, pairs, loss, fused=rank.fused_logprobs))
+    rank.weight_version += 1
+    return metrics
+
+
+def train_critic(rank: Rank, samples: list[CriticSample], loss: CriticLoss) -> dict[str, float]:
+    return _update(rank, CriticUpdate(rank.layout, rank.critic, samples, loss))
+
+
+def configure_run(rank: Rank, actor: ActorConfig, critic: CriticConfig | None, reset_schedule: bool) -> None:
+    """A run's sections (checked on rank 0) on this rank's models: their optimizers take the run's hyperparameters
+    and lr schedule and keep their moments."""
+    for trained, cfg in zip(rank.models(), (actor, critic)):
+        trained.cfg = cfg
+        apply_hyperparams(trained.optimizer, trained.scheduler, cfg, reset_schedule=reset_schedule)
+
+
+def save_checkpoint(rank: Rank, path: str, weight_version: int) -> None:
+    checkpoint.save(path, rank.models(), weight_version=weight_version, rank=rank.index,
+                    world_size=rank.dims.world_size, mesh=rank.dims.describe())
+
+
+def load_checkpoint(rank: Rank, path: str) -> None:
+    aliases = {"lm_head.weight": "model.embed_tokens.weight"} if rank.hf_config.tie_word_embeddings else {}
+    rank.weight_version = checkpoint.load(path, rank.models(), rank=rank.index, aliases=aliases)
+
+
+# The commands rank 0 broadcasts and every rank runs: the channel carries the name, this table is the one place a
+# name maps to code.
+COMMANDS: dict[str, Callable[..., Any]] = {
+    "warm_up": forward.warm_up, "compute_logprobs": forward.compute_logprobs,
+    "compute_values": forward.compute_values, "train_actor": train_actor, "train_dpo": train_dpo,
+    "train_critic": train_critic, "configure_run": configure_run, "state_for_sync": full.full_weights,
+    "save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint, "export_hf": full.export_hf}
+
+# Commands that are one profiling phase as a whole (nvtx.PHASES); training commands mark forward_backward and
+# optimizer inside.
+COMMAND_PHASES = {"compute_logprobs": "logprobs", "compute_values": "values", "state_for_sync": "state_for_sync",
+                  "export_hf": "export_hf", "save_checkpoint": "save_checkpoint", "load_checkpoint": "load_checkpoint"}
+
+
+class CommandChannel:
+    """Rank 0 broadcasts each command (name, args) to every rank; the others block in `receive`. The rank's object
+    group carries the pickled commands (services/trainer/parallel/mesh.py object_group)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+
+    def send(self, command: Any) -> None:
+        assert self.rank == 0, "only rank 0 issues commands"
+        if self.world_size > 1:
+            dist.broadcast_object_list([command], src=0, group=self.group)
+
+    def receive(self) -> Any:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+class Commands:
+    """Runs commands on every rank: `run` on rank 0 (broadcast, then here), `serve` on the others."""
+
+    def __init__(self, rank: Rank):
+        self.rank = rank
+        self.channel = CommandChannel(rank.group)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def run(self, name: str, *args) -> Any:
+        """Broadcasts the command and runs it here too; the lock keeps every rank's command order equal."""
+        with self._lock:
+            if self._closed:
+                raise FailedPrecondition("trainer is shut down")
+            self.channel.send((name, args))
+            return self._local(name, args)
+
+    def _local(self, name: str, args) -> Any:
+        """Runs a command on this rank, inside its NVTX range where it is one phase."""
+        with phase(COMMAND_PHASES[name]) if name in COMMAND_PHASES else nullcontext():
+            return COMMANDS[name](self.rank, *args)
+
+    def serve(self) -> None:
+        """The loop of ranks > 0: run each command rank 0 broadcasts until it says shutdown."""
+        while True:
+            name, args = self.channel.receive()
+            if name == "shutdown":
+                return
+            try:
+                self._local(name, args)
+            except BaseException as e:  # noqa: BLE001 - rank 0 validated the input; keep serving and say why
+                if passes_through(e):
+                    raise
+                log.exception("Rank %d: command %s failed", self.rank.index, name)
+
+    def close(self) -> None:
+        """Releases ranks > 0 from their loop; no command runs afterwards."""
+        with self._lock:
+            if not self._closed and self.rank.index == 0:
+                self.channel.send(("shutdown", ()))
+            self._closed = True

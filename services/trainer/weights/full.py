@@ -1,0 +1,75 @@
+"""The rank commands that take the actor's weights out whole: every weight on rank 0, for a push to rollout replicas
+(`full_weights`, the state_for_sync command) or written as a Hugging Face folder (`export_hf`)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from services.common.codec import DTYPES
+from services.common.weights import named_weights
+from services.trainer.model.lora import merged_weights
+from services.trainer.parallel.mesh import gather_to_rank0
+from services.trainer.rank import Rank
+from services.trainer.weights.gather import stage_gatherers
+
+log = logging.getLogger("meshrl.trainer")
+
+
+@torch.no_grad()
+def full_weights(rank: Rank, on_device: bool = False) -> dict[str, torch.Tensor] | None:
+    """Every actor weight, full and on CPU (on_device: on rank 0's device), on rank 0 (None elsewhere):
+    HF names, tied weights once.
+
+    Each pipeline stage's TP/FSDP shards are gathered to the stage's sender (its rank at dp = tp = 0) in
+    buckets of weight_sync.device_bucket_bytes, one gather per bucket (services/trainer/weights/gather.py); the
+    stages' senders then send their part to rank 0.
+    """
+    # Replicas and exported folders hold the model's dtype, whatever the master weights' dtype.
+    dtype = DTYPES[rank.cfg.weight_sync_dtype or rank.settings.model.dtype]
+    # Pipeline stages meet on rank 0 through a CPU gather, so only a one-stage mesh stays on the device.
+    where = rank.device if on_device and rank.dims.pp == 1 else "cpu"
+    # Under LoRA: the base weights with the adapters merged in, under the model's own names.
+    weights = merged_weights(rank.actor.module) if rank.cfg.lora else named_weights(rank.actor.module)
+    if rank.dims.world_size == 1:
+        return {name: t.detach().to(where, dtype=dtype, copy=True) for name, t in weights.items()}
+    if rank.gatherer is None:
+        rank.gatherer = stage_gatherers(rank.layout.mesh)
+    mine = rank.gatherer.gather(weights, dtype=dtype, where=where,
+                                bucket_bytes=rank.settings.weight_sync.device_bucket_bytes)
+    sender = rank.index != 0 and mine is not None
+    parts = gather_to_rank0(mine if sender else None, rank.group)
+    if parts is None:
+        return None
+    merged = dict(mine)
+    for part in parts:
+        merged.update(part or {})
+    if rank.hf_config.tie_word_embeddings:
+        merged.pop("lm_head.weight", None)      # the last stage's copy of the tied embedding
+    if on_device:
+        merged = {name: t.to(rank.device) for name, t in merged.items()}
+    return merged
+
+
+def export_hf(rank: Rank, path: str) -> None:
+    """The actor as a Hugging Face folder at `path` (written by rank 0): safetensors, the config as loaded, and the
+    model folder's other files (tokenizer, chat template, generation config, custom code)."""
+    from safetensors.torch import save_file
+
+    state = full_weights(rank)
+    if rank.index != 0:
+        return
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # The config of the HF class as loaded (FSDP and pipeline stages change the live module, not it).
+    rank.hf_config.save_pretrained(out)
+    for f in Path(rank.model_path).iterdir():
+        # Tokenizer, chat template, generation config, custom code: everything but weights and config.
+        if f.is_file() and not (f.suffix in (".safetensors", ".bin", ".pt") or f.name.endswith(".index.json")
+                                or f.name == "config.json"):
+            shutil.copy2(f, out / f.name)
+    log.info("exported actor (step %d) to %s", rank.actor.step, out)

@@ -1,0 +1,93 @@
+"""The ipc transport: replicas on the trainer's GPU copy the weights straight from its staging buffers, whose CUDA
+IPC handles travel over `Rollout.UpdateWeights` (services/trainer/weights/senders.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import torch
+
+from meshrl.v1 import common_pb2, rollout_pb2_grpc
+from services.common.weight_transport import DevicePlan, device_checksum, device_uuid, flat_bytes
+from services.trainer.weights.senders import (COMMIT, DEVICE_BUCKET_BYTES, PushOutcome, RpcSender, device_bucket_bytes,
+                                              device_manifest, device_of, error_text)
+
+
+class IpcSender(RpcSender):
+    """CUDA IPC: replicas on the trainer's GPU copy the weights straight from its staging buffers.
+
+    The staging buffers (one per bucket, the payload's size in all) are allocated once and shared once;
+    a replica opens each handle once and keeps it open across updates.
+    """
+
+    transport = "ipc"
+    on_device = True
+
+    def __init__(self, *, token: str | None = None, timeout: float | None = 600.0):
+        super().__init__(token=token, timeout=timeout)
+        self._signature = None
+        self._buffers: list[torch.Tensor] = []
+        self._handles: list[common_pb2.CudaIpcHandle] = []
+
+    def _stage(self, state, version: int, bucket_bytes: int) -> tuple[DevicePlan, list[int]]:
+        device = device_of(state)
+        plan = DevicePlan.build(state, version, bucket_bytes)
+        with torch.cuda.device(device):
+            if plan.signature() != self._signature:
+                self._buffers = [torch.empty(n, dtype=torch.uint8, device=device) for _, n, _ in plan.buckets]
+                self._handles = [self._share(b, device) for b in self._buffers]
+                self._signature = plan.signature()
+            flats = [flat_bytes(t) for t in state.values()]
+            for k, buf in enumerate(self._buffers):
+                plan.pack(k, flats, buf)
+            sums = torch.stack([device_checksum(b) for b in self._buffers]).tolist()
+            torch.cuda.current_stream(device).synchronize()    # the bytes are there before any handle is read
+        return plan, sums
+
+    @staticmethod
+    def _share(buf: torch.Tensor, device: torch.device) -> common_pb2.CudaIpcHandle:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        # The same call torch.multiprocessing makes when it sends a CUDA tensor to another process.
+        _, args = reduce_tensor(buf)
+        (_, _, _, _, _, _, _, handle, storage_bytes, storage_offset, _, rc_handle, rc_offset, ev_handle,
+         ev_sync) = args
+        return common_pb2.CudaIpcHandle(
+            device_uuid=device_uuid(device), handle=handle, storage_bytes=storage_bytes,
+            storage_offset=storage_offset, ref_counter_handle=rc_handle or b"", ref_counter_offset=rc_offset or 0,
+            event_handle=ev_handle or b"", event_sync_required=bool(ev_sync), buffer_id=uuid.uuid4().hex)
+
+    def _messages(self, plan: DevicePlan, sums: list[int]):
+        yield common_pb2.WeightBucket(manifest=device_manifest(plan, "ipc"))
+        for (offset, nbytes, _), checksum, handle in zip(plan.buckets, sums, self._handles):
+            yield common_pb2.WeightBucket(device=common_pb2.DeviceBucket(offset=offset, nbytes=nbytes,
+                                                                         checksum=checksum, ipc=handle))
+        yield COMMIT
+
+    async def _push_one(self, target: str, plan: DevicePlan, sums: list[int]) -> PushOutcome:
+        t0 = time.perf_counter()
+        try:
+            async with self.channel(target) as channel:
+                reply = await rollout_pb2_grpc.RolloutStub(channel).UpdateWeights(
+                    _aiter(self._messages(plan, sums)), metadata=self.metadata, timeout=self.timeout)
+            return self._check(target, reply, plan.manifest.version, t0)
+        except Exception as e:  # noqa: BLE001
+            return PushOutcome(target, False, error_text(e), time.perf_counter() - t0)
+
+    async def push(self, state, version, targets, *, bucket_bytes=DEVICE_BUCKET_BYTES) -> list[PushOutcome]:
+        try:
+            plan, sums = await asyncio.to_thread(self._stage, state, version, device_bucket_bytes(bucket_bytes))
+        except Exception as e:  # noqa: BLE001
+            return self._report(version, [PushOutcome(t, False, f"ipc staging failed: {error_text(e)}") for t in targets])
+        outcomes = await asyncio.gather(*(self._push_one(t, plan, sums) for t in targets))
+        return self._report(version, outcomes)
+
+    def close(self) -> None:
+        self._buffers, self._handles, self._signature = [], [], None
+
+
+async def _aiter(items):
+    for item in items:
+        yield item
