@@ -328,7 +328,7 @@ def reward_estimate(cfg, index: int, devices: str) -> Estimate | None:
 
 def estimate(cfg, placement: Mapping[str, Sequence[str]], trainer_devices: str = "",
              gpu_bytes: int | None = None) -> list[Estimate]:
-    """Every GPU process of the recipe with its estimate; `placement` is `meshrl up`'s (coordinator/cli_runs.py
+    """Every GPU process of the recipe with its estimate; `placement` is `meshrl up`'s (coordinator/cli/runs.py
     _placement): each role's replicas' `devices`. gpu_bytes sizes vLLM's share of a GPU, when known."""
     rollout = list(placement.get("rollout", []))
     rollout_gpus = [_gpu(cfg.model.device, d) for d in rollout]

@@ -8,7 +8,7 @@ import redis
 import yaml
 
 from coordinator.client import Client
-from coordinator.launcher import Launcher
+from coordinator.cli.launcher import Launcher
 
 pytestmark = pytest.mark.redis
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import yaml
 
 from coordinator.client import Client
-from coordinator.launcher import Child, Launcher
+from coordinator.cli.launcher import Child, Launcher
 from coordinator.service import CoordinatorSettings, start as start_coordinator
 from services.common.config import load_config
 

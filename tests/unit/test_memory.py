@@ -11,7 +11,7 @@ import yaml
 
 from bench.peers.settings import QWEN25
 from coordinator import memory
-from coordinator.cli_runs import _load_recipe, _placement
+from coordinator.cli.runs import _load_recipe, _placement
 from coordinator.memory import FUSED_CHUNK_BYTES, GIB
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,7 +154,7 @@ def test_no_gpu_found_skips_the_check(tmp_path, monkeypatch):
 def test_meshrl_up_refuses_a_recipe_that_cannot_fit_before_any_process_starts(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from coordinator import launcher
+    from coordinator.cli import launcher
     from coordinator.cli import app
 
     path = _qwen(tmp_path, "7b")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from coordinator import cli_runs
+from coordinator.cli import runs as cli_runs
 from coordinator.preflight import check_proxy_agent
 
 
