@@ -42,7 +42,7 @@ SOURCES: dict[str, list[str]] = {
                                "services/rollout/fused_sample.py", "bench/decode_step.py"],
     "vs_trl_gpu": [*_MESH, "bench/e2e_grpo.py", "bench/peers"],
     "observability_cpu": ["services/common/metrics.py", "services/common/tracing.py", "services/common/server.py",
-                          "services/common/channel.py", "coordinator/observe.py", "bench/observability_overhead.py"],
+                          "services/common/channel.py", "coordinator/runapi/observe.py", "bench/observability_overhead.py"],
     "vs_trl_cpu": [*_MESH, "bench/e2e_grpo.py", "bench/peers"],
     "demo_cpu": [*_MESH, "examples/arith/grpo.yaml", "bench/demo_cpu.py"],
     "async_cpu": [*_MESH, "examples/arith/grpo.yaml", "bench/demo_cpu.py", "bench/async_cpu.py"],

@@ -295,7 +295,7 @@ def policy_samples(ctx: RunContext, samples: list[remote.Sample]) -> list[remote
 async def train(ctx: RunContext, samples: list[remote.Sample], timer: PhaseTimer) -> dict[str, float]:
     metrics: dict[str, float] = {}
     # Recorded by the trainer as this step, with the data position after it (advanced by the caller). The critic
-    # goes first: an actor update on record means the step's critic update is too (coordinator/recovery.py).
+    # goes first: an actor update on record means the step's critic update is too (coordinator/runapi/recovery.py).
     run_step = remote.RunStep(ctx.run_id, ctx.step + 1, ctx.data.position)
     if estimator(ctx).needs_critic:
         with timer("train_critic"):

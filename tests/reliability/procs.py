@@ -17,7 +17,7 @@ import yaml
 
 from coordinator.client import Client
 from coordinator.cli.launcher import Child, Launcher
-from coordinator.service import CoordinatorSettings, start as start_coordinator
+from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
 from services.common.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]

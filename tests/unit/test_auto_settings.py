@@ -8,7 +8,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from coordinator.runs import parse_run_config
+from coordinator.runapi.runs import parse_run_config
 from coordinator.run_settings import Running, resolved_recipe
 from services.common.auto import AUTO, Resolved, parse
 from services.common.placement import Placement, pick_transport

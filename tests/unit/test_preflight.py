@@ -180,8 +180,8 @@ def test_start_run_refuses_a_broken_config_before_calling_any_service(arith_mode
 
     import yaml
 
-    from coordinator.runs import RunManager
-    from coordinator.store import MemoryStore
+    from coordinator.runapi.runs import RunManager
+    from coordinator.runapi.store import MemoryStore
 
     data = {"model": {"path": arith_model_path}, "rollout": {"n": 4}, **sections}
     manager = RunManager(MemoryStore())

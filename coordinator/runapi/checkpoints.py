@@ -15,7 +15,7 @@ from pathlib import Path
 
 from coordinator import remote
 from coordinator.context import CheckpointFailed, RunContext
-from coordinator.store import RunRecord, RunStore
+from coordinator.runapi.store import RunRecord, RunStore
 from services.trainer.types import RunStep
 
 log = logging.getLogger("meshrl.runs")

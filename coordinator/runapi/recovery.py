@@ -18,9 +18,11 @@ import json
 import logging
 import time
 
-from coordinator import checkpoints, phases, remote
+from coordinator.runapi import checkpoints
+
+from coordinator import phases, remote
 from coordinator.context import RunContext
-from coordinator.store import RunRecord, RunStore
+from coordinator.runapi.store import RunRecord, RunStore
 from services.common.errors import FailedPrecondition
 from services.trainer.types import RunStep
 
