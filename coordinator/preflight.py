@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from coordinator.advantages import ADVANTAGE_ESTIMATORS
+from coordinator.training.advantages import ADVANTAGE_ESTIMATORS
 from coordinator.config import RunConfig
 from services.trainer.config import check_lora_targets, check_mesh
 

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from coordinator import remote
+from coordinator.training import remote
 from services.common.auto import parse as parse_resolved
 from services.common.placement import pick_transport, placement_from
 from coordinator.config import RunConfig

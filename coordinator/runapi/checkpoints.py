@@ -13,8 +13,8 @@ import logging
 import re
 from pathlib import Path
 
-from coordinator import remote
-from coordinator.context import CheckpointFailed, RunContext
+from coordinator.training import remote
+from coordinator.training.context import CheckpointFailed, RunContext
 from coordinator.runapi.store import RunRecord, RunStore
 from services.trainer.types import RunStep
 

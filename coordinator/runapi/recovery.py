@@ -20,8 +20,8 @@ import time
 
 from coordinator.runapi import checkpoints
 
-from coordinator import phases, remote
-from coordinator.context import RunContext
+from coordinator.training import phases, remote
+from coordinator.training.context import RunContext
 from coordinator.runapi.store import RunRecord, RunStore
 from services.common.errors import FailedPrecondition
 from services.trainer.types import RunStep

@@ -11,12 +11,14 @@ import uuid
 
 import yaml
 
-from coordinator import faults, phases, remote, run_settings
+from coordinator import run_settings
+
+from coordinator.training import faults, phases, remote
 
 from coordinator.runapi import observe, recovery
-from coordinator.algorithms import open_context
+from coordinator.training.algorithms import open_context
 from coordinator.config import RunConfig
-from coordinator.context import RunContext, TrainerUnavailable
+from coordinator.training.context import RunContext, TrainerUnavailable
 from coordinator.preflight import check_run
 from coordinator.runapi.store import UNFINISHED, RunRecord, RunStore
 from services.common.config import load_config

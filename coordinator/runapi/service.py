@@ -95,7 +95,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def SaveCheckpoint(self, request, context):
         from coordinator.runapi import recovery
-        from coordinator import remote
+        from coordinator.training import remote
 
         record = await self.manager.get(request.run_id)
         ctx = self.manager.contexts.get(request.run_id)

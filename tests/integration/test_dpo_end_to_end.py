@@ -12,10 +12,10 @@ import grpc
 import pytest
 import yaml
 
-from coordinator import remote
+from coordinator.training import remote
 from coordinator.client import Client
 from coordinator.config import RunConfig
-from coordinator.dpo import load_pairs
+from coordinator.training.dpo import load_pairs
 from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
 from services.common.channel import create_channel
 from services.common.config import load_config

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import yaml
 
-from coordinator import loop, phases, remote
-from coordinator.algorithms import open_context
+from coordinator.training import loop, phases, remote
+from coordinator.training.algorithms import open_context
 from coordinator.config import RunConfig
 from services.common.config import load_config
 from services.local import start_local_mesh

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from coordinator.runapi.default_pools import DefaultPools
-from coordinator.pools import Replica, ReplicaPool
+from coordinator.training.pools import Replica, ReplicaPool
 from coordinator.runapi.runs import RunManager
 from coordinator.runapi.service import CoordinatorServicer
 from coordinator.runapi.store import MemoryStore, RunRecord

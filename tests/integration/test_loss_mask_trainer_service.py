@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator import remote
+from coordinator.training import remote
 from coordinator.data import Problem
 from services.common.channel import create_channel
 from services.common.config import load_config

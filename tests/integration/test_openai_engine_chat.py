@@ -10,8 +10,8 @@ import asyncio
 import grpc
 import pytest
 
-from coordinator import loop, remote
-from coordinator.algorithms import open_context
+from coordinator.training import loop, remote
+from coordinator.training.algorithms import open_context
 from coordinator.config import RunConfig
 from meshrl.v1 import common_pb2, rollout_pb2
 from services.common.config import load_config

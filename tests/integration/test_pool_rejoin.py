@@ -7,7 +7,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from coordinator.pools import ReplicaPool
+from coordinator.training.pools import ReplicaPool
 from services.common.errors import Unavailable
 
 

@@ -282,7 +282,7 @@ def test_resuming_from_a_refused_checkpoint_falls_back_to_the_one_before_and_say
     from types import SimpleNamespace
 
     from coordinator.runapi import checkpoints
-    from coordinator.context import CheckpointFailed, GuardedTrainer
+    from coordinator.training.context import CheckpointFailed, GuardedTrainer
     from coordinator.runapi.store import MemoryStore, RunRecord
 
     for step in (1, 2):

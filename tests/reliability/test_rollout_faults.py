@@ -8,7 +8,7 @@ import grpc
 import pytest
 import yaml
 
-from coordinator import phases
+from coordinator.training import phases
 from coordinator.client import Client
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
 

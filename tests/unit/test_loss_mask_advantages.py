@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator import advantages as adv_fns
+from coordinator.training import advantages as adv_fns
 from coordinator.config import AlgorithmConfig, RolloutCorrectionConfig
 from coordinator.data import Problem
-from coordinator.phases import compute_advantages, observation_spans, sample_metrics, sample_record, token_mask
-from coordinator.remote import Sample
+from coordinator.training.phases import compute_advantages, observation_spans, sample_metrics, sample_record, token_mask
+from coordinator.training.remote import Sample
 
 
 def _episode(rng: random.Random, problem: Problem, group: int) -> Sample:

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from coordinator import phases, remote
+from coordinator.training import phases, remote
 
 
 def sample(replica: str, weight_version: int) -> remote.Sample:

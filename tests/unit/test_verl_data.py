@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator import phases, remote
+from coordinator.training import phases, remote
 from coordinator.config import RunConfig
 from coordinator.data import Problem, load_dataset, load_problems, render_chat
-from coordinator.loop import load_prompts
+from coordinator.training.loop import load_prompts
 from services.common.config import load_config
 from services.common.modeling import load_tokenizer
 from services.rollout.convert import request_from_pb

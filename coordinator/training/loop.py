@@ -1,14 +1,14 @@
 """The RL loop over the mesh (GRPO, PPO, RLOO, REINFORCE++). Reads top to bottom: generate -> score ||
 reference || old logprobs || values -> advantages -> train -> sync weights -> record. Details live in
-coordinator/phases.py; `RL` at the bottom is this family's entry in coordinator/algorithms.py."""
+coordinator/training/phases.py; `RL` at the bottom is this family's entry in coordinator/training/algorithms.py."""
 
 from __future__ import annotations
 
 import time
 
-from coordinator import async_rollouts, faults, phases
+from coordinator.training import async_rollouts, faults, phases
 from coordinator.config import RunConfig
-from coordinator.context import Algorithm, PhaseTimer, RunContext
+from coordinator.training.context import Algorithm, PhaseTimer, RunContext
 from coordinator.data import PromptStream, load_dataset
 
 

@@ -1,20 +1,21 @@
 """Training families by `algorithm.kind`, and a run opened for one: its data loaded, its pools reachable.
 
-A new family is one file defining its Algorithm (coordinator/context.py) and one line in ALGORITHMS (and
+A new family is one file defining its Algorithm (coordinator/training/context.py) and one line in ALGORITHMS (and
 its name in AlgorithmConfig.kind). GRPO, PPO, RLOO and REINFORCE++ are one family that differs only in its
-advantage estimator (ADVANTAGE_ESTIMATORS in coordinator/advantages.py).
+advantage estimator (ADVANTAGE_ESTIMATORS in coordinator/training/advantages.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator import advantages as adv_fns
-from coordinator import dpo, loop, remote, run_settings
+from coordinator.training import advantages as adv_fns
+from coordinator import run_settings
+from coordinator.training import dpo, loop, remote
 from coordinator.config import RunConfig, trainer_losses
-from coordinator.context import Algorithm, GuardedTrainer, RunContext
+from coordinator.training.context import Algorithm, GuardedTrainer, RunContext
 from coordinator.data import load_dataset
-from coordinator.pools import ReplicaPool, configured
+from coordinator.training.pools import ReplicaPool, configured
 from services.common.channel import create_channel
 
 ALGORITHMS: dict[str, Algorithm] = {"rl": loop.RL, "dpo": dpo.DPO}

@@ -1,5 +1,5 @@
 """DPO through the mesh: preference pairs, reference log-probs (cached per pair), TrainDPO, preference accuracy.
-`DPO` at the bottom is this family's entry in coordinator/algorithms.py."""
+`DPO` at the bottom is this family's entry in coordinator/training/algorithms.py."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from coordinator import phases, remote
+from coordinator.training import phases, remote
 from coordinator.config import RunConfig
-from coordinator.context import Algorithm, PhaseTimer, RunContext
+from coordinator.training.context import Algorithm, PhaseTimer, RunContext
 from coordinator.data import PromptStream, read_rows, _lookup
 
 

@@ -1,4 +1,4 @@
-"""The phases of one RL step, as functions of a RunContext: what coordinator/loop.py strings together."""
+"""The phases of one RL step, as functions of a RunContext: what coordinator/training/loop.py strings together."""
 
 from __future__ import annotations
 
@@ -14,14 +14,15 @@ import grpc
 import numpy as np
 import torch
 
-from coordinator import advantages as adv_fns
-from coordinator import remote, run_settings
-from coordinator import rollout_correction as rc_math
+from coordinator.training import advantages as adv_fns
+from coordinator import run_settings
+from coordinator.training import remote
+from coordinator.training import rollout_correction as rc_math
 from coordinator.config import rollout_correction
-from coordinator.context import PhaseTimer, RunContext
+from coordinator.training.context import PhaseTimer, RunContext
 from coordinator.data import Problem
-from coordinator.episodes import episode_metrics, wants_episodes
-from coordinator.pools import split_round_robin
+from coordinator.training.episodes import episode_metrics, wants_episodes
+from coordinator.training.pools import split_round_robin
 from services.common.errors import Unavailable
 from services.rollout.types import SamplingParams
 
@@ -36,7 +37,7 @@ async def generate(ctx: RunContext, problems: Sequence[Problem], sampling: Sampl
 
     Whole groups stay on one replica; a failed chunk is retried on another replica, so no sample
     is lost or duplicated (results are collected per chunk, in order). partial_rollout: weight updates may land
-    while these samples decode (coordinator/async_rollouts.py).
+    while these samples decode (coordinator/training/async_rollouts.py).
     """
     sampling = sampling or ctx.sampling
     await bring_new_replicas_up_to_date(ctx)
