@@ -143,7 +143,7 @@ def compute_goals(defaults: dict | None, tuned: dict | None) -> tuple[float | No
                    "default_over_tuned_le_1_10": goal(ratio, GOALS["default_over_tuned_le_1_10"])}
 
 
-# A line of the header the coordinator writes atop the run's recipe.yaml (coordinator/run_settings.py
+# A line of the header the coordinator writes atop the run's recipe.yaml (coordinator/recipe/run_settings.py
 # resolved_recipe): `#   rollout.cuda_graphs: auto -> true on the rollout-0 (CUDA device, torch engine)`.
 RECIPE_CHOICE = re.compile(r"^#\s+(\S+): (.*?) -> (.*?) on the (.*?) \((.*)\)\s*$")
 

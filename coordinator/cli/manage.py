@@ -134,11 +134,11 @@ def profile_model_cmd(model_path: str = typer.Argument(..., help="local Hugging 
 def memory(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, help="recipe YAML"),
            gpu_gib: Optional[float] = typer.Option(None, "--gpu-gib",
                                                    help="memory of each GPU (default: the GPUs found, if any)")):
-    """Estimated GPU memory of each service of a recipe (coordinator/memory.py), summed per GPU as `meshrl up`
+    """Estimated GPU memory of each service of a recipe (coordinator/recipe/memory.py), summed per GPU as `meshrl up`
     places them, and whether it fits. After the recipe: `--section.key value` flags, as `meshrl up` takes."""
     from rich.table import Table
 
-    from coordinator import memory as mem
+    from coordinator.recipe import memory as mem
     from coordinator.cli.runs import _load_recipe, _placement, _recipe_args
 
     verl, overrides = _recipe_args(list(ctx.args))

@@ -29,9 +29,9 @@ def _overrides(args: list[str]) -> dict[str, str]:
 
 
 def _recipe_args(args: list[str]) -> tuple[dict, dict[str, str]]:
-    """The words after a recipe: verl's `key=value` overrides (parsed, coordinator/verl_keys.py) and meshrl's
+    """The words after a recipe: verl's `key=value` overrides (parsed, coordinator/recipe/verl_keys.py) and meshrl's
     `--section.key value` flags."""
-    from coordinator import verl_keys
+    from coordinator.recipe import verl_keys
 
     verl, flags = verl_keys.split_args(args)
     return verl_keys.parse(verl), _overrides(flags)
@@ -40,8 +40,8 @@ def _recipe_args(args: list[str]) -> tuple[dict, dict[str, str]]:
 def _load_recipe(config: Path, verl: dict, overrides: dict[str, str]):
     """The recipe with the verl keys' values merged in (a dict, as a service reads it) and its run config;
     meshrl's flags win over both."""
-    from coordinator import verl_keys
-    from coordinator.config import RunConfig
+    from coordinator.recipe import verl_keys
+    from coordinator.recipe.config import RunConfig
     from services.common.config import deep_merge, load_config, read_yaml
 
     data, cfg = verl_keys.apply(verl, lambda d: load_config(RunConfig, config, data=d, overrides=overrides))
@@ -76,8 +76,8 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     After the recipe: verl's overrides (`data.train_files=[a.parquet] actor_rollout_ref.rollout.n=8`,
     docs/from_verl.md) and meshrl's `--section.key value`."""
     from coordinator.cli.launcher import Launcher
-    from coordinator.memory import check_recipe_fits
-    from coordinator.preflight import check_run
+    from coordinator.recipe.memory import check_recipe_fits
+    from coordinator.recipe.preflight import check_run
     from services.common.channel import ClientTLS
 
     verl, overrides = _recipe_args(list(ctx.args))
@@ -89,7 +89,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     check_run(cfg, world_size=cfg.trainer.nproc_per_node)
     placement, trainer_devices = _placement(cfg, raw, overrides)
     # On a CUDA model.device: the services' estimated memory fits each GPU, or the recipe is refused here with
-    # the estimate and the setting to change (coordinator/memory.py), not an out-of-memory error at step 3.
+    # the estimate and the setting to change (coordinator/recipe/memory.py), not an out-of-memory error at step 3.
     check_recipe_fits(cfg, placement, trainer_devices)
     log_dir = Path(cfg.run.run_dir) / "logs" / time.strftime("%Y%m%d-%H%M%S")
     if verl:  # every service reads the recipe with the verl keys' values in it
@@ -301,8 +301,8 @@ def run(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False),
         follow: bool = typer.Option(True, help="stream metrics until the run ends"), *, conn: Connection):
     """Start a run on a running coordinator (services listed in the YAML). After the recipe: verl's
     overrides (`actor_rollout_ref.rollout.n=8`, docs/from_verl.md) and meshrl's `--section.key value`."""
-    from coordinator.preflight import check_run
-    from coordinator.run_settings import user_keys
+    from coordinator.recipe.preflight import check_run
+    from coordinator.recipe.run_settings import user_keys
     from services.common.config import deep_merge, nest_overrides
 
     # The config is checked here before anything is sent, as far as its own keys go; model folders, data files

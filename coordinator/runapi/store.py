@@ -36,7 +36,7 @@ class RunRecord:
     # Commands from the run API, read between steps: "", "pause", "stop".
     command: str = ""
     # The config it trains with, as YAML: `config` plus the running services' values of the keys fixed when a
-    # service starts that it left out (coordinator/run_settings.py); secrets left out.
+    # service starts that it left out (coordinator/recipe/run_settings.py); secrets left out.
     effective_config: str = ""
 
     def to_json(self) -> str:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from coordinator.training import advantages as adv_fns
-from coordinator import run_settings
+from coordinator.recipe import run_settings
 from coordinator.training import dpo, loop, remote
-from coordinator.config import RunConfig, trainer_losses
+from coordinator.recipe.config import RunConfig, trainer_losses
 from coordinator.training.context import Algorithm, GuardedTrainer, RunContext
-from coordinator.data import load_dataset
+from coordinator.recipe.data import load_dataset
 from coordinator.training.pools import ReplicaPool, configured
 from services.common.channel import create_channel
 
@@ -53,7 +53,7 @@ def _heldout(cfg: RunConfig, tokenizer) -> list:
 async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: int = 0,
                        recorded: dict | None = None, resume: bool = False) -> RunContext:
     """Loads the run's data, connects to every pool and the trainer (fails early when a pool is empty), and
-    settles the run's settings with the running services (coordinator/run_settings.py): fixed keys checked,
+    settles the run's settings with the running services (coordinator/recipe/run_settings.py): fixed keys checked,
     the trainer's optimizer configured; the context carries the effective config."""
     algorithm = ALGORITHMS[cfg.algorithm.kind]
     token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None

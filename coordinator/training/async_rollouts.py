@@ -22,7 +22,7 @@ import numpy as np
 
 from coordinator.training import phases
 from coordinator.training.context import RunContext
-from coordinator.data import Problem
+from coordinator.recipe.data import Problem
 from coordinator.training.remote import Sample
 
 log = logging.getLogger("meshrl.coordinator")

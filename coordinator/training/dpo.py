@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass, field
 
 from coordinator.training import phases, remote
-from coordinator.config import RunConfig
+from coordinator.recipe.config import RunConfig
 from coordinator.training.context import Algorithm, PhaseTimer, RunContext
-from coordinator.data import PromptStream, read_rows, _lookup
+from coordinator.recipe.data import PromptStream, read_rows, _lookup
 
 
 @dataclass

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 from coordinator.training import async_rollouts, faults, phases
-from coordinator.config import RunConfig
+from coordinator.recipe.config import RunConfig
 from coordinator.training.context import Algorithm, PhaseTimer, RunContext
-from coordinator.data import PromptStream, load_dataset
+from coordinator.recipe.data import PromptStream, load_dataset
 
 
 async def rl_step(ctx: RunContext) -> dict[str, float]:

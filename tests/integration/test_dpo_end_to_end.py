@@ -14,7 +14,7 @@ import yaml
 
 from coordinator.training import remote
 from coordinator.client import Client
-from coordinator.config import RunConfig
+from coordinator.recipe.config import RunConfig
 from coordinator.training.dpo import load_pairs
 from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
 from services.common.channel import create_channel

@@ -6,7 +6,7 @@ import pytest
 
 from coordinator.training import loop, remote
 from coordinator.training.algorithms import open_context
-from coordinator.config import RunConfig
+from coordinator.recipe.config import RunConfig
 from services.common.config import load_config
 from services.local import start_local_mesh
 from services.reward.functions import exact_match

@@ -10,7 +10,7 @@ import yaml
 
 from coordinator.training import loop, phases, remote
 from coordinator.training.algorithms import open_context
-from coordinator.config import RunConfig
+from coordinator.recipe.config import RunConfig
 from services.common.config import load_config
 from services.local import start_local_mesh
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from coordinator.training import remote
-from coordinator.data import Problem
+from coordinator.recipe.data import Problem
 from services.common.channel import create_channel
 from services.common.config import load_config
 from services.trainer.config import TrainerSettings

@@ -6,7 +6,7 @@ import pytest
 
 from coordinator.training import loop
 from coordinator.training.algorithms import open_context
-from coordinator.config import RunConfig
+from coordinator.recipe.config import RunConfig
 from services.common.config import load_config
 from services.local import start_local_mesh
 

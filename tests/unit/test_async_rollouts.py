@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from coordinator.training import async_rollouts, phases
-from coordinator.config import RunConfig
-from coordinator.data import Problem, PromptStream
+from coordinator.recipe.config import RunConfig
+from coordinator.recipe.data import Problem, PromptStream
 from coordinator.training.remote import Sample
 
 BATCH, N = 3, 2

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from coordinator.training import advantages as adv_fns
-from coordinator.config import AlgorithmConfig, RolloutCorrectionConfig
-from coordinator.data import Problem
+from coordinator.recipe.config import AlgorithmConfig, RolloutCorrectionConfig
+from coordinator.recipe.data import Problem
 from coordinator.training.phases import compute_advantages, observation_spans, sample_metrics, sample_record, token_mask
 from coordinator.training.remote import Sample
 

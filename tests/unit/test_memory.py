@@ -1,4 +1,4 @@
-"""coordinator/memory.py: per-service GPU memory estimates of a recipe and `meshrl up`'s fit check; and the
+"""coordinator/recipe/memory.py: per-service GPU memory estimates of a recipe and `meshrl up`'s fit check; and the
 one-GPU recipe examples/gpu/grpo.yaml, which relies on the `auto` defaults."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from bench.peers.settings import QWEN25
-from coordinator import memory
+from coordinator.recipe import memory
 from coordinator.cli.runs import _load_recipe, _placement
-from coordinator.memory import FUSED_CHUNK_BYTES, GIB
+from coordinator.recipe.memory import FUSED_CHUNK_BYTES, GIB
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_RECIPE = REPO / "examples" / "gpu" / "grpo.yaml"

@@ -247,7 +247,7 @@ def test_the_coordinator_reads_every_generate_answer_form_alike(form):
     import asyncio
 
     from coordinator.training import remote
-    from coordinator.data import Problem
+    from coordinator.recipe.data import Problem
 
     results = [PromptResult(prompt_id=f"p{i}", prompt_ids=[4, 5 + i], samples=[
         SampleResult(response_ids=[7 + i, 8, 9][:2 + j], logprobs=[-0.25, -1.5, -3.0][:2 + j], text=f"t{i}{j}",

@@ -1,4 +1,4 @@
-"""The checks before anything starts (coordinator/preflight.py): each broken config fails with one line that
+"""The checks before anything starts (coordinator/recipe/preflight.py): each broken config fails with one line that
 names the key the user wrote."""
 
 import json
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.config import RunConfig
-from coordinator.preflight import check_run
+from coordinator.recipe.config import RunConfig
+from coordinator.recipe.preflight import check_run
 from services.common.config import load_config
 
 

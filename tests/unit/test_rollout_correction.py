@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from coordinator.config import RunConfig, rollout_correction
+from coordinator.recipe.config import RunConfig, rollout_correction
 from coordinator.training.phases import needs_old_logprobs, policy_samples
 from coordinator.training.rollout_correction import correction_metrics, correction_weights
 from services.common.config import load_config

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from coordinator.cli import runs as cli_runs
-from coordinator.preflight import check_proxy_agent
+from coordinator.recipe.preflight import check_proxy_agent
 
 
 def _recipe(tmp_path, data: dict, overrides: dict[str, str] | None = None):

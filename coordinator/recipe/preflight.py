@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from coordinator.training.advantages import ADVANTAGE_ESTIMATORS
-from coordinator.config import RunConfig
+from coordinator.recipe.config import RunConfig
 from services.trainer.config import check_lora_targets, check_mesh
 
 # The weight files transformers' from_pretrained loads: shards, single files, or the index of shards.
