@@ -35,8 +35,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import numpy as np  # noqa: E402
 
 from meshrl.v1 import common_pb2, rollout_pb2, trainer_pb2  # noqa: E402
-from coordinator.training import remote  # noqa: E402
 from coordinator.recipe.data import Problem  # noqa: E402
+from coordinator.training import remote  # noqa: E402
 from services.common import convert as common_convert  # noqa: E402
 from services.rollout import convert as rollout_convert  # noqa: E402
 from services.rollout.types import PromptResult, SampleResult, SamplingParams  # noqa: E402

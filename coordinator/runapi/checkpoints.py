@@ -13,9 +13,9 @@ import logging
 import re
 from pathlib import Path
 
+from coordinator.runapi.store import RunRecord, RunStore
 from coordinator.training import remote
 from coordinator.training.context import CheckpointFailed, RunContext
-from coordinator.runapi.store import RunRecord, RunStore
 from services.trainer.types import RunStep
 
 log = logging.getLogger("meshrl.runs")

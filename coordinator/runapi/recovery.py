@@ -20,9 +20,9 @@ import time
 
 from coordinator.runapi import checkpoints
 
+from coordinator.runapi.store import RunRecord, RunStore
 from coordinator.training import phases, remote
 from coordinator.training.context import RunContext
-from coordinator.runapi.store import RunRecord, RunStore
 from services.common.errors import FailedPrecondition
 from services.trainer.types import RunStep
 

@@ -15,12 +15,12 @@ from coordinator.recipe import run_settings
 
 from coordinator.training import faults, phases, remote
 
-from coordinator.runapi import observe, recovery
-from coordinator.training.algorithms import open_context
 from coordinator.recipe.config import RunConfig
-from coordinator.training.context import RunContext, TrainerUnavailable
 from coordinator.recipe.preflight import check_run
+from coordinator.runapi import observe, recovery
 from coordinator.runapi.store import UNFINISHED, RunRecord, RunStore
+from coordinator.training.algorithms import open_context
+from coordinator.training.context import RunContext, TrainerUnavailable
 from services.common.config import load_config
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 

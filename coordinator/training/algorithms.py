@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator.training import advantages as adv_fns
 from coordinator.recipe import run_settings
-from coordinator.training import dpo, loop, remote
 from coordinator.recipe.config import RunConfig, trainer_losses
-from coordinator.training.context import Algorithm, GuardedTrainer, RunContext
 from coordinator.recipe.data import load_dataset
+from coordinator.training import advantages as adv_fns
+from coordinator.training import dpo, loop, remote
+from coordinator.training.context import Algorithm, GuardedTrainer, RunContext
 from coordinator.training.pools import ReplicaPool, configured
 from services.common.channel import create_channel
 

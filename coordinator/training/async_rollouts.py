@@ -20,9 +20,9 @@ from typing import Sequence
 
 import numpy as np
 
+from coordinator.recipe.data import Problem
 from coordinator.training import phases
 from coordinator.training.context import RunContext
-from coordinator.recipe.data import Problem
 from coordinator.training.remote import Sample
 
 log = logging.getLogger("meshrl.coordinator")

@@ -12,9 +12,9 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
-from coordinator.training import advantages as adv_fns
 from coordinator.recipe.config import RunConfig, TrainerLosses
 from coordinator.recipe.data import Problem, PromptStream
+from coordinator.training import advantages as adv_fns
 from coordinator.training.pools import ReplicaPool
 from services.common.errors import FailedPrecondition
 from services.common.tracing import phase_span

@@ -8,10 +8,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from coordinator.training import phases, remote
 from coordinator.recipe.config import RunConfig
-from coordinator.training.context import Algorithm, PhaseTimer, RunContext
 from coordinator.recipe.data import PromptStream, read_rows, _lookup
+from coordinator.training import phases, remote
+from coordinator.training.context import Algorithm, PhaseTimer, RunContext
 
 
 @dataclass

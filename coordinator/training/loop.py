@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
-from coordinator.training import async_rollouts, faults, phases
 from coordinator.recipe.config import RunConfig
-from coordinator.training.context import Algorithm, PhaseTimer, RunContext
 from coordinator.recipe.data import PromptStream, load_dataset
+from coordinator.training import async_rollouts, faults, phases
+from coordinator.training.context import Algorithm, PhaseTimer, RunContext
 
 
 async def rl_step(ctx: RunContext) -> dict[str, float]:

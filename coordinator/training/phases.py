@@ -14,13 +14,13 @@ import grpc
 import numpy as np
 import torch
 
-from coordinator.training import advantages as adv_fns
 from coordinator.recipe import run_settings
+from coordinator.recipe.config import rollout_correction
+from coordinator.recipe.data import Problem
+from coordinator.training import advantages as adv_fns
 from coordinator.training import remote
 from coordinator.training import rollout_correction as rc_math
-from coordinator.recipe.config import rollout_correction
 from coordinator.training.context import PhaseTimer, RunContext
-from coordinator.recipe.data import Problem
 from coordinator.training.episodes import episode_metrics, wants_episodes
 from coordinator.training.pools import split_round_robin
 from services.common.errors import Unavailable

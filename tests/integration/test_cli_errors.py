@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.client import Client
 from coordinator.cli.launcher import Launcher
+from coordinator.client import Client
 
 REPO = Path(__file__).resolve().parents[2]
 GROUPS = ("rollout.n: algorithm.adv_estimator grpo compares the samples of each prompt and needs rollout.n >= 2, "

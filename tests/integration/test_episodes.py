@@ -11,8 +11,8 @@ import uuid
 import grpc
 import pytest
 
-from coordinator.training import remote
 from coordinator.recipe.data import row_to_problem
+from coordinator.training import remote
 from coordinator.training.episodes import episode_metrics, wants_episodes
 from examples.toolcalc.chat import build_tokenizer
 from meshrl.v1 import rollout_pb2, rollout_pb2_grpc

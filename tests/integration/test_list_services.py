@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 
 from coordinator.runapi.default_pools import DefaultPools
-from coordinator.training.pools import Replica, ReplicaPool
 from coordinator.runapi.runs import RunManager
 from coordinator.runapi.service import CoordinatorServicer
 from coordinator.runapi.store import MemoryStore, RunRecord
+from coordinator.training.pools import Replica, ReplicaPool
 from meshrl.v1 import coordinator_pb2
 from services.common.config import PoolConfig
 from services.common.errors import NotFound

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.cli import runs as cli_runs
-from coordinator.client import Client
 from coordinator.cli.launcher import Launcher
+from coordinator.client import Client
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

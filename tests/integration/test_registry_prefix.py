@@ -7,8 +7,8 @@ import pytest
 import redis
 import yaml
 
-from coordinator.client import Client
 from coordinator.cli.launcher import Launcher
+from coordinator.client import Client
 
 pytestmark = pytest.mark.redis
 

@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import yaml
 
-from coordinator.client import Client
 from coordinator.cli.launcher import Child, Launcher
+from coordinator.client import Client
 from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
 from services.common.config import load_config
 

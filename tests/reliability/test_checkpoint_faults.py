@@ -277,8 +277,9 @@ def test_a_checkpoint_of_another_model_is_refused_before_any_weight_changes(engi
 
 
 def test_resuming_from_a_refused_checkpoint_falls_back_to_the_one_before_and_says_so(engine, tmp_path, caplog):
-    """coordinator/runapi/checkpoints.py: the run's newest checkpoint never finished (no manifest); the trainer is restored
-    from step_1 with step 1's data position, a WARNING names both, and when none loads the newest refusal stands."""
+    """coordinator/runapi/checkpoints.py: the run's newest checkpoint never finished (no manifest); the trainer is
+    restored from step_1 with step 1's data position, a WARNING names both, and when none loads the newest refusal
+    stands."""
     from types import SimpleNamespace
 
     from coordinator.runapi import checkpoints

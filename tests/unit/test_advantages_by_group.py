@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.training.advantages import ADVANTAGE_ESTIMATORS, grpo_advantages, rloo_advantages
-from coordinator.training.algorithms import ALGORITHMS
 from coordinator.recipe.config import AlgorithmConfig
 from coordinator.recipe.data import Problem
+from coordinator.training.advantages import ADVANTAGE_ESTIMATORS, grpo_advantages, rloo_advantages
+from coordinator.training.algorithms import ALGORITHMS
 from coordinator.training.phases import compute_advantages
 from coordinator.training.remote import Sample
 

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from coordinator.runapi.runs import parse_run_config
 from coordinator.recipe.run_settings import Running, resolved_recipe
+from coordinator.runapi.runs import parse_run_config
 from services.common.auto import AUTO, Resolved, parse
 from services.common.placement import Placement, pick_transport
 from services.rollout.config import RolloutConfig, RolloutSettings

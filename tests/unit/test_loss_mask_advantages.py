@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.training import advantages as adv_fns
 from coordinator.recipe.config import AlgorithmConfig, RolloutCorrectionConfig
 from coordinator.recipe.data import Problem
+from coordinator.training import advantages as adv_fns
 from coordinator.training.phases import compute_advantages, observation_spans, sample_metrics, sample_record, token_mask
 from coordinator.training.remote import Sample
 

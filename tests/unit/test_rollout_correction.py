@@ -1,5 +1,6 @@
-"""Rollout correction (coordinator/training/rollout_correction.py): weights and metrics on a hand-computed batch, and its
-wiring into the step (advantages scaled in decoupled mode, rollout log-probs as the old policy in bypass mode)."""
+"""Rollout correction (coordinator/training/rollout_correction.py): weights and metrics on a hand-computed batch,
+and its wiring into the step (advantages scaled in decoupled mode, rollout log-probs as the old policy in bypass
+mode)."""
 
 import math
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.training import phases, remote
 from coordinator.recipe.config import RunConfig
 from coordinator.recipe.data import Problem, load_dataset, load_problems, render_chat
+from coordinator.training import phases, remote
 from coordinator.training.loop import load_prompts
 from services.common.config import load_config
 from services.common.modeling import load_tokenizer

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from coordinator.recipe import verl_keys
 from coordinator.cli import app
+from coordinator.recipe import verl_keys
 from coordinator.recipe.config import RunConfig
 from services.common.config import load_config
 
