@@ -15,8 +15,8 @@ from coordinator.recipe.data import load_dataset
 from coordinator.training import advantages as adv_fns
 from coordinator.training import dpo, loop, remote
 from coordinator.training.context import Algorithm, GuardedTrainer, RunContext
-from coordinator.training.pools import ReplicaPool, configured
 from services.common.channel import create_channel
+from services.common.pools import ReplicaPool, configured
 
 ALGORITHMS: dict[str, Algorithm] = {"rl": loop.RL, "dpo": dpo.DPO}
 

@@ -15,8 +15,8 @@ import grpc
 from coordinator.recipe.config import RunConfig, TrainerLosses
 from coordinator.recipe.data import Problem, PromptStream
 from coordinator.training import advantages as adv_fns
-from coordinator.training.pools import ReplicaPool
 from services.common.errors import FailedPrecondition
+from services.common.pools import ReplicaPool
 from services.common.tracing import phase_span
 from services.rollout.types import SamplingParams
 

@@ -22,8 +22,8 @@ from coordinator.training import remote
 from coordinator.training import rollout_correction as rc_math
 from coordinator.training.context import PhaseTimer, RunContext
 from coordinator.training.episodes import episode_metrics, wants_episodes
-from coordinator.training.pools import split_round_robin
 from services.common.errors import Unavailable
+from services.common.pools import split_round_robin
 from services.rollout.types import SamplingParams
 
 log = logging.getLogger("meshrl.coordinator")

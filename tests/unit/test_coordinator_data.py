@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.recipe.data import PromptStream, load_problems, read_rows, row_to_problem
-from coordinator.training.pools import split_round_robin
+from services.common.pools import split_round_robin
 
 ARITH_MODEL = str(Path(__file__).resolve().parents[2] / "examples" / "arith" / "model")
 
