@@ -13,7 +13,7 @@ import yaml
 
 from coordinator.recipe import run_settings
 
-from coordinator.training import faults, phases, remote
+from coordinator.training import faults, phases, remote, reporting
 
 from coordinator.recipe.config import RunConfig
 from coordinator.recipe.preflight import check_run
@@ -219,7 +219,7 @@ class RunManager:
         await self.store.commit(record, metrics)
         ctx = self.contexts.get(record.run_id)
         if ctx is not None:
-            phases.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)
+            reporting.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)
             self._sinks(ctx).write(int(metrics["step"]), metrics)
         await self._notify(record.run_id)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from coordinator.recipe.config import RunConfig
 from coordinator.recipe.data import PromptStream, read_rows, _lookup
-from coordinator.training import phases, remote
+from coordinator.training import remote, reporting
 from coordinator.training.context import Algorithm, PhaseTimer, RunContext
 
 
@@ -148,7 +148,7 @@ async def dpo_step(ctx: RunContext) -> dict[str, float]:
 
 async def evaluate(ctx: RunContext) -> dict[str, float]:
     """Held-out preference metrics (trainer vs reference log-probs) and greedy task accuracy (rollout + reward)."""
-    pref, task = await asyncio.gather(preference_metrics(ctx, ctx.state.heldout), phases.evaluate(ctx))
+    pref, task = await asyncio.gather(preference_metrics(ctx, ctx.state.heldout), reporting.evaluate(ctx))
     return {"heldout_preference_accuracy": float("nan"), **pref, "heldout_accuracy": task}
 
 

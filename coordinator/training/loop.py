@@ -8,7 +8,7 @@ import time
 
 from coordinator.recipe.config import RunConfig
 from coordinator.recipe.data import PromptStream, load_dataset
-from coordinator.training import async_rollouts, faults, phases
+from coordinator.training import async_rollouts, faults, phases, reporting
 from coordinator.training.context import Algorithm, PhaseTimer, RunContext
 
 
@@ -35,9 +35,9 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
 
     ctx.step += 1
     ctx.last_samples = samples
-    phases.write_samples(ctx, samples)
+    reporting.write_samples(ctx, samples)
     seconds = time.perf_counter() - start
-    return {**phases.sample_metrics(samples), **adv_metrics, **train_metrics, **sync_metrics,
+    return {**reporting.sample_metrics(samples), **adv_metrics, **train_metrics, **sync_metrics,
             **async_metrics, **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/step": seconds, "samples_per_s": len(samples) / seconds,
             "data_position": float(ctx.data.position), "epoch": float(ctx.data.epoch),
@@ -46,7 +46,7 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
 
 async def evaluate(ctx: RunContext) -> dict[str, float]:
     """Held-out task accuracy, greedy."""
-    return {"heldout_accuracy": await phases.evaluate(ctx)}
+    return {"heldout_accuracy": await reporting.evaluate(ctx)}
 
 
 def load_prompts(cfg: RunConfig, tokenizer, position: int) -> tuple[PromptStream, None]:

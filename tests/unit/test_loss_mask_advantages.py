@@ -15,7 +15,8 @@ import torch
 from coordinator.recipe.config import AlgorithmConfig, RolloutCorrectionConfig
 from coordinator.recipe.data import Problem
 from coordinator.training import advantages as adv_fns
-from coordinator.training.phases import compute_advantages, observation_spans, sample_metrics, sample_record, token_mask
+from coordinator.training.phases import compute_advantages, token_mask
+from coordinator.training.reporting import observation_spans, sample_metrics, sample_record
 from coordinator.training.remote import Sample
 
 
