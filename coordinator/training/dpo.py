@@ -147,9 +147,10 @@ async def dpo_step(ctx: RunContext) -> dict[str, float]:
 
 
 async def evaluate(ctx: RunContext) -> dict[str, float]:
-    """Held-out preference metrics (trainer vs reference log-probs) and greedy task accuracy (rollout + reward)."""
+    """Held-out preference metrics (trainer vs reference log-probs) and greedy task accuracy (rollout, scored by
+    the run's reward)."""
     pref, task = await asyncio.gather(preference_metrics(ctx, ctx.state.heldout), reporting.evaluate(ctx))
-    return {"heldout_preference_accuracy": float("nan"), **pref, "heldout_accuracy": task}
+    return {"heldout_preference_accuracy": float("nan"), **pref, **task}
 
 
 def reference_needed(cfg: RunConfig, state: DPOState) -> str:

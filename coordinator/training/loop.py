@@ -45,8 +45,8 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
 
 
 async def evaluate(ctx: RunContext) -> dict[str, float]:
-    """Held-out task accuracy, greedy."""
-    return {"heldout_accuracy": await reporting.evaluate(ctx)}
+    """Held-out task metrics, greedy, scored by the run's reward."""
+    return await reporting.evaluate(ctx)
 
 
 def load_prompts(cfg: RunConfig, tokenizer, position: int) -> tuple[PromptStream, None]:

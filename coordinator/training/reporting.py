@@ -1,5 +1,5 @@
 """What an RL step reports and how the run is evaluated: the step's reward, accuracy, replica, length and KL
-metrics, its samples.jsonl lines, and held-out evaluation (greedy generation scored by the reward pool)."""
+metrics, its samples.jsonl lines, and held-out evaluation (greedy generation scored by the run's own reward)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,22 @@ from coordinator.training.context import RunContext
 from coordinator.training.episodes import episode_metrics
 
 
+def success(s: remote.Sample) -> float:
+    """How right a scored sample is by the run's own reward, as verl's validation reads it: the `acc` its reward
+    function returned, when it returns one, else its reward (the recipe's weighted components, as training
+    scores them: 1.0 or 0.0 under an exact_match recipe, so the mean is the fraction right)."""
+    acc = s.reward_extras.get("acc")
+    return float(acc) if acc is not None else s.reward
+
+
 def reward_metrics(samples: list[remote.Sample]) -> dict[str, float]:
     """Reward, accuracy, components and the reward functions' extra keys, over the samples that scored;
     `num_reward_failed` counts those that did not."""
     scored = [s for s in samples if not s.reward_error] or samples[:0]
     rewards = torch.tensor([s.reward for s in scored], dtype=torch.float32)
-    correct = [s.components.get("exact_match", s.reward) for s in scored]
     out = {"reward_mean": float(rewards.mean()) if scored else math.nan,
            "reward_std": float(rewards.std()) if len(scored) > 1 else 0.0,
-           "accuracy": sum(1.0 for c in correct if c >= 1.0) / max(len(scored), 1),
+           "accuracy": sum(success(s) for s in scored) / max(len(scored), 1),
            "num_reward_failed": float(len(samples) - len(scored))}
     for name in sorted({k for s in scored for k in s.components}):
         out[f"reward/{name}"] = sum(s.components.get(name, 0.0) for s in scored) / len(scored)
@@ -111,13 +118,17 @@ def write_samples(ctx: RunContext, samples: list[remote.Sample]) -> None:
             f.write(json.dumps(sample_record(ctx.step, s), default=str) + "\n")
 
 
-async def evaluate(ctx: RunContext) -> float:
-    """Held-out accuracy with greedy decoding through the rollout and reward pools."""
+async def evaluate(ctx: RunContext) -> dict[str, float]:
+    """Held-out metrics of greedy generations, scored by the run's own reward through the same reward pool call
+    as a training step: `heldout_accuracy` (the mean success; a sample whose score failed counts 0) and
+    `heldout_reward/<component>` (each component unweighted, over the samples that scored)."""
     if not ctx.heldout or ctx.rollout is None or ctx.reward is None:
-        return float("nan")
+        return {"heldout_accuracy": math.nan}
     greedy = ctx.cfg.rollout.sampling(n=1, temperature=0.0, top_p=1.0, seed=None)
     samples = await phases.generate(ctx, ctx.heldout, greedy)
     await phases.score(ctx, samples)
-    # A sample whose score failed counts as not correct.
-    correct = [s.components.get("exact_match", s.reward) for s in samples if not s.reward_error]
-    return sum(1.0 for c in correct if c >= 1.0) / len(samples)
+    scored = [s for s in samples if not s.reward_error]
+    out = {"heldout_accuracy": sum(success(s) for s in scored) / len(samples)}
+    for name in sorted({k for s in scored for k in s.components}):
+        out[f"heldout_reward/{name}"] = sum(s.components.get(name, 0.0) for s in scored) / len(scored)
+    return out
