@@ -1,6 +1,6 @@
 """meshrl GRPO end to end through the real mesh, against TRL's GRPOTrainer on the same work.
 
-`run`: every service its own process on 127.0.0.1, as `meshrl up` starts them (coordinator.launcher):
+`run`: every service its own process on 127.0.0.1, as `meshrl up` starts them (coordinator.cli.launcher):
 trainer, reference, reward, rollout replicas, coordinator; one run of the shared settings
 (bench/peers/settings.py) driven through the run API. Each service runs under bench/peers/mesh_timing.py,
 which times RPC handlers and the engine work inside them, so the mesh overhead (coordinator-measured
@@ -46,8 +46,8 @@ import yaml  # noqa: E402
 
 from bench.provenance import stamp  # noqa: E402
 from bench.peers.settings import HELDOUT_FILE, TRAIN_FILE, median, model_path, settings  # noqa: E402
-from coordinator import launcher as launcher_mod  # noqa: E402
-from coordinator.launcher import Launcher  # noqa: E402
+from coordinator.cli import launcher as launcher_mod  # noqa: E402
+from coordinator.cli.launcher import Launcher  # noqa: E402
 
 TIMING_MODULE = "bench.peers.mesh_timing"
 PHASES = ("generate", "reward", "reference", "old_logprobs", "train", "weight_sync")
@@ -115,7 +115,7 @@ class TimedLauncher(Launcher):
 def run_mesh(data: dict, config_path: Path, log_dir: Path, *, instrument: bool, threads: int,
              trainer_threads: int | None = None, devices: dict[str, str] | None = None) -> tuple[str, float]:
     """Starts the mesh, runs `data` to the end; returns the run directory and the start-up seconds."""
-    from coordinator.cli import _with_addresses
+    from coordinator.cli.runs import _with_addresses
     from coordinator.client import Client
 
     t0 = time.perf_counter()

@@ -126,7 +126,7 @@ def sync(device: str) -> None:
 
 def start_env(tmp: Path):
     """One env replica hosting `calculator`, its own process on port 0, started the way `meshrl up` starts it."""
-    from coordinator.launcher import Launcher
+    from coordinator.cli.launcher import Launcher
 
     config = tmp / "env.yaml"
     config.write_text(yaml.safe_dump({"env": {"builtin_tools": ["calculator"]}}))
@@ -347,7 +347,7 @@ async def measure(args, address: str) -> dict:
                      "the env pool) and the template's delta of each tool message appended token-exact"),
         "eos": ("off: the engine's eos ids emptied, every turn and baseline row samples exactly its tokens" if cpu
                 else "on (1 id of 151,936; a random model practically never samples it): counts are as sampled"),
-        "env_replica": "python -m services.env (builtin_tools: [calculator]), started by coordinator.launcher",
+        "env_replica": "python -m services.env (builtin_tools: [calculator]), started by coordinator.cli.launcher",
         **tool}
     return result
 

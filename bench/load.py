@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 import yaml  # noqa: E402
 
+from coordinator.cli.launcher import Launcher  # noqa: E402
 from coordinator.client import Client  # noqa: E402
-from coordinator.launcher import Launcher  # noqa: E402
 from meshrl.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
 
 ARITH_MODEL = REPO / "examples" / "arith" / "model"

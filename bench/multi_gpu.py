@@ -10,7 +10,7 @@ with the reason, so one script serves 1, 2, 4 and 8 GPUs:
         x 2048 tokens per DP rank, one optimizer step each. MFU = model FLOPs / step time / (W x 989 TFLOP/s),
         FLOPs counted as in trainer_mfu.py. Baseline: the one-GPU layout, measured in the same run
         (`per_gpu_vs_one_gpu` = tokens/s per GPU over the one-GPU layout's). Started as `meshrl up` starts a
-        trainer (coordinator.launcher): torchrun for several ranks, a plain process for one.
+        trainer (coordinator.cli.launcher): torchrun for several ranks, a plain process for one.
   sync  bench/weight_sync.py --transport nccl for the 0.5B and 1.5B shapes (trainer on cuda:0, one replica
         on cuda:1), beside a CuPy NCCL broadcast of the same bytes between the same two GPUs in the same run
         (goal: the transport reaches >= 70% of that broadcast's GB/s).
@@ -77,7 +77,7 @@ def merge(out: Path, part: str, rows: list[dict], key: str) -> None:
 
 def run_layout(name: str, model: Path, num_params: int, work: Path, *, shape: str, device: str, seq: int,
                per_dp: int, warmup: int, steps: int) -> dict:
-    from coordinator.launcher import Launcher
+    from coordinator.cli.launcher import Launcher
     from meshrl.v1 import common_pb2, trainer_pb2_grpc
     from services.common.channel import create_channel
     from services.trainer import convert

@@ -24,9 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.provenance import stamp  # noqa: E402
-from coordinator import loop, observe  # noqa: E402
-from coordinator.algorithms import open_context  # noqa: E402
-from coordinator.config import RunConfig  # noqa: E402
+from coordinator.recipe.config import RunConfig  # noqa: E402
+from coordinator.runapi import observe  # noqa: E402
+from coordinator.training import loop  # noqa: E402
+from coordinator.training.algorithms import open_context  # noqa: E402
 from meshrl.v1 import reward_pb2  # noqa: E402
 from services.common import metrics  # noqa: E402
 from services.common.config import load_config  # noqa: E402

@@ -5,13 +5,13 @@ per payload and form, the sender's build, SerializeToString, FromString and the 
 the engine takes, each the median of --repeats runs in this process:
 
 - Generate answer (rollout -> coordinator): the rollout builds it from the engine's lists; the coordinator
-  reads it into its samples (coordinator/remote.py's own reader);
+  reads it into its samples (coordinator/training/remote.py's own reader);
 - log-probs request and answer (coordinator <-> reference / trainer);
 - TrainActor request (coordinator -> trainer).
 
 Forms: "repeated" (the baseline: repeated proto fields), "packed" (bytes per sample), "columnar" (Ragged rows
 per batch, what the coordinator now uses). The coordinator side starts from what it holds in each form
-(lists for repeated, numpy arrays for the others), the way coordinator/remote.py and phases.py leave it.
+(lists for repeated, numpy arrays for the others), the way coordinator/training/remote.py and phases.py leave it.
 
     PYTHONPATH=.:protos python bench/payloads.py --out bench/results/payloads.json
 """
@@ -35,8 +35,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import numpy as np  # noqa: E402
 
 from meshrl.v1 import common_pb2, rollout_pb2, trainer_pb2  # noqa: E402
-from coordinator import remote  # noqa: E402
-from coordinator.data import Problem  # noqa: E402
+from coordinator.recipe.data import Problem  # noqa: E402
+from coordinator.training import remote  # noqa: E402
 from services.common import convert as common_convert  # noqa: E402
 from services.rollout import convert as rollout_convert  # noqa: E402
 from services.rollout.types import PromptResult, SampleResult, SamplingParams  # noqa: E402

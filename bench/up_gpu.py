@@ -10,7 +10,7 @@ Each run is the `meshrl` command itself in a subprocess (`python -m coordinator.
 --run.run_dir DIR`, plus the tuned flags for `tuned`); nothing of the mesh runs in this process. While a run's mesh
 is up, its services answer GetInfo (details `resolved`, `warmup_seconds`); `nvidia-smi` is sampled every
 --memory-interval seconds and each process's memory is put to its role by the process tree of the `meshrl up`
-child (a service is `python -m services.<role>`, coordinator/launcher.py). The JSON is written after each run, so
+child (a service is `python -m services.<role>`, coordinator/cli/launcher.py). The JSON is written after each run, so
 a call cut short keeps the runs that ended.
 """
 
@@ -143,7 +143,7 @@ def compute_goals(defaults: dict | None, tuned: dict | None) -> tuple[float | No
                    "default_over_tuned_le_1_10": goal(ratio, GOALS["default_over_tuned_le_1_10"])}
 
 
-# A line of the header the coordinator writes atop the run's recipe.yaml (coordinator/run_settings.py
+# A line of the header the coordinator writes atop the run's recipe.yaml (coordinator/recipe/run_settings.py
 # resolved_recipe): `#   rollout.cuda_graphs: auto -> true on the rollout-0 (CUDA device, torch engine)`.
 RECIPE_CHOICE = re.compile(r"^#\s+(\S+): (.*?) -> (.*?) on the (.*?) \((.*)\)\s*$")
 
@@ -252,7 +252,7 @@ def meshrl_command() -> list[str]:
 
 
 def _die_with_parent(cmd: list[str]) -> list[str]:
-    # As coordinator/launcher.py: if this bench is killed (the session's `timeout`), `meshrl up` gets SIGTERM and
+    # As coordinator/cli/launcher.py: if this bench is killed (the session's `timeout`), `meshrl up` gets SIGTERM and
     # takes its services with it.
     return ["setpriv", "--pdeathsig", "TERM", "--", *cmd] if shutil.which("setpriv") else cmd
 

@@ -1,6 +1,6 @@
 """`python -m coordinator --config FILE [--port N]`: run the coordinator (run API)."""
 
-from coordinator.service import CoordinatorSettings, start
+from coordinator.runapi.service import CoordinatorSettings, start
 from services.common.launch import serve_main
 
 

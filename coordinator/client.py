@@ -18,7 +18,7 @@ from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.common.grpc_config import MAX_MESSAGE_BYTES, ClientTLS, service_config
 
 if TYPE_CHECKING:                       # the typed config, for readers and type checkers only: it needs pydantic
-    from coordinator.config import RunConfig
+    from coordinator.recipe.config import RunConfig
 
 STATE_NAMES = {v: k[len("RUN_STATE_"):] for k, v in coordinator_pb2.RunState.items()}
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import grpc
 
+from coordinator.cli.report import plot_run
 from coordinator.client import Client, RunStatus
-from coordinator.report import plot_run
 
 # A coordinator that restarts is UNAVAILABLE for a while (or drops the metric stream): wait and follow on.
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,

@@ -9,7 +9,7 @@ $MESHRL_BENCH_TIMING_DIR/<role>-<pid>.jsonl:
   servicer method (protobuf -> dataclasses -> engine -> protobuf), compute_s the engine work inside it,
   convert_s its protobuf <-> Python conversions;
 - coordinator: {"side": "client", "call", "target", "start", "end", "seconds"} per typed call of
-  coordinator/remote.py (request built, RPC, response parsed), and {"side": "step", "step", "start", "end"}.
+  coordinator/training/remote.py (request built, RPC, response parsed), and {"side": "step", "step", "start", "end"}.
 
 Timers are perf_counter pairs and one buffered line per call; the services are otherwise unchanged.
 """
@@ -179,7 +179,7 @@ def _client_call(module, name: str) -> None:
 
     @functools.wraps(orig)
     async def timed(stub, *args, **kwargs):
-        from coordinator.context import GuardedTrainer
+        from coordinator.training.context import GuardedTrainer
 
         start, t0, gc0 = time.time(), time.perf_counter(), _gc["s"]
         try:
@@ -195,8 +195,8 @@ def _client_call(module, name: str) -> None:
 def instrument_coordinator():
     import dataclasses
 
-    from coordinator import remote
-    from coordinator.algorithms import ALGORITHMS
+    from coordinator.training import remote
+    from coordinator.training.algorithms import ALGORITHMS
 
     for name in ("generate", "score", "logprobs", "train_actor", "push_weights"):
         _client_call(remote, name)

@@ -11,7 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-# The `-m` module of each service process (coordinator/launcher.py MODULES) -> its role; `coordinator.cli` is the
+# The `-m` module of each service process (coordinator/cli/launcher.py MODULES) -> its role; `coordinator.cli` is the
 # `meshrl` command itself (the launcher), as is the `meshrl` console script.
 MODULE_ROLES = {"coordinator": "coordinator", "coordinator.__main__": "coordinator",
                 "services.trainer": "trainer", "services.trainer.__main__": "trainer",

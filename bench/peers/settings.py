@@ -123,11 +123,12 @@ def make_random_model(path: Path, *, dtype: str, shape: dict = QWEN25_05B, init_
 
 
 def prompt_rows(path: Path, *, seed: int, count: int, shuffle: bool = True) -> list[dict]:
-    """The first `count` prompts (0 = all) of meshrl's seeded stream (coordinator.data.PromptStream), in its order.
+    """The first `count` prompts (0 = all) of meshrl's seeded stream (coordinator.recipe.data.PromptStream), in
+    its order.
 
     TRL reads them in this order with shuffling off, so both sides train on the same prompts per step.
     """
-    from coordinator.data import PromptStream, load_problems
+    from coordinator.recipe.data import PromptStream, load_problems
 
     problems = load_problems([str(path)])
     stream = PromptStream(problems, seed=seed, shuffle=shuffle)

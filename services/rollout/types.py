@@ -21,7 +21,7 @@ MAX_SAMPLES_PER_PROMPT = 1024
 
 
 # The CUDA-graph decoder's static KV cache is sized in buckets (services/rollout/engine_torch/cuda_decode.py); the
-# memory estimate of a recipe (coordinator/memory.py) sizes it by the same rule.
+# memory estimate of a recipe (coordinator/recipe/memory.py) sizes it by the same rule.
 def bucket_batch(n: int, cap: int) -> int:
     """Rows of the cache bucket for `n` rows: powers of two from 8, at most `cap` (and at least `n`)."""
     b = 8

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from coordinator.client import Client
-from coordinator.service import CoordinatorSettings, start as start_coordinator
+from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
 from services.common.config import load_config
 from services.local import start_local_mesh
 

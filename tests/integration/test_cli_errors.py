@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from coordinator.cli.launcher import Launcher
 from coordinator.client import Client
-from coordinator.launcher import Launcher
 
 REPO = Path(__file__).resolve().parents[2]
 GROUPS = ("rollout.n: algorithm.adv_estimator grpo compares the samples of each prompt and needs rollout.n >= 2, "
@@ -108,7 +108,7 @@ def test_list_services_without_a_run_id_gives_the_coordinators_own_pools(coordin
 
 
 def test_a_trainer_that_fails_under_torchrun_is_reported_by_its_own_error_line(tmp_path):
-    from coordinator.launcher import ServiceFailed
+    from coordinator.cli.launcher import ServiceFailed
 
     # A critic with a pipeline is refused by the trainer itself (no preflight here: the launcher alone).
     config = recipe(tmp_path, "run.yaml", {"actor": {"pp_size": 2}, "critic": {}})
@@ -123,13 +123,13 @@ def test_a_trainer_that_fails_under_torchrun_is_reported_by_its_own_error_line(t
 def test_an_unexpected_error_is_one_line_with_its_type_and_exit_1(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import coordinator.report
+    import coordinator.cli.report
     from coordinator.cli import app
 
     def broken(*args, **kwargs):
         raise KeyError("reward_mean")
 
-    monkeypatch.setattr(coordinator.report, "plot_run", broken)
+    monkeypatch.setattr(coordinator.cli.report, "plot_run", broken)
     result = CliRunner().invoke(app, ["plot", str(tmp_path)])
     assert (result.exit_code, result.output) == (1, "meshrl plot: KeyError: 'reward_mean' (--debug prints the "
                                                     "traceback)\n")

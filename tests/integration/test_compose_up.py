@@ -173,7 +173,8 @@ def test_compose_up_trains_the_demo_while_rollout_scales_and_a_replica_dies(tmp_
         resumed = re.findall(rf"resuming run {RUN_ID} at step (\d+)", project.compose("logs", "coordinator"))
         assert resumed and int(resumed[-1]) >= committed > scaled_at, (resumed, committed)
         # every step trained on its whole batch: no sample lost to the kill. A step the trainer applied while the
-        # coordinator stopped is committed on resume as recovered (coordinator/recovery.py): its metrics are lost.
+        # coordinator stopped is committed on resume as recovered (coordinator/runapi/recovery.py): its metrics
+        # are lost.
         recovered = {int(m["step"]) for m in metrics if m.get("recovered")}
         assert recovered <= {int(resumed[-1])} and set(steps) | recovered == set(range(1, 81)), sorted(steps)
         assert {m["num_samples"] for m in steps.values()} == {SAMPLES_PER_STEP}

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from coordinator.client import Client
-from coordinator.service import CoordinatorSettings, start as start_coordinator
-from coordinator.store import RedisStore
+from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
+from coordinator.runapi.store import RedisStore
 from services.common.config import load_config
 from services.local import start_local_mesh
 
@@ -49,7 +49,7 @@ def test_coordinator_restart_resumes_from_the_last_completed_step(arith_model_pa
             final = await asyncio.to_thread(client.wait, run_id)
             assert final.state == "COMPLETED", final.message
             # Killed after the trainer applied an update that was never recorded, the run commits that step as
-            # recovered instead of training it again (coordinator/recovery.py): versions line up exactly.
+            # recovered instead of training it again (coordinator/runapi/recovery.py): versions line up exactly.
             assert final.step == 6 and final.weight_version == 6
             trainer_version = mesh.engines["trainer"][0].rank.weight_version
             assert final.weight_version == trainer_version

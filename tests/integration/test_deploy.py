@@ -184,7 +184,7 @@ def test_the_gpu_override_reserves_the_documented_devices_and_runs_the_trainer_u
 
 def settings_class(role: str):
     """The settings each process builds from the environment; the coordinator's env also shapes its runs."""
-    from coordinator.config import RunConfig
+    from coordinator.recipe.config import RunConfig
     from services.env.config import EnvSettings
     from services.reference.config import ReferenceSettings
     from services.reward.config import RewardSettings
@@ -419,7 +419,7 @@ def test_k8s_pool_and_rendezvous_names_resolve_to_headless_services_in_the_names
 
 
 def test_k8s_configmap_recipe_validates_as_a_run_and_names_files_the_image_ships(monkeypatch):
-    from coordinator.config import RunConfig
+    from coordinator.recipe.config import RunConfig
 
     objects = render_k8s()
     cm = next(o for o in objects if o["kind"] == "ConfigMap")

@@ -12,11 +12,11 @@ import grpc
 import pytest
 import yaml
 
-from coordinator import remote
 from coordinator.client import Client
-from coordinator.config import RunConfig
-from coordinator.dpo import load_pairs
-from coordinator.service import CoordinatorSettings, start as start_coordinator
+from coordinator.recipe.config import RunConfig
+from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
+from coordinator.training import remote
+from coordinator.training.dpo import load_pairs
 from services.common.channel import create_channel
 from services.common.config import load_config
 from services.common.modeling import load_tokenizer

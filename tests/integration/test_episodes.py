@@ -11,9 +11,9 @@ import uuid
 import grpc
 import pytest
 
-from coordinator import remote
-from coordinator.data import row_to_problem
-from coordinator.episodes import episode_metrics, wants_episodes
+from coordinator.recipe.data import row_to_problem
+from coordinator.training import remote
+from coordinator.training.episodes import episode_metrics, wants_episodes
 from examples.toolcalc.chat import build_tokenizer
 from meshrl.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.chat_delta import observation_ids

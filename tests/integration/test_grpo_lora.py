@@ -8,9 +8,9 @@ import asyncio
 import pytest
 import yaml
 
-from coordinator import loop, phases, remote
-from coordinator.algorithms import open_context
-from coordinator.config import RunConfig
+from coordinator.recipe.config import RunConfig
+from coordinator.training import loop, remote, reporting
+from coordinator.training.algorithms import open_context
 from services.common.config import load_config
 from services.local import start_local_mesh
 
@@ -31,10 +31,10 @@ def test_grpo_with_lora_learns_the_arithmetic_task_with_the_trainer_as_reference
             assert not cfg.reference.servers
             ctx = await open_context("lora", cfg)
             assert ctx.reference.servers == mesh.addresses["trainer"]
-            before = await phases.evaluate(ctx)
+            before = (await reporting.evaluate(ctx))["heldout_accuracy"]
             for _ in range(STEPS):
                 metrics = await loop.rl_step(ctx)
-            after = await phases.evaluate(ctx)
+            after = (await reporting.evaluate(ctx))["heldout_accuracy"]
             fixed = ctx.last_samples[:3]
             want = await remote.logprobs(ctx.trainer, fixed)
             got = await remote.logprobs(ctx.rollout.replicas[mesh.addresses["rollout"][0]].stub, fixed)

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator import remote
-from coordinator.data import Problem
+from coordinator.recipe.data import Problem
+from coordinator.training import remote
 from services.common.channel import create_channel
 from services.common.config import load_config
 from services.trainer.config import TrainerSettings

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator import cli_runs
+from coordinator.cli import runs as cli_runs
+from coordinator.cli.launcher import Launcher
 from coordinator.client import Client
-from coordinator.launcher import Launcher
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ import asyncio
 import grpc
 import pytest
 
-from coordinator import loop, remote
-from coordinator.algorithms import open_context
-from coordinator.config import RunConfig
+from coordinator.recipe.config import RunConfig
+from coordinator.training import loop, remote
+from coordinator.training.algorithms import open_context
 from meshrl.v1 import common_pb2, rollout_pb2
 from services.common.config import load_config
 from services.local import start_local_mesh

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.service import CoordinatorSettings, start as start_coordinator
+from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
 from services.common.config import load_config
 from services.local import start_local_mesh
 

@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from coordinator.store import RedisStore, RunRecord
+from coordinator.runapi.store import RedisStore, RunRecord
 from services.common.registry import Registry
 
 pytestmark = pytest.mark.redis

@@ -7,8 +7,8 @@ import pytest
 import redis
 import yaml
 
+from coordinator.cli.launcher import Launcher
 from coordinator.client import Client
-from coordinator.launcher import Launcher
 
 pytestmark = pytest.mark.redis
 

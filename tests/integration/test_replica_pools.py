@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from coordinator import loop
-from coordinator.algorithms import open_context
-from coordinator.config import RunConfig
+from coordinator.recipe.config import RunConfig
+from coordinator.training import loop
+from coordinator.training.algorithms import open_context
 from services.common.config import load_config
 from services.local import start_local_mesh
 

@@ -8,7 +8,7 @@ import grpc
 import pytest
 import yaml
 
-from coordinator.service import CoordinatorSettings, start as start_coordinator
+from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
 from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.common.config import deep_merge, load_config
 from services.local import start_local_mesh

@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import yaml
 
+from coordinator.cli.launcher import Child, Launcher
 from coordinator.client import Client
-from coordinator.launcher import Child, Launcher
-from coordinator.service import CoordinatorSettings, start as start_coordinator
+from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
 from services.common.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,11 +146,11 @@ async def coordinator(redis_url: str):
 
 def kill_at_each_point(cfg: dict, tmp_path: Path, redis_url: str, monkeypatch, kill_step: int,
                        check: Callable[[str, Any, list[dict], str, list[dict]], None]) -> None:
-    """For each point of coordinator/faults.py's KILL_POINTS, one run on the same trainer, reward and rollout
+    """For each point of coordinator/training/faults.py's KILL_POINTS, one run on the same trainer, reward and rollout
     processes: a coordinator killed there at step `kill_step`, then a restarted one (same Redis prefix) that runs
     it to COMPLETED; then check(point, final status, streamed metrics, trainer log, metrics.jsonl records), while
     the processes still run (a failed check stops them all)."""
-    from coordinator.faults import ENV, KILL_POINTS
+    from coordinator.training.faults import ENV, KILL_POINTS
 
     path = write_config(tmp_path / "run.yaml", cfg)
     coordinator_args = ["--run.redis_url", redis_url, "--run.redis_prefix", f"meshrl-once-{uuid.uuid4().hex[:8]}"]

@@ -4,7 +4,7 @@ no step is missing, repeated or trained twice and no prompt is used twice or ski
 
 import pytest
 
-from coordinator.faults import KILL_POINTS
+from coordinator.training.faults import KILL_POINTS
 from tests.reliability.procs import kill_at_each_point, run_config
 from tests.reliability.test_exactly_once_steps import BATCH, KILL_STEP, NUM_STEPS, _applied, _count, _report
 

@@ -220,7 +220,7 @@ def test_a_library_base_exception_maps_to_a_one_line_status_and_interrupts_pass_
 def test_a_periodic_save_that_fails_pauses_the_run_naming_the_path_and_resume_continues_once_fixed(
         arith_model_path, tmp_path):
     from coordinator.client import Client
-    from coordinator.service import CoordinatorSettings, start as start_coordinator
+    from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
     from services.local import start_local_mesh
     from tests.integration.test_coordinator_run_api import base_config
 
@@ -277,13 +277,14 @@ def test_a_checkpoint_of_another_model_is_refused_before_any_weight_changes(engi
 
 
 def test_resuming_from_a_refused_checkpoint_falls_back_to_the_one_before_and_says_so(engine, tmp_path, caplog):
-    """coordinator/checkpoints.py: the run's newest checkpoint never finished (no manifest); the trainer is restored
-    from step_1 with step 1's data position, a WARNING names both, and when none loads the newest refusal stands."""
+    """coordinator/runapi/checkpoints.py: the run's newest checkpoint never finished (no manifest); the trainer is
+    restored from step_1 with step 1's data position, a WARNING names both, and when none loads the newest refusal
+    stands."""
     from types import SimpleNamespace
 
-    from coordinator import checkpoints
-    from coordinator.context import CheckpointFailed, GuardedTrainer
-    from coordinator.store import MemoryStore, RunRecord
+    from coordinator.runapi import checkpoints
+    from coordinator.training.context import CheckpointFailed, GuardedTrainer
+    from coordinator.runapi.store import MemoryStore, RunRecord
 
     for step in (1, 2):
         engine.save_checkpoint(str(tmp_path / "checkpoints" / f"step_{step}"))

@@ -8,9 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator import faults, recovery
-from coordinator.store import MemoryStore, RedisStore, RunRecord
-from coordinator.faults import KILL_POINTS
+from coordinator.training import faults
+
+from coordinator.runapi import recovery
+from coordinator.runapi.store import MemoryStore, RedisStore, RunRecord
+from coordinator.training.faults import KILL_POINTS
 from meshrl.v1 import common_pb2
 from services.common.config import load_config
 from services.common.errors import FailedPrecondition

@@ -8,8 +8,8 @@ import grpc
 import pytest
 import yaml
 
-from coordinator import phases
 from coordinator.client import Client
+from coordinator.training import phases
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
 
 from tests.reliability.procs import Procs, coordinator, run_config, with_addresses, write_config

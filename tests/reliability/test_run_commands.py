@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from coordinator.runs import RunManager
-from coordinator.store import MemoryStore, RunRecord
+from coordinator.runapi.runs import RunManager
+from coordinator.runapi.store import MemoryStore, RunRecord
 from services.common.errors import FailedPrecondition
 
 

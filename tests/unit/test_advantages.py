@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from coordinator.advantages import (AdaptiveKLController, gae_advantages, grpo_advantages, masked_whiten,
+from coordinator.training.advantages import (AdaptiveKLController, gae_advantages, grpo_advantages, masked_whiten,
                                     reinforce_pp_advantages, reinforce_pp_baseline_advantages, rloo_advantages)
 
 

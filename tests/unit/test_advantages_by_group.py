@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.advantages import ADVANTAGE_ESTIMATORS, grpo_advantages, rloo_advantages
-from coordinator.algorithms import ALGORITHMS
-from coordinator.config import AlgorithmConfig
-from coordinator.data import Problem
-from coordinator.phases import compute_advantages
-from coordinator.remote import Sample
+from coordinator.recipe.config import AlgorithmConfig
+from coordinator.recipe.data import Problem
+from coordinator.training.advantages import ADVANTAGE_ESTIMATORS, grpo_advantages, rloo_advantages
+from coordinator.training.algorithms import ALGORITHMS
+from coordinator.training.phases import compute_advantages
+from coordinator.training.remote import Sample
 
 
 def _samples(num_groups: int, n: int, seed: int = 0) -> list[Sample]:

@@ -21,6 +21,8 @@ FACES = {"config", "types", "convert"}
 EXTRA_FACES = {"services.reward.functions"}
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 60
+# Folders by concern, a dozen modules each (docs/architecture.md); the coordinator's subpackages keep to it.
+MAX_FOLDER_MODULES = 15
 
 
 def _module_name(path: Path) -> str:
@@ -144,6 +146,13 @@ def test_the_coordinator_imports_only_faces_and_services_common(graph):
     assert bad == []
 
 
+def test_the_cli_reaches_runs_only_through_the_client(graph):
+    """`meshrl` drives the run API as a script would (coordinator/client.py): it loads no loop or run manager."""
+    bad = [f"{a} -> {b}" for a, bs in graph.items() if a.startswith("coordinator.cli")
+           for b in bs if b.startswith(("coordinator.training", "coordinator.runapi"))]
+    assert bad == []
+
+
 def test_a_face_loads_no_implementation(graph):
     """Importing a service's config, types or convert never loads its engine (clients import faces)."""
     bad = [f"{a} -> {b}" for a, bs in graph.items() if _is_face(a)
@@ -173,10 +182,22 @@ def test_no_function_outside_bench_is_over_60_lines():
     assert long == []
 
 
+def test_no_coordinator_folder_holds_more_than_15_modules():
+    """A package's own modules (not __init__/__main__) per folder: past a dozen, split the folder by concern."""
+    crowded = []
+    folders = sorted({p.parent for p in _python_files("coordinator")})
+    assert {"cli", "recipe", "runapi", "training"} <= {f.name for f in folders}
+    for folder in folders:
+        modules = [p for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+        if len(modules) > MAX_FOLDER_MODULES:
+            crowded.append(f"{folder.relative_to(ROOT)}: {len(modules)}")
+    assert crowded == []
+
+
 def test_the_rules_see_the_tree():
     """The walk finds the services and the coordinator, so an empty graph cannot pass the rules above."""
     modules = _source_modules()
-    assert {"coordinator.loop", "services.common.server", "services.rollout.servicer"} <= set(modules)
+    assert {"coordinator.training.loop", "services.common.server", "services.rollout.servicer"} <= set(modules)
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
 
 

@@ -1,6 +1,6 @@
-"""k batches in flight (coordinator/async_rollouts.py) against a scripted rollout pool: the staleness bound, the
-data position of each batch, stale groups regenerated or dropped, and in-flight batches made again after a
-restart or a rollback."""
+"""k batches in flight (coordinator/training/async_rollouts.py) against a scripted rollout pool: the staleness
+bound, the data position of each batch, stale groups regenerated or dropped, and in-flight batches made again
+after a restart or a rollback."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator import async_rollouts, phases
-from coordinator.config import RunConfig
-from coordinator.data import Problem, PromptStream
-from coordinator.remote import Sample
+from coordinator.recipe.config import RunConfig
+from coordinator.recipe.data import Problem, PromptStream
+from coordinator.training import async_rollouts, phases
+from coordinator.training.remote import Sample
 
 BATCH, N = 3, 2
 PROBLEMS = [Problem(id=f"q{i}", prompt=f"{i}+0=", ground_truth=str(i), data_source="arith") for i in range(20)]

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from coordinator.runs import parse_run_config
-from coordinator.run_settings import Running, resolved_recipe
+from coordinator.recipe.run_settings import Running, resolved_recipe
+from coordinator.runapi.runs import parse_run_config
 from services.common.auto import AUTO, Resolved, parse
 from services.common.placement import Placement, pick_transport
 from services.rollout.config import RolloutConfig, RolloutSettings
@@ -120,7 +120,7 @@ def test_torch_engine_on_cpu_resolves_eager_decoding_and_refuses_cuda_graphs_tru
 
 
 def test_meshrl_up_refuses_gpu_only_switches_on_a_cpu_recipe_before_anything_starts():
-    from coordinator.preflight import check_speed_switches
+    from coordinator.recipe.preflight import check_speed_switches
 
     check_speed_switches(parse_run_config("model: {device: cpu}\n"))           # auto: nothing to refuse
     with pytest.raises(ValueError, match=r"^rollout.cuda_graphs: true needs a CUDA device \(model.device is 'cpu'\)"):

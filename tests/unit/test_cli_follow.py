@@ -3,7 +3,7 @@ import io
 
 from rich.console import Console
 
-from coordinator import cli_runs
+from coordinator.cli import runs as cli_runs
 
 
 class _Client:

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.data import PromptStream, load_problems, read_rows, row_to_problem
-from coordinator.pools import split_round_robin
+from coordinator.recipe.data import PromptStream, load_problems, read_rows, row_to_problem
+from services.common.pools import split_round_robin
 
 ARITH_MODEL = str(Path(__file__).resolve().parents[2] / "examples" / "arith" / "model")
 
@@ -43,7 +43,7 @@ def test_missing_prompt_key_is_named(tmp_path):
 
 
 def test_prompt_stream_is_seeded_and_resumes_at_its_position():
-    from coordinator.data import Problem
+    from coordinator.recipe.data import Problem
 
     problems = [Problem(str(i), f"{i}+0=", str(i), "") for i in range(10)]
     a = PromptStream(problems, seed=3)

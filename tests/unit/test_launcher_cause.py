@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from coordinator.launcher import Child, cause_line, failure
+from coordinator.cli.launcher import Child, cause_line, failure
 
 # A trainer under torchrun whose rank 0 raised: the cause is the rank's ValueError, 30 lines above the end.
 TORCHRUN_LOG = """\

@@ -24,7 +24,7 @@ def test_the_client_still_dumps_a_typed_run_config_with_its_secrets_in_clear():
     import yaml
 
     from coordinator.client import config_text
-    from coordinator.runs import parse_run_config
+    from coordinator.runapi.runs import parse_run_config
 
     cfg = parse_run_config("server: {auth_token: s3cret}\nrollout: {n: 2, max_tokens: 6}\n")
     data = yaml.safe_load(config_text(cfg))

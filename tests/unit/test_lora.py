@@ -9,8 +9,8 @@ import asyncio
 import pytest
 import torch
 
-from coordinator.config import RunConfig
-from coordinator.preflight import check_run
+from coordinator.recipe.config import RunConfig
+from coordinator.recipe.preflight import check_run
 from meshrl.v1 import common_pb2, reference_pb2_grpc
 from services.common.channel import create_channel
 from services.common.config import load_config

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator import advantages as adv_fns
-from coordinator.config import AlgorithmConfig, RolloutCorrectionConfig
-from coordinator.data import Problem
-from coordinator.phases import compute_advantages, observation_spans, sample_metrics, sample_record, token_mask
-from coordinator.remote import Sample
+from coordinator.recipe.config import AlgorithmConfig, RolloutCorrectionConfig
+from coordinator.recipe.data import Problem
+from coordinator.training import advantages as adv_fns
+from coordinator.training.phases import compute_advantages, token_mask
+from coordinator.training.reporting import observation_spans, sample_metrics, sample_record
+from coordinator.training.remote import Sample
 
 
 def _episode(rng: random.Random, problem: Problem, group: int) -> Sample:

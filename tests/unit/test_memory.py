@@ -1,4 +1,4 @@
-"""coordinator/memory.py: per-service GPU memory estimates of a recipe and `meshrl up`'s fit check; and the
+"""coordinator/recipe/memory.py: per-service GPU memory estimates of a recipe and `meshrl up`'s fit check; and the
 one-GPU recipe examples/gpu/grpo.yaml, which relies on the `auto` defaults."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import pytest
 import yaml
 
 from bench.peers.settings import QWEN25
-from coordinator import memory
-from coordinator.cli_runs import _load_recipe, _placement
-from coordinator.memory import FUSED_CHUNK_BYTES, GIB
+from coordinator.cli.runs import _load_recipe, _placement
+from coordinator.recipe import memory
+from coordinator.recipe.memory import FUSED_CHUNK_BYTES, GIB
+from coordinator.recipe.model_shape import count_params
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_RECIPE = REPO / "examples" / "gpu" / "grpo.yaml"
@@ -42,7 +43,7 @@ def _recipe(path: Path, overrides: dict[str, str]):
 
 
 def test_parameter_counts_match_the_published_qwen25_sizes():
-    counts = {size: memory.count_params({"model_type": "qwen2", **QWEN25[f"qwen2.5-{size}"]})
+    counts = {size: count_params({"model_type": "qwen2", **QWEN25[f"qwen2.5-{size}"]})
               for size in ("0.5b", "1.5b", "3b", "7b")}
     assert counts == {"0.5b": 494_032_768, "1.5b": 1_543_714_304, "3b": 3_085_938_688, "7b": 7_615_616_512}
 
@@ -154,7 +155,7 @@ def test_no_gpu_found_skips_the_check(tmp_path, monkeypatch):
 def test_meshrl_up_refuses_a_recipe_that_cannot_fit_before_any_process_starts(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from coordinator import launcher
+    from coordinator.cli import launcher
     from coordinator.cli import app
 
     path = _qwen(tmp_path, "7b")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from coordinator import traces, watch
+from coordinator.cli import traces, watch
 from coordinator.client import Replica, RunStatus
 
 MS = 1_000_000

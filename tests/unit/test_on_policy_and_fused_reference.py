@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from coordinator.config import RunConfig
-from coordinator.phases import needs_old_logprobs
+from coordinator.recipe.config import RunConfig
+from coordinator.training.phases import needs_old_logprobs
 from services.common.config import load_config
 from services.common.weights import named_weights
 from services.trainer.config import TrainerSettings

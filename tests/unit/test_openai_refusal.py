@@ -3,9 +3,9 @@ rollout.weights_dir, or of a server without vLLM's weight-update endpoints); DPO
 
 import pytest
 
-from coordinator import run_settings as rs
-from coordinator.config import RunConfig
-from coordinator.preflight import check_rollout_weights
+from coordinator.recipe import run_settings as rs
+from coordinator.recipe.config import RunConfig
+from coordinator.recipe.preflight import check_rollout_weights
 from services.common.config import load_config
 
 

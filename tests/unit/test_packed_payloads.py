@@ -246,8 +246,8 @@ def test_columnar_generate_results_round_trip_and_bad_rows_are_named():
 def test_the_coordinator_reads_every_generate_answer_form_alike(form):
     import asyncio
 
-    from coordinator import remote
-    from coordinator.data import Problem
+    from coordinator.training import remote
+    from coordinator.recipe.data import Problem
 
     results = [PromptResult(prompt_id=f"p{i}", prompt_ids=[4, 5 + i], samples=[
         SampleResult(response_ids=[7 + i, 8, 9][:2 + j], logprobs=[-0.25, -1.5, -3.0][:2 + j], text=f"t{i}{j}",

@@ -1,4 +1,4 @@
-"""The checks before anything starts (coordinator/preflight.py): each broken config fails with one line that
+"""The checks before anything starts (coordinator/recipe/preflight.py): each broken config fails with one line that
 names the key the user wrote."""
 
 import json
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.config import RunConfig
-from coordinator.preflight import check_run
+from coordinator.recipe.config import RunConfig
+from coordinator.recipe.preflight import check_run
 from services.common.config import load_config
 
 
@@ -180,8 +180,8 @@ def test_start_run_refuses_a_broken_config_before_calling_any_service(arith_mode
 
     import yaml
 
-    from coordinator.runs import RunManager
-    from coordinator.store import MemoryStore
+    from coordinator.runapi.runs import RunManager
+    from coordinator.runapi.store import MemoryStore
 
     data = {"model": {"path": arith_model_path}, "rollout": {"n": 4}, **sections}
     manager = RunManager(MemoryStore())

@@ -3,7 +3,7 @@
 import pytest
 from typer.testing import CliRunner
 
-from coordinator.launcher import replica_devices
+from coordinator.cli.launcher import replica_devices
 
 
 def test_two_gpus_over_two_replicas_put_one_replica_on_each():
@@ -81,13 +81,13 @@ def test_a_gpu_listed_twice_is_an_error_naming_the_field(devices, dup):
      'trainer.devices: 1 GPU(s) ("0") for trainer.nproc_per_node=2 ranks; each rank needs its own GPU')],
     ids=["rollout-split", "trainer-fewer-gpus-than-ranks"])
 def test_meshrl_up_with_devices_that_do_not_fit_exits_2_and_starts_nothing(tmp_path, monkeypatch, recipe, message):
-    import coordinator.launcher
+    import coordinator.cli.launcher
     from coordinator.cli import app
 
     def refuse(*args, **kwargs):
         raise AssertionError("meshrl up launched a process after bad devices")
 
-    monkeypatch.setattr(coordinator.launcher, "Launcher", refuse)
+    monkeypatch.setattr(coordinator.cli.launcher, "Launcher", refuse)
     config = tmp_path / "run.yaml"
     config.write_text(recipe + "\n")
     result = CliRunner().invoke(app, ["up", str(config), "--run-dir", str(tmp_path / "runs")])

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from coordinator import phases, remote
+from coordinator.training import remote, reporting
 
 
 def sample(replica: str, weight_version: int) -> remote.Sample:
@@ -15,11 +15,11 @@ def sample(replica: str, weight_version: int) -> remote.Sample:
 def test_replica_metrics_count_each_replicas_samples_and_keep_its_oldest_weight_version():
     samples = [sample("rollout-a:50051", 7), sample("rollout-a:50051", 7), sample("rollout-b:50051", 7),
                sample("rollout-b:50051", 6), sample("", 7)]
-    assert phases.replica_metrics(samples) == {
+    assert reporting.replica_metrics(samples) == {
         "rollout/samples/rollout-a:50051": 2.0, "rollout/weight_version/rollout-a:50051": 7.0,
         "rollout/samples/rollout-b:50051": 2.0, "rollout/weight_version/rollout-b:50051": 6.0}
 
 
 def test_a_replica_that_served_nothing_has_no_metric():
-    assert phases.replica_metrics([sample("rollout-a:50051", 3)]).keys() == {
+    assert reporting.replica_metrics([sample("rollout-a:50051", 3)]).keys() == {
         "rollout/samples/rollout-a:50051", "rollout/weight_version/rollout-a:50051"}

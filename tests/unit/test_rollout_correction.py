@@ -1,14 +1,15 @@
-"""Rollout correction (coordinator/rollout_correction.py): weights and metrics on a hand-computed batch, and its
-wiring into the step (advantages scaled in decoupled mode, rollout log-probs as the old policy in bypass mode)."""
+"""Rollout correction (coordinator/training/rollout_correction.py): weights and metrics on a hand-computed batch,
+and its wiring into the step (advantages scaled in decoupled mode, rollout log-probs as the old policy in bypass
+mode)."""
 
 import math
 
 import pytest
 import torch
 
-from coordinator.config import RunConfig, rollout_correction
-from coordinator.phases import needs_old_logprobs, policy_samples
-from coordinator.rollout_correction import correction_metrics, correction_weights
+from coordinator.recipe.config import RunConfig, rollout_correction
+from coordinator.training.phases import needs_old_logprobs, policy_samples
+from coordinator.training.rollout_correction import correction_metrics, correction_weights
 from services.common.config import load_config
 
 # Two sequences, the second one token shorter. log(pi_old / pi_rollout) = [[0.5, -1, 0], [1, 0, (pad)]].
@@ -84,7 +85,7 @@ def test_decoupled_mode_computes_old_logprobs_every_step_and_bypass_only_for_par
 
 
 def test_bypass_mode_trains_against_the_rollout_logprobs():
-    from coordinator import remote
+    from coordinator.training import remote
     s = remote.Sample(problem=None, group=0, prompt_ids=[1], response_ids=[2, 3], rollout_logprobs=[-0.5, -0.25],
                       text="", finish_reason="stop", weight_version=0, old_logprobs=[-0.4, -0.2])
     assert policy_samples(_Ctx(1, rollout_correction={"mode": "bypass"}), [s])[0].old_logprobs == [-0.5, -0.25]

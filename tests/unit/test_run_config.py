@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordinator.runs import parse_run_config
+from coordinator.runapi.runs import parse_run_config
 
 
 def test_unknown_key_is_named():

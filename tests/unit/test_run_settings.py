@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator import run_settings as rs
+from coordinator.recipe import run_settings as rs
 from meshrl.v1 import common_pb2, trainer_pb2
-from coordinator.runs import parse_run_config
+from coordinator.runapi.runs import parse_run_config
 from services.common.config import load_config, settings_json
 from services.reward.config import RewardSettings
 from services.trainer.config import TrainerSettings

@@ -1,4 +1,4 @@
-"""coordinator/supervisor.py with fake processes and a fake clock: restarts with back-off, bounded tries, and what
+"""coordinator/cli/supervisor.py with fake processes and a fake clock: restarts with back-off, bounded tries, and what
 ends `meshrl up` (the coordinator, the trainer, every replica of a role)."""
 
 from dataclasses import dataclass
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.launcher import Child, ServiceFailed
-from coordinator.supervisor import RestartPolicy, Supervisor
+from coordinator.cli.launcher import Child, ServiceFailed
+from coordinator.cli.supervisor import RestartPolicy, Supervisor
 
 
 @dataclass

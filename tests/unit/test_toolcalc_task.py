@@ -151,7 +151,7 @@ def test_shipped_tokenizer_loads_with_autotokenizer_to_the_same_ids(tok):
 def test_report_adds_a_row_of_episode_panels(tmp_path: Path):
     import matplotlib.image
 
-    from coordinator.report import plot_run
+    from coordinator.cli.report import plot_run
 
     step = {"reward_mean": 0.5, "accuracy": 0.5, "kl": 0.0}
     heights = []

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from coordinator import cli_runs
-from coordinator.preflight import check_proxy_agent
+from coordinator.cli import runs as cli_runs
+from coordinator.recipe.preflight import check_proxy_agent
 
 
 def _recipe(tmp_path, data: dict, overrides: dict[str, str] | None = None):

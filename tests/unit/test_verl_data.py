@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator import phases, remote
-from coordinator.config import RunConfig
-from coordinator.data import Problem, load_dataset, load_problems, render_chat
-from coordinator.loop import load_prompts
+from coordinator.recipe.config import RunConfig
+from coordinator.recipe.data import Problem, load_dataset, load_problems, render_chat
+from coordinator.training import phases, remote, reporting
+from coordinator.training.loop import load_prompts
 from services.common.config import load_config
 from services.common.modeling import load_tokenizer
 from services.rollout.convert import request_from_pb
@@ -147,10 +147,10 @@ def test_a_failed_score_is_recorded_as_failed_moves_no_group_statistic_and_train
                sample(p, 0, 0.0, error="reward function f.py:compute_score raised KeyError on items[2]")]
     phases.fill_failed_rewards(samples)
     assert samples[2].reward == 0.5                      # the group's mean: no statistic moves
-    metrics = phases.reward_metrics(samples)
+    metrics = reporting.reward_metrics(samples)
     assert metrics["num_reward_failed"] == 1.0 and metrics["reward_mean"] == 0.5
     assert metrics["reward_extra/acc"] == 0.5
-    record = phases.sample_record(3, samples[2])
+    record = reporting.sample_record(3, samples[2])
     assert record["reward_failed"] is True and record["reward"] is None and "KeyError" in record["reward_error"]
     assert record["extra_info"] == {"k": 1} and json.loads(json.dumps(record))["step"] == 3
 

@@ -8,9 +8,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from coordinator import verl_keys
 from coordinator.cli import app
-from coordinator.config import RunConfig
+from coordinator.recipe import verl_keys
+from coordinator.recipe.config import RunConfig
 from services.common.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,10 +20,10 @@ from typing import Sequence
 
 import numpy as np
 
-from coordinator import phases
-from coordinator.context import RunContext
-from coordinator.data import Problem
-from coordinator.remote import Sample
+from coordinator.recipe.data import Problem
+from coordinator.training import phases
+from coordinator.training.context import RunContext
+from coordinator.training.remote import Sample
 
 log = logging.getLogger("meshrl.coordinator")
 

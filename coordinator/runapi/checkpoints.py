@@ -13,9 +13,9 @@ import logging
 import re
 from pathlib import Path
 
-from coordinator import remote
-from coordinator.context import CheckpointFailed, RunContext
-from coordinator.store import RunRecord, RunStore
+from coordinator.runapi.store import RunRecord, RunStore
+from coordinator.training import remote
+from coordinator.training.context import CheckpointFailed, RunContext
 from services.trainer.types import RunStep
 
 log = logging.getLogger("meshrl.runs")

@@ -1,5 +1,5 @@
 """DPO through the mesh: preference pairs, reference log-probs (cached per pair), TrainDPO, preference accuracy.
-`DPO` at the bottom is this family's entry in coordinator/algorithms.py."""
+`DPO` at the bottom is this family's entry in coordinator/training/algorithms.py."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from coordinator import phases, remote
-from coordinator.config import RunConfig
-from coordinator.context import Algorithm, PhaseTimer, RunContext
-from coordinator.data import PromptStream, read_rows, _lookup
+from coordinator.recipe.config import RunConfig
+from coordinator.recipe.data import PromptStream, read_rows, _lookup
+from coordinator.training import remote, reporting
+from coordinator.training.context import Algorithm, PhaseTimer, RunContext
 
 
 @dataclass
@@ -147,9 +147,10 @@ async def dpo_step(ctx: RunContext) -> dict[str, float]:
 
 
 async def evaluate(ctx: RunContext) -> dict[str, float]:
-    """Held-out preference metrics (trainer vs reference log-probs) and greedy task accuracy (rollout + reward)."""
-    pref, task = await asyncio.gather(preference_metrics(ctx, ctx.state.heldout), phases.evaluate(ctx))
-    return {"heldout_preference_accuracy": float("nan"), **pref, "heldout_accuracy": task}
+    """Held-out preference metrics (trainer vs reference log-probs) and greedy task accuracy (rollout, scored by
+    the run's reward)."""
+    pref, task = await asyncio.gather(preference_metrics(ctx, ctx.state.heldout), reporting.evaluate(ctx))
+    return {"heldout_preference_accuracy": float("nan"), **pref, **task}
 
 
 def reference_needed(cfg: RunConfig, state: DPOState) -> str:

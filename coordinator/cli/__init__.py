@@ -1,15 +1,14 @@
 """The `meshrl` command: serve a role, bring a whole mesh up, drive and watch runs, plot metrics. The commands
-live in cli_runs.py (up, run) and cli_manage.py (status ... profile-model); importing them registers them on the
-one app (cli_app.py)."""
+live in runs.py (up, run) and manage.py (status ... profile-model); importing them registers them on the one app
+(common.py). `python -m coordinator.cli` is the same command."""
 
 from __future__ import annotations
 
 import importlib
-import sys
 
 import typer
 
-from coordinator.cli_app import PASSTHROUGH, app, command
+from coordinator.cli.common import PASSTHROUGH, app, command
 from services.common.roles import PACKAGES
 
 ROLES = {role: f"{package}.__main__" for role, package in PACKAGES.items()}
@@ -25,14 +24,9 @@ def serve(ctx: typer.Context,
 
 
 # Imported after `serve`, runs before manage: the order `meshrl --help` lists the commands in.
-from coordinator import cli_runs  # noqa: E402,F401
-from coordinator import cli_manage  # noqa: E402,F401,I001
-from coordinator.cli_runs import _with_addresses  # noqa: E402,F401 - bench/e2e_grpo.py imports it from here
+from coordinator.cli import runs  # noqa: E402,F401
+from coordinator.cli import manage  # noqa: E402,F401,I001
 
 
 def main() -> None:  # pragma: no cover
     app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(app())

@@ -1,15 +1,15 @@
 """The RL loop over the mesh (GRPO, PPO, RLOO, REINFORCE++). Reads top to bottom: generate -> score ||
 reference || old logprobs || values -> advantages -> train -> sync weights -> record. Details live in
-coordinator/phases.py; `RL` at the bottom is this family's entry in coordinator/algorithms.py."""
+coordinator/training/phases.py; `RL` at the bottom is this family's entry in coordinator/training/algorithms.py."""
 
 from __future__ import annotations
 
 import time
 
-from coordinator import async_rollouts, faults, phases
-from coordinator.config import RunConfig
-from coordinator.context import Algorithm, PhaseTimer, RunContext
-from coordinator.data import PromptStream, load_dataset
+from coordinator.recipe.config import RunConfig
+from coordinator.recipe.data import PromptStream, load_dataset
+from coordinator.training import async_rollouts, faults, phases, reporting
+from coordinator.training.context import Algorithm, PhaseTimer, RunContext
 
 
 async def rl_step(ctx: RunContext) -> dict[str, float]:
@@ -35,9 +35,9 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
 
     ctx.step += 1
     ctx.last_samples = samples
-    phases.write_samples(ctx, samples)
+    reporting.write_samples(ctx, samples)
     seconds = time.perf_counter() - start
-    return {**phases.sample_metrics(samples), **adv_metrics, **train_metrics, **sync_metrics,
+    return {**reporting.sample_metrics(samples), **adv_metrics, **train_metrics, **sync_metrics,
             **async_metrics, **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/step": seconds, "samples_per_s": len(samples) / seconds,
             "data_position": float(ctx.data.position), "epoch": float(ctx.data.epoch),
@@ -45,8 +45,8 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
 
 
 async def evaluate(ctx: RunContext) -> dict[str, float]:
-    """Held-out task accuracy, greedy."""
-    return {"heldout_accuracy": await phases.evaluate(ctx)}
+    """Held-out task metrics, greedy, scored by the run's reward."""
+    return await reporting.evaluate(ctx)
 
 
 def load_prompts(cfg: RunConfig, tokenizer, position: int) -> tuple[PromptStream, None]:

@@ -1,5 +1,5 @@
 """One run's connections, data and mutable state (RunContext), and the interface of a training family
-(Algorithm) that the run carries. Opening a run lives in coordinator/algorithms.py, beside the registry."""
+(Algorithm) that the run carries. Opening a run lives in coordinator/training/algorithms.py, beside the registry."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
-from coordinator import advantages as adv_fns
-from coordinator.config import RunConfig, TrainerLosses
-from coordinator.data import Problem, PromptStream
-from coordinator.pools import ReplicaPool
+from coordinator.recipe.config import RunConfig, TrainerLosses
+from coordinator.recipe.data import Problem, PromptStream
+from coordinator.training import advantages as adv_fns
 from services.common.errors import FailedPrecondition
+from services.common.pools import ReplicaPool
 from services.common.tracing import phase_span
 from services.rollout.types import SamplingParams
 
@@ -100,8 +100,8 @@ def no_summary(history: list[dict], final_evals: dict) -> dict:
 
 @dataclass(frozen=True)
 class Algorithm:
-    """A training family as a run drives it: RL (GRPO, PPO, RLOO, REINFORCE++: coordinator/loop.py) or DPO
-    (coordinator/dpo.py). ALGORITHMS in coordinator/algorithms.py holds one per `algorithm.kind`."""
+    """A training family as a run drives it: RL (GRPO, PPO, RLOO, REINFORCE++: coordinator/training/loop.py) or DPO
+    (coordinator/training/dpo.py). ALGORITHMS in coordinator/training/algorithms.py holds one per `algorithm.kind`."""
 
     # (config, tokenizer, data position) -> (the stream the steps take from, the family's own state or None).
     load: Callable[[RunConfig, Any, int], tuple[PromptStream, Any]]
@@ -140,7 +140,7 @@ class RunContext:
     weight_version: int = 0
     kl_coef: float = 0.0
     kl_controller: adv_fns.AdaptiveKLController | None = None
-    # async_mode: the batches in flight (coordinator/async_rollouts.py InFlight); cancelled at close.
+    # async_mode: the batches in flight (coordinator/training/async_rollouts.py InFlight); cancelled at close.
     prefetched: Any = None
     # The last step's samples, for tests and debugging.
     last_samples: list = field(default_factory=list)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from coordinator.algorithms import STUBS
-from coordinator.context import RunContext
-from coordinator.pools import ReplicaPool, configured
+from coordinator.training.algorithms import STUBS
+from coordinator.training.context import RunContext
+from services.common.pools import ReplicaPool, configured
 from meshrl.v1 import coordinator_pb2
 from services.common.config import PoolConfig
 

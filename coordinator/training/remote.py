@@ -9,7 +9,7 @@ import numpy as np
 
 from meshrl.v1 import (common_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc,
                        trainer_pb2, trainer_pb2_grpc)
-from coordinator.data import Problem
+from coordinator.recipe.data import Problem
 from services.common.convert import SequenceBatch, logprobs_from_pb, sequences_to_pb
 from services.common.packed import I32, pack_i32
 from services.reward.config import ComponentConfig

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from coordinator.cli_app import PASSTHROUGH, Connection, _fmt, command, connects, console
+from coordinator.cli.common import PASSTHROUGH, Connection, _fmt, command, connects, console
 
 
 @command()
@@ -32,7 +32,7 @@ def status(run_id: Optional[str] = typer.Argument(None), *, conn: Connection):
 def watch(run_id: str, once: bool = typer.Option(False, "--once", help="print the view once and exit"), *,
           conn: Connection):
     """Live view of a run: step, reward and accuracy sparklines, phase times, replicas and versions, last warning."""
-    from coordinator.watch import watch_run
+    from coordinator.cli.watch import watch_run
 
     with conn.client() as client:
         watch_run(client, run_id, once=once, console=console)
@@ -43,7 +43,7 @@ def trace(run: str = typer.Argument(..., help="run id (under --runs-dir) or run 
           step: int = typer.Argument(..., help="the step whose trace to print"),
           runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="where run directories are (run.run_dir)")):
     """A step's trace (runs/<id>/traces.jsonl) as a tree with durations, its critical path marked."""
-    from coordinator.traces import print_step
+    from coordinator.cli.traces import print_step
     print_step(run, step, runs_dir, console)
 
 
@@ -98,7 +98,7 @@ def services(run_id: Optional[str] = typer.Argument(None, help="a run's pools (d
 def plot(run_dir: Path = typer.Argument(..., exists=True, file_okay=False),
          out: Optional[Path] = typer.Option(None, "--out", "-o", help="PNG path (default RUN_DIR/report.png)")):
     """PNG curves of reward, accuracy, KL, entropy, response length and the step-time breakdown."""
-    from coordinator.report import plot_run
+    from coordinator.cli.report import plot_run
 
     path = plot_run(run_dir, out)
     console.print(str(path))
@@ -134,12 +134,12 @@ def profile_model_cmd(model_path: str = typer.Argument(..., help="local Hugging 
 def memory(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, help="recipe YAML"),
            gpu_gib: Optional[float] = typer.Option(None, "--gpu-gib",
                                                    help="memory of each GPU (default: the GPUs found, if any)")):
-    """Estimated GPU memory of each service of a recipe (coordinator/memory.py), summed per GPU as `meshrl up`
+    """Estimated GPU memory of each service of a recipe (coordinator/recipe/memory.py), summed per GPU as `meshrl up`
     places them, and whether it fits. After the recipe: `--section.key value` flags, as `meshrl up` takes."""
     from rich.table import Table
 
-    from coordinator import memory as mem
-    from coordinator.cli_runs import _load_recipe, _placement, _recipe_args
+    from coordinator.recipe import memory as mem
+    from coordinator.cli.runs import _load_recipe, _placement, _recipe_args
 
     verl, overrides = _recipe_args(list(ctx.args))
     raw, cfg = _load_recipe(config, verl, overrides)

@@ -1,5 +1,5 @@
 """What every `meshrl` command shares: the typer app, the one place errors meet the user, the options that reach a
-running coordinator. coordinator/cli.py registers the commands (here, cli_runs.py, cli_manage.py) on this app."""
+running coordinator. coordinator/cli/__init__.py registers the commands (here, runs.py, manage.py) on this app."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def error_line(e: Exception) -> tuple[str, int]:
         line, exit_code = f"{code}: {e.details() or ''}".rstrip(), 2 if code in INPUT_STATUSES else 1
     elif isinstance(e, ValueError):   # config errors and the checks before anything starts
         line, exit_code = str(e), 2
-    elif isinstance(e, RuntimeError):  # a service that died, or did not start (coordinator/launcher.py)
+    elif isinstance(e, RuntimeError):  # a service that died, or did not start (coordinator/cli/launcher.py)
         line, exit_code = str(e), 1
     else:
         line, exit_code = f"{type(e).__name__}: {e} (--debug prints the traceback)", 1

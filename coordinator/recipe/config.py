@@ -18,7 +18,7 @@ from services.trainer.types import ActorLoss, CriticLoss, DPOLoss
 
 class RolloutCorrectionConfig(Section):
     """`algorithm.rollout_correction:` importance weights between the trainer's old policy and the rollout
-    engine's own log-probs (coordinator/rollout_correction.py). `decoupled`: a trainer old-log-prob pass each
+    engine's own log-probs (coordinator/training/rollout_correction.py). `decoupled`: a trainer old-log-prob pass each
     step, the weights scale the advantages, the PPO ratio is taken against the trainer's old policy. `bypass`:
     the rollout log-probs are the old policy (no old-log-prob pass; the PPO clip bounds pi / pi_rollout), the
     metrics come from the parity steps (algorithm.logprob_parity_every)."""
@@ -160,7 +160,7 @@ class RunSection(Section):
     checkpoint_every: int = Field(0, ge=0)
     # Held-out evaluation every k steps (0 = only before the first and after the last step).
     eval_every: int = Field(0, ge=0)
-    # Overlap the next steps' generation with this step's update (coordinator/async_rollouts.py): up to
+    # Overlap the next steps' generation with this step's update (coordinator/training/async_rollouts.py): up to
     # max_staleness batches in flight, so no sample trains more than max_staleness weight versions behind.
     async_mode: bool = False
     max_staleness: int = Field(1, ge=0)

@@ -1,21 +1,22 @@
 """Training families by `algorithm.kind`, and a run opened for one: its data loaded, its pools reachable.
 
-A new family is one file defining its Algorithm (coordinator/context.py) and one line in ALGORITHMS (and
+A new family is one file defining its Algorithm (coordinator/training/context.py) and one line in ALGORITHMS (and
 its name in AlgorithmConfig.kind). GRPO, PPO, RLOO and REINFORCE++ are one family that differs only in its
-advantage estimator (ADVANTAGE_ESTIMATORS in coordinator/advantages.py).
+advantage estimator (ADVANTAGE_ESTIMATORS in coordinator/training/advantages.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator import advantages as adv_fns
-from coordinator import dpo, loop, remote, run_settings
-from coordinator.config import RunConfig, trainer_losses
-from coordinator.context import Algorithm, GuardedTrainer, RunContext
-from coordinator.data import load_dataset
-from coordinator.pools import ReplicaPool, configured
+from coordinator.recipe import run_settings
+from coordinator.recipe.config import RunConfig, trainer_losses
+from coordinator.recipe.data import load_dataset
+from coordinator.training import advantages as adv_fns
+from coordinator.training import dpo, loop, remote
+from coordinator.training.context import Algorithm, GuardedTrainer, RunContext
 from services.common.channel import create_channel
+from services.common.pools import ReplicaPool, configured
 
 ALGORITHMS: dict[str, Algorithm] = {"rl": loop.RL, "dpo": dpo.DPO}
 
@@ -52,7 +53,7 @@ def _heldout(cfg: RunConfig, tokenizer) -> list:
 async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: int = 0,
                        recorded: dict | None = None, resume: bool = False) -> RunContext:
     """Loads the run's data, connects to every pool and the trainer (fails early when a pool is empty), and
-    settles the run's settings with the running services (coordinator/run_settings.py): fixed keys checked,
+    settles the run's settings with the running services (coordinator/recipe/run_settings.py): fixed keys checked,
     the trainer's optimizer configured; the context carries the effective config."""
     algorithm = ALGORITHMS[cfg.algorithm.kind]
     token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None

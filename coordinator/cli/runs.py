@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 import yaml
 
-from coordinator.cli_app import PASSTHROUGH, Connection, _fmt, command, connects, console
+from coordinator.cli.common import PASSTHROUGH, Connection, _fmt, command, connects, console
 
 # How long `meshrl up`'s pools wait for a restarting replica (the supervisor's back-off, 1 + 2 + 4 s, plus a
 # model load) before a call fails.
@@ -29,9 +29,9 @@ def _overrides(args: list[str]) -> dict[str, str]:
 
 
 def _recipe_args(args: list[str]) -> tuple[dict, dict[str, str]]:
-    """The words after a recipe: verl's `key=value` overrides (parsed, coordinator/verl_keys.py) and meshrl's
+    """The words after a recipe: verl's `key=value` overrides (parsed, coordinator/recipe/verl_keys.py) and meshrl's
     `--section.key value` flags."""
-    from coordinator import verl_keys
+    from coordinator.recipe import verl_keys
 
     verl, flags = verl_keys.split_args(args)
     return verl_keys.parse(verl), _overrides(flags)
@@ -40,8 +40,8 @@ def _recipe_args(args: list[str]) -> tuple[dict, dict[str, str]]:
 def _load_recipe(config: Path, verl: dict, overrides: dict[str, str]):
     """The recipe with the verl keys' values merged in (a dict, as a service reads it) and its run config;
     meshrl's flags win over both."""
-    from coordinator import verl_keys
-    from coordinator.config import RunConfig
+    from coordinator.recipe import verl_keys
+    from coordinator.recipe.config import RunConfig
     from services.common.config import deep_merge, load_config, read_yaml
 
     data, cfg = verl_keys.apply(verl, lambda d: load_config(RunConfig, config, data=d, overrides=overrides))
@@ -75,9 +75,9 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     """Start every service as a process on 127.0.0.1, run the recipe to the end, stop everything.
     After the recipe: verl's overrides (`data.train_files=[a.parquet] actor_rollout_ref.rollout.n=8`,
     docs/from_verl.md) and meshrl's `--section.key value`."""
-    from coordinator.launcher import Launcher
-    from coordinator.memory import check_recipe_fits
-    from coordinator.preflight import check_run
+    from coordinator.cli.launcher import Launcher
+    from coordinator.recipe.memory import check_recipe_fits
+    from coordinator.recipe.preflight import check_run
     from services.common.channel import ClientTLS
 
     verl, overrides = _recipe_args(list(ctx.args))
@@ -89,7 +89,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     check_run(cfg, world_size=cfg.trainer.nproc_per_node)
     placement, trainer_devices = _placement(cfg, raw, overrides)
     # On a CUDA model.device: the services' estimated memory fits each GPU, or the recipe is refused here with
-    # the estimate and the setting to change (coordinator/memory.py), not an out-of-memory error at step 3.
+    # the estimate and the setting to change (coordinator/recipe/memory.py), not an out-of-memory error at step 3.
     check_recipe_fits(cfg, placement, trainer_devices)
     log_dir = Path(cfg.run.run_dir) / "logs" / time.strftime("%Y%m%d-%H%M%S")
     if verl:  # every service reads the recipe with the verl keys' values in it
@@ -157,7 +157,7 @@ def _print_resolved(recipe: Path) -> None:
 
 def _placement(cfg, raw: dict, overrides: dict[str, str]) -> tuple[dict[str, list[str]], str]:
     """The GPUs of each replica by role, and the trainer's (all its ranks'); ValueError names a bad `devices:`."""
-    from coordinator.launcher import replica_devices
+    from coordinator.cli.launcher import replica_devices
 
     # Two rollout replicas unless the recipe or a flag says how many.
     asked = "replicas" in (raw.get("rollout") or {}) or "rollout.replicas" in overrides
@@ -182,7 +182,7 @@ def _with_addresses(raw: dict, overrides: dict[str, str], addresses: dict[str, l
         if addresses.get(role):
             data.setdefault(role, {})
             data[role]["servers"] = addresses[role]
-            # A replica that dies is restarted (coordinator/supervisor.py): calls wait for it rather than fail
+            # A replica that dies is restarted (coordinator/cli/supervisor.py): calls wait for it rather than fail
             # the step when it was the role's only one.
             data[role].setdefault("rejoin_wait_s", REJOIN_WAIT_S)
     if addresses.get("trainer"):
@@ -235,11 +235,11 @@ def _follow(client, run_id: str, num_steps: int) -> None:
 
 
 def _follow_while_alive(launcher, client, run_id: str, num_steps: int) -> None:
-    """Follows the run while coordinator/supervisor.py restarts replicas that die; the loss of the coordinator,
+    """Follows the run while coordinator/cli/supervisor.py restarts replicas that die; the loss of the coordinator,
     the trainer or every replica of a role ends `meshrl up` with the dead process's cause line, not a hang."""
     import threading
 
-    from coordinator.supervisor import Supervisor
+    from coordinator.cli.supervisor import Supervisor
 
     supervisor = Supervisor(launcher, say=lambda line: console.print(line, highlight=False, soft_wrap=True))
     done = threading.Event()
@@ -264,7 +264,7 @@ def _report(run_dir: str) -> None:
     """report.png beside summary.json, and a short summary table."""
     from rich.table import Table
 
-    from coordinator.report import plot_run
+    from coordinator.cli.report import plot_run
 
     path = Path(run_dir)
     if not (path / "metrics.jsonl").exists():
@@ -301,8 +301,8 @@ def run(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False),
         follow: bool = typer.Option(True, help="stream metrics until the run ends"), *, conn: Connection):
     """Start a run on a running coordinator (services listed in the YAML). After the recipe: verl's
     overrides (`actor_rollout_ref.rollout.n=8`, docs/from_verl.md) and meshrl's `--section.key value`."""
-    from coordinator.preflight import check_run
-    from coordinator.run_settings import user_keys
+    from coordinator.recipe.preflight import check_run
+    from coordinator.recipe.run_settings import user_keys
     from services.common.config import deep_merge, nest_overrides
 
     # The config is checked here before anything is sent, as far as its own keys go; model folders, data files

@@ -7,10 +7,10 @@ import logging
 
 from pydantic import Field
 
-from coordinator import observe
-from coordinator.default_pools import DefaultPools, replica_statuses
-from coordinator.runs import RunManager
-from coordinator.store import RunRecord, open_store
+from coordinator.runapi import observe
+from coordinator.runapi.default_pools import DefaultPools, replica_statuses
+from coordinator.runapi.runs import RunManager
+from coordinator.runapi.store import RunRecord, open_store
 from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.common.config import MeshSettings, Section, ServerConfig
 from services.common.server import MeshServer, create_server
@@ -94,7 +94,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return record_to_pb(await self.manager.command(request.run_id, "stop"))
 
     async def SaveCheckpoint(self, request, context):
-        from coordinator import recovery, remote
+        from coordinator.runapi import recovery
+        from coordinator.training import remote
 
         record = await self.manager.get(request.run_id)
         ctx = self.manager.contexts.get(request.run_id)
@@ -141,7 +142,7 @@ async def start(settings: CoordinatorSettings, address: str | None = None
         from services.common.registry import Registry
 
         registry = Registry(settings.run.redis_url, prefix=settings.run.redis_prefix)
-    # The store is wrapped so /metrics reports each run's state (coordinator/observe.py).
+    # The store is wrapped so /metrics reports each run's state (coordinator/runapi/observe.py).
     manager = RunManager(observe.ObservedStore(open_store(settings.run.redis_url, settings.run.redis_prefix)),
                          registry=registry)
     observe.observe_manager(manager)

@@ -18,9 +18,11 @@ import json
 import logging
 import time
 
-from coordinator import checkpoints, phases, remote
-from coordinator.context import RunContext
-from coordinator.store import RunRecord, RunStore
+from coordinator.runapi import checkpoints
+
+from coordinator.runapi.store import RunRecord, RunStore
+from coordinator.training import remote, reporting
+from coordinator.training.context import RunContext
 from services.common.errors import FailedPrecondition
 from services.trainer.types import RunStep
 
@@ -63,7 +65,7 @@ async def _commit_recovered(store: RunStore, record: RunRecord, ctx: RunContext,
     metrics = {"step": float(ctx.step), "recovered": 1.0, "weight_version": float(weight_version),
                "data_position": float(ctx.data.position), "timestamp": time.time()}
     await store.commit(record, metrics)
-    phases.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)
+    reporting.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)
 
 
 async def _replay_from_checkpoint(store: RunStore, record: RunRecord, ctx: RunContext, *, fresh: bool) -> None:

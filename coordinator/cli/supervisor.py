@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from coordinator.launcher import REPLICATED, Child, Launcher, ServiceFailed, failure
+from coordinator.cli.launcher import REPLICATED, Child, Launcher, ServiceFailed, failure
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ class RunRecord:
     data_position: int = 0
     checkpoint_path: str = ""
     # The run step whose weights checkpoint_path holds, and the data position after it: a trainer that lost its
-    # weights is restored there and the run replays from that step on the same prompts (coordinator/recovery.py).
+    # weights is restored there and the run replays from that step on the same prompts (coordinator/runapi/recovery.py).
     checkpoint_step: int = 0
     checkpoint_data_position: int = 0
     message: str = ""
@@ -36,7 +36,7 @@ class RunRecord:
     # Commands from the run API, read between steps: "", "pause", "stop".
     command: str = ""
     # The config it trains with, as YAML: `config` plus the running services' values of the keys fixed when a
-    # service starts that it left out (coordinator/run_settings.py); secrets left out.
+    # service starts that it left out (coordinator/recipe/run_settings.py); secrets left out.
     effective_config: str = ""
 
     def to_json(self) -> str:

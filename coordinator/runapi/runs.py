@@ -11,12 +11,16 @@ import uuid
 
 import yaml
 
-from coordinator import faults, observe, phases, recovery, remote, run_settings
-from coordinator.algorithms import open_context
-from coordinator.config import RunConfig
-from coordinator.context import RunContext, TrainerUnavailable
-from coordinator.preflight import check_run
-from coordinator.store import UNFINISHED, RunRecord, RunStore
+from coordinator.recipe import run_settings
+
+from coordinator.training import faults, phases, remote, reporting
+
+from coordinator.recipe.config import RunConfig
+from coordinator.recipe.preflight import check_run
+from coordinator.runapi import observe, recovery
+from coordinator.runapi.store import UNFINISHED, RunRecord, RunStore
+from coordinator.training.algorithms import open_context
+from coordinator.training.context import RunContext, TrainerUnavailable
 from services.common.config import load_config
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 
@@ -109,7 +113,7 @@ class RunManager:
         return resumed
 
     async def _reopen(self, record: RunRecord) -> RunContext:
-        """Reconnects a run at the step it and the trainer agree on (coordinator/recovery.py): its last committed
+        """Reconnects a run at the step it and the trainer agree on (coordinator/runapi/recovery.py): its last committed
         step, the step the trainer applied after it, or the last checkpoint's step when the trainer lost its
         weights."""
         cfg = parse_run_config(record.config)
@@ -215,12 +219,12 @@ class RunManager:
         await self.store.commit(record, metrics)
         ctx = self.contexts.get(record.run_id)
         if ctx is not None:
-            phases.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)
+            reporting.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)
             self._sinks(ctx).write(int(metrics["step"]), metrics)
         await self._notify(record.run_id)
 
     def _sinks(self, ctx: RunContext):
-        from coordinator.sinks import MetricSinks
+        from coordinator.runapi.sinks import MetricSinks
 
         sinks = self.sinks.get(ctx.run_id)
         if sinks is None:

@@ -28,11 +28,11 @@ from typing import Any, Iterable, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from coordinator import remote
+from coordinator.training import remote
 from services.common.auto import parse as parse_resolved
 from services.common.placement import pick_transport, placement_from
-from coordinator.config import RunConfig
-from coordinator.preflight import check_run
+from coordinator.recipe.config import RunConfig
+from coordinator.recipe.preflight import check_run
 from services.common.config import format_validation_error
 from services.reward.config import ComponentConfig
 from services.rollout.config import AgentConfig

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from coordinator.advantages import ADVANTAGE_ESTIMATORS
-from coordinator.config import RunConfig
+from coordinator.recipe.config import RunConfig
+from coordinator.training.advantages import ADVANTAGE_ESTIMATORS
 from services.trainer.config import check_lora_targets, check_mesh
 
 # The weight files transformers' from_pretrained loads: shards, single files, or the index of shards.

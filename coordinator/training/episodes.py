@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from coordinator.data import Problem
+from coordinator.recipe.data import Problem
 from services.rollout.config import AgentConfig
 
 
