@@ -1,5 +1,5 @@
 """`actor.lr` from a recipe to the torch optimizer along the real path: the recipe read as the run's config, the
-coordinator's ConfigureRun request (coordinator/run_settings.py), the wire as bytes (services/trainer/convert.py),
+coordinator's ConfigureRun request (coordinator/recipe/run_settings.py), the wire as bytes (services/trainer/convert.py),
 the trainer's servicer and engine, and the rank's optimizer (services/trainer/commands.py, model/optim.py)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from coordinator.config import RunConfig
-from coordinator.run_settings import run_optim
+from coordinator.recipe.config import RunConfig
+from coordinator.recipe.run_settings import run_optim
 from meshrl.v1 import trainer_pb2
 from services.common.config import load_config
 from services.trainer import convert
