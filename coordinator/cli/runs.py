@@ -44,8 +44,13 @@ def _load_recipe(config: Path, verl: dict, overrides: dict[str, str]):
     from coordinator.recipe.config import RunConfig
     from services.common.config import deep_merge, load_config, read_yaml
 
-    data, cfg = verl_keys.apply(verl, lambda d: load_config(RunConfig, config, data=d, overrides=overrides))
-    return deep_merge(read_yaml(config), data), cfg
+    # A command-line override replaces what it stands for in the recipe (custom_reward_function: its reward).
+    recipe, notes = verl_keys.replaced(read_yaml(config), verl, overrides)
+    data, cfg = verl_keys.apply(verl, lambda d: load_config(RunConfig, data=deep_merge(recipe, d),
+                                                            overrides=overrides, source=str(config)))
+    for note in notes:
+        console.print(note, highlight=False, soft_wrap=True)
+    return deep_merge(recipe, data), cfg
 
 
 def _write_private(path: Path, data: dict) -> Path:
@@ -76,6 +81,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     After the recipe: verl's overrides (`data.train_files=[a.parquet] actor_rollout_ref.rollout.n=8`,
     docs/from_verl.md) and meshrl's `--section.key value`."""
     from coordinator.cli.launcher import Launcher
+    from coordinator.recipe import verl_keys
     from coordinator.recipe.memory import check_recipe_fits
     from coordinator.recipe.preflight import check_run
     from services.common.channel import ClientTLS
@@ -86,7 +92,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     # Everything that can be checked is checked before the first process starts: a config that was going to
     # fail wastes no service start.
     raw, cfg = _load_recipe(config, verl, overrides)
-    check_run(cfg, world_size=cfg.trainer.nproc_per_node)
+    check_run(cfg, world_size=cfg.trainer.nproc_per_node, names=verl_keys.user_keys(verl, cfg))
     placement, trainer_devices = _placement(cfg, raw, overrides)
     # On a CUDA model.device: the services' estimated memory fits each GPU, or the recipe is refused here with
     # the estimate and the setting to change (coordinator/recipe/memory.py), not an out-of-memory error at step 3.
@@ -301,6 +307,7 @@ def run(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False),
         follow: bool = typer.Option(True, help="stream metrics until the run ends"), *, conn: Connection):
     """Start a run on a running coordinator (services listed in the YAML). After the recipe: verl's
     overrides (`actor_rollout_ref.rollout.n=8`, docs/from_verl.md) and meshrl's `--section.key value`."""
+    from coordinator.recipe import verl_keys
     from coordinator.recipe.preflight import check_run
     from coordinator.recipe.run_settings import user_keys
     from services.common.config import deep_merge, nest_overrides
@@ -309,7 +316,7 @@ def run(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False),
     # and keys it leaves to the running services are checked by StartRun, on the coordinator's machine.
     verl, overrides = _recipe_args(list(ctx.args))
     raw, cfg = _load_recipe(config, verl, overrides)
-    check_run(cfg, files="none", keys=set(user_keys(cfg)))
+    check_run(cfg, files="none", keys=set(user_keys(cfg)), names=verl_keys.user_keys(verl, cfg))
     text = (yaml.safe_dump(deep_merge(raw, nest_overrides(overrides)), sort_keys=False) if verl or overrides
             else config.read_text())
     with conn.client() as client:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig
+from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig, bool_choice
 from services.env.config import EnvConfig
 from services.reference.config import ReferenceConfig
 from services.reward.config import RewardConfig
@@ -24,6 +24,8 @@ class RolloutCorrectionConfig(Section):
     metrics come from the parity steps (algorithm.logprob_parity_every)."""
 
     mode: Literal["off", "decoupled", "bypass"] = "off"
+    # YAML reads a bare `off` as false.
+    _mode_off = field_validator("mode", mode="before")(bool_choice(None, "off"))
     # token: w per token; sequence: the product over the sequence; geometric: exp(mean log-ratio) per sequence.
     level: Literal["token", "sequence", "geometric"] = "token"
     # truncate: w capped at threshold (TIS); mask: w outside [threshold_low, threshold] rejects the token or

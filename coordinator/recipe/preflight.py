@@ -2,18 +2,22 @@
 
 pydantic has already checked keys, types and ranges; these checks need several keys at once or the model
 folder: the folder holds a model, the trainer mesh fits the launch, every mini-batch splits over the
-data-parallel ranks, group estimators get groups, prompt + response fit the model. Each failure is one
-ValueError whose message starts with the key the user wrote (`model.path`, not the `actor.model_path` it
-fills in).
+data-parallel ranks, group estimators get groups, prompt + response fit the model; where the services run on
+this machine (`meshrl up`), the user's reward functions import and hold the names given, and where the
+coordinator runs (`meshrl up`, StartRun), the loggers' packages are installed. Each failure is one ValueError
+whose message starts with the key the user wrote (`model.path`, not the `actor.model_path` it fills in; the verl
+key when a verl override set it).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 from coordinator.recipe.config import RunConfig
 from coordinator.training.advantages import ADVANTAGE_ESTIMATORS
+from services.common.plugins import attribute, load_module, split_path
 from services.trainer.config import check_lora_targets, check_mesh
 
 # The weight files transformers' from_pretrained loads: shards, single files, or the index of shards.
@@ -39,8 +43,53 @@ def _data_files(cfg: RunConfig) -> dict[str, list[str]]:
 # the data and model.path's tokenizer (the trainer and reference may run on other machines); `meshrl run`
 # may talk to a coordinator elsewhere, so it leaves the files to StartRun.
 _DATA_KEYS = ("data.train_files", "data.heldout_files", "dpo.heldout_files")
-FILE_SCOPES = {"all": ("model.path", "actor.model_path", "critic.model_path", "reference.model_path", *_DATA_KEYS),
-               "coordinator": ("model.path", *_DATA_KEYS), "none": ()}
+FILE_SCOPES = {"all": ("model.path", "actor.model_path", "critic.model_path", "reference.model_path", *_DATA_KEYS,
+                       "reward", "loggers"),
+               "coordinator": ("model.path", *_DATA_KEYS, "loggers"), "none": ()}
+
+
+def _reward_functions(cfg: RunConfig) -> list[tuple[str, str, str, str]]:
+    """(module, function, key of the module, key of the function) of every user reward function, by the key the
+    recipe wrote it under: the shorthands expand into reward.components, whose names the user never typed."""
+    r = cfg.reward
+    if r.custom_function is not None:
+        c = r.custom_function
+        listed = [(c.path, c.name, "reward.custom_function.path", "reward.custom_function.name")]
+    elif r.function is not None:
+        listed = [(*split_path(r.function, "reward.function"), "reward.function", "reward.function")]
+    else:
+        listed = [(*split_path(c.function, f"reward.components[{i}].function"),
+                   f"reward.components[{i}].function", f"reward.components[{i}].function")
+                  for i, c in enumerate(r.components) if c.function]
+    for source, components in r.by_data_source.items():
+        listed += [(*split_path(c.function, f"reward.by_data_source.{source}[{i}].function"),
+                    f"reward.by_data_source.{source}[{i}].function",
+                    f"reward.by_data_source.{source}[{i}].function") for i, c in enumerate(components) if c.function]
+    return listed
+
+
+def check_reward_functions(cfg: RunConfig) -> None:
+    """Each user reward function imports and is there, as the reward service will load it at its start (a path
+    relative to the working directory `meshrl up` starts it in)."""
+    for module_name, name, module_key, name_key in _reward_functions(cfg):
+        module = load_module(module_name, module_key)
+        if not callable(attribute(module, name, name_key, module_name)):
+            raise ValueError(f"{name_key}: {name!r} in {module_name!r} is not a function")
+
+
+# The package each metrics logger needs, by the run key that turns it on (coordinator/runapi/sinks.py).
+LOGGER_PACKAGES = {"run.wandb_project": ("wandb", "wandb", "wandb"),
+                   "run.tensorboard": ("tensorboard", "tensorboard", "tensorboard")}
+
+
+def check_loggers(cfg: RunConfig) -> None:
+    """A logger the run asks for has its package where the coordinator runs: W&B whenever run.wandb_project is
+    set, TensorBoard when run.tensorboard is set to true (on by default, it writes no events without it)."""
+    asked = {"run.wandb_project": bool(cfg.run.wandb_project),
+             "run.tensorboard": cfg.run.tensorboard and "tensorboard" in cfg.run.model_fields_set}
+    for key, (logger, module, package) in LOGGER_PACKAGES.items():
+        if asked[key] and importlib.util.find_spec(module) is None:
+            raise ValueError(f"{key}: {logger!r} needs the {package} package (pip install {package})")
 
 
 def check_model_folder(key: str, path: str) -> None:
@@ -167,7 +216,7 @@ def check_speed_switches(cfg: RunConfig) -> None:
 
 
 def check_run(cfg: RunConfig, *, world_size: int | None = None, files: str = "all",
-              keys: set[str] | None = None) -> None:
+              keys: set[str] | None = None, names: dict[str, str] | None = None) -> None:
     """Raises ValueError (one line, starting with the user's key) for the first check that fails.
 
     world_size: the trainer ranks the caller launches (`meshrl up`), None when the trainer already runs.
@@ -175,7 +224,19 @@ def check_run(cfg: RunConfig, *, world_size: int | None = None, files: str = "al
     keys: the keys whose values are final here; a cross-key failure naming another key is left to StartRun,
     which checks again once the running services have filled in the keys the run leaves out (None: all final,
     as in `meshrl up`, which starts the services from this same config).
+    names: meshrl key -> the verl key the user typed for it (verl_keys.user_keys); errors name that one.
     """
+    try:
+        _check_run(cfg, world_size, files, keys)
+    except ValueError as e:
+        if names:
+            from coordinator.recipe.verl_keys import renamed
+
+            raise renamed(e, names) from None
+        raise
+
+
+def _check_run(cfg: RunConfig, world_size: int | None, files: str, keys: set[str] | None) -> None:
     scope = FILE_SCOPES[files]
     for key, path in _model_folders(cfg).items():
         if key in scope:
@@ -183,6 +244,10 @@ def check_run(cfg: RunConfig, *, world_size: int | None = None, files: str = "al
     for key, paths in _data_files(cfg).items():
         if key in scope:
             check_data_files(key, paths)
+    if "reward" in scope:
+        check_reward_functions(cfg)
+    if "loggers" in scope:
+        check_loggers(cfg)
     a = cfg.actor
     checks = [lambda: check_batches(cfg), lambda: check_groups(cfg), lambda: check_lengths(cfg),
               lambda: check_rollout_weights(cfg), lambda: check_proxy_agent(cfg), lambda: check_speed_switches(cfg)]

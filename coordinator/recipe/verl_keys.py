@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import yaml
 
-from services.common.config import deep_merge, nest_overrides
+from services.common.config import deep_merge, did_you_mean, keys_beside, nest_overrides
 
 # verl's default data.max_prompt_length: the prompt length a micro-batch's token budget assumes when unset.
 VERL_MAX_PROMPT_LENGTH = 512
@@ -261,22 +261,56 @@ def _value(raw: str) -> Any:
     return None if raw in ("null", "~") else raw
 
 
-def parse(words: list[str]) -> dict[str, Any]:
-    """verl key -> parsed value; `+key=` and `++key=` (Hydra's add / add-or-override) are the key itself."""
-    out: dict[str, Any] = {}
+class VerlArgs(dict):
+    """verl key -> parsed value, and `problems`: one line per word that was refused (an unsupported key, a value
+    meshrl cannot honour), all reported together by `apply` with the recipe's own errors."""
+
+    def __init__(self):
+        super().__init__()
+        self.problems: list[str] = []
+
+
+def _meshrl_key(key: str) -> bool:
+    from coordinator.recipe.config import RunConfig
+
+    parts = tuple(key.split("."))
+    return len(parts) > 1 and parts[-1] in keys_beside(RunConfig, parts)
+
+
+def _unsupported(keys: list[str], raw: dict[str, str]) -> list[str]:
+    """One line per key near a supported one (or that is a meshrl key written verl's way), one for the rest."""
+    lines, rest = [], []
+    for key in keys:
+        near = did_you_mean(key, VERL_KEYS, cutoff=0.85)
+        if _meshrl_key(key):
+            near = f" (a meshrl key: write it --{key} {raw[key]})"
+        (lines.append(f"{key}: verl key that meshrl does not support{near}") if near else rest.append(key))
+    if rest:
+        lines.append(f"{', '.join(rest)}: verl key{'s' if len(rest) > 1 else ''} that meshrl does not support "
+                     f"(docs/from_verl.md lists the ones it does; meshrl's own keys go as --section.key value)")
+    return lines
+
+
+def parse(words: list[str]) -> VerlArgs:
+    """verl key -> parsed value; `+key=` and `++key=` (Hydra's add / add-or-override) are the key itself. Every
+    word meshrl cannot take is kept in `problems`, so one message names them all."""
+    out, unknown, raw_values = VerlArgs(), [], {}
     for word in words:
         if word.startswith("~"):
-            raise ValueError(f"{word}: Hydra's key deletion has no meaning in meshrl (leave the key out)")
+            out.problems.append(f"{word}: Hydra's key deletion has no meaning in meshrl (leave the key out)")
+            continue
         key, _, raw = word.partition("=")
         key = key.lstrip("+")
         if key not in VERL_KEYS:
-            raise ValueError(f"{key}: verl key that meshrl does not support (docs/from_verl.md lists the ones it "
-                             f"does; meshrl's own keys go as --section.key value)")
+            unknown.append(key)
+            raw_values[key] = raw
+            continue
         try:
             value = _value(raw)
+            out[key] = None if value is None else VERL_KEYS[key].parse(key, value)
         except ValueError as e:
-            raise ValueError(f"{key}={raw}: {e}") from None
-        out[key] = None if value is None else VERL_KEYS[key].parse(key, value)
+            out.problems.append(str(e) if str(e).startswith(key) else f"{key}={raw}: {e}")
+    out.problems[:0] = _unsupported(unknown, raw_values)
     return out
 
 
@@ -291,7 +325,9 @@ def _renamed(err: ValueError, targets: list[tuple[str, str]]) -> ValueError:
 
 def apply(given: dict[str, Any], load: Callable[[dict], Any]) -> tuple[dict, Any]:
     """The recipe keys that the verl values set (nested, typed) and the run config loaded with them;
-    `load(data)` builds the config from the recipe with `data` merged over it."""
+    `load(data)` builds the config from the recipe with `data` merged over it. The words `parse` refused and the
+    recipe's own errors make one ValueError."""
+    problems = list(getattr(given, "problems", []))
     direct = {VERL_KEYS[k].target: v for k, v in given.items() if VERL_KEYS[k].target}
     targets = [(k, VERL_KEYS[k].target) for k in given if VERL_KEYS[k].target]
     data = nest_overrides(direct)
@@ -307,5 +343,59 @@ def apply(given: dict[str, Any], load: Callable[[dict], Any]) -> tuple[dict, Any
             data = deep_merge(data, nest_overrides(derived))
             cfg = load(data)
     except ValueError as e:
-        raise _renamed(e, targets) from None
+        raise ValueError("; ".join([*problems, str(_renamed(e, targets))])) from None
+    if problems:
+        raise ValueError("; ".join(problems))
     return data, cfg
+
+
+def user_keys(given: dict[str, Any], cfg) -> dict[str, str]:
+    """meshrl key -> the verl key that set it, so a later check's error names the key the user typed."""
+    names = {VERL_KEYS[k].target: k for k in given if VERL_KEYS[k].target}
+    for key, value in given.items():
+        if VERL_KEYS[key].resolve is not None and value is not None:
+            try:
+                names.update({target: key for target in VERL_KEYS[key].resolve(value, cfg, given)})
+            except ValueError:
+                pass  # apply already took this value
+    if "custom_reward_function.path" in given:   # the component it becomes, as the reward config names it
+        names.setdefault("reward.custom_function.name", "custom_reward_function.name")
+    return names
+
+
+def renamed(err: ValueError, names: dict[str, str]) -> ValueError:
+    return _renamed(err, [(verl_key, target) for target, verl_key in names.items()])
+
+
+# The forms a recipe's reward takes; one given on the command line replaces the recipe's, whichever it has, as
+# verl's command line replaces its config's value. verl's custom_reward_function scores every data source, so it
+# replaces reward.by_data_source as well.
+REWARD_FORMS = ("components", "function", "custom_function")
+
+
+def _reward_override(given: dict[str, Any], overrides: dict[str, Any]) -> tuple[str, str] | None:
+    """(the key the user typed, the reward form it sets), for a command line that sets the reward."""
+    if "custom_reward_function.path" in given:
+        return "custom_reward_function", "custom_function"
+    for key in overrides:
+        section, _, rest = key.partition(".")
+        if section == "reward" and rest.split(".")[0] in REWARD_FORMS:
+            return f"--{key}", rest.split(".")[0]
+    return None
+
+
+def replaced(recipe: dict, given: dict[str, Any], overrides: dict[str, Any] | None = None) -> tuple[dict, list[str]]:
+    """The recipe without the keys a command-line override replaces, and one line per replacement for the
+    console (`custom_reward_function replaces the recipe's reward.components`)."""
+    found = _reward_override(given, overrides or {})
+    reward = recipe.get("reward")
+    if found is None or not isinstance(reward, dict):
+        return recipe, []
+    who, form = found
+    gone = [k for k in REWARD_FORMS if k != form and k in reward]
+    if who == "custom_reward_function" and "by_data_source" in reward:
+        gone.append("by_data_source")
+    if not gone:
+        return recipe, []
+    out = {**recipe, "reward": {k: v for k, v in reward.items() if k not in gone}}
+    return out, [f"{who} replaces the recipe's " + ", ".join(f"reward.{k}" for k in gone)]

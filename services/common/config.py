@@ -8,11 +8,13 @@ One YAML file describes a whole run (sections `model`, `rollout`, `reward`, `ref
 from __future__ import annotations
 
 import contextvars
+import difflib
 import json
+import types
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -126,17 +128,74 @@ def settings_json(settings: BaseModel) -> str:
     return json.dumps(settings.model_dump(mode="json", exclude={"server"}), sort_keys=True)
 
 
-def format_validation_error(err: ValidationError, source: str = "config", *, section: str = "") -> str:
+def did_you_mean(word: str, candidates, *, cutoff: float = 0.75) -> str:
+    """` (did you mean 'x'?)` for the nearest candidate to a mistyped name (difflib), else ""."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _unwrap(tp: Any, part: Any) -> Any:
+    """The type one step of a validation error's location leads to inside `tp` (a list index, a dict key, the
+    model of an Optional)."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        models = [a for a in get_args(tp) if isinstance(a, type) and issubclass(a, BaseModel)]
+        return _unwrap(models[0], part) if models else None
+    if origin in (list, tuple, set):
+        return get_args(tp)[0] if isinstance(part, int) else None
+    if origin is dict:
+        return get_args(tp)[1]
+    if isinstance(tp, type) and issubclass(tp, BaseModel) and isinstance(part, str) and part in tp.model_fields:
+        return tp.model_fields[part].annotation
+    return None
+
+
+def keys_beside(model: type[BaseModel] | None, loc: tuple) -> list[str]:
+    """The keys a section at `loc[:-1]` of `model` has: what an unknown key at `loc` may have meant."""
+    tp: Any = model
+    for part in loc[:-1]:
+        tp = _unwrap(tp, part)
+    while get_origin(tp) in (Union, types.UnionType):
+        tp = next((a for a in get_args(tp) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return list(tp.model_fields) if isinstance(tp, type) and issubclass(tp, BaseModel) else []
+
+
+def format_validation_error(err: ValidationError, source: str = "config", *, section: str = "",
+                            model: type[BaseModel] | None = None) -> str:
     """One line naming each bad key: `config: rollout.n: ...`; `section` goes in front of every key (a section
-    validated on its own), an empty `source` leaves the prefix out."""
+    validated on its own), an empty `source` leaves the prefix out. Every unknown key is listed, with the key of
+    its section it was nearest to when `model` (the validated class) is given."""
     parts = []
     for e in err.errors():
-        key = ".".join([section, *map(str, e["loc"])] if section else map(str, e["loc"])) or "<root>"
+        key = _dotted([section, *e["loc"]] if section else e["loc"]) or "<root>"
         if e["type"] == "value_error" and "ctx" in e:
             parts.append(_keyed(key, str(e["ctx"]["error"])))
+        elif e["type"] == "extra_forbidden":
+            near = did_you_mean(str(e["loc"][-1]), keys_beside(model, e["loc"])) if e["loc"] else ""
+            parts.append(f"{key}: unknown key{near}")
         else:
-            parts.append(f"{key}: {'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}")
+            parts.append(f"{key}: {e['msg']}")
     return f"{source}: " + "; ".join(parts) if source else "; ".join(parts)
+
+
+def _dotted(loc) -> str:
+    """A validation error's location as the user writes the key: `reward.components[0].name`."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def bool_choice(true: str | None, false: str | None):
+    """A before-validator for a choice key that YAML or a flag may give as a boolean (`true`, `--x false`, YAML's
+    `off`): true and false become the choices they stand for; one without a meaning stays, to be refused."""
+    def convert(value: Any) -> Any:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        if isinstance(value, bool):
+            return (true if value else false) or value
+        return value
+    return convert
 
 
 def _keyed(key: str, msg: str) -> str:
@@ -173,12 +232,12 @@ def deep_merge(base: dict, top: dict) -> dict:
 
 
 def load_config(cls: type[S], path: str | os.PathLike | None = None, *, data: dict | None = None,
-                overrides: dict[str, Any] | None = None) -> S:
+                overrides: dict[str, Any] | None = None, source: str | None = None) -> S:
     """Builds `cls` from a YAML file (or an already parsed dict), MESHRL_* env vars and dotted overrides.
 
-    Raises ValueError naming the file and the bad key.
+    Raises ValueError naming the file (or `source`, where the parsed dict came from) and the bad key.
     """
-    source = str(path) if path else "config"
+    source = source or (str(path) if path else "config")
     yaml_data = read_yaml(path) if path else {}
     if data:
         yaml_data = deep_merge(yaml_data, data)
@@ -187,7 +246,7 @@ def load_config(cls: type[S], path: str | os.PathLike | None = None, *, data: di
         # pydantic-settings deep-merges the sources, so a dotted override replaces one key only.
         return cls(**nest_overrides(overrides or {}))
     except ValidationError as e:
-        raise ValueError(format_validation_error(e, source)) from None
+        raise ValueError(format_validation_error(e, source, model=cls)) from None
     finally:
         _YAML_DATA.reset(token)
 

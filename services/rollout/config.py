@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from services.common.auto import AUTO, Auto
-from services.common.config import MeshSettings, ModelConfig, PoolConfig, Section, ServerConfig
+from services.common.config import MeshSettings, ModelConfig, PoolConfig, Section, ServerConfig, bool_choice
 from services.common.registry import RegistryRunSection
 from services.common.tool_calls import TOOL_CALL_PARSERS
 from services.env.config import EnvConfig
@@ -170,6 +170,8 @@ class RolloutConfig(PoolConfig):
     # (eager decode loop); `off` waits. Sent with each Generate of the run's training batches; the torch engine
     # honours it (docs/async.md).
     partial_rollouts: Literal["off", "continue", "pause"] = "off"
+    # YAML reads a bare `off` as false.
+    _partial_off = field_validator("partial_rollouts", mode="before")(bool_choice(None, "off"))
     # Multi-turn episodes (GenerateEpisodes): the agent loop and its limits.
     agent: AgentConfig = AgentConfig()
 

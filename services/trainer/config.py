@@ -8,7 +8,8 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from services.common.auto import AUTO, Auto
-from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig, format_validation_error
+from services.common.config import (MeshSettings, ModelConfig, Section, ServerConfig, bool_choice,
+                                   format_validation_error)
 from services.common.manifest import DEFAULT_BUCKET_BYTES
 from services.trainer.types import OptimSettings
 
@@ -185,10 +186,8 @@ class ActorConfig(OptimSection):
     # LoRA adapters instead of full fine-tuning (absent: every weight trains).
     lora: LoraSection | None = None
 
-    @field_validator("activation_checkpointing", mode="before")
-    @classmethod
-    def _checkpointing_bool(cls, v):
-        return {True: "full", False: "none"}.get(v, v) if isinstance(v, bool) else v
+    # `true`/`false` (YAML or a `--actor.activation_checkpointing true` flag) are `full`/`none`.
+    _checkpointing_bool = field_validator("activation_checkpointing", mode="before")(bool_choice("full", "none"))
 
     @property
     def stages_per_rank(self) -> int:
