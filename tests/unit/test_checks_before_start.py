@@ -168,3 +168,18 @@ def test_yaml_off_is_the_off_choice_not_a_boolean(recipe):
     recipe.write_text(text.replace("rollout:\n", "rollout:\n  partial_rollouts: off\n"))
     _, cfg = _load_recipe(recipe, {}, {})
     assert (cfg.rollout.partial_rollouts, cfg.algorithm.rollout_correction.mode) == ("off", "off")
+
+
+def test_startrun_checks_the_loggers_where_it_runs_and_leaves_reward_files_to_the_reward_replicas(
+        recipe, tmp_path, monkeypatch):
+    from coordinator.recipe.preflight import check_run
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    _, cfg = _load_recipe(recipe, {}, {"run.wandb_project": "arith"})
+    with pytest.raises(ValueError, match=r"^run.wandb_project: 'wandb' needs the wandb package"):
+        check_run(cfg, files="coordinator")
+    check_run(cfg, files="none")             # `meshrl run`: the coordinator may be on another machine
+    _, cfg = _load_recipe(recipe, {}, {"reward.function": f"{tmp_path / 'elsewhere.py'}:score"})
+    check_run(cfg, files="coordinator")      # the reward replicas load it on their machine
+    with pytest.raises(ValueError, match=r"^reward.function: file .* does not exist"):
+        check_run(cfg, files="all")
