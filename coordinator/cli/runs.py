@@ -85,6 +85,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     from coordinator.recipe.memory import check_recipe_fits
     from coordinator.recipe.preflight import check_run
     from services.common.channel import ClientTLS
+    from services.common.config import read_yaml
 
     verl, overrides = _recipe_args(list(ctx.args))
     if run_dir is not None:
@@ -98,7 +99,8 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     # the estimate and the setting to change (coordinator/recipe/memory.py), not an out-of-memory error at step 3.
     check_recipe_fits(cfg, placement, trainer_devices)
     log_dir = Path(cfg.run.run_dir) / "logs" / time.strftime("%Y%m%d-%H%M%S")
-    if verl:  # every service reads the recipe with the verl keys' values in it
+    if raw != read_yaml(config):  # every service reads the recipe with the verl keys' values in it and what
+        # the command line replaced taken out
         config = _write_private(log_dir / "recipe.yaml", raw)
     # The launcher calls its coordinator as the services call each other: the recipe's token and client TLS.
     conn = Connection("", cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None,

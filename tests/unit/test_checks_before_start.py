@@ -18,7 +18,8 @@ from coordinator.cli.runs import _load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 ARITH = ROOT / "examples/arith"
-VERL_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+VERL_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n\n\n"
+               "def score(*, prompt, response, response_ids, ground_truth, data_source):\n    return 1.0\n")
 
 
 @pytest.fixture
@@ -90,9 +91,15 @@ def test_a_component_function_typo_is_refused_by_its_component_key(recipe, rewar
     assert started == []
 
 
-def test_a_reward_function_that_imports_is_accepted_and_up_goes_on_to_start(recipe, reward_file, tmp_path, started):
-    code, out, _ = up(recipe, tmp_path, f"custom_reward_function.path={reward_file}")
-    assert "the launcher was reached" in out and len(started) == 1
+@pytest.mark.parametrize("words", [["custom_reward_function.path={file}"],
+                                   ["--reward.function", "{file}:score"]])
+def test_a_reward_that_imports_is_accepted_and_replaces_the_recipes_in_what_the_services_read(
+        recipe, reward_file, tmp_path, started, words):
+    code, out, _ = up(recipe, tmp_path, *[w.format(file=reward_file) for w in words])
+    assert "the launcher was reached" in out and len(started) == 1, out
+    assert "replaces the recipe's reward.components" in out
+    services_read = yaml.safe_load(Path(started[0][0]).read_text())    # the recipe every service starts from
+    assert "components" not in services_read["reward"]
 
 
 @pytest.mark.parametrize("words, key", [
