@@ -101,7 +101,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
         addresses = _start_mesh(launcher, cfg, raw, overrides, placement, trainer_devices)
         console.print(f"mesh up: {json.dumps(addresses)} (logs in {log_dir})", highlight=False, soft_wrap=True)
         conn.address = addresses["coordinator"][0]
-        status = _drive(launcher, _with_addresses(raw, overrides, addresses), conn, cfg.run.num_steps)
+        status = _drive(launcher, _with_addresses(raw, overrides, addresses), conn, cfg)
     _report(status.run_dir)
     _print_result(status)
     if status.state != "COMPLETED":
@@ -135,13 +135,13 @@ def _start_mesh(launcher, cfg, raw: dict, overrides: dict[str, str], placement: 
     return {**addresses, "coordinator": [launcher.wait_ready(coordinator)]}
 
 
-def _drive(launcher, data: dict, conn: Connection, num_steps: int):
+def _drive(launcher, data: dict, conn: Connection, cfg):
     """Starts the run on the coordinator and follows it to the end; returns its final status."""
     with conn.client() as client:
         run_id = client.start_run(yaml.safe_dump(data, sort_keys=False))
         console.print(f"run {run_id} started")
         _print_resolved(Path(client.get_run(run_id).run_dir) / "recipe.yaml")
-        _follow_while_alive(launcher, client, run_id, num_steps)
+        _follow_while_alive(launcher, client, run_id, cfg.run.num_steps, cfg.run.zero_variance_warn_steps)
         return client.get_run(run_id)
 
 
@@ -210,9 +210,14 @@ def env_replicas(cfg, raw: dict, overrides: dict[str, str]) -> int:
     return 1 if needed else 0
 
 
-def _follow(client, run_id: str, num_steps: int) -> None:
-    """One line per step above a live progress bar (reward, KL, throughput)."""
+def _follow(client, run_id: str, num_steps: int, *, warn_steps: int) -> None:
+    """One line per step above a live progress bar (reward, KL, throughput); the zero-reward-variance warning
+    once, after `warn_steps` such steps in a row (run.zero_variance_warn_steps, coordinator/training/no_signal.py)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from coordinator.training.no_signal import NoSignalWatch
+
+    no_signal = NoSignalWatch(warn_steps)
 
     with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[stats]}"), console=console, transient=True) as progress:
@@ -225,6 +230,9 @@ def _follow(client, run_id: str, num_steps: int) -> None:
                          f"reward {_fmt(m.get('reward_mean'))} kl {_fmt(m.get('kl'), '.4f')} "
                          f"{_fmt(m.get('samples_per_s'), '.1f')} samples/s")
                 progress.update(task, completed=int(m["step"]), stats=stats)
+            said = no_signal.update(m)
+            if said:
+                progress.console.print(said, style="yellow", highlight=False)
             if "heldout_accuracy" in m:   # a mid-run evaluation arrives in its step's record
                 label = "after" if m.get("final") else ("before" if m["step"] == 0 else f"at step {m['step']}")
                 line = f"held-out accuracy {label}: {m['heldout_accuracy']:.1%}"
@@ -234,7 +242,7 @@ def _follow(client, run_id: str, num_steps: int) -> None:
                 progress.console.print(line, highlight=False)
 
 
-def _follow_while_alive(launcher, client, run_id: str, num_steps: int) -> None:
+def _follow_while_alive(launcher, client, run_id: str, num_steps: int, warn_steps: int) -> None:
     """Follows the run while coordinator/cli/supervisor.py restarts replicas that die; the loss of the coordinator,
     the trainer or every replica of a role ends `meshrl up` with the dead process's cause line, not a hang."""
     import threading
@@ -247,7 +255,7 @@ def _follow_while_alive(launcher, client, run_id: str, num_steps: int) -> None:
 
     def follow():
         try:
-            _follow(client, run_id, num_steps)
+            _follow(client, run_id, num_steps, warn_steps=warn_steps)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
         finally:
@@ -317,7 +325,7 @@ def run(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False),
         console.print(run_id)
         if follow:
             num_steps = client.get_run(run_id).num_steps
-            _follow(client, run_id, num_steps)
+            _follow(client, run_id, num_steps, warn_steps=cfg.run.zero_variance_warn_steps)
             status = client.get_run(run_id)
             _print_result(status)
             if status.state != "COMPLETED":  # as `meshrl up`: a run that failed or was stopped is exit 1
