@@ -212,10 +212,10 @@ def env_replicas(cfg, raw: dict, overrides: dict[str, str]) -> int:
 
 def _follow(client, run_id: str, num_steps: int, *, warn_steps: int) -> None:
     """One line per step above a live progress bar (reward, KL, throughput); the zero-reward-variance warning
-    once, after `warn_steps` such steps in a row (run.zero_variance_warn_steps, coordinator/training/no_signal.py)."""
+    once, after `warn_steps` such steps in a row (run.zero_variance_warn_steps, coordinator/recipe/no_signal.py)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from coordinator.training.no_signal import NoSignalWatch
+    from coordinator.recipe.no_signal import NoSignalWatch
 
     no_signal = NoSignalWatch(warn_steps)
 

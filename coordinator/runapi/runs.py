@@ -21,7 +21,7 @@ from coordinator.runapi import observe, recovery
 from coordinator.runapi.store import UNFINISHED, RunRecord, RunStore
 from coordinator.training.algorithms import open_context
 from coordinator.training.context import RunContext, TrainerUnavailable
-from coordinator.training.no_signal import NoSignalWatch
+from coordinator.recipe.no_signal import NoSignalWatch
 from services.common.config import load_config
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 

@@ -10,7 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
-from coordinator.training.no_signal import METRIC
+from coordinator.recipe.no_signal import METRIC
 from services.common.config import load_config
 from services.local import start_local_mesh
 

@@ -1,5 +1,5 @@
 """`train/frac_zero_adv_groups`: the fraction of prompt groups with no reward variance (advantage 0 under the group
-estimators), and the warning it raises once after N such steps in a row (coordinator/training/no_signal.py)."""
+estimators), and the warning it raises once after N such steps in a row (coordinator/recipe/no_signal.py)."""
 
 from types import SimpleNamespace
 
@@ -9,7 +9,7 @@ import torch
 from coordinator.recipe.config import AlgorithmConfig, RunSection
 from coordinator.recipe.data import Problem
 from coordinator.training.advantages import grpo_advantages, zero_variance_fraction
-from coordinator.training.no_signal import METRIC, NoSignalWatch
+from coordinator.recipe.no_signal import METRIC, NoSignalWatch
 from coordinator.training.phases import compute_advantages
 from coordinator.training.remote import Sample
 

@@ -1,7 +1,8 @@
-"""The warning, once per run, when no prompt group had any reward variance for N steps in a row: every sample's
-advantage is then 0 under the group estimators and the updates teach nothing. Read off the step metrics (the
-`train/frac_zero_adv_groups` that phases.compute_advantages reports) by the coordinator, which logs it, and by
-`meshrl up` / `meshrl run`, which print it under their step lines. Light: no torch, the CLI imports it."""
+"""The warning, once per run, when no prompt group had any reward variance for N steps in a row
+(`run.zero_variance_warn_steps`): every advantage is then 0 under the group estimators and the updates teach
+nothing, so it names the recipe's keys to check. Read off the step metrics (`train/frac_zero_adv_groups`,
+coordinator/training/phases.py) by the run manager, which logs it, and by `meshrl up` / `meshrl run`, which print it
+under their step lines. Here, beside the recipe, since the CLI reaches no training code; no torch."""
 
 from __future__ import annotations
 
