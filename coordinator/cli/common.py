@@ -11,13 +11,71 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+import importlib
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 if TYPE_CHECKING:
     from services.common.channel import ClientTLS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+
+# The click typer runs on: its own copy in newer typer (typer._click), the click package in older ones.
+click_errors = importlib.import_module(typer.BadParameter.__module__)
+
+
+class OneLineGroup(TyperGroup):
+    """The app's group: its usage is `meshrl ...` however it was started, and click's own errors (a missing
+    argument, an unknown option, a bad value) end the command with one line `meshrl CMD: ...` on stderr, exit 2,
+    as every other error does (`command` below), not click's usage block or typer's boxed panel."""
+
+    def main(self, args=None, prog_name=None, *rest, **kwargs):
+        return super().main(args, prog_name or "meshrl", *rest, **kwargs)
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click_errors.ClickException as e:
+            raise _one_line(e) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click_errors.ClickException as e:
+            raise _one_line(e) from None
+
+
+class UsageLine(click_errors.ClickException):
+    """A click error as the one line it is shown as."""
+
+    def show(self, file=None) -> None:
+        typer.echo(self.message, err=True)
+
+
+def _one_line(e):
+    if isinstance(e, (UsageLine, getattr(click_errors, "NoArgsIsHelpError", UsageLine))):  # prints the help, as asked
+        return e
+    ctx = getattr(e, "ctx", None)
+    path = " ".join(["meshrl", *[c.info_name for c in _chain(ctx)][1:]]) if ctx is not None else "meshrl"
+    message = " ".join(e.format_message().split()).rstrip(".")
+    if message[:1].isupper() and message[1:2].islower():   # "Missing argument" -> "missing argument"; not "RUN_ID"
+        message = message[0].lower() + message[1:]
+    out = UsageLine(f"{path}: {message}" + (f" (`{path} --help`)" if isinstance(e, click_errors.UsageError) else ""))
+    out.exit_code = e.exit_code
+    return out
+
+
+def _chain(ctx) -> list:
+    chain = []
+    while ctx is not None:
+        chain.insert(0, ctx)
+        ctx = ctx.parent
+    return chain
+
+
+# Help is printed as written (rich markup off: `data.train_files=[a.parquet]` keeps its brackets).
+app = typer.Typer(cls=OneLineGroup, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None,
                   help="meshrl: RL post-training (PPO, GRPO, RLOO, REINFORCE++, DPO) as a mesh of gRPC services.")
 console = Console()
 
@@ -148,7 +206,14 @@ def connects(fn):
         tls = client_tls(opts["tls_ca"], opts["tls_cert"], opts["tls_key"], opts["tls_server_name"], ctx)
         if "ctx" in sig.parameters:  # a command that reads its extra words (`meshrl run`'s overrides)
             kw["ctx"] = ctx
-        return fn(*args, **kw, conn=Connection(opts["coordinator"], opts["token"], tls))
+        conn = Connection(opts["coordinator"], opts["token"], tls)
+        try:
+            return fn(*args, **kw, conn=conn)
+        except Exception as e:  # noqa: BLE001 - only a coordinator that was never reached is re-worded
+            missing = NoCoordinator.of(e, conn.address)
+            if missing is None:
+                raise
+            raise missing from e
 
     wrapper.__signature__ = sig.replace(parameters=params)
     wrapper.__annotations__ = {**{k: v for k, v in fn.__annotations__.items() if k not in ("conn", "ctx")},
@@ -159,3 +224,35 @@ def connects(fn):
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def say(line: str, out: Console | None = None, *, style: str | None = None) -> None:
+    """One line printed as it is: no rich markup (`[a.parquet]` stays), no highlighting, never wrapped or cut at
+    the terminal's width (run ids and paths are copied from it whole)."""
+    (out or console).print(line, style=style, markup=False, highlight=False, soft_wrap=True)
+
+
+# How grpc words an UNAVAILABLE where no coordinator can be: nothing listens at the address, or its name does not
+# resolve. (A refused TLS handshake, a server that closed the connection: a server is there, and its UNAVAILABLE
+# keeps its own words.)
+UNREACHED = ("Connection refused", "DNS resolution failed", "errors resolving")
+
+
+class NoCoordinator(RuntimeError):
+    """No coordinator answered at the address a command tried: one line naming it and how to start one."""
+
+    @classmethod
+    def of(cls, e: Exception, address: str) -> "NoCoordinator | None":
+        """The error as NoCoordinator when it says nothing listens at the address or its name does not resolve,
+        else None: any other UNAVAILABLE (one the coordinator answered, a TLS mismatch) keeps its message."""
+        import grpc
+
+        if not (isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None))
+                and e.code() == grpc.StatusCode.UNAVAILABLE):
+            return None
+        details = e.details() or ""
+        if not any(words in details for words in UNREACHED):
+            return None
+        cause = details.rsplit(": ", 1)[-1].strip(" []") or "UNAVAILABLE"
+        return cls(f"no coordinator at {address} ({cause}); start a mesh with `meshrl up RECIPE` (README), or name "
+                   f"the coordinator with --coordinator HOST:PORT or MESHRL_COORDINATOR")

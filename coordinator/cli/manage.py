@@ -9,22 +9,29 @@ from typing import Optional
 
 import typer
 
-from coordinator.cli.common import PASSTHROUGH, Connection, _fmt, command, connects, console
+from coordinator.cli.common import PASSTHROUGH, Connection, _fmt, command, connects, console, say
+
+
+def columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """Plain aligned lines, each column as wide as its widest cell: nothing is cut or wrapped at the terminal's
+    width (a run id is copied from here into the next command), and `grep`/`awk` read them as they are."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    return ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows)]
 
 
 @command()
 @connects
 def status(run_id: Optional[str] = typer.Argument(None), *, conn: Connection):
     """Show one run, or every run the coordinator knows."""
-    from rich.table import Table
-
     with conn.client() as client:
         runs = [client.get_run(run_id)] if run_id else client.list_runs()
-    table = Table("run", "state", "step", "weight version", "data position", "reward", "message")
-    for r in runs:
-        table.add_row(r.run_id, r.state, f"{r.step}/{r.num_steps}", str(r.weight_version), str(r.data_position),
-                      _fmt(r.last_metrics.get("reward_mean")), r.message)
-    console.print(table)
+    if not runs:
+        say(f"no runs on the coordinator at {conn.address}; `meshrl run RECIPE` starts one")
+        return
+    rows = [(r.run_id, r.state, f"{r.step}/{r.num_steps}", str(r.weight_version), str(r.data_position),
+             _fmt(r.last_metrics.get("reward_mean")), r.message) for r in runs]
+    for line in columns(("run", "state", "step", "weight version", "data position", "reward", "message"), rows):
+        say(line)
 
 
 @command()
@@ -52,7 +59,7 @@ def trace(run: str = typer.Argument(..., help="run id (under --runs-dir) or run 
 def stop(run_id: str, *, conn: Connection):
     """Stop a run after its current step."""
     with conn.client() as client:
-        console.print(client.stop_run(run_id).state)
+        say(client.stop_run(run_id).state)
 
 
 def command_line(status, asked: str) -> str:
@@ -68,7 +75,7 @@ def command_line(status, asked: str) -> str:
 def pause(run_id: str, *, conn: Connection):
     """Pause a run after its current step; `meshrl resume RUN_ID` continues it."""
     with conn.client() as client:
-        console.print(command_line(client.pause_run(run_id), "pause"), highlight=False)
+        say(command_line(client.pause_run(run_id), "pause"))
 
 
 @command()
@@ -76,7 +83,7 @@ def pause(run_id: str, *, conn: Connection):
 def resume(run_id: str, *, conn: Connection):
     """Resume a paused run (one paused for a lost trainer reconnects, restoring its last checkpoint)."""
     with conn.client() as client:
-        console.print(command_line(client.resume_run(run_id), "resume"), highlight=False)
+        say(command_line(client.resume_run(run_id), "resume"))
 
 
 @command()
@@ -84,24 +91,23 @@ def resume(run_id: str, *, conn: Connection):
 def services(run_id: Optional[str] = typer.Argument(None, help="a run's pools (default: the coordinator's own)"), *,
              conn: Connection):
     """Replicas of every pool with health, weight version and load."""
-    from rich.table import Table
-
     with conn.client() as client:
         replicas = client.list_services(run_id or "")
-    table = Table("pool", "address", "healthy", "weight version", "load")
-    for r in replicas:
-        table.add_row(r.pool, r.address, "yes" if r.healthy else "no", str(r.weight_version), str(r.load))
-    console.print(table)
+    rows = [(r.pool, r.address, "yes" if r.healthy else "no", str(r.weight_version), str(r.load)) for r in replicas]
+    for line in columns(("pool", "address", "healthy", "weight version", "load"), rows):
+        say(line)
 
 
 @command()
-def plot(run_dir: Path = typer.Argument(..., exists=True, file_okay=False),
+def plot(run_dir: Path = typer.Argument(..., help="a run directory (runs/<run id>)"),
          out: Optional[Path] = typer.Option(None, "--out", "-o", help="PNG path (default RUN_DIR/report.png)")):
-    """PNG curves of reward, accuracy, KL, entropy, response length and the step-time breakdown."""
+    """PNG curves of reward, accuracy, KL, entropy, response length, sparse metrics as points, and the step-time
+    breakdown; a panel whose metrics the run never logged is left out."""
     from coordinator.cli.report import plot_run
 
-    path = plot_run(run_dir, out)
-    console.print(str(path))
+    if not run_dir.is_dir():
+        raise ValueError(f"{run_dir}: " + ("not a directory" if run_dir.exists() else "no such run directory"))
+    say(str(plot_run(run_dir, out)))
 
 
 @command("profile-model")

@@ -1,15 +1,47 @@
-"""report.png from a run's metrics.jsonl: reward/accuracy, KL, entropy, response length (DPO: loss, implicit rewards,
-log-probs, preference accuracy), step-time breakdown; for episodes, tool calls and turns per episode, tool errors."""
+"""report.png from a run's metrics.jsonl: reward/accuracy, KL, entropy, response length, rollout-vs-trainer parity
+(DPO: loss, implicit rewards, log-probs, preference accuracy), step-time breakdown; for episodes, tool calls and
+turns per episode, tool errors. A metric logged on some steps only (the parity metric every
+`algorithm.logprob_parity_every` steps, held-out accuracy every `run.eval_every`) is drawn as points at the steps
+that have it; a panel none of whose metrics the run logged is left out."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-# Episode panels (agentic rollouts, docs/agentic.md), drawn in a third row when the metrics carry them.
-EPISODE_PANELS = {"tool_calls_per_episode": "tool calls per episode", "turns_per_episode": "turns per episode",
-                  "tool_error_rate": "tool error rate (errors / calls)"}
+# A panel: its title and its series, (metric key, legend label).
+Panel = tuple[str, tuple[tuple[str, str], ...]]
+
+RL_PANELS: tuple[Panel, ...] = (
+    ("reward and accuracy", (("reward_mean", "train reward (mean)"), ("accuracy", "train accuracy"),
+                             ("heldout_accuracy", "held-out accuracy"))),
+    ("KL(actor || reference)", (("kl", "kl"),)),
+    ("entropy", (("actor/entropy", "entropy"),)),
+    ("response length (tokens)", (("response_length_mean", "mean"),)),
+    ("rollout vs trainer |dlogp|", (("rollout_vs_trainer/logprob_abs_diff", "|dlogp|"),)),
+    ("prompt groups with no reward variance", (("train/frac_zero_adv_groups", "fraction"),)),
+)
+# DPO has no rollouts in its steps: loss, implicit rewards, log-probs and held-out preference accuracy.
+DPO_PANELS: tuple[Panel, ...] = (
+    ("reward and accuracy", (("reward_mean", "train reward margin"), ("accuracy", "train preference accuracy"),
+                             ("heldout_accuracy", "held-out accuracy"))),
+    ("DPO loss", (("dpo/loss", "loss"),)),
+    ("implicit rewards", (("dpo/rewards/chosen", "chosen"), ("dpo/rewards/rejected", "rejected"),
+                          ("dpo/rewards/margins", "margins"))),
+    ("policy log-prob (summed)", (("dpo/logps/chosen", "chosen"), ("dpo/logps/rejected", "rejected"))),
+    ("held-out preference accuracy", (("heldout_preference_accuracy", "preference"),
+                                      ("heldout_logp_accuracy", "log-prob"))),
+)
+# Episode panels (agentic rollouts, docs/agentic.md).
+EPISODE_PANELS: tuple[Panel, ...] = (
+    ("tool calls per episode", (("tool_calls_per_episode", "tool calls"),)),
+    ("turns per episode", (("turns_per_episode", "turns"),)),
+    ("tool error rate (errors / calls)", (("tool_error_rate", "error rate"),)),
+)
 PHASES = ("generate", "reward", "reference", "old_logprobs", "values", "train_critic", "train", "weight_sync")
+TIME_TITLE = "step time by phase (s; concurrent phases stack)"
+COLUMNS = 3
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -19,68 +51,74 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+def points(records: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """The steps that logged `key` with a finite value, and those values."""
+    pairs = [(m["step"], m[key]) for m in records
+             if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def figure(records: list[dict]):
+    """The report as a matplotlib figure, one axes per panel that has values (titled as the panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(run_dir)
     steps = [m for m in records if "reward_mean" in m]
-    evals = [m for m in records if "heldout_accuracy" in m]
-    x = [m["step"] for m in steps]
-    episodic = [key for key in EPISODE_PANELS if any(key in m for m in steps)]
-    fig, axes = plt.subplots(3 if episodic else 2, 3, figsize=(15, 12 if episodic else 8))
-    dpo = any("dpo/loss" in m for m in steps)
-    ax = axes[0, 0]
-    ax.plot(x, [m["reward_mean"] for m in steps], label="train reward margin" if dpo else "train reward (mean)")
-    ax.plot(x, [m.get("accuracy", float("nan")) for m in steps],
-            label="train preference accuracy" if dpo else "train accuracy", alpha=0.7)
-    if evals:
-        ax.plot([m["step"] for m in evals], [m["heldout_accuracy"] for m in evals], "o-", label="held-out accuracy")
-    ax.set_title("reward and accuracy")
-    ax.legend()
-    if dpo:
-        # DPO has no rollouts in its steps: loss, implicit rewards, log-probs and held-out preference accuracy.
-        panels = ((axes[0, 1], ("dpo/loss",), "DPO loss"),
-                  (axes[0, 2], ("dpo/rewards/chosen", "dpo/rewards/rejected", "dpo/rewards/margins"), "implicit rewards"),
-                  (axes[1, 0], ("dpo/logps/chosen", "dpo/logps/rejected"), "policy log-prob (summed)"),
-                  (axes[1, 1], ("heldout_preference_accuracy", "heldout_logp_accuracy"), "held-out preference accuracy"))
-    else:
-        panels = ((axes[0, 1], ("kl",), "KL(actor || reference)"),
-                  (axes[0, 2], ("actor/entropy",), "entropy"),
-                  (axes[1, 0], ("response_length_mean",), "response length (tokens)"),
-                  (axes[1, 1], ("rollout_vs_trainer/logprob_abs_diff",), "rollout vs trainer |dlogp|"))
-    for ax, keys, title in panels:
-        for key in keys:
-            rows = evals if key.startswith("heldout_") else steps
-            ax.plot([m["step"] for m in rows], [m.get(key, float("nan")) for m in rows],
-                    "o-" if rows is evals else "-", label=key.split("/")[-1] if len(keys) > 1 else None)
-        if len(keys) > 1:
-            ax.legend(fontsize=7)
+    panels = [p for p in (DPO_PANELS if any("dpo/loss" in m for m in steps) else RL_PANELS) + EPISODE_PANELS
+              if any(points(records, key)[0] for key, _ in p[1])]
+    timed = any(m.get(f"time/{phase}") for m in steps for phase in PHASES)
+    num = max(1, len(panels) + timed)
+    rows = math.ceil(num / COLUMNS)
+    fig, axes = plt.subplots(rows, COLUMNS, figsize=(15, 4 * rows), squeeze=False)
+    cells = list(axes.flat)
+    for ax, (title, series) in zip(cells, panels):
+        _draw(ax, records, len(steps), series)
         ax.set_title(title)
-    ax = axes[1, 2]
+    if timed:
+        _phase_bars(cells[len(panels)], steps)
+    for ax in cells[len(panels) + timed:]:
+        ax.remove()
+    for ax in fig.axes:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    return fig
+
+
+def _draw(ax, records: list[dict], num_steps: int, series: tuple[tuple[str, str], ...]) -> None:
+    """A series logged at every step is a line; one logged on fewer steps is points (joined), never a line with
+    gaps that shows nothing between them."""
+    drawn = 0
+    for key, label in series:
+        x, y = points(records, key)
+        if not x:
+            continue
+        sparse = len(x) < num_steps or num_steps == 0
+        ax.plot(x, y, marker="o" if sparse else None, markersize=4, linewidth=1.0 if sparse else 1.5, label=label)
+        drawn += 1
+    if drawn > 1:
+        ax.legend(fontsize=7)
+
+
+def _phase_bars(ax, steps: list[dict]) -> None:
+    x = [m["step"] for m in steps]
     bottom = [0.0] * len(steps)
     for phase in PHASES:
         vals = [m.get(f"time/{phase}", 0.0) for m in steps]
         if any(vals):
             ax.bar(x, vals, bottom=bottom, label=phase)
             bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_title("step time by phase (s; concurrent phases stack)")
+    ax.set_title(TIME_TITLE)
     ax.legend(fontsize=7)
-    if episodic:
-        _episode_panels(axes[2], steps)
-    for a in axes.flat:
-        a.set_xlabel("step")
-    fig.tight_layout()
+
+
+def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+    """report.png (or `out`) of the run directory's metrics.jsonl."""
+    fig = figure(read_metrics(run_dir))         # first: it picks the Agg backend before pyplot loads
+    import matplotlib.pyplot as plt
+
     out = Path(out) if out else Path(run_dir) / "report.png"
     fig.savefig(out, dpi=80)
     plt.close(fig)
     return out
-
-
-def _episode_panels(axes, steps: list[dict]) -> None:
-    """One panel per episode metric: tool calls per episode, turns per episode, tool error rate."""
-    for ax, (key, title) in zip(axes, EPISODE_PANELS.items()):
-        ax.plot([m["step"] for m in steps], [m.get(key, float("nan")) for m in steps])
-        ax.set_title(title)

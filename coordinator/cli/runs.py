@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 import yaml
 
-from coordinator.cli.common import PASSTHROUGH, Connection, _fmt, command, connects, console
+from coordinator.cli.common import PASSTHROUGH, Connection, _fmt, command, connects, console, say
 
 # How long `meshrl up`'s pools wait for a restarting replica (the supervisor's back-off, 1 + 2 + 4 s, plus a
 # model load) before a call fails.
@@ -107,9 +107,9 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
                       ClientTLS.from_server_config(cfg.server))
     with Launcher(str(config), log_dir=log_dir, overrides=overrides, num_threads=threads) as launcher:
         addresses = _start_mesh(launcher, cfg, raw, overrides, placement, trainer_devices)
-        console.print(f"mesh up: {json.dumps(addresses)} (logs in {log_dir})", highlight=False, soft_wrap=True)
+        say(f"mesh up: {json.dumps(addresses)} (logs in {log_dir})")
         conn.address = addresses["coordinator"][0]
-        status = _drive(launcher, _with_addresses(raw, overrides, addresses), conn, cfg.run.num_steps)
+        status = _drive(launcher, _with_addresses(raw, overrides, addresses), conn, cfg)
     _report(status.run_dir)
     _print_result(status)
     if status.state != "COMPLETED":
@@ -143,13 +143,13 @@ def _start_mesh(launcher, cfg, raw: dict, overrides: dict[str, str], placement: 
     return {**addresses, "coordinator": [launcher.wait_ready(coordinator)]}
 
 
-def _drive(launcher, data: dict, conn: Connection, num_steps: int):
+def _drive(launcher, data: dict, conn: Connection, cfg):
     """Starts the run on the coordinator and follows it to the end; returns its final status."""
     with conn.client() as client:
         run_id = client.start_run(yaml.safe_dump(data, sort_keys=False))
-        console.print(f"run {run_id} started")
+        say(f"run {run_id} started")
         _print_resolved(Path(client.get_run(run_id).run_dir) / "recipe.yaml")
-        _follow_while_alive(launcher, client, run_id, num_steps)
+        _follow_while_alive(launcher, client, run_id, cfg.run.num_steps, cfg.run.zero_variance_warn_steps)
         return client.get_run(run_id)
 
 
@@ -160,7 +160,7 @@ def _print_resolved(recipe: Path) -> None:
     except OSError:
         return
     for line in lines:
-        console.print(f"resolved: {line}", highlight=False, soft_wrap=True)
+        say(f"resolved: {line}")
 
 
 def _placement(cfg, raw: dict, overrides: dict[str, str]) -> tuple[dict[str, list[str]], str]:
@@ -218,44 +218,52 @@ def env_replicas(cfg, raw: dict, overrides: dict[str, str]) -> int:
     return 1 if needed else 0
 
 
-def _follow(client, run_id: str, num_steps: int) -> None:
-    """One line per step above a live progress bar (reward, KL, throughput)."""
+def _follow(client, run_id: str, num_steps: int, *, warn_steps: int) -> None:
+    """One line per step above a live progress bar (reward, KL, throughput); the zero-reward-variance warning
+    once, after `warn_steps` such steps in a row (run.zero_variance_warn_steps, coordinator/recipe/no_signal.py)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from coordinator.recipe.no_signal import NoSignalWatch
+
+    no_signal = NoSignalWatch(warn_steps)
 
     with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[stats]}"), console=console, transient=True) as progress:
         task = progress.add_task("run", total=num_steps, stats="")
         for m in client.stream_metrics(run_id):
             if "reward_mean" in m:
-                progress.console.print(step_line(m, num_steps), highlight=False)
+                say(step_line(m, num_steps), progress.console)
                 stats = (f"margin {_fmt(m.get('reward_mean'))} {_fmt(m.get('pairs_per_s'), '.1f')} pairs/s"
                          if "dpo/loss" in m else
                          f"reward {_fmt(m.get('reward_mean'))} kl {_fmt(m.get('kl'), '.4f')} "
                          f"{_fmt(m.get('samples_per_s'), '.1f')} samples/s")
                 progress.update(task, completed=int(m["step"]), stats=stats)
+            said = no_signal.update(m)
+            if said:
+                say(said, progress.console, style="yellow")
             if "heldout_accuracy" in m:   # a mid-run evaluation arrives in its step's record
                 label = "after" if m.get("final") else ("before" if m["step"] == 0 else f"at step {m['step']}")
                 line = f"held-out accuracy {label}: {m['heldout_accuracy']:.1%}"
                 if "heldout_preference_accuracy" in m:
                     line += (f"  preference accuracy {m['heldout_preference_accuracy']:.1%}  "
                              f"margin {_fmt(m.get('heldout_reward_margin'))}")
-                progress.console.print(line, highlight=False)
+                say(line, progress.console)
 
 
-def _follow_while_alive(launcher, client, run_id: str, num_steps: int) -> None:
+def _follow_while_alive(launcher, client, run_id: str, num_steps: int, warn_steps: int) -> None:
     """Follows the run while coordinator/cli/supervisor.py restarts replicas that die; the loss of the coordinator,
     the trainer or every replica of a role ends `meshrl up` with the dead process's cause line, not a hang."""
     import threading
 
     from coordinator.cli.supervisor import Supervisor
 
-    supervisor = Supervisor(launcher, say=lambda line: console.print(line, highlight=False, soft_wrap=True))
+    supervisor = Supervisor(launcher, say=say)
     done = threading.Event()
     errors: list[BaseException] = []
 
     def follow():
         try:
-            _follow(client, run_id, num_steps)
+            _follow(client, run_id, num_steps, warn_steps=warn_steps)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
         finally:
@@ -288,19 +296,18 @@ def _report(run_dir: str) -> None:
                       ", ".join(f"{k} {v:.0%}" for k, v in shares))
         console.print(table)
         if summary.get("algorithm") == "dpo":
-            console.print(f"held-out preference accuracy {_fmt(summary.get('heldout_preference_accuracy_before'), '.1%')}"
-                          f" -> {_fmt(summary.get('heldout_preference_accuracy_after'), '.1%')}", highlight=False)
-    console.print(f"report: {image}")
+            say(f"held-out preference accuracy {_fmt(summary.get('heldout_preference_accuracy_before'), '.1%')}"
+                f" -> {_fmt(summary.get('heldout_preference_accuracy_after'), '.1%')}")
+    say(f"report: {image}")
 
 
 def _print_result(status) -> None:
     before = status.last_metrics.get("heldout_accuracy_before")
     after = status.last_metrics.get("heldout_accuracy_after")
-    console.print(f"run {status.run_id} {status.state} after {status.step} steps; metrics in {status.run_dir}"
-                  + (f" ({status.message})" if status.message else ""), highlight=False)
+    say(f"run {status.run_id} {status.state} after {status.step} steps; metrics in {status.run_dir}"
+        + (f" ({status.message})" if status.message else ""))
     if before is not None and after is not None:
-        console.print(f"held-out accuracy before {before:.1%} -> after {after:.1%} "
-                      f"({(after - before) * 100:+.1f} points)", highlight=False)
+        say(f"held-out accuracy before {before:.1%} -> after {after:.1%} ({(after - before) * 100:+.1f} points)")
 
 
 @command(context_settings=PASSTHROUGH)
@@ -323,10 +330,10 @@ def run(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False),
             else config.read_text())
     with conn.client() as client:
         run_id = client.start_run(text)
-        console.print(run_id)
+        say(run_id)
         if follow:
             num_steps = client.get_run(run_id).num_steps
-            _follow(client, run_id, num_steps)
+            _follow(client, run_id, num_steps, warn_steps=cfg.run.zero_variance_warn_steps)
             status = client.get_run(run_id)
             _print_result(status)
             if status.state != "COMPLETED":  # as `meshrl up`: a run that failed or was stopped is exit 1

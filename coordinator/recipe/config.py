@@ -186,6 +186,9 @@ class RunSection(Section):
     # One line per sample of every step in <run_dir>/samples.jsonl: prompt, response, reward, its components
     # and extra keys, a failed score's error, and the row's data_source, ability, extra_info.
     save_samples: bool = True
+    # Warn once (console and coordinator log) when no prompt group had any reward variance for this many steps in
+    # a row (`train/frac_zero_adv_groups` 1: every advantage 0); 0 = never (coordinator/recipe/no_signal.py).
+    zero_variance_warn_steps: int = Field(3, ge=0)
 
 
 class CoordinatorConfig(Section):

@@ -21,6 +21,7 @@ from coordinator.runapi import observe, recovery
 from coordinator.runapi.store import UNFINISHED, RunRecord, RunStore
 from coordinator.training.algorithms import open_context
 from coordinator.training.context import RunContext, TrainerUnavailable
+from coordinator.recipe.no_signal import NoSignalWatch
 from services.common.config import load_config
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 
@@ -48,6 +49,7 @@ class RunManager:
         self.contexts: dict[str, RunContext] = {}
         self._changed: dict[str, asyncio.Condition] = {}
         self.sinks: dict = {}
+        self.no_signal: dict[str, NoSignalWatch] = {}    # per run: the zero-reward-variance warning, once
 
     def _cond(self, run_id: str) -> asyncio.Condition:
         return self._changed.setdefault(run_id, asyncio.Condition())
@@ -221,6 +223,10 @@ class RunManager:
         if ctx is not None:
             reporting.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)
             self._sinks(ctx).write(int(metrics["step"]), metrics)
+            watch = self.no_signal.setdefault(record.run_id, NoSignalWatch(ctx.cfg.run.zero_variance_warn_steps))
+            said = watch.update(metrics)
+            if said:
+                log.warning("run %s: %s", record.run_id, said)
         await self._notify(record.run_id)
 
     def _sinks(self, ctx: RunContext):

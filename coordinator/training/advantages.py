@@ -47,6 +47,20 @@ def grpo_advantages(rewards: torch.Tensor, groups: torch.Tensor, *, norm_by_std:
     return centred / (var.sqrt()[index] + eps)
 
 
+def zero_variance_fraction(rewards: torch.Tensor, groups: torch.Tensor, *, tol: float = 1e-6) -> float:
+    """The fraction of prompt groups whose rewards are all equal (within tol): the group estimators (GRPO, RLOO,
+    REINFORCE++ with baseline) give every sample of such a group advantage 0, so it teaches nothing. rewards,
+    groups: [B]. When every group is one sample (rollout.n 1, only the batch estimators allow it) the batch is
+    the group: their baseline is the batch."""
+    index, sizes = group_index(groups)
+    if bool((sizes < 2).all()):
+        index, sizes = torch.zeros_like(index), sizes.sum().reshape(1)
+    rewards = rewards.double()
+    lo = torch.full((len(sizes),), torch.inf, dtype=rewards.dtype).scatter_reduce(0, index, rewards, "amin")
+    hi = torch.full((len(sizes),), -torch.inf, dtype=rewards.dtype).scatter_reduce(0, index, rewards, "amax")
+    return float(((hi - lo) <= tol).double().mean())
+
+
 def rloo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """Leave-one-out baseline: r_i - mean_{j != i} r_j over i's group. rewards, groups: [B] -> [B]."""
     index, sizes = group_index(groups)

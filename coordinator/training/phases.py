@@ -236,7 +236,9 @@ def compute_advantages(ctx: RunContext, samples: list[remote.Sample]) -> dict[st
     fill_failed_rewards(samples)
     T = max(len(s.response_ids) for s in samples)
     mask = token_mask(samples, T)
-    metrics: dict[str, float] = {}
+    # Groups with no reward variance train on nothing (coordinator/recipe/no_signal.py warns when all of them do).
+    metrics = {"train/frac_zero_adv_groups": adv_fns.zero_variance_fraction(
+        torch.tensor([s.reward for s in samples]), torch.tensor([s.group for s in samples]))}
     # Sequence reward sits on the last model token; a KL penalty in the reward is spread per model token.
     token_rewards = torch.zeros(len(samples), T)
     for i, s in enumerate(samples):
