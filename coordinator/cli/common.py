@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import os
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -21,7 +20,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="meshrl: RL post-training (PPO, GRPO, RLOO, REINFORCE++, DPO) as a mesh of gRPC services.")
 console = Console()
 
-DEFAULT_COORDINATOR = os.environ.get("MESHRL_COORDINATOR", "127.0.0.1:50050")
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 # gRPC statuses that say the user's input (a config, a run id, a token) is wrong: exit 2, like a config error.
@@ -81,8 +79,11 @@ def command(name: str | None = None, **kwargs):
 # The options of every command that calls a running coordinator, with the environment variables the services
 # read for the same thing (services/common/config.py ServerConfig: tls_ca, tls_client_cert, ...).
 CONNECTION = {
-    "coordinator": (str, typer.Option(DEFAULT_COORDINATOR, "--coordinator",
-                                      help="coordinator address (env MESHRL_COORDINATOR)")),
+    # None: MESHRL_COORDINATOR, else the running mesh's record (`meshrl mesh`), else 127.0.0.1:50050 (read when the
+    # command runs, coordinator/mesh_address.py).
+    "coordinator": (Optional[str], typer.Option(None, "--coordinator", show_default=False,
+                                                help="coordinator address (default: env MESHRL_COORDINATOR, then "
+                                                     "the mesh `meshrl mesh` recorded, then 127.0.0.1:50050)")),
     "token": (Optional[str], typer.Option(None, "--token", envvar="MESHRL_SERVER__AUTH_TOKEN", help="bearer token")),
     "tls_ca": (Optional[str], typer.Option(None, "--tls-ca", envvar="MESHRL_SERVER__TLS_CA",
                                            help="speak TLS, trusting this CA's PEM for the coordinator")),
@@ -126,6 +127,8 @@ class Connection:
     address: str
     token: str | None = None
     tls: ClientTLS | None = None  # None = plaintext
+    # Where the address came from ("--coordinator", "MESHRL_COORDINATOR", the mesh file, the default).
+    source: str = ""
 
     def client(self):
         from coordinator.client import Client
@@ -148,7 +151,10 @@ def connects(fn):
         tls = client_tls(opts["tls_ca"], opts["tls_cert"], opts["tls_key"], opts["tls_server_name"], ctx)
         if "ctx" in sig.parameters:  # a command that reads its extra words (`meshrl run`'s overrides)
             kw["ctx"] = ctx
-        return fn(*args, **kw, conn=Connection(opts["coordinator"], opts["token"], tls))
+        from coordinator.mesh_address import find_coordinator
+
+        found = find_coordinator(opts["coordinator"])
+        return fn(*args, **kw, conn=Connection(found.address, opts["token"], tls, found.source))
 
     wrapper.__signature__ = sig.replace(parameters=params)
     wrapper.__annotations__ = {**{k: v for k, v in fn.__annotations__.items() if k not in ("conn", "ctx")},

@@ -37,15 +37,15 @@ def _recipe_args(args: list[str]) -> tuple[dict, dict[str, str]]:
     return verl_keys.parse(verl), _overrides(flags)
 
 
-def _load_recipe(config: Path, verl: dict, overrides: dict[str, str]):
+def _load_recipe(config: Path | None, verl: dict, overrides: dict[str, str]):
     """The recipe with the verl keys' values merged in (a dict, as a service reads it) and its run config;
-    meshrl's flags win over both."""
+    meshrl's flags win over both. No recipe: the defaults (`meshrl mesh` with none)."""
     from coordinator.recipe import verl_keys
     from coordinator.recipe.config import RunConfig
     from services.common.config import deep_merge, load_config, read_yaml
 
     data, cfg = verl_keys.apply(verl, lambda d: load_config(RunConfig, config, data=d, overrides=overrides))
-    return deep_merge(read_yaml(config), data), cfg
+    return deep_merge(read_yaml(config) if config else {}, data), cfg
 
 
 def _write_private(path: Path, data: dict) -> Path:
