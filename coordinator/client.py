@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import grpc
 import yaml
 
+from coordinator.mesh_address import find_coordinator
 from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.common.grpc_config import MAX_MESSAGE_BYTES, ClientTLS, service_config
 
@@ -81,8 +82,11 @@ def config_text(config: "RunConfig | dict | str | Path") -> str:
 class Client:
     """Blocking client of the Coordinator service."""
 
-    def __init__(self, address: str, *, token: str | None = None, timeout: float = 600.0,
+    def __init__(self, address: str | None = None, *, token: str | None = None, timeout: float = 600.0,
                  tls: ClientTLS | None = None):
+        # No address: MESHRL_COORDINATOR, else the mesh `meshrl mesh` recorded (coordinator/mesh_address.py).
+        self.address = find_coordinator(address).address
+        address = self.address
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 1), ("grpc.service_config", service_config(round_robin=False))]
         if tls is None:

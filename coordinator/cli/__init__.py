@@ -1,5 +1,5 @@
 """The `meshrl` command: serve a role, bring a whole mesh up, drive and watch runs, plot metrics. The commands
-live in runs.py (up, run) and manage.py (status ... profile-model); importing them registers them on the one app
+live in runs.py (up, run), mesh.py (mesh) and manage.py (status ... profile-model); importing them registers them on the one app
 (common.py). `python -m coordinator.cli` is the same command."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def serve(ctx: typer.Context,
 
 # Imported after `serve`, runs before manage: the order `meshrl --help` lists the commands in.
 from coordinator.cli import runs  # noqa: E402,F401
+from coordinator.cli import mesh  # noqa: E402,F401,I001
 from coordinator.cli import manage  # noqa: E402,F401,I001
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import os
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -79,7 +78,6 @@ app = typer.Typer(cls=OneLineGroup, add_completion=False, no_args_is_help=True, 
                   help="meshrl: RL post-training (PPO, GRPO, RLOO, REINFORCE++, DPO) as a mesh of gRPC services.")
 console = Console()
 
-DEFAULT_COORDINATOR = os.environ.get("MESHRL_COORDINATOR", "127.0.0.1:50050")
 PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 # gRPC statuses that say the user's input (a config, a run id, a token) is wrong: exit 2, like a config error.
@@ -139,8 +137,11 @@ def command(name: str | None = None, **kwargs):
 # The options of every command that calls a running coordinator, with the environment variables the services
 # read for the same thing (services/common/config.py ServerConfig: tls_ca, tls_client_cert, ...).
 CONNECTION = {
-    "coordinator": (str, typer.Option(DEFAULT_COORDINATOR, "--coordinator",
-                                      help="coordinator address (env MESHRL_COORDINATOR)")),
+    # None: MESHRL_COORDINATOR, else the running mesh's record (`meshrl mesh`), else 127.0.0.1:50050 (read when the
+    # command runs, coordinator/mesh_address.py).
+    "coordinator": (Optional[str], typer.Option(None, "--coordinator", show_default=False,
+                                                help="coordinator address (default: env MESHRL_COORDINATOR, then "
+                                                     "the mesh `meshrl mesh` recorded, then 127.0.0.1:50050)")),
     "token": (Optional[str], typer.Option(None, "--token", envvar="MESHRL_SERVER__AUTH_TOKEN", help="bearer token")),
     "tls_ca": (Optional[str], typer.Option(None, "--tls-ca", envvar="MESHRL_SERVER__TLS_CA",
                                            help="speak TLS, trusting this CA's PEM for the coordinator")),
@@ -184,6 +185,8 @@ class Connection:
     address: str
     token: str | None = None
     tls: ClientTLS | None = None  # None = plaintext
+    # Where the address came from ("--coordinator", "MESHRL_COORDINATOR", the mesh file, the default).
+    source: str = ""
 
     def client(self):
         from coordinator.client import Client
@@ -206,11 +209,14 @@ def connects(fn):
         tls = client_tls(opts["tls_ca"], opts["tls_cert"], opts["tls_key"], opts["tls_server_name"], ctx)
         if "ctx" in sig.parameters:  # a command that reads its extra words (`meshrl run`'s overrides)
             kw["ctx"] = ctx
-        conn = Connection(opts["coordinator"], opts["token"], tls)
+        from coordinator.mesh_address import find_coordinator
+
+        found = find_coordinator(opts["coordinator"])
+        conn = Connection(found.address, opts["token"], tls, found.source)
         try:
             return fn(*args, **kw, conn=conn)
         except Exception as e:  # noqa: BLE001 - only a coordinator that was never reached is re-worded
-            missing = NoCoordinator.of(e, conn.address)
+            missing = NoCoordinator.of(e, conn.address, conn.source)
             if missing is None:
                 raise
             raise missing from e
@@ -242,7 +248,7 @@ class NoCoordinator(RuntimeError):
     """No coordinator answered at the address a command tried: one line naming it and how to start one."""
 
     @classmethod
-    def of(cls, e: Exception, address: str) -> "NoCoordinator | None":
+    def of(cls, e: Exception, address: str, source: str = "") -> "NoCoordinator | None":
         """The error as NoCoordinator when it says nothing listens at the address or its name does not resolve,
         else None: any other UNAVAILABLE (one the coordinator answered, a TLS mismatch) keeps its message."""
         import grpc
@@ -254,5 +260,6 @@ class NoCoordinator(RuntimeError):
         if not any(words in details for words in UNREACHED):
             return None
         cause = details.rsplit(": ", 1)[-1].strip(" []") or "UNAVAILABLE"
-        return cls(f"no coordinator at {address} ({cause}); start a mesh with `meshrl up RECIPE` (README), or name "
-                   f"the coordinator with --coordinator HOST:PORT or MESHRL_COORDINATOR")
+        looked = f" (the address: {source})" if source else ""
+        return cls(f"no coordinator at {address} ({cause}); start a mesh with `meshrl mesh RECIPE` or `meshrl up RECIPE` "
+                   f"(README), or name the coordinator with --coordinator HOST:PORT or MESHRL_COORDINATOR{looked}")

@@ -37,17 +37,17 @@ def _recipe_args(args: list[str]) -> tuple[dict, dict[str, str]]:
     return verl_keys.parse(verl), _overrides(flags)
 
 
-def _load_recipe(config: Path, verl: dict, overrides: dict[str, str]):
+def _load_recipe(config: Path | None, verl: dict, overrides: dict[str, str]):
     """The recipe with the verl keys' values merged in (a dict, as a service reads it) and its run config;
-    meshrl's flags win over both."""
+    meshrl's flags win over both. No recipe: the defaults (`meshrl mesh` with none)."""
     from coordinator.recipe import verl_keys
     from coordinator.recipe.config import RunConfig
     from services.common.config import deep_merge, load_config, read_yaml
 
     # A command-line override replaces what it stands for in the recipe (custom_reward_function: its reward).
-    recipe, notes = verl_keys.replaced(read_yaml(config), verl, overrides)
+    recipe, notes = verl_keys.replaced(read_yaml(config) if config else {}, verl, overrides)
     data, cfg = verl_keys.apply(verl, lambda d: load_config(RunConfig, data=deep_merge(recipe, d),
-                                                            overrides=overrides, source=str(config)))
+                                                            overrides=overrides, source=str(config or "defaults")))
     for note in notes:
         console.print(note, highlight=False, soft_wrap=True)
     return deep_merge(recipe, data), cfg

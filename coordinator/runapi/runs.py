@@ -42,9 +42,11 @@ def parse_run_config(text: str) -> RunConfig:
 class RunManager:
     """Owns the asyncio task of every active run; the gRPC servicer and tests call it directly."""
 
-    def __init__(self, store: RunStore, registry=None):
+    def __init__(self, store: RunStore, registry=None, defaults=None):
         self.store = store
         self.registry = registry
+        # The mesh's replicas (coordinator/runapi/default_pools.py): a run's roles that list no servers use them.
+        self.defaults = defaults
         self.tasks: dict[str, asyncio.Task] = {}
         self.contexts: dict[str, RunContext] = {}
         self._changed: dict[str, asyncio.Condition] = {}
@@ -67,9 +69,11 @@ class RunManager:
         run_id = run_id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         if await self.store.get(run_id):
             raise ValueError(f"run_id: run {run_id!r} already exists")
+        if self.defaults is not None:
+            cfg = await self.defaults.fill_trainer(cfg)
         self._check_trainer_free(cfg)
         # Connect before accepting, so an unreachable server list fails StartRun itself.
-        ctx = await open_context(run_id, cfg, registry=self.registry)
+        ctx = await open_context(run_id, cfg, registry=self.registry, defaults=self.defaults)
         # The run starts from the trainer's weights under their version (a trainer that trained a run before
         # counts on): the staleness of async samples is measured against it.
         ctx.weight_version = (await remote.info(ctx.trainer)).weight_version
@@ -122,8 +126,10 @@ class RunManager:
         # The services are held to the settings the run trained with so far (a record from before effective
         # configs were recorded: to the keys the run set).
         recorded = yaml.safe_load(record.effective_config) if record.effective_config else None
+        if self.defaults is not None:
+            cfg = await self.defaults.fill_trainer(cfg)
         ctx = await open_context(record.run_id, cfg, registry=self.registry, position=record.data_position,
-                                 recorded=recorded, resume=True)
+                                 recorded=recorded, resume=True, defaults=self.defaults)
         ctx.step, ctx.weight_version = record.step, record.weight_version
         try:
             await recovery.settle_trainer(self.store, record, ctx)

@@ -7,6 +7,7 @@ import logging
 
 from pydantic import Field
 
+from coordinator.recipe.config import TrainerSection
 from coordinator.runapi import observe
 from coordinator.runapi.default_pools import DefaultPools, replica_statuses
 from coordinator.runapi.runs import RunManager
@@ -41,6 +42,8 @@ class CoordinatorSettings(MeshSettings):
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
     reference: ReferenceConfig = ReferenceConfig()
+    # The mesh's trainer (`meshrl up` and `meshrl mesh` fill it in): a run whose recipe names none trains there.
+    trainer: TrainerSection = TrainerSection()
 
 
 def record_to_pb(r: RunRecord) -> coordinator_pb2.RunStatus:
@@ -142,13 +145,14 @@ async def start(settings: CoordinatorSettings, address: str | None = None
         from services.common.registry import Registry
 
         registry = Registry(settings.run.redis_url, prefix=settings.run.redis_prefix)
+    token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None
+    # The mesh's replicas: ListServices with no run id, and the pools of a run whose recipe lists none.
+    pools = DefaultPools({"rollout": settings.rollout, "reward": settings.reward, "reference": settings.reference},
+                         registry=registry, token=token, trainer_address=settings.trainer.address)
     # The store is wrapped so /metrics reports each run's state (coordinator/runapi/observe.py).
     manager = RunManager(observe.ObservedStore(open_store(settings.run.redis_url, settings.run.redis_prefix)),
-                         registry=registry)
+                         registry=registry, defaults=pools)
     observe.observe_manager(manager)
-    token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None
-    pools = DefaultPools({"rollout": settings.rollout, "reward": settings.reward, "reference": settings.reference},
-                         registry=registry, token=token)
     mesh, port = await create_server([(coordinator_pb2_grpc.add_CoordinatorServicer_to_server,
                                        CoordinatorServicer(manager, pools))], [SERVICE_NAME], address=address,
                                      config=settings.server)

@@ -38,6 +38,17 @@ def _pools(cfg: RunConfig, algorithm: Algorithm, token: str | None, registry) ->
     return pools
 
 
+def _mesh_roles(cfg: RunConfig, algorithm: Algorithm, why_reference: str) -> tuple[list[str], list[str]]:
+    """The roles a run takes from the mesh when its recipe lists none: those it needs, and those it uses when there
+    (DPO's rollout and reward, for held-out accuracy). The reference only when the run needs one and the trainer
+    does not answer as it (actor.lora)."""
+    own = ["rollout", "reward"]
+    required, optional = (own, []) if algorithm.needs_rollout else ([], own)
+    if why_reference and cfg.actor.lora is None:
+        required = [*required, "reference"]
+    return required, optional
+
+
 def _heldout(cfg: RunConfig, tokenizer) -> list:
     """The held-out problems, through the same path as the training prompts (chat prompts as token ids)."""
     d = cfg.data
@@ -51,17 +62,21 @@ def _heldout(cfg: RunConfig, tokenizer) -> list:
 
 
 async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: int = 0,
-                       recorded: dict | None = None, resume: bool = False) -> RunContext:
+                       recorded: dict | None = None, resume: bool = False, defaults=None) -> RunContext:
     """Loads the run's data, connects to every pool and the trainer (fails early when a pool is empty), and
     settles the run's settings with the running services (coordinator/recipe/run_settings.py): fixed keys checked,
-    the trainer's optimizer configured; the context carries the effective config."""
+    the trainer's optimizer configured; the context carries the effective config. `defaults` (the mesh's
+    replicas, coordinator/runapi/default_pools.py) fill the roles the recipe lists no servers for."""
     algorithm = ALGORITHMS[cfg.algorithm.kind]
     token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None
     data, state, heldout = _load(cfg, algorithm, position)
-    pools = _pools(cfg, algorithm, token, registry)
     why = algorithm.reference_needed(cfg, state)
+    if defaults is not None:
+        cfg = await defaults.fill(cfg, *_mesh_roles(cfg, algorithm, why))
+    pools = _pools(cfg, algorithm, token, registry)
     if why and pools["reference"] is None:
-        raise ValueError(f"reference.servers: {why}")
+        raise ValueError(f"reference.servers: {why}; list reference replicas in the recipe (reference.servers), "
+                         f"or start the run on a mesh that has one (`meshrl mesh RECIPE`)")
     if not cfg.trainer.address:
         raise ValueError("trainer.address: no trainer address configured")
     trainer_channel = create_channel(cfg.trainer.address, token=token, timeout=cfg.trainer.timeout_s)

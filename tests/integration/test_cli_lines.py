@@ -14,8 +14,9 @@ from coordinator.cli import common, manage
 from coordinator.client import RunStatus
 
 REPO = Path(__file__).resolve().parents[2]
-NO_COORDINATOR = ("no coordinator at 127.0.0.1:1 (Connection refused); start a mesh with `meshrl up RECIPE` "
-                  "(README), or name the coordinator with --coordinator HOST:PORT or MESHRL_COORDINATOR")
+NO_COORDINATOR = ("no coordinator at 127.0.0.1:1 (Connection refused); start a mesh with `meshrl mesh RECIPE` or "
+                  "`meshrl up RECIPE` (README), or name the coordinator with --coordinator HOST:PORT or MESHRL_COORDINATOR "
+                  "(the address: --coordinator)")
 
 
 def invoke(*args, **env):
