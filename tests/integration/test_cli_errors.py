@@ -99,7 +99,7 @@ def test_no_coordinator_is_a_failure_of_the_system_exit_1():
     result = meshrl("status", "--coordinator", "127.0.0.1:1")
     assert result.returncode == 1
     assert result.stderr.startswith("meshrl status: no coordinator at 127.0.0.1:1 (Connection refused); start a mesh "
-                                    "with `meshrl up RECIPE`") and result.stderr.count("\n") == 1
+                                    "with `meshrl mesh RECIPE`") and result.stderr.count("\n") == 1
 
 
 def test_list_services_without_a_run_id_gives_the_coordinators_own_pools(coordinator):
