@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import torch  # noqa: E402
 
 from rollout_gpu import EOS, PAD, QWEN25_05B, build_model  # noqa: E402
-from services.common.modeling import response_logprobs  # noqa: E402
+from services.common.tensors.modeling import response_logprobs  # noqa: E402
 from services.rollout.engine_torch import decode_attention  # noqa: E402
 from services.rollout.engine_torch.cuda_decode import GraphDecoder  # noqa: E402
 

@@ -77,7 +77,7 @@ def build(args):
     bench/rollout_gpu.py builds it) with the arith tokenizer (as bench/e2e_grpo.py's random models have)."""
     import torch
 
-    from services.common.modeling import load_causal_lm
+    from services.common.tensors.modeling import load_causal_lm
     from services.rollout.local_model import try_tokenizer
 
     tokenizer = try_tokenizer(str(ARITH))

@@ -79,7 +79,7 @@ def run_layout(name: str, model: Path, num_params: int, work: Path, *, shape: st
                per_dp: int, warmup: int, steps: int) -> dict:
     from coordinator.cli.launcher import Launcher
     from meshrl.v1 import common_pb2, trainer_pb2_grpc
-    from services.common.channel import create_channel
+    from services.common.rpc.channel import create_channel
     from services.trainer import convert
     from services.trainer.types import ActorLoss
 

@@ -29,7 +29,7 @@ from coordinator.runapi import observe  # noqa: E402
 from coordinator.training import loop  # noqa: E402
 from coordinator.training.algorithms import open_context  # noqa: E402
 from meshrl.v1 import reward_pb2  # noqa: E402
-from services.common import metrics  # noqa: E402
+from services.common.rpc import metrics  # noqa: E402
 from services.common.config import load_config  # noqa: E402
 from services.local import start_local_mesh  # noqa: E402
 
@@ -71,7 +71,7 @@ async def calls(stub, n: int, mode: str, path: Path) -> float:
     and inside a traced step, so each call is a client and a server span returned in metadata)."""
     from contextlib import nullcontext
 
-    from services.common import tracing
+    from services.common.rpc import tracing
 
     metrics.OBSERVE = mode != "off"
     req = reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(id="a", prompt="1+1=", response="2", ground_truth="2")])

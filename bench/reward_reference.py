@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from meshrl.v1 import reward_pb2_grpc  # noqa: E402
-from services.common.channel import create_channel  # noqa: E402
+from services.common.rpc.channel import create_channel  # noqa: E402
 from services.common.config import load_config  # noqa: E402
 from services.reward import convert  # noqa: E402
 from services.reward.config import RewardSettings  # noqa: E402
@@ -216,7 +216,7 @@ def bench_embedding(items, batch_size) -> dict:
 def bench_reference(lm_dir, n_sequences: int = 256) -> dict:
     import torch
 
-    from services.common.modeling import response_logprobs
+    from services.common.tensors.modeling import response_logprobs
     from services.reference.config import ReferenceSettings
     from services.reference.engine import ReferenceEngine
 

@@ -17,7 +17,7 @@ The engine also returns the raw log-prob of each sampled token; generate here do
 it for output_logits would keep [B, T, V] fp32 logits: 40 GB at batch 256), so the baselines do
 less work than the engine. Tokens counted: generated ones up to and including eos (a random model
 practically never samples eos, so rows run the full --new-tokens). Finally the engine's sampled
-log-probs are compared with a full forward pass (services.common.modeling.response_logprobs).
+log-probs are compared with a full forward pass (services.common.tensors.modeling.response_logprobs).
 
     PYTHONPATH=.:protos python bench/rollout_gpu.py [--batches 64,256] [--out bench/results/rollout_throughput_gpu.json]
     PYTHONPATH=.:protos python bench/rollout_gpu.py --device cpu --tiny     # smoke test of the script
@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from services.common.modeling import response_logprobs  # noqa: E402
+from services.common.tensors.modeling import response_logprobs  # noqa: E402
 from services.rollout.config import RolloutSettings  # noqa: E402
 from services.rollout.engine_torch.engine import TorchEngine  # noqa: E402
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams  # noqa: E402

@@ -56,8 +56,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from services.common.config import load_config  # noqa: E402
-from services.common.modeling import response_logprobs  # noqa: E402
-from services.common import fused  # noqa: E402
+from services.common.tensors.modeling import response_logprobs  # noqa: E402
+from services.common.tensors import fused  # noqa: E402
 from services.trainer.batch import validate_actor_batch  # noqa: E402
 from services.trainer.types import ActorLoss, TrainSample  # noqa: E402
 
@@ -268,7 +268,7 @@ def trace_profile(trace: str, min_us: float = 100.0) -> dict:
 
 
 def head_parity(engine, samples, dev: str) -> dict:
-    """The trainer's fused head vs services.common.modeling.response_logprobs on 2 x 512 tokens: values and
+    """The trainer's fused head vs services.common.tensors.modeling.response_logprobs on 2 x 512 tokens: values and
     gradients (run on a variant without compile: the 512-token shape would compile again)."""
     rank = engine.rank
     model = rank.actor.module

@@ -104,8 +104,8 @@ SPREAD_VARIANTS = {"padded": (False, "sorted", False), "padded_longest": (False,
 
 def slots(lengths, budget: int, packed: bool, grouping: str) -> int:
     """Token slots the variant's forwards compute (real tokens plus padding)."""
-    from services.common.modeling import pack_by_token_budget
-    from services.common.packing import pack_by_token_sum
+    from services.common.tensors.modeling import pack_by_token_budget
+    from services.common.tensors.packing import pack_by_token_sum
 
     if packed:
         return sum(lengths)

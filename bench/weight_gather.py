@@ -28,7 +28,7 @@ sys.path[:0] = [str(REPO), str(REPO / "protos"), str(REPO / "bench")]
 from provenance import stamp  # noqa: E402
 from trainer_mfu import SHAPES  # noqa: E402
 
-from services.common.weights import named_weights  # noqa: E402
+from services.common.tensors.weights import named_weights  # noqa: E402
 from services.trainer.weights.gather import stage_gatherers  # noqa: E402
 from services.trainer.parallel.parallelize import apply_fsdp  # noqa: E402
 

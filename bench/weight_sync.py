@@ -69,7 +69,7 @@ def empty_model(size: str, device: str):
 
 
 def trainer_state(size: str, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    from services.common.weights import named_weights
+    from services.common.tensors.weights import named_weights
 
     model = empty_model(size, "meta")
     g = torch.Generator(device=device).manual_seed(seed)
@@ -88,7 +88,7 @@ def sums(tensors) -> list[float]:
 def rollout_proc(conn, size: str, device: str) -> None:
     """A real rollout replica around an empty model of `size`; answers 'checksum' on the pipe."""
     sys.path[:0] = [str(REPO), str(REPO / "protos")]
-    from services.common.weights import named_weights
+    from services.common.tensors.weights import named_weights
     from services.rollout.config import RolloutSettings
     from services.rollout.engine_torch.engine import TorchEngine
     from services.rollout.servicer import start
@@ -171,7 +171,7 @@ def raw_server(conn) -> None:
 def raw_grpc_seconds(state, bucket_bytes: int, repeats: int) -> list[float]:
     import grpc
 
-    from services.common.weight_transport import HostPayload
+    from services.common.tensors.weight_transport import HostPayload
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -247,7 +247,7 @@ def broadcast_times(comm, device: str, num_bytes: int, bucket_bytes: int, repeat
 
 def broadcast_peer(conn, device: str, num_bytes: int, bucket_bytes: int, repeats: int) -> None:
     sys.path[:0] = [str(REPO), str(REPO / "protos")]
-    from services.common.weight_transport import init_communicator
+    from services.common.tensors.weight_transport import init_communicator
 
     torch.cuda.set_device(device)
     comm = init_communicator(conn.recv(), 2, 1, torch.device(device), 120.0)
@@ -260,7 +260,7 @@ def nccl_broadcast_seconds(num_bytes: int, device: str, peer_device: str, bucket
     """Median seconds of an NCCL broadcast of num_bytes from device to peer_device (a spawned process)."""
     from cupy.cuda import nccl
 
-    from services.common.weight_transport import init_communicator
+    from services.common.tensors.weight_transport import init_communicator
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -309,7 +309,7 @@ def bench_size(size: str, transport: str, *, repeats: int, device: str, replica_
     state = trainer_state(size, device if on_device else "cpu")
     num_bytes = sum(t.numel() * t.element_size() for t in state.values())
     bucket_bytes = bucket_mib * MIB
-    from services.common.weight_transport import CRC32_IMPL
+    from services.common.tensors.weight_transport import CRC32_IMPL
 
     row = {"transport": transport, "size": size, "crc32": CRC32_IMPL, "num_tensors": len(state),
            "num_bytes": num_bytes, "bucket_mib": bucket_mib, "repeats": repeats}

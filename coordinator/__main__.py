@@ -1,7 +1,7 @@
 """`python -m coordinator --config FILE [--port N]`: run the coordinator (run API)."""
 
 from coordinator.runapi.service import CoordinatorSettings, start
-from services.common.launch import serve_main
+from services.common.rpc.launch import serve_main
 
 
 def main(argv=None) -> None:

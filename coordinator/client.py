@@ -16,7 +16,7 @@ import yaml
 
 from coordinator.mesh_address import find_coordinator
 from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.common.grpc_config import MAX_MESSAGE_BYTES, ClientTLS, service_config
+from services.common.rpc.grpc_config import MAX_MESSAGE_BYTES, ClientTLS, service_config
 
 if TYPE_CHECKING:                       # the typed config, for readers and type checkers only: it needs pydantic
     from coordinator.recipe.config import RunConfig

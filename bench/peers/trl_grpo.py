@@ -44,7 +44,7 @@ def exact_match_reward(prompts, completions, answer, data_source, **_) -> list[f
 
 
 def load_tokenizer(path: str):
-    # As services.common.modeling.load_tokenizer: the char tokenizer as saved (AutoTokenizer would rebuild a
+    # As services.common.tensors.modeling.load_tokenizer: the char tokenizer as saved (AutoTokenizer would rebuild a
     # Qwen2 pipeline from the vocabulary and drop its pre-tokenizer).
     from transformers import PreTrainedTokenizerFast
 

@@ -16,7 +16,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 if TYPE_CHECKING:
-    from services.common.channel import ClientTLS
+    from services.common.rpc.channel import ClientTLS
 
 
 # The click typer runs on: its own copy in newer typer (typer._click), the click package in older ones.
@@ -159,7 +159,7 @@ def client_tls(tls_ca: str | None, tls_cert: str | None, tls_key: str | None, tl
                ctx: typer.Context | None = None):
     """The ClientTLS of the connection options (None: plaintext); a setting that cannot be used is refused by the
     name the user gave it: its flag, or its environment variable when it came from there."""
-    from services.common.channel import ClientTLS, read_pem
+    from services.common.rpc.channel import ClientTLS, read_pem
 
     def _source_name(param: str) -> str:
         info = CONNECTION[param][1]

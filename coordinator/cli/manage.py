@@ -118,7 +118,7 @@ def profile_model_cmd(model_path: str = typer.Argument(..., help="local Hugging 
     """Per-layer parameters and FLOPs, and a balanced pipeline stage split."""
     from rich.table import Table
 
-    from services.common.profile_model import profile_model
+    from services.common.tensors.profile_model import profile_model
 
     try:
         prof = profile_model(model_path, seq_len=seq_len, pp_size=pp_size)

@@ -20,7 +20,7 @@ ENV_AGENTS = ("tool_agent", "env_agent")
 
 
 def _overrides(args: list[str]) -> dict[str, str]:
-    from services.common.launch import parse_dotted_flags
+    from services.common.rpc.launch import parse_dotted_flags
 
     try:
         return parse_dotted_flags(args)
@@ -84,7 +84,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     from coordinator.recipe import verl_keys
     from coordinator.recipe.memory import check_recipe_fits
     from coordinator.recipe.preflight import check_run
-    from services.common.channel import ClientTLS
+    from services.common.rpc.channel import ClientTLS
     from services.common.config import read_yaml
 
     verl, overrides = _recipe_args(list(ctx.args))
@@ -202,7 +202,7 @@ def env_replicas(cfg, raw: dict, overrides: dict[str, str]) -> int:
     """How many env replicas `meshrl up` starts: `env.replicas` when the recipe (or a flag) has an `env:` section,
     one when only the agent loop calls tools or an environment (it needs a replica that hosts them), else none. A
     section that names running replicas (`env.servers` / `env.dns`) and asks for no count keeps to those."""
-    from services.common.pools import configured
+    from services.common.rpc.pools import configured
     from services.rollout.config import AGENT_ALIASES
 
     name = cfg.rollout.agent.name

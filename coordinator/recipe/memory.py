@@ -25,7 +25,7 @@ CUDA_CONTEXT_BYTES = GIB // 2
 # A GPU counts as full past this share of its memory (the estimate leaves fragmentation and workspaces out).
 FIT_FRACTION = 0.95
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# The fused LM head's fp32 [rows, vocab] chunk (services/common/fused.py CHUNK_BYTES).
+# The fused LM head's fp32 [rows, vocab] chunk (services/common/tensors/fused.py CHUNK_BYTES).
 FUSED_CHUNK_BYTES = 256 * 2**20
 # Prompt length assumed when data.max_prompt_length is unset (the KV cache's length bucket is 256 tokens).
 DEFAULT_PROMPT_TOKENS = 256

@@ -13,7 +13,7 @@ from typing import Iterable
 
 from coordinator.training.algorithms import STUBS
 from coordinator.training.context import RunContext
-from services.common.pools import ReplicaPool, configured
+from services.common.rpc.pools import ReplicaPool, configured
 from meshrl.v1 import coordinator_pb2
 from services.common.config import PoolConfig
 

@@ -9,8 +9,8 @@ from contextlib import contextmanager, nullcontext
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-import services.common.tracing as tracing
-from services.common.metrics import LATENCY_BUCKETS
+import services.common.rpc.tracing as tracing
+from services.common.rpc.metrics import LATENCY_BUCKETS
 
 STATES = ("RUNNING", "PAUSED", "COMPLETED", "FAILED", "STOPPED")
 

@@ -14,7 +14,7 @@ from coordinator.runapi.runs import RunManager
 from coordinator.runapi.store import RunRecord, open_store
 from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.common.config import MeshSettings, Section, ServerConfig
-from services.common.server import MeshServer, create_server
+from services.common.rpc.server import MeshServer, create_server
 from services.reference.config import ReferenceConfig
 from services.reward.config import RewardConfig
 from services.rollout.config import RolloutConfig
@@ -142,7 +142,7 @@ async def start(settings: CoordinatorSettings, address: str | None = None
                 ) -> tuple[MeshServer, int, CoordinatorEngine]:
     registry = None
     if settings.run.redis_url:
-        from services.common.registry import Registry
+        from services.common.rpc.registry import Registry
 
         registry = Registry(settings.run.redis_url, prefix=settings.run.redis_prefix)
     token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None

@@ -15,8 +15,8 @@ from coordinator.recipe.data import load_dataset
 from coordinator.training import advantages as adv_fns
 from coordinator.training import dpo, loop, remote
 from coordinator.training.context import Algorithm, GuardedTrainer, RunContext
-from services.common.channel import create_channel
-from services.common.pools import ReplicaPool, configured
+from services.common.rpc.channel import create_channel
+from services.common.rpc.pools import ReplicaPool, configured
 
 ALGORITHMS: dict[str, Algorithm] = {"rl": loop.RL, "dpo": dpo.DPO}
 
@@ -106,7 +106,7 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
 
 def _load(cfg: RunConfig, algorithm: Algorithm, position: int):
     """The run's data with the model's tokenizer: the family's stream, its own state and the held-out set."""
-    from services.common.modeling import load_tokenizer
+    from services.common.tensors.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.path)
     data, state = algorithm.load(cfg, tokenizer, position)

@@ -16,8 +16,8 @@ from coordinator.recipe.config import RunConfig, TrainerLosses
 from coordinator.recipe.data import Problem, PromptStream
 from coordinator.training import advantages as adv_fns
 from services.common.errors import FailedPrecondition
-from services.common.pools import ReplicaPool
-from services.common.tracing import phase_span
+from services.common.rpc.pools import ReplicaPool
+from services.common.rpc.tracing import phase_span
 from services.rollout.types import SamplingParams
 
 

@@ -22,7 +22,7 @@ from coordinator.training import rollout_correction as rc_math
 from coordinator.training.context import PhaseTimer, RunContext
 from coordinator.training.episodes import wants_episodes
 from services.common.errors import Unavailable
-from services.common.pools import split_round_robin
+from services.common.rpc.pools import split_round_robin
 from services.rollout.types import SamplingParams
 
 log = logging.getLogger("meshrl.coordinator")

@@ -11,7 +11,7 @@ from meshrl.v1 import (common_pb2, reference_pb2_grpc, reward_pb2, reward_pb2_gr
                        trainer_pb2, trainer_pb2_grpc)
 from coordinator.recipe.data import Problem
 from services.common.convert import SequenceBatch, logprobs_from_pb, sequences_to_pb
-from services.common.packed import I32, pack_i32
+from services.common.tensors.packed import I32, pack_i32
 from services.reward.config import ComponentConfig
 from services.reward.convert import components_to_pb, extra_info_to_json, results_from_pb
 from services.reward.types import Scored

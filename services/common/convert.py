@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshrl.v1 import common_pb2
-from services.common.packed import F32, I32, Rows, as_list, field_of, pack_f32, pack_i32, set_rows, unpack_rows
+from services.common.tensors.packed import F32, I32, Rows, as_list, field_of, pack_f32, pack_i32, set_rows, unpack_rows
 
 
 def json_field(text: str, where: str, kind: type = dict) -> Any:

@@ -1,7 +1,7 @@
 """Domain errors raised by engines; the server interceptor maps them to gRPC status codes.
 
 Engines never import grpc: they raise `ValueError` for bad input (INVALID_ARGUMENT) or one of the
-errors below, and `services.common.server` turns the class into a status code in one place.
+errors below, and `services.common.rpc.server` turns the class into a status code in one place.
 """
 
 import asyncio

@@ -1,5 +1,5 @@
 """The manifest of a weight update (its version and every tensor's name, dtype, shape and place in the payload):
-plain data that the protobuf converters build and read without torch (services/common/weights.py holds the
+plain data that the protobuf converters build and read without torch (services/common/tensors/weights.py holds the
 tensor side: building a manifest from tensors, buckets, assembling and applying)."""
 
 from __future__ import annotations

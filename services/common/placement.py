@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a process's weights live (GetInfo details host_id, device_uuid; services/common/weight_transport.py
+    """Where a process's weights live (GetInfo details host_id, device_uuid; services/common/tensors/weight_transport.py
     placement_of) and, for a replica, the transports it can receive."""
 
     host_id: str = ""

@@ -1,6 +1,6 @@
 """`python -m services.env --config FILE [--port N]`: run one env replica (tools and environments)."""
 
-from services.common.launch import serve_main
+from services.common.rpc.launch import serve_main
 from services.env.config import EnvSettings
 from services.env.servicer import start
 

@@ -7,7 +7,7 @@ import json
 from meshrl.v1 import env_pb2, env_pb2_grpc
 from services.common.config import settings_json
 from services.common.convert import info_to_pb
-from services.common.server import MeshServer, create_server
+from services.common.rpc.server import MeshServer, create_server
 from services.env import convert
 from services.env.config import EnvSettings
 from services.env.engine import EnvEngine

@@ -1,6 +1,6 @@
 """`python -m services.reference --config FILE [--port N]`: run one reference replica."""
 
-from services.common.launch import serve_main
+from services.common.rpc.launch import serve_main
 from services.reference.config import ReferenceSettings
 from services.reference.servicer import start
 

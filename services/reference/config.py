@@ -17,7 +17,7 @@ class ReferenceConfig(PoolConfig):
     # Tokens per micro-batch: the packed row's length (use_remove_padding), else batch * longest sequence.
     micro_batch_token_budget: int = Field(16384, ge=1)
     max_batch_size: int = Field(4096, ge=1)
-    # Log-probs through the trainer's fused LM head (services/common/fused.py): the head runs at response
+    # Log-probs through the trainer's fused LM head (services/common/tensors/fused.py): the head runs at response
     # positions only, in row chunks (a Triton row kernel on CUDA), so no fp32 [tokens, vocab] logits exist.
     # auto (or null): on wherever the head can be fused (the trainer's default too: both compute alike).
     fused_logprobs: bool | Auto | None = AUTO

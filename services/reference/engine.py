@@ -6,10 +6,10 @@ import asyncio
 import logging
 
 from services.common.auto import Resolved
-from services.common.compile import warm_up_forward
-from services.common.fused import enable_fused_head, supports_fused_head
-from services.common.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
-from services.common.packing import enable_packing, supports_packing
+from services.common.tensors.compile import warm_up_forward
+from services.common.tensors.fused import enable_fused_head, supports_fused_head
+from services.common.tensors.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
+from services.common.tensors.packing import enable_packing, supports_packing
 from services.reference.config import ReferenceSettings
 
 log = logging.getLogger("meshrl.reference")
@@ -43,7 +43,7 @@ class ReferenceEngine:
         self.compiled = bool(self.resolved.pick("reference.compile", ref.compile, cuda,
                                                 "CUDA device" if cuda else "not on CUDA"))
         if self.compiled:
-            from services.common.compile import apply_compile
+            from services.common.tensors.compile import apply_compile
 
             apply_compile(self.model, True)
         self.pad_id = self.model.config.pad_token_id or 0

@@ -7,7 +7,7 @@ import asyncio
 from meshrl.v1 import reference_pb2, reference_pb2_grpc
 from services.common import convert
 from services.common.config import settings_json
-from services.common.server import MeshServer, create_server
+from services.common.rpc.server import MeshServer, create_server
 from services.reference.config import ReferenceSettings
 from services.reference.engine import ReferenceEngine
 from services.reference.types import LogProbEngine

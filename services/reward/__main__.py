@@ -1,6 +1,6 @@
 """`python -m services.reward --config FILE [--port N]`: run one reward replica."""
 
-from services.common.launch import serve_main
+from services.common.rpc.launch import serve_main
 from services.reward.config import RewardSettings
 from services.reward.servicer import start
 

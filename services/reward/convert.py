@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from meshrl.v1 import reward_pb2
 from services.common.config import format_validation_error
 from services.common.convert import json_field
-from services.common.packed import I32, as_list, field_of
+from services.common.tensors.packed import I32, as_list, field_of
 from services.reward.config import ComponentConfig
 from services.reward.types import ScoreItem, Scored
 

@@ -73,7 +73,7 @@ class RewardEngine:
         # Rule components runs sent with their Score requests, by their JSON.
         self._run_components: dict[str, list[Component]] = {}
         if any(c.is_model for cs in lists.values() for c in cs):
-            from services.common.modeling import set_threads
+            from services.common.tensors.modeling import set_threads
 
             set_threads(self.config.num_threads)
         try:

@@ -33,14 +33,14 @@ def default_embedding_path() -> str:
 
 
 def load_tokenizer(path: str):
-    """See services.common.modeling.load_tokenizer (loads custom tokenizer.json files as saved)."""
-    from services.common.modeling import load_tokenizer as load
+    """See services.common.tensors.modeling.load_tokenizer (loads custom tokenizer.json files as saved)."""
+    from services.common.tensors.modeling import load_tokenizer as load
 
     return load(path)
 
 
 def _dtype(name: str):
-    from services.common.codec import DTYPES
+    from services.common.tensors.codec import DTYPES
 
     return DTYPES[name]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from meshrl.v1 import reward_pb2, reward_pb2_grpc
 from services.common.convert import info_to_pb
 from services.common.config import settings_json
-from services.common.server import MeshServer, create_server
+from services.common.rpc.server import MeshServer, create_server
 from services.reward import convert
 from services.reward.config import RewardSettings
 from services.reward.engine import RewardEngine

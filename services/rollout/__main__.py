@@ -1,6 +1,6 @@
 """`python -m services.rollout --config FILE [--port N]`: run one rollout replica."""
 
-from services.common.launch import serve_main
+from services.common.rpc.launch import serve_main
 from services.rollout.config import RolloutSettings
 from services.rollout.servicer import start
 

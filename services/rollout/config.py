@@ -8,7 +8,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from services.common.auto import AUTO, Auto
 from services.common.config import MeshSettings, ModelConfig, PoolConfig, Section, ServerConfig, bool_choice
-from services.common.registry import RegistryRunSection
+from services.common.rpc.registry import RegistryRunSection
 from services.common.tool_calls import TOOL_CALL_PARSERS
 from services.env.config import EnvConfig
 from services.rollout.types import AgentLimits, SamplingParams

@@ -6,7 +6,7 @@ import json
 
 from meshrl.v1 import common_pb2, rollout_pb2
 from services.common.convert import json_field
-from services.common.packed import F32, I32, as_list, field_of, pack_f32, pack_i32, set_rows, unpack_rows
+from services.common.tensors.packed import F32, I32, as_list, field_of, pack_f32, pack_i32, set_rows, unpack_rows
 from services.common.manifest import Manifest, manifest_from_kwargs
 from services.rollout.config import AgentConfig, RolloutConfig
 from services.rollout.types import (Episode, EpisodeGroup, EpisodePrompt, GenerateBatch, PromptInput, PromptResult,

@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Sequence
 
-from services.common.modeling import load_tokenizer
+from services.common.tensors.modeling import load_tokenizer
 from services.rollout.types import GenerateBatch, PromptInput, RolloutEngine
 
 log = logging.getLogger("meshrl.rollout")

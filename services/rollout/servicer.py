@@ -13,8 +13,8 @@ import grpc
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common import convert as common_convert
 from services.common.config import settings_json
-from services.common.server import MeshServer, create_server
-from services.common.weight_transport import decode_bucket, placement_of
+from services.common.rpc.server import MeshServer, create_server
+from services.common.tensors.weight_transport import decode_bucket, placement_of
 from services.rollout import convert
 from services.rollout.agents.env_client import EnvClient
 from services.rollout.agents.episodes import EpisodeRunner
@@ -101,7 +101,7 @@ def episode_runner(engine: RolloutEngine, settings: RolloutSettings) -> EpisodeR
     else:
         registry = None
         if section.registry:
-            from services.common.registry import Registry
+            from services.common.rpc.registry import Registry
 
             registry = Registry(server.registry_url, prefix=settings.run.redis_prefix)
         env = EnvClient.from_section(section, registry=registry, token=token)

@@ -63,7 +63,7 @@ def make_tiny_model(path: str | Path, *, seed: int = 0, with_tokenizer: bool = T
 
 def random_state_like(model: torch.nn.Module, *, seed: int) -> dict[str, torch.Tensor]:
     """New random tensors with the names, dtypes and shapes of a weight update for `model`."""
-    from services.common.weights import named_weights
+    from services.common.tensors.weights import named_weights
 
     g = torch.Generator().manual_seed(seed)
     return {name: (torch.randn(p.shape, generator=g) * 0.1).to(p.dtype) for name, p in named_weights(model).items()}

@@ -18,10 +18,10 @@ from typing import AsyncIterable
 import torch
 
 from services.common.errors import FailedPrecondition
-from services.common.weight_transport import (abort_communicator, device_checksum, device_uuid, init_communicator,
+from services.common.tensors.weight_transport import (abort_communicator, device_checksum, device_uuid, init_communicator,
                                               local_device_of, nccl_unique_id_from_bytes, tensors_from_flat,
                                               wait_stream_done)
-from services.common.weights import Manifest, PayloadAssembler
+from services.common.tensors.weights import Manifest, PayloadAssembler
 
 log = logging.getLogger("meshrl.rollout")
 

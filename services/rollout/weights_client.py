@@ -7,7 +7,7 @@ from typing import AsyncIterator, Iterator, Mapping
 import torch
 
 from meshrl.v1 import common_pb2
-from services.common.weights import DEFAULT_BUCKET_BYTES, build_manifest, iter_buckets
+from services.common.tensors.weights import DEFAULT_BUCKET_BYTES, build_manifest, iter_buckets
 from services.rollout.convert import manifest_to_pb
 
 

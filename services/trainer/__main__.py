@@ -6,8 +6,8 @@ Rank 0 serves gRPC; every other rank builds the same engine and runs the command
 import os
 
 from services.common.config import load_config
-from services.common.launch import parse_args, serve_main
-from services.common.server import setup_logging
+from services.common.rpc.launch import parse_args, serve_main
+from services.common.rpc.server import setup_logging
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.parallel.mesh import launched_rank

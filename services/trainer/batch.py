@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from services.common.modeling import validate_sequences
+from services.common.tensors.modeling import validate_sequences
 from services.trainer.updates.losses import AGG_MODES, DPO_LOSSES, KL_ALIASES, KL_PENALTIES
 from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample
 

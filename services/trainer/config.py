@@ -149,13 +149,13 @@ class ActorConfig(OptimSection):
     # torch.compile each decoder block (regional: one compiled graph serves every block). auto (or null): on for
     # CUDA, off elsewhere; compiled during the trainer's warm-up, before it serves.
     compile: bool | Auto | None = AUTO
-    # Response log-probs and entropy through the fused LM head (services/common/fused.py): no fp32
+    # Response log-probs and entropy through the fused LM head (services/common/tensors/fused.py): no fp32
     # [tokens, vocab] tensors; Triton kernels on CUDA, a chunked pure-torch path elsewhere, vocab-parallel
     # under TP, chunked on the last pipeline stage. auto (or null): on wherever the head can be fused
     # (not for biased heads or soft-capped logits); false runs the model's own full logits (the baseline).
     fused_logprobs: bool | Auto | None = AUTO
     # Remove padding (verl's use_remove_padding): each micro-batch runs as one packed row, position ids
-    # restarting per sequence and attention confined to each (services/common/packing.py); micro-batches
+    # restarting per sequence and attention confined to each (services/common/tensors/packing.py); micro-batches
     # are filled to micro_batch_token_budget tokens. auto (or null): on for bf16/fp16 compute on CUDA where the
     # model and mesh allow (faster than padded rows on one H200: bench/results/trainer_packing.json), off on
     # CPU and under actor.pp_size > 1; true under actor.pp_size > 1 is refused.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from meshrl.v1 import common_pb2, trainer_pb2
 import numpy as np
 
-from services.common.packed import (F32, I32, concat, field_of, pack_f32, pack_i32, row_lengths, row_lengths_of,
+from services.common.tensors.packed import (F32, I32, concat, field_of, pack_f32, pack_i32, row_lengths, row_lengths_of,
                                     set_rows, split_rows, unpack, unpack_rows)
 from services.common.manifest import Manifest
 from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, OptimSettings, PreferencePair,

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from services.common.errors import FailedPrecondition
-from services.common.modeling import validate_sequences
+from services.common.tensors.modeling import validate_sequences
 from services.trainer.batch import validate_actor_batch, validate_critic_batch, validate_dpo_batch
 from services.trainer.commands import Commands
 from services.trainer.config import TrainerSettings
@@ -46,7 +46,7 @@ class TrainerEngine:
     def warm_up(self) -> float:
         """With compile, builds the actor's compiled graphs before the trainer serves (seconds taken; every rank).
 
-        One forward + backward and one no-grad forward at two shapes (services/common/compile.py WARMUP_SHAPES),
+        One forward + backward and one no-grad forward at two shapes (services/common/tensors/compile.py WARMUP_SHAPES),
         through the training step's own log-prob call; the gradients are dropped. Weights, optimizer state, step
         count and weight version are untouched. Skipped under pipeline parallel (its schedule compiles at the
         first step)."""

@@ -8,8 +8,8 @@ from contextlib import nullcontext
 
 import torch
 
-from services.common.compile import warm_up_forward
-from services.common.fused import sequence_logprobs
+from services.common.tensors.compile import warm_up_forward
+from services.common.tensors.fused import sequence_logprobs
 from services.trainer.model.lora import adapters_off
 from services.trainer.parallel.mesh import gather_to_rank0
 from services.trainer.parallel.pipeline import last_stage_head, stage_logprobs
@@ -18,7 +18,7 @@ from services.trainer.updates.critic import response_values
 
 
 def warm_up(rank: Rank) -> None:
-    """One forward + backward and one no-grad forward at the warm-up shapes (services/common/compile.py), through
+    """One forward + backward and one no-grad forward at the warm-up shapes (services/common/tensors/compile.py), through
     the training step's own log-prob call; the gradients are dropped."""
     def forward_backward(prompts, responses):
         with rank.layout.amp():
@@ -45,7 +45,7 @@ def compute_logprobs(rank: Rank, prompts, responses, temperature: float, base: b
 
 
 def actor_logprobs(rank: Rank, prompts, responses, temperature: float) -> list[list[float]] | None:
-    # Same packing and forward as services.common.modeling.batched_logprobs, so a one-rank trainer
+    # Same packing and forward as services.common.tensors.modeling.batched_logprobs, so a one-rank trainer
     # and the reference service agree bit for bit on the same weights.
     if rank.dims.pp > 1:
         return _merge_on_rank0(rank, _pp_logprobs(rank, prompts, responses, temperature), len(prompts))

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from services.common.auto import Resolved
-from services.common.modeling import set_threads
+from services.common.tensors.modeling import set_threads
 from services.trainer.config import ActorConfig, TrainerSettings, master_and_compute_dtypes
 from services.trainer.model.load import load_actor, load_value_model, setup_fused_head, setup_packing
 from services.trainer.model.trained import Trained, build_trained

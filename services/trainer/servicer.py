@@ -9,8 +9,8 @@ from meshrl.v1 import reference_pb2, reference_pb2_grpc, trainer_pb2, trainer_pb
 from services.common import convert as common_convert
 from services.common.config import settings_json
 from services.common.placement import Placement
-from services.common.server import MeshServer, create_server
-from services.common.weight_transport import placement_of
+from services.common.rpc.server import MeshServer, create_server
+from services.common.tensors.weight_transport import placement_of
 from services.trainer import convert
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from services.common.config import load_config
-from services.common.weights import named_weights
-from services.common import fused
+from services.common.tensors.weights import named_weights
+from services.common.tensors import fused
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples
@@ -77,8 +77,8 @@ def test_a_cuda_step_with_the_fused_head_equals_the_plain_one(tmp_path):
 def test_packed_rows_on_cuda_varlen_attention_equal_padded_rows(tmp_path):
     """Remove padding on the GPU: torch's varlen flash attention over packed rows (bf16) against SDPA over padded
     rows, within 5e-2 (bf16 activations through other kernels)."""
-    from services.common.modeling import load_causal_lm
-    from services.common.packing import enable_packing, varlen_attn
+    from services.common.tensors.modeling import load_causal_lm
+    from services.common.tensors.packing import enable_packing, varlen_attn
 
     if varlen_attn is None:
         pytest.skip("torch has no torch.nn.attention.varlen")
@@ -121,7 +121,7 @@ def test_packed_rows_under_fp32_master_weights_take_the_varlen_kernel(tmp_path, 
     """With fp32 master weights and bf16 autocast (the trainer's default for a bf16 model) rotary embeddings hand
     the attention fp32 queries and keys: packed rows must still run the varlen kernel in bf16 (as SDPA does
     under autocast), never the per-sequence fallback, which syncs with the host at every layer."""
-    from services.common import packing
+    from services.common.tensors import packing
 
     if packing.varlen_attn is None:
         pytest.skip("torch has no torch.nn.attention.varlen")

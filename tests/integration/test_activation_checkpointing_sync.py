@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.common.config import load_config
 from services.trainer.testing import random_samples
 from tests.integration.test_weight_sync import TOKEN, assert_parity, sequences_pb, served, train_once

@@ -110,7 +110,7 @@ def test_every_meshrl_service_runs_its_role_with_a_grpc_health_check_and_a_resta
         assert svc["command"][3:] == ["--config", "/etc/meshrl/run.yaml"], role
         assert svc["restart"] == "unless-stopped", role
         port = svc["environment"]["MESHRL_SERVER__PORT"]
-        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.common.healthcheck",
+        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.common.rpc.healthcheck",
                                               f"127.0.0.1:{port}"], role
         mounts = {v["target"]: v for v in svc["volumes"]}
         assert Path(mounts["/etc/meshrl/run.yaml"]["source"]) == REPO / "examples" / "arith" / "grpo.yaml"
@@ -250,7 +250,7 @@ def test_redis_image_is_a_variable_for_the_offline_build_and_accepts_other_conta
 
 
 def test_advertise_host_is_the_container_hostname_when_binding_all_interfaces():
-    from services.common.launch import advertise_host
+    from services.common.rpc.launch import advertise_host
 
     assert advertise_host(ServerConfig(host="0.0.0.0")) == socket.gethostname()
     assert advertise_host(ServerConfig(host="0.0.0.0", advertise_host="rollout-7")) == "rollout-7"
@@ -272,7 +272,7 @@ def health_server():
 
 def test_healthcheck_cli_exits_zero_only_while_the_server_says_serving(health_server):
     servicer, address = health_server
-    cli = [sys.executable, "-m", "services.common.healthcheck", address, "--timeout", "5"]
+    cli = [sys.executable, "-m", "services.common.rpc.healthcheck", address, "--timeout", "5"]
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     assert subprocess.run(cli, cwd=REPO, capture_output=True, timeout=30).returncode == 0
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -281,7 +281,7 @@ def test_healthcheck_cli_exits_zero_only_while_the_server_says_serving(health_se
 
 
 def test_healthcheck_fails_when_nothing_listens():
-    from services.common.healthcheck import main
+    from services.common.rpc.healthcheck import main
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -524,7 +524,7 @@ def test_the_compose_health_check_module_ships_in_the_installed_package():
 
     packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     assert "services.common" in packages
-    assert (REPO / "services" / "common" / "healthcheck.py").is_file()
+    assert (REPO / "services" / "common" / "rpc" / "healthcheck.py").is_file()
 
 
 def test_every_committed_python_package_ships_in_the_installed_package():

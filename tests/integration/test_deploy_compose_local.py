@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.client import Client
-from services.common.registry import Registry
+from services.common.rpc.registry import Registry
 from tests.integration.test_deploy import COMPOSE, REPO, compose_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]

@@ -14,7 +14,7 @@ REPO = DEPLOY.parent
 DASHBOARD = DEPLOY / "grafana" / "meshrl.json"
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
 # Where metric names are defined: the services' and the coordinator's observability modules.
-SOURCES = [REPO / "services" / "common" / "metrics.py", REPO / "coordinator" / "runapi" / "observe.py"]
+SOURCES = [REPO / "services" / "common" / "rpc" / "metrics.py", REPO / "coordinator" / "runapi" / "observe.py"]
 
 
 def exported_names() -> set[str]:

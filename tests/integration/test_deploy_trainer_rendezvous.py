@@ -34,7 +34,7 @@ def expand(value: str, env: dict[str, str]) -> str:
 
 
 def healthy(port: int) -> bool:
-    check = [sys.executable, "-m", "services.common.healthcheck", f"127.0.0.1:{port}", "--timeout", "1"]
+    check = [sys.executable, "-m", "services.common.rpc.healthcheck", f"127.0.0.1:{port}", "--timeout", "1"]
     return subprocess.run(check, capture_output=True, timeout=30).returncode == 0
 
 

@@ -17,9 +17,9 @@ from coordinator.recipe.config import RunConfig
 from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
 from coordinator.training import remote
 from coordinator.training.dpo import load_pairs
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.common.config import load_config
-from services.common.modeling import load_tokenizer
+from services.common.tensors.modeling import load_tokenizer
 from services.local import start_local_mesh, start_role
 
 pytestmark = pytest.mark.slow

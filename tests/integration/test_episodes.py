@@ -18,7 +18,7 @@ from examples.toolcalc.chat import build_tokenizer
 from meshrl.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.chat_delta import observation_ids
 from services.common.config import load_config
-from services.common.registry import Registry
+from services.common.rpc.registry import Registry
 from services.env.config import EnvConfig, EnvSettings
 from services.env.servicer import start as start_env
 from services.rollout.agents.env_client import EnvClient

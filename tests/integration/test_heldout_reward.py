@@ -13,7 +13,7 @@ from coordinator.recipe.data import Problem
 from coordinator.training import phases, reporting
 from coordinator.training.remote import Sample
 from meshrl.v1 import reward_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.common.config import load_config
 from services.reward.config import RewardSettings
 from services.reward.servicer import start

@@ -9,7 +9,7 @@ from coordinator.runapi.default_pools import DefaultPools
 from coordinator.runapi.runs import RunManager
 from coordinator.runapi.service import CoordinatorServicer
 from coordinator.runapi.store import MemoryStore, RunRecord
-from services.common.pools import Replica, ReplicaPool
+from services.common.rpc.pools import Replica, ReplicaPool
 from meshrl.v1 import coordinator_pb2
 from services.common.config import PoolConfig
 from services.common.errors import NotFound

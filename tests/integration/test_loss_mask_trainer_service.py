@@ -16,7 +16,7 @@ import pytest
 
 from coordinator.recipe.data import Problem
 from coordinator.training import remote
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.common.config import load_config
 from services.trainer.config import TrainerSettings
 from services.trainer.servicer import start

@@ -13,7 +13,7 @@ from coordinator.runapi.default_pools import DefaultPools
 from coordinator.runapi.runs import RunManager, parse_run_config
 from coordinator.runapi.store import MemoryStore
 from services.common.config import PoolConfig
-from services.common.registry import Registry
+from services.common.rpc.registry import Registry
 
 ARITH = (open("examples/arith/grpo.yaml").read())
 

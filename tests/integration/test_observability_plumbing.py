@@ -1,4 +1,4 @@
-"""The metrics and trace plumbing of every server (services/common/metrics.py, tracing.py) on a real reward server on
+"""The metrics and trace plumbing of every server (services/common/rpc/metrics.py, tracing.py) on a real reward server on
 port 0: calls counted by status code on the /metrics endpoint, a traced call's server span returned to the caller
 and filed under its client span, untraced calls leaving no trace."""
 
@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshrl.v1 import reward_pb2, reward_pb2_grpc
-from services.common import metrics, tracing
-from services.common.channel import create_channel
+from services.common.rpc import metrics, tracing
+from services.common.rpc.channel import create_channel
 from services.common.config import load_config
 from services.reward.config import RewardSettings
 from services.reward.servicer import start
@@ -125,7 +125,7 @@ def test_a_metrics_port_in_use_is_refused_naming_the_key():
 TRACED_CHILD = """
 import asyncio
 from pathlib import Path
-from services.common import tracing
+from services.common.rpc import tracing
 from tests.integration.test_observability_plumbing import request, with_reward
 
 async def calls(stub):

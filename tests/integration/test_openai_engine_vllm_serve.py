@@ -16,8 +16,8 @@ import httpx
 import pytest
 import torch
 
-from services.common.modeling import load_causal_lm, response_logprobs
-from services.common.weights import apply_weights, build_manifest, iter_buckets
+from services.common.tensors.modeling import load_causal_lm, response_logprobs
+from services.common.tensors.weights import apply_weights, build_manifest, iter_buckets
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_openai.engine import OpenAIEngine
 from services.rollout.testing import make_tiny_model, random_state_like

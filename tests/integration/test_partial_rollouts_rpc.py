@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from meshrl.v1 import rollout_pb2, rollout_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.rollout import convert
 from services.rollout.config import RolloutSettings
 from services.rollout.servicer import start

@@ -8,7 +8,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common.errors import Unavailable
-from services.common.pools import ReplicaPool
+from services.common.rpc.pools import ReplicaPool
 
 
 async def _replica():

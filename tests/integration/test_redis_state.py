@@ -6,7 +6,7 @@ import uuid
 import pytest
 
 from coordinator.runapi.store import RedisStore, RunRecord
-from services.common.registry import Registry
+from services.common.rpc.registry import Registry
 
 pytestmark = pytest.mark.redis
 

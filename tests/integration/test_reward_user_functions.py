@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from meshrl.v1 import reward_pb2, reward_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.common.config import load_config
 from services.reward.config import RewardSettings
 from services.reward.servicer import start

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.modeling import response_logprobs
+from services.common.tensors.modeling import response_logprobs
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_torch.engine import TorchEngine
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams

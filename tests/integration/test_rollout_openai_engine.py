@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.rollout.config import RolloutSettings
 from services.rollout.servicer import start
 from services.rollout.testing import make_tiny_model, random_state_like

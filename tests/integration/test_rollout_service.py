@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.common.channel import create_channel
-from services.common.weights import iter_buckets
+from services.common.rpc.channel import create_channel
+from services.common.tensors.weights import iter_buckets
 from services.rollout.config import RolloutSettings
 from services.rollout.servicer import start
 from services.rollout.testing import make_tiny_model, random_state_like
@@ -127,7 +127,7 @@ def test_update_weights_changes_logprobs_to_the_new_weights_and_bumps_the_versio
     ref = AutoModelForCausalLM.from_pretrained(model_dir)
     ref.load_state_dict(new, strict=False)
     ref.tie_weights()
-    from services.common.modeling import batched_logprobs
+    from services.common.tensors.modeling import batched_logprobs
     expected_old = batched_logprobs(ref, [PROMPT], [before.response_ids], pad_id=0)[0]
     expected_new = batched_logprobs(ref, [PROMPT], [after.response_ids], pad_id=0)[0]
     assert max(abs(a - b) for a, b in zip(old_seq.results[0].logprobs, expected_old)) < 1e-4
@@ -284,7 +284,7 @@ def test_a_weight_swap_waits_for_running_generation_so_no_sample_mixes_versions(
     samples = resp.responses[0].samples
     assert {s.weight_version for s in samples} == {0}
     # Every token came from the old weights: no step of the generation saw a half-swapped model.
-    from services.common.modeling import batched_logprobs, load_causal_lm
+    from services.common.tensors.modeling import batched_logprobs, load_causal_lm
     old = load_causal_lm(model_dir)
     expected = batched_logprobs(old, [PROMPT] * len(samples), [list(s.response_ids) for s in samples], pad_id=0)
     for s, e in zip(samples, expected):

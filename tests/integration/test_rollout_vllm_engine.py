@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.common.modeling import load_causal_lm, response_logprobs
-from services.common.weights import apply_weights, build_manifest, iter_buckets
+from services.common.tensors.modeling import load_causal_lm, response_logprobs
+from services.common.tensors.weights import apply_weights, build_manifest, iter_buckets
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_torch.engine import TorchEngine
 from services.rollout.testing import make_tiny_model, random_state_like
@@ -187,7 +187,7 @@ def test_vllm_replica_serves_grpc_and_http_and_takes_pushed_weights(served):
     import openai
 
     from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-    from services.common.channel import create_channel
+    from services.common.rpc.channel import create_channel
     from services.rollout.servicer import start
     from services.rollout.weights_client import push_weights
 

@@ -8,10 +8,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from meshrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.common.config import ServerConfig
 from services.common.errors import FailedPrecondition
-from services.common.server import create_server
+from services.common.rpc.server import create_server
 
 SERVICE = reward_pb2.DESCRIPTOR.services_by_name["Reward"].full_name
 

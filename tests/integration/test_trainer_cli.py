@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from meshrl.v1 import common_pb2, trainer_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.trainer.testing import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]

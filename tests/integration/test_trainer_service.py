@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from meshrl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.common.config import load_config
 from services.trainer import convert
 from services.trainer.config import TrainerSettings

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.common.config import load_config
-from services.common.weight_transport import COMMIT_MESSAGE, DataBucket, HostPayload, decode_bucket, encode_bucket
-from services.common.weights import iter_buckets
+from services.common.tensors.weight_transport import COMMIT_MESSAGE, DataBucket, HostPayload, decode_bucket, encode_bucket
+from services.common.tensors.weights import iter_buckets
 from services.trainer import convert
 from services.trainer.testing import random_samples
 from services.trainer.types import ActorLoss
@@ -200,7 +200,7 @@ def test_a_replica_killed_mid_sync_fails_alone_and_the_others_take_the_version(m
 
 @pytest.mark.slow
 def test_a_corrupted_bucket_from_the_trainers_codec_is_rejected_and_a_clean_retry_lands(model_dir):
-    from services.common.modeling import load_causal_lm
+    from services.common.tensors.modeling import load_causal_lm
     from services.rollout.testing import random_state_like
 
     samples = random_samples(2, vocab_size=32)

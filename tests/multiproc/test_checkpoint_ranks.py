@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.trainer.testing import make_tiny_model
 
 from tests.multiproc.test_trainer_mesh import Launched

@@ -9,7 +9,7 @@ import pytest
 from test_trainer_mesh import LOSS, Launched, _samples
 
 from meshrl.v1 import trainer_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.common.config import load_config
 from services.trainer import convert
 from services.trainer.config import TrainerSettings

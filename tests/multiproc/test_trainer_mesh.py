@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from meshrl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.common.config import load_config
-from services.common.weights import named_weights
+from services.common.tensors.weights import named_weights
 from services.trainer import convert
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine

@@ -11,8 +11,8 @@ import grpc
 import torch
 
 from meshrl.v1 import rollout_pb2_grpc
-from services.common.modeling import load_causal_lm
-from services.common.weights import named_weights
+from services.common.tensors.modeling import load_causal_lm
+from services.common.tensors.weights import named_weights
 from services.rollout.weights_client import weight_messages
 
 VERSION = 99

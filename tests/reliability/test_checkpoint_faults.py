@@ -17,10 +17,10 @@ import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
 from meshrl.v1 import trainer_pb2, trainer_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.common.config import load_config
 from services.common.errors import passes_through
-from services.common.server import status_for
+from services.common.rpc.server import status_for
 from services.trainer.model import checkpoint
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
@@ -264,7 +264,7 @@ def test_a_periodic_save_that_fails_pauses_the_run_naming_the_path_and_resume_co
 
 
 def test_a_checkpoint_of_another_model_is_refused_before_any_weight_changes(engine, tmp_path):
-    from services.common.weights import named_weights
+    from services.common.tensors.weights import named_weights
 
     other_model = make_tiny_model(tmp_path / "other", vocab_size=40)
     other = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": other_model}, "actor": {"lr": 1e-2}}))

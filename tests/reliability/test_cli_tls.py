@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from coordinator.client import Client
-from services.common.channel import ClientTLS
+from services.common.rpc.channel import ClientTLS
 
 from tests.reliability.certs import CA
 from tests.reliability.procs import REPO, Procs, run_config, wait_until, with_addresses, write_config

@@ -2,7 +2,7 @@
 
 import grpc
 
-from services.common.server import status_for
+from services.common.rpc.server import status_for
 
 
 def test_running_out_of_memory_serving_a_request_is_resource_exhausted():

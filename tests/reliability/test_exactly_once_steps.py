@@ -16,7 +16,7 @@ from coordinator.training.faults import KILL_POINTS
 from meshrl.v1 import common_pb2
 from services.common.config import load_config
 from services.common.errors import FailedPrecondition
-from services.common.weights import named_weights
+from services.common.tensors.weights import named_weights
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator.client import Client
 from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
 from meshrl.v1 import coordinator_pb2, reference_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, trainer_pb2
-from services.common.channel import ClientTLS, set_default_tls
+from services.common.rpc.channel import ClientTLS, set_default_tls
 from services.common.config import load_config
 from services.local import start_local_mesh
 

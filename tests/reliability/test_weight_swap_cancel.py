@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.common.config import load_config
-from services.common.weights import build_manifest, iter_buckets, named_weights
+from services.common.tensors.weights import build_manifest, iter_buckets, named_weights
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_torch import engine as rollout_engine
 from services.rollout.engine_torch.engine import TorchEngine

@@ -9,8 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.common.config import load_config
-from services.common.modeling import load_causal_lm
-from services.common.weights import named_weights
+from services.common.tensors.modeling import load_causal_lm
+from services.common.tensors.weights import named_weights
 from services.trainer.config import ActorConfig, TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.parallel.parallelize import apply_activation_checkpointing, checkpointed_blocks

@@ -19,7 +19,8 @@ FACES = {"config", "types", "convert"}
 # The built-in reward rules are pure standard-library functions; the reward config checks a rule's name and
 # params against them wherever it loads (meshrl up, StartRun), so they belong to the reward face.
 EXTRA_FACES = {"services.reward.functions"}
-MAX_FILE_LINES = 600
+MAX_FILE_LINES = 600            # tests and benches
+MAX_SOURCE_FILE_LINES = 450     # services, coordinator, examples
 MAX_FUNCTION_LINES = 60
 # Folders by concern, a dozen modules each (docs/architecture.md); the coordinator's subpackages keep to it.
 MAX_FOLDER_MODULES = 15
@@ -160,13 +161,14 @@ def test_a_face_loads_no_implementation(graph):
     assert bad == []
 
 
-def test_no_hand_written_file_is_over_600_lines():
+def test_no_hand_written_file_is_over_450_lines_and_no_test_or_bench_over_600():
     long = []
     for top in (*SOURCE_DIRS, "tests"):
+        cap = MAX_FILE_LINES if top in ("bench", "tests") else MAX_SOURCE_FILE_LINES
         for path in _python_files(top):
             lines = len(path.read_text().splitlines())
-            if lines > MAX_FILE_LINES:
-                long.append(f"{path.relative_to(ROOT)}: {lines}")
+            if lines > cap:
+                long.append(f"{path.relative_to(ROOT)}: {lines} (cap {cap})")
     assert long == []
 
 
@@ -182,11 +184,13 @@ def test_no_function_outside_bench_is_over_60_lines():
     assert long == []
 
 
-def test_no_coordinator_folder_holds_more_than_15_modules():
-    """A package's own modules (not __init__/__main__) per folder: past a dozen, split the folder by concern."""
+def test_no_source_folder_holds_more_than_15_modules():
+    """A package's own modules (not __init__/__main__) per folder: past a dozen, split the folder by concern.
+    bench/ is a folder of scripts run by path (docs, bench/gpu_session.sh, each result's provenance), not a package."""
     crowded = []
-    folders = sorted({p.parent for p in _python_files("coordinator")})
-    assert {"cli", "recipe", "runapi", "training"} <= {f.name for f in folders}
+    folders = sorted({p.parent for top in ("services", "coordinator", "examples") for p in _python_files(top)})
+    assert {"cli", "recipe", "runapi", "training", "rpc", "tensors", "engine_torch", "agents", "weights"} <= {
+        f.name for f in folders}
     for folder in folders:
         modules = [p for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
         if len(modules) > MAX_FOLDER_MODULES:
@@ -197,7 +201,7 @@ def test_no_coordinator_folder_holds_more_than_15_modules():
 def test_the_rules_see_the_tree():
     """The walk finds the services and the coordinator, so an empty graph cannot pass the rules above."""
     modules = _source_modules()
-    assert {"coordinator.training.loop", "services.common.server", "services.rollout.servicer"} <= set(modules)
+    assert {"coordinator.training.loop", "services.common.rpc.server", "services.rollout.servicer"} <= set(modules)
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
 
 

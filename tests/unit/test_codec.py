@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from services.common.codec import DTYPES, tensor_from_bytes, tensor_from_pb, tensor_to_pb
+from services.common.tensors.codec import DTYPES, tensor_from_bytes, tensor_from_pb, tensor_to_pb
 
 
 @pytest.mark.parametrize("name", sorted(DTYPES))

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.recipe.data import PromptStream, load_problems, read_rows, row_to_problem
-from services.common.pools import split_round_robin
+from services.common.rpc.pools import split_round_robin
 
 ARITH_MODEL = str(Path(__file__).resolve().parents[2] / "examples" / "arith" / "model")
 
@@ -19,7 +19,7 @@ def test_plain_prompt_answer_rows_are_read(tmp_path):
 
 
 def test_verl_rows_with_chat_messages_use_the_chat_template():
-    from services.common.modeling import load_tokenizer
+    from services.common.tensors.modeling import load_tokenizer
 
     row = {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "1+1="}], "ability": "math",
            "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": 7}}
@@ -70,7 +70,7 @@ def test_verl_parquet_rows_load_unchanged(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    from services.common.modeling import load_tokenizer
+    from services.common.tensors.modeling import load_tokenizer
 
     rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{i}+1="}], "ability": "math",
              "reward_model": {"style": "rule", "ground_truth": str(i + 1)}, "extra_info": {"split": "train", "index": i}}

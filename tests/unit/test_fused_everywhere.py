@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from services.common import fused
+from services.common.tensors import fused
 from services.common.config import load_config
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
@@ -34,7 +34,7 @@ def _vocab_parallel_rank(rank: int, init: str, out: dict):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from services.common.vocab_parallel import vocab_parallel_logprobs
+    from services.common.tensors.vocab_parallel import vocab_parallel_logprobs
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from services.common.config import load_config
-from services.common.modeling import load_causal_lm, response_logprobs
-from services.common.weights import named_weights
-from services.common import fused
+from services.common.tensors.modeling import load_causal_lm, response_logprobs
+from services.common.tensors.weights import named_weights
+from services.common.tensors import fused
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.model.optim import adamw_impl, build_adamw, clip_grad_norm
 from services.trainer.types import ActorLoss
-from services.common.compile import apply_compile, transformer_blocks
+from services.common.tensors.compile import apply_compile, transformer_blocks
 from services.trainer.testing import make_tiny_model, random_samples
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,7 +116,7 @@ def test_triton_kernels_match_the_torch_row_math_in_the_interpreter(tmp_path):
     # TRITON_INTERPRET is read when the kernels are decorated: a fresh interpreter runs them on CPU tensors.
     script = textwrap.dedent("""
         import torch
-        from services.common import fused
+        from services.common.tensors import fused
         g = torch.Generator().manual_seed(0)
         V = 5000                                     # more than one 4096-wide block per row
         logits = (3 * torch.randn(6, V, generator=g)).to(torch.bfloat16)

@@ -12,10 +12,10 @@ import torch
 from coordinator.recipe.config import RunConfig
 from coordinator.recipe.preflight import check_run
 from meshrl.v1 import common_pb2, reference_pb2_grpc
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.common.config import load_config
-from services.common.modeling import load_causal_lm, response_logprobs
-from services.common.weights import named_weights
+from services.common.tensors.modeling import load_causal_lm, response_logprobs
+from services.common.tensors.weights import named_weights
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples, sequences_pb

@@ -10,7 +10,7 @@ import torch
 from coordinator.recipe.config import RunConfig
 from coordinator.training.phases import needs_old_logprobs
 from services.common.config import load_config
-from services.common.weights import named_weights
+from services.common.tensors.weights import named_weights
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples
@@ -110,7 +110,7 @@ def test_the_fused_reference_path_equals_the_plain_one(model_path):
 
 
 def test_the_compiled_reference_wraps_every_block_and_gives_the_same_logprobs(model_path, monkeypatch):
-    from services.common import compile as block_compile
+    from services.common.tensors import compile as block_compile
     from services.reference.config import ReferenceSettings
     from services.reference.engine import ReferenceEngine
 

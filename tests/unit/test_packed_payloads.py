@@ -1,4 +1,4 @@
-"""Packed payload fields (services/common/packed.py): the same values as the repeated fields, read in either
+"""Packed payload fields (services/common/tensors/packed.py): the same values as the repeated fields, read in either
 form, bad packed input named by field, and a packed TrainActor identical to a repeated one."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from meshrl.v1 import common_pb2, rollout_pb2, trainer_pb2
 from services.common import convert as common_convert
 from services.common.config import load_config
-from services.common.modeling import validate_sequences
-from services.common.packed import F32, I32, field_of, pack_f32, pack_i32
+from services.common.tensors.modeling import validate_sequences
+from services.common.tensors.packed import F32, I32, field_of, pack_f32, pack_i32
 from services.rollout import convert as rollout_convert
 from services.rollout.types import PromptResult, SampleResult, SamplingParams
 from services.trainer import convert as trainer_convert
@@ -89,7 +89,7 @@ def test_bad_packed_values_are_named_like_repeated_ones(model_path):
 
 
 def test_packing_lists_and_arrays_gives_the_same_bytes_and_out_of_range_floats_follow_numpy():
-    from services.common.packed import unpack
+    from services.common.tensors.packed import unpack
 
     ids, floats = [0, 7, 2**31 - 1, -5], [0.5, -1.25, float("inf"), 3.0e-41]
     assert pack_i32(ids) == np.asarray(ids, "<i4").tobytes() == pack_i32(np.asarray(ids, np.int64))

@@ -1,4 +1,4 @@
-"""Remove padding (services/common/packing.py): packed rows give the padded path's log-probs, entropies, values,
+"""Remove padding (services/common/tensors/packing.py): packed rows give the padded path's log-probs, entropies, values,
 losses and gradients (fp32 CPU, 1e-5), micro-batches are filled to the token budget, and what cannot pack is
 refused by name."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from services.common.config import load_config
-from services.common.fused import enable_fused_head, sequence_logprobs
-from services.common.modeling import batched_logprobs, load_causal_lm
-from services.common.packing import enable_packing, pack_by_token_sum, token_layout
-from services.common.weights import named_weights
+from services.common.tensors.fused import enable_fused_head, sequence_logprobs
+from services.common.tensors.modeling import batched_logprobs, load_causal_lm
+from services.common.tensors.packing import enable_packing, pack_by_token_sum, token_layout
+from services.common.tensors.weights import named_weights
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples

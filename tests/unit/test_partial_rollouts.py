@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from meshrl.v1 import rollout_pb2
-from services.common.modeling import response_logprobs
+from services.common.tensors.modeling import response_logprobs
 from services.rollout import convert
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_torch.engine import TorchEngine

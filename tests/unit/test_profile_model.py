@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from services.common.profile_model import balanced_split, profile_model
+from services.common.tensors.profile_model import balanced_split, profile_model
 
 
 def _config(**kw):

@@ -6,8 +6,8 @@ import asyncio
 import pytest
 import torch
 
-from services.common.modeling import response_logprobs
-from services.common.weights import build_manifest, iter_buckets
+from services.common.tensors.modeling import response_logprobs
+from services.common.tensors.weights import build_manifest, iter_buckets
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_torch.engine import TorchEngine
 from services.rollout.engine_torch.sampling import sample_tokens, top_p_filter

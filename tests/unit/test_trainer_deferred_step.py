@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.common.config import load_config
-from services.common.weights import named_weights
+from services.common.tensors.weights import named_weights
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples

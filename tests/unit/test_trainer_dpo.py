@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from meshrl.v1 import trainer_pb2
 from services.common.config import load_config
-from services.common.weights import named_weights
+from services.common.tensors.weights import named_weights
 from services.trainer import convert
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine

@@ -9,7 +9,7 @@ import torch
 
 from services.common.config import load_config
 from services.common.errors import FailedPrecondition, NotFound
-from services.common.weights import named_weights
+from services.common.tensors.weights import named_weights
 from services.trainer.config import ActorConfig, TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.model.optim import lr_lambda
@@ -203,8 +203,8 @@ def test_loading_a_missing_checkpoint_is_not_found(shared_engine, tmp_path):
 
 
 def test_exported_hf_folder_loads_with_from_pretrained_and_scores_like_the_trainer(model_path, tmp_path):
-    from services.common.fused import enable_fused_head
-    from services.common.modeling import batched_logprobs, load_causal_lm
+    from services.common.tensors.fused import enable_fused_head
+    from services.common.tensors.modeling import batched_logprobs, load_causal_lm
 
     (tmp_path / "src").mkdir()
     src = make_tiny_model(tmp_path / "src")

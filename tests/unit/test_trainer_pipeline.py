@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from services.common.config import load_config
-from services.common.modeling import load_causal_lm
-from services.common.weights import named_weights
+from services.common.tensors.modeling import load_causal_lm
+from services.common.tensors.weights import named_weights
 from services.trainer.config import ActorConfig, TrainerSettings
 from services.trainer.parallel.pipeline import check_stage_split, split_stages, stage_indices
 from services.trainer.testing import make_tiny_model

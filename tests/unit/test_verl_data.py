@@ -13,7 +13,7 @@ from coordinator.recipe.data import Problem, load_dataset, load_problems, render
 from coordinator.training import phases, remote, reporting
 from coordinator.training.loop import load_prompts
 from services.common.config import load_config
-from services.common.modeling import load_tokenizer
+from services.common.tensors.modeling import load_tokenizer
 from services.rollout.convert import request_from_pb
 from services.rollout.local_model import end_of_turn_ids
 

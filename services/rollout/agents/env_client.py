@@ -1,6 +1,6 @@
 """The env role as the episode loop sees it: tool calls and environment episodes over a pool of env replicas.
 
-Tool calls are stateless, so the pool (services.common.pools) retries a call that lost its replica on another one.
+Tool calls are stateless, so the pool (services.common.rpc.pools) retries a call that lost its replica on another one.
 An environment's state lives on the replica that ran its Reset: `step` goes to that replica only, and raises
 EnvLost when it is gone (UNAVAILABLE, a deadline) or forgot the episode (NOT_FOUND, e.g. it restarted); the loop
 then replays the episode elsewhere or records it as env_lost (loops.py).
@@ -17,7 +17,7 @@ import grpc
 from meshrl.v1 import env_pb2, env_pb2_grpc
 from services.common.config import PoolConfig
 from services.common.errors import Unavailable
-from services.common.pools import ReplicaPool, configured
+from services.common.rpc.pools import ReplicaPool, configured
 from services.common.tool_calls import ToolCall
 from services.env import convert
 from services.env.types import StepResult, ToolResult

@@ -21,7 +21,7 @@ from typing import AsyncIterable, Mapping
 
 from services.common.auto import Resolved
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
-from services.common.weights import Manifest
+from services.common.tensors.weights import Manifest
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_openai.upstream_weights import UpstreamWeights, server_root
 from services.rollout.local_model import try_tokenizer
@@ -78,7 +78,7 @@ class OpenAIEngine(RolloutEngine):
         await self.client.close()
 
     async def update_weights(self, manifest: Manifest, buckets: AsyncIterable[tuple[bytes, int]]) -> dict:
-        from services.common.weight_transport import receive_host
+        from services.common.tensors.weight_transport import receive_host
 
         start = time.perf_counter()
         check_weight_version(manifest.version)

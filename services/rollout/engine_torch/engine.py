@@ -19,9 +19,9 @@ from typing import AsyncIterable, Callable, Mapping
 
 import torch
 
-from services.common.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
-from services.common.weight_transport import receive_host
-from services.common.weights import Manifest, apply_weights, check_against, named_weights
+from services.common.tensors.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
+from services.common.tensors.weight_transport import receive_host
+from services.common.tensors.weights import Manifest, apply_weights, check_against, named_weights
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_torch.continuous import Flight, answer_of
 from services.rollout.engine_torch.decode import Row, decode_rows

@@ -8,7 +8,7 @@ import time
 import torch
 
 from services.common.auto import Resolved
-from services.common.compile import keep_compile_cache
+from services.common.tensors.compile import keep_compile_cache
 from services.rollout.config import AUTO_MAX_BATCH_SIZE
 from services.rollout.types import bucket_len
 

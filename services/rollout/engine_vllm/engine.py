@@ -31,10 +31,10 @@ from typing import AsyncIterable, Mapping, Sequence
 import torch
 
 from services.common.auto import Resolved
-from services.common.codec import DTYPES
+from services.common.tensors.codec import DTYPES
 from services.common.errors import FailedPrecondition, Unavailable
-from services.common.modeling import validate_sequences
-from services.common.weights import Manifest, PayloadAssembler, check_against, named_weights
+from services.common.tensors.modeling import validate_sequences
+from services.common.tensors.weights import Manifest, PayloadAssembler, check_against, named_weights
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_vllm.weights import pack_tensors
 from services.rollout.local_model import LocalModelEngine, find_eos_ids, model_len_limit, try_tokenizer

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from services.common.codec import dtype_from_name, dtype_name, tensor_bytes, tensor_from_bytes
+from services.common.tensors.codec import dtype_from_name, dtype_name, tensor_bytes, tensor_from_bytes
 
 log = logging.getLogger("meshrl.rollout.vllm")
 

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from services.common.auto import Auto, Resolved
-from services.common.codec import DTYPES
-from services.common.fused import enable_fused_head, supports_fused_head
-from services.common.modeling import load_causal_lm
-from services.common.packing import enable_packing, supports_packing
+from services.common.tensors.codec import DTYPES
+from services.common.tensors.fused import enable_fused_head, supports_fused_head
+from services.common.tensors.modeling import load_causal_lm
+from services.common.tensors.packing import enable_packing, supports_packing
 from services.trainer.config import TrainerSettings, check_lora_targets
 from services.trainer.model.lora import apply_lora
 from services.trainer.model.trained import ValueModel
@@ -58,7 +58,7 @@ def setup_fused_head(module: nn.Module, wanted: bool | Auto | None, *, resolved:
     """Turns the fused head on where it applies (null: wherever it can; true on a head it cannot fuse is refused
     by enable_fused_head). Pipeline stages compute their log-probs from the last stage's hidden states in chunks
     whatever this says (services/trainer/parallel/pipeline.py). Under TP the head is vocab-parallel
-    (services/common/vocab_parallel.py)."""
+    (services/common/tensors/vocab_parallel.py)."""
     if pp > 1:
         return resolved.pick("actor.fused_logprobs", wanted if wanted is not True else False, False,
                              "pipeline stages compute log-probs in chunks on the last stage")

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from services.common.weights import named_weights
+from services.common.tensors.weights import named_weights
 from services.trainer.config import LoraSection
 
 log = logging.getLogger("meshrl.trainer")

@@ -32,7 +32,7 @@ class ValueModel(nn.Module):
         return self.model.config
 
     def forward(self, input_ids, attention_mask=None, **kwargs):
-        # kwargs: position ids and packed sequences (services/common/packing.py).
+        # kwargs: position ids and packed sequences (services/common/tensors/packing.py).
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                             **kwargs).last_hidden_state
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)       # [B, L]

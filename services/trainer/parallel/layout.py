@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from services.common.codec import DTYPES
-from services.common.fused import host_to_device
-from services.common.modeling import pack_by_token_budget, pad_batch
-from services.common.packing import pack_by_token_sum
+from services.common.tensors.codec import DTYPES
+from services.common.tensors.fused import host_to_device
+from services.common.tensors.modeling import pack_by_token_budget, pad_batch
+from services.common.tensors.packing import pack_by_token_sum
 from services.trainer.parallel.mesh import ParallelDims
 from services.trainer.parallel.pipeline import build_schedule, tied_embedding
 
@@ -29,7 +29,7 @@ class RankLayout:
     def __init__(self, dims: ParallelDims, device: torch.device, *, pad_id: int, compute_dtype: str, autocast: bool,
                  num_microbatches: int, schedule: str, packed: bool = False):
         self.dims, self.device, self.pad_id = dims, device, pad_id
-        # Micro-batches run as packed rows filled to the token budget (services/common/packing.py).
+        # Micro-batches run as packed rows filled to the token budget (services/common/tensors/packing.py).
         self.packed = packed
         self.mesh = dims.build_mesh(device.type)
         self.dp_rank = self.mesh["dp"].get_local_rank()

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from services.common.codec import DTYPES
-from services.common.compile import apply_compile, blocks_container, transformer_blocks
+from services.common.tensors.codec import DTYPES
+from services.common.tensors.compile import apply_compile, blocks_container, transformer_blocks
 
 log = logging.getLogger("meshrl.trainer")
 

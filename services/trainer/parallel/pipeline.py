@@ -72,10 +72,10 @@ def last_stage_head(stages: Sequence[nn.Module]) -> torch.Tensor:
 def stage_logprobs(hidden: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
                    mask: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, entropy) [B, R] of the targets [B, R] from the last stage's hidden states [B, L, d] at the response
-    positions [B, R], masked: the fused head (services/common/fused.py) in row chunks over the real tokens only,
+    positions [B, R], masked: the fused head (services/common/tensors/fused.py) in row chunks over the real tokens only,
     vocab-parallel when the head is tensor-parallel."""
-    from services.common.fused import head_logprobs
-    from services.common.vocab_parallel import vocab_parallel_logprobs
+    from services.common.tensors.fused import head_logprobs
+    from services.common.tensors.vocab_parallel import vocab_parallel_logprobs
 
     B, R = positions.shape
     flat = mask.reshape(-1).nonzero().squeeze(-1)                                           # [N]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.common.fused import sequence_logprobs
+from services.common.tensors.fused import sequence_logprobs
 from services.trainer.batch import has_loss_mask, is_on_policy, loss_mask_of, num_model_tokens
 from services.trainer.parallel.layout import RankLayout
 from services.trainer.updates.losses import AGG_MODES, aggregate, clipped_policy_loss, kl_penalty
@@ -57,7 +57,7 @@ class ActorUpdate(Update):
         super().__init__(layout, trained, samples, epochs=loss.ppo_epochs, mini_batch_size=loss.mini_batch_size,
                          lengths=[len(s.prompt_ids) + len(s.response_ids) for s in samples])
         self.settings = loss
-        # Log-probs and entropy through the fused LM head (services/common/fused.py).
+        # Log-probs and entropy through the fused LM head (services/common/tensors/fused.py).
         self.fused = fused
         self.use_kl = loss.kl_coef > 0 or all(len(s.ref_logprobs) == len(s.response_ids) for s in samples)
         self.on_policy = is_on_policy(samples)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.common.packing import token_layout
+from services.common.tensors.packing import token_layout
 from services.trainer.batch import has_loss_mask, loss_mask_of, num_model_tokens
 from services.trainer.parallel.layout import RankLayout
 from services.trainer.updates.losses import aggregate, clipped_value_loss

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from services.common.fused import sequence_logprobs
+from services.common.tensors.fused import sequence_logprobs
 from services.trainer.parallel.layout import RankLayout
 from services.trainer.updates.losses import dpo_loss
 from services.trainer.parallel.pipeline import last_stage_head, stage_logprobs
@@ -48,7 +48,7 @@ class DPOUpdate(Update):
                          lengths=[2 * (len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids)))
                                   for p in pairs])
         self.settings = loss
-        # Log-probs through the fused LM head (services/common/fused.py).
+        # Log-probs through the fused LM head (services/common/tensors/fused.py).
         self.fused = fused
 
     def denom(self, idx: list[int]) -> float:

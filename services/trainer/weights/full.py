@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from services.common.codec import DTYPES
-from services.common.weights import named_weights
+from services.common.tensors.codec import DTYPES
+from services.common.tensors.weights import named_weights
 from services.trainer.model.lora import merged_weights
 from services.trainer.parallel.mesh import gather_to_rank0
 from services.trainer.rank import Rank

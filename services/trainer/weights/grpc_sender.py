@@ -7,8 +7,8 @@ import asyncio
 import time
 
 from meshrl.v1 import common_pb2
-from services.common.weight_transport import HostPayload
-from services.common.weights import DEFAULT_BUCKET_BYTES
+from services.common.tensors.weight_transport import HostPayload
+from services.common.tensors.weights import DEFAULT_BUCKET_BYTES
 from services.trainer.convert import manifest_to_pb
 from services.trainer.weights.senders import PushOutcome, RpcSender, error_text
 

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
-from services.common.weight_transport import (DevicePlan, abort_communicator, device_checksum, flat_bytes,
+from services.common.tensors.weight_transport import (DevicePlan, abort_communicator, device_checksum, flat_bytes,
                                               init_communicator, nccl_unique_id_bytes, wait_stream_done)
 from services.trainer.weights.senders import (COMMIT, DEVICE_BUCKET_BYTES, PushOutcome, RpcSender, device_bucket_bytes,
                                               device_manifest, device_of, error_text)

@@ -4,7 +4,7 @@
 `weight_sync.transport` (`auto`: per replica). One module per transport:
 - "grpc" (grpc_sender.py): a manifest and CRC-checked buckets streamed over `Rollout.UpdateWeights` to every
   target concurrently; works across hosts and with every engine. CRCs are computed once per push and the
-  bucket messages skip protobuf (services/common/weight_transport.py), so the stream runs near the
+  bucket messages skip protobuf (services/common/tensors/weight_transport.py), so the stream runs near the
   speed of a raw-bytes gRPC stream.
 - "ipc" (ipc_sender.py): trainer and replica share a GPU. The weights are packed into device staging buffers
   kept across pushes; their CUDA IPC handles travel over `UpdateWeights` and the replica copies from them
@@ -32,8 +32,8 @@ import grpc
 import torch
 
 from meshrl.v1 import common_pb2
-from services.common.channel import create_channel
-from services.common.weight_transport import DevicePlan
+from services.common.rpc.channel import create_channel
+from services.common.tensors.weight_transport import DevicePlan
 from services.trainer.convert import manifest_to_pb
 
 log = logging.getLogger("meshrl.trainer")

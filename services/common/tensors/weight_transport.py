@@ -32,8 +32,8 @@ except ImportError:         # pragma: no cover - depends on the environment
     from zlib import crc32 as _crc32
     CRC32_IMPL = "zlib"
 
-from services.common.codec import dtype_from_name, tensor_bytes
-from services.common.weights import Manifest, PayloadAssembler, build_manifest
+from services.common.tensors.codec import dtype_from_name, tensor_bytes
+from services.common.tensors.weights import Manifest, PayloadAssembler, build_manifest
 
 # WeightBucket field tags: manifest = 1 (bytes), data = 2 (bytes), crc32 = 3 (varint), device = 4 (bytes),
 # commit = 5 (varint).

@@ -109,7 +109,7 @@ def split_rows(values: np.ndarray, lengths: np.ndarray, field: str) -> list[np.n
 
 class Rows(list):
     """The rows of a Ragged field, remembering its name: a check that finds row i bad names `field: row i`
-    (services.common.modeling.validate_sequences) instead of a field the request did not use."""
+    (services.common.tensors.modeling.validate_sequences) instead of a field the request did not use."""
 
     def __init__(self, rows, field: str):
         super().__init__(rows)

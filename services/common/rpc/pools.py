@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from services.common.channel import create_channel
+from services.common.rpc.channel import create_channel
 from services.common.config import PoolConfig
 from services.common.errors import Unavailable
 
@@ -68,7 +68,7 @@ class ReplicaPool:
     stub_factory: Callable[[grpc.aio.Channel], Any]
     servers: Sequence[str] = ()
     dns: str | None = None
-    registry: Any = None                      # services.common.registry.Registry when discovery is through Redis
+    registry: Any = None                      # services.common.rpc.registry.Registry when discovery is through Redis
     load_balancer: str = "round_robin"
     timeout_s: float = 300.0
     token: str | None = None

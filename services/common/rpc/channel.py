@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import grpc
 
-from services.common.grpc_config import (DEFAULT_TIMEOUT_S, MAX_MESSAGE_BYTES, ClientTLS, read_pem,  # noqa: F401
+from services.common.rpc.grpc_config import (DEFAULT_TIMEOUT_S, MAX_MESSAGE_BYTES, ClientTLS, read_pem,  # noqa: F401
                                          service_config)
-from services.common.tracing import traced_call, traced_stream
+from services.common.rpc.tracing import traced_call, traced_stream
 
 # What create_channel uses when it is given no TLS: the running service's own client settings, recorded by
-# services.common.server.create_server from its `server:` section (None = plaintext).
+# services.common.rpc.server.create_server from its `server:` section (None = plaintext).
 _process_tls: ClientTLS | None = None
 
 
@@ -36,7 +36,7 @@ class _Defaults:
         timeout = d.timeout if d.timeout is not None else self._timeout
         return grpc.aio.ClientCallDetails(d.method, timeout, metadata, d.credentials, d.wait_for_ready)
 
-    # Inside a traced step each call is also a client span carrying the trace context (services/common/tracing.py).
+    # Inside a traced step each call is also a client span carrying the trace context (services/common/rpc/tracing.py).
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await traced_call(continuation, self._details(client_call_details), request)
 

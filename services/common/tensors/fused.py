@@ -1,6 +1,6 @@
 """An LM head fused with its log-softmax: response log-probs and entropy from hidden states (trainer, reference).
 
-The plain path (services.common.modeling.response_logprobs) materialises [B, L, V] logits, gathers a
+The plain path (services.common.tensors.modeling.response_logprobs) materialises [B, L, V] logits, gathers a
 [B, R, V] copy, casts it to fp32, log-softmaxes and exps it: several fp32 tensors of tokens x vocab
 (10 GB each at 16k tokens and Qwen's 151,936 entries). Here the backbone's hidden states are taken at
 the response positions first (padding is never sent through the head), then:
@@ -219,7 +219,7 @@ def supports_fused_head(model: nn.Module) -> str | None:
 def _forward(self, input_ids=None, attention_mask=None, *, logprob_index=None, temperature: float = 1.0, **kwargs):
     """The model's own forward, or, given logprob_index = (src [N], targets [N]), the fused head at the
     flat positions `src` of the hidden states: (logp [N], entropy [N]). `kwargs` (position ids and packed
-    sequences, see services/common/packing.py) go to the backbone. Runs inside the module's __call__ so
+    sequences, see services/common/tensors/packing.py) go to the backbone. Runs inside the module's __call__ so
     FSDP's and DDP's hooks see it like any forward."""
     if logprob_index is None:
         return self._plain_forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
@@ -231,7 +231,7 @@ def _forward(self, input_ids=None, attention_mask=None, *, logprob_index=None, t
     # Under autocast the head runs in the autocast dtype, as the model's own lm_head would.
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     if hasattr(weight, "placements"):
-        from services.common.vocab_parallel import vocab_parallel_logprobs
+        from services.common.tensors.vocab_parallel import vocab_parallel_logprobs
 
         return vocab_parallel_logprobs(h.to(dtype), weight, targets, temperature)
     return head_logprobs(h.to(dtype), weight.to(dtype), targets, temperature)
@@ -266,7 +266,7 @@ def sequence_logprobs(model: nn.Module, prompts, responses, *, pad_id: int, devi
     [tokens, vocab] tensor; else the model's own logits at the response positions (the baseline path).
     `model` is the module to call (a DDP wrapper, an FSDP root or the model itself).
     """
-    from services.common.packing import token_layout
+    from services.common.tensors.packing import token_layout
 
     lay = token_layout(prompts, responses, pad_id=pad_id, device=device, packed=packed)
     # Right padding under the causal mask: no attention mask needed (see modeling.response_logprobs).

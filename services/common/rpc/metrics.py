@@ -15,7 +15,7 @@ import numpy as np
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from services.common.tracing import SPANS_KEY, ServerSpan
+from services.common.rpc.tracing import SPANS_KEY, ServerSpan
 
 log = logging.getLogger("meshrl.metrics")
 

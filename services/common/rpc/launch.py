@@ -11,7 +11,7 @@ import sys
 from typing import Any, Awaitable, Callable, Sequence
 
 from services.common.config import MeshSettings, load_config
-from services.common.server import MeshServer, announce, serve_until_signalled, setup_logging
+from services.common.rpc.server import MeshServer, announce, serve_until_signalled, setup_logging
 
 # start(settings, address) -> (server, port, engine-or-None); the engine may expose `async close()`.
 log = logging.getLogger("meshrl.launch")
@@ -68,7 +68,7 @@ def serve_main(role: str, settings_cls: type[MeshSettings], start: StartFn, argv
 
 def _registry_prefix(role: str, config: str | None, overrides: dict[str, str]) -> str:
     """`run.redis_prefix` as the coordinator reads it (YAML < env < flags): the registry keys go under it."""
-    from services.common.registry import RegistrySettings
+    from services.common.rpc.registry import RegistrySettings
 
     try:
         return load_config(RegistrySettings, config, overrides=overrides).run.redis_prefix
@@ -93,7 +93,7 @@ async def _serve(role: str, settings: Any, start: StartFn, host_for_announce: st
     heartbeat = None
     stop_heartbeat = asyncio.Event()
     if server_cfg.registry_url:
-        from services.common.registry import Registry
+        from services.common.rpc.registry import Registry
 
         registry = Registry(server_cfg.registry_url, prefix=registry_prefix)
         advertised = f"{advertise_host(server_cfg)}:{port}"

@@ -280,7 +280,7 @@ def encode_returned(records: list[dict]) -> bytes:
                                                "meshrl.spans_dropped": len(records) - len(kept)}}
 
 
-# ---- what create_channel's client interceptors call (services/common/channel.py) ----------------------------
+# ---- what create_channel's client interceptors call (services/common/rpc/channel.py) ----------------------------
 
 def _with_metadata(details, extra):
     metadata = grpc.aio.Metadata(*(tuple(details.metadata) if details.metadata else ()), *extra)

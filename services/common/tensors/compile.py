@@ -68,7 +68,7 @@ def apply_compile(model: nn.Module, enabled: bool, *, backend: str = "inductor")
 
 # The shapes a warm-up runs: (prompt tokens, response tokens of each sequence). torch.compile builds a static graph
 # at a path's first shape and a dynamic one at its second, which then serves every later size; and the packed path
-# (sequences of different lengths in one row, services/common/packing.py) and the padded one (sequences of one
+# (sequences of different lengths in one row, services/common/tensors/packing.py) and the padded one (sequences of one
 # length run as [B, L]) are different graphs. So each path is called at two sizes: a warm-up that missed one would
 # leave its compiles to a run's first steps (seen on an H100: step 1 at 5x a steady step). A third, large size, for
 # size-dependent choices inductor may still make (MIX_ORDER_NON_STRICT below removes the ones seen so far).

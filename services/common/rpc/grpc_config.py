@@ -1,6 +1,6 @@
 """What a gRPC client of the mesh configures, with nothing heavier than grpcio: message limits, the retry and
 load-balancing service config, TLS credentials. Scripts' clients (coordinator/client.py) import this, not
-services/common/channel.py, whose channels also trace calls (OpenTelemetry)."""
+services/common/rpc/channel.py, whose channels also trace calls (OpenTelemetry)."""
 
 from __future__ import annotations
 

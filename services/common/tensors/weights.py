@@ -13,7 +13,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from services.common.codec import dtype_from_name, dtype_name, tensor_bytes, tensor_from_bytes
+from services.common.tensors.codec import dtype_from_name, dtype_name, tensor_bytes, tensor_from_bytes
 # The manifest types are the wire's and light (services/common/manifest.py); re-exported for the tensor side.
 from services.common.manifest import DEFAULT_BUCKET_BYTES, Manifest, TensorMeta, manifest_from_kwargs  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""`python -m services.common.healthcheck HOST:PORT`: exit 0 when the server's gRPC health Check says SERVING.
+"""`python -m services.common.rpc.healthcheck HOST:PORT`: exit 0 when the server's gRPC health Check says SERVING.
 
 Container health checks (docker compose) run it; Kubernetes probes speak the same protocol natively.
 Exit codes: 0 SERVING, 1 anything else (NOT_SERVING, unreachable, timed out), 2 bad arguments.
@@ -25,7 +25,7 @@ def check(address: str, *, service: str = "", timeout_s: float = 3.0) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.common.healthcheck",
+    parser = argparse.ArgumentParser(prog="python -m services.common.rpc.healthcheck",
                                      description="gRPC health check: exit 0 if SERVING")
     parser.add_argument("address", help="host:port of the gRPC server")
     parser.add_argument("--service", default="", help="service name to check (default: the whole server)")

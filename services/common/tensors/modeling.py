@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.common.codec import DTYPES
+from services.common.tensors.codec import DTYPES
 
 log = logging.getLogger("meshrl.modeling")
 
@@ -147,14 +147,14 @@ def batched_logprobs(model, prompts, responses, *, pad_id: int, temperature: flo
                      token_budget: int = 16384, fused: bool = False, packed: bool = False, as_arrays: bool = False):
     """Log-probs of each response's tokens, computed in micro-batches of at most `token_budget` tokens.
 
-    `fused`: through the fused LM head (the model went through services.common.fused.enable_fused_head).
-    `packed`: each micro-batch one packed row (the model went through services.common.packing.enable_packing),
+    `fused`: through the fused LM head (the model went through services.common.tensors.fused.enable_fused_head).
+    `packed`: each micro-batch one packed row (the model went through services.common.tensors.packing.enable_packing),
     filled to the budget; else right-padded rows whose batch * longest stays within it.
     Every micro-batch is queued before the one device-to-host copy at the end. Rows are lists, or float32
     numpy arrays with `as_arrays` (for packed answers: no per-element conversion).
     """
-    from services.common.fused import sequence_logprobs
-    from services.common.packing import pack_by_token_sum
+    from services.common.tensors.fused import sequence_logprobs
+    from services.common.tensors.packing import pack_by_token_sum
 
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     out: list[list[float] | None] = [None] * len(prompts)

@@ -15,10 +15,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.channel import ClientTLS, read_pem, set_default_tls
+from services.common.rpc.channel import ClientTLS, read_pem, set_default_tls
 from services.common.config import ServerConfig
 from services.common.errors import MeshError, passes_through
-from services.common.metrics import ObservingInterceptor, serve_metrics
+from services.common.rpc.metrics import ObservingInterceptor, serve_metrics
 
 log = logging.getLogger("meshrl.server")
 

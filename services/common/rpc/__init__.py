@@ -1,0 +1,1 @@
+"""services/common/rpc: gRPC plumbing every service shares: server and channel factories, health, the registry and pools, launch, metrics and tracing."""
