@@ -150,3 +150,14 @@ def test_the_start_crosses_the_wire_both_ways():
     answer = RunOptim(RUN, started_from="model.path m (weights reloaded)", weight_version=7)
     back = convert.run_optim_from_pb(convert.run_optim_to_pb(answer, response=True))
     assert (back.started_from, back.weight_version) == ("model.path m (weights reloaded)", 7)
+
+
+def test_under_lora_the_adapters_start_over_and_the_frozen_base_is_not_read_again(model_path):
+    e = engine(model_path, actor={"lr": 0.05, "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}})
+    assert e.rank.initial["actor"].folder is None
+    start_up = weights(e)
+    e.configure_run(RunOptim(RUN))
+    train(e)
+    assert any(not torch.equal(v, start_up[k]) for k, v in weights(e).items() if ".lora_B." in k)
+    e.configure_run(RunOptim(RUN, start=RunStart()))
+    assert_same(weights(e), start_up)
