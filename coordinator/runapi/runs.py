@@ -79,7 +79,8 @@ class RunManager:
         log.info("run %s starts from %s", run_id, started_from or "the trainer's weights")
         record = RunRecord(run_id=run_id, config=config_text, state="RUNNING", num_steps=cfg.run.num_steps,
                            run_dir=str(ctx.run_dir), effective_config=run_settings.config_text(ctx.cfg),
-                           weight_version=ctx.weight_version, started_from=started_from)
+                           weight_version=ctx.weight_version, started_from=started_from,
+                           init_checkpoint=checkpoint)
         await self.store.put(record)
         self._launch(record, ctx)
         return run_id

@@ -41,6 +41,9 @@ class RunRecord:
     # Where the run's weights came from as it started: "model.path X (weights reloaded, ...)", "run Y's checkpoint
     # of step N (...)" (coordinator/runapi/runs.py).
     started_from: str = ""
+    # The checkpoint run.init_from resolved to ("" : the run started from model.path): where a replay from step 0
+    # starts again when the trainer lost the weights (coordinator/runapi/recovery.py).
+    init_checkpoint: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
