@@ -160,6 +160,9 @@ class RunSection(Section):
     run_dir: str = "runs"
     seed: int = 0
     checkpoint_every: int = Field(0, ge=0)
+    # The weights the run starts from: "" = model.path's (a trainer that trained another run reloads them), or a
+    # run id (that run's newest checkpoint) or a checkpoint folder (coordinator/runapi/checkpoints.py).
+    init_from: str = ""
     # Held-out evaluation every k steps (0 = only before the first and after the last step).
     eval_every: int = Field(0, ge=0)
     # Overlap the next steps' generation with this step's update (coordinator/training/async_rollouts.py): up to

@@ -25,6 +25,7 @@ import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Union, get_args, get_origin
 
+import grpc
 import yaml
 from pydantic import BaseModel, ValidationError
 
@@ -38,9 +39,11 @@ from services.reward.config import ComponentConfig
 from services.rollout.config import AgentConfig
 from services.reward.functions import REWARD_FUNCTIONS
 from services.trainer.convert import run_optim_from_pb, run_optim_to_pb
-from services.trainer.types import OptimSettings, RunOptim
+from services.trainer.types import OptimSettings, RunOptim, RunStart
 
 RUN, FIXED, LAUNCH = "run", "fixed", "launch"
+# The trainer's answers to a checkpoint it will not start a run from (damaged, missing, another model's).
+REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
 
 
 @dataclass(frozen=True)
@@ -388,18 +391,25 @@ async def running_services(trainer, trainer_address: str, pools) -> list[Running
     return list(await asyncio.gather(*calls))
 
 
-def run_optim(cfg: RunConfig, *, reset_schedule: bool) -> RunOptim:
-    """The run's optimizer settings as ConfigureRun carries them."""
+def run_optim(cfg: RunConfig, *, reset_schedule: bool, start: RunStart | None = None) -> RunOptim:
+    """The run's optimizer settings as ConfigureRun carries them (and, as a run starts, its starting weights)."""
     def optim(section) -> OptimSettings:
         return OptimSettings(**{k: getattr(section, k) for k in OPTIM_KEYS})
     return RunOptim(optim(cfg.actor), optim(cfg.critic) if cfg.critic is not None else None,
-                    reset_schedule=reset_schedule)
+                    reset_schedule=reset_schedule, start=start)
 
 
-async def configure_trainer(trainer, cfg: RunConfig, *, reset_schedule: bool) -> RunOptim:
-    """Sets the run's optimizer settings on the trainer; RuntimeError when its answer differs from them."""
-    asked = run_optim(cfg, reset_schedule=reset_schedule)
-    applied = run_optim_from_pb(await trainer.ConfigureRun(run_optim_to_pb(asked)))
+async def configure_trainer(trainer, cfg: RunConfig, *, reset_schedule: bool,
+                            start: RunStart | None = None) -> RunOptim:
+    """Sets the run's optimizer settings on the trainer (after its starting weights, given `start`); RuntimeError
+    when its answer differs from them. A checkpoint the trainer refuses is refused as the run's run.init_from."""
+    asked = run_optim(cfg, reset_schedule=reset_schedule, start=start)
+    try:
+        applied = run_optim_from_pb(await trainer.ConfigureRun(run_optim_to_pb(asked)))
+    except grpc.aio.AioRpcError as e:
+        if start is None or not start.checkpoint or e.code() not in REFUSED:
+            raise
+        raise ValueError(f"run.init_from: the trainer refused checkpoint {start.checkpoint}: {e.details()}") from None
     for name, want, got in (("actor", asked.actor, applied.actor), ("critic", asked.critic, applied.critic)):
         if want != got:
             raise RuntimeError(f"{name}: the trainer applied {got}, not the run's {want}")
@@ -407,11 +417,13 @@ async def configure_trainer(trainer, cfg: RunConfig, *, reset_schedule: bool) ->
 
 
 async def settle(cfg: RunConfig, pools, trainer, trainer_address: str, *, recorded: dict | None = None,
-                 resume: bool = False, seen: list[Running] | None = None) -> RunConfig:
+                 resume: bool = False, seen: list[Running] | None = None, start: RunStart | None = None,
+                 applied: list[RunOptim] | None = None) -> RunConfig:
     """Checks a run's fixed keys against the running services and configures the trainer for it; returns the
     effective config. At a resume, `recorded` (the run's effective config as first recorded) is compared key
     by key, so a service restarted with other settings is refused; otherwise the keys the run sets are.
-    `seen`, when given, receives the running services that were asked."""
+    `start` (a run that starts, never one that resumes): the weights it starts from. `seen`, when given, receives
+    the running services that were asked; `applied`, the trainer's answer."""
     running = await running_services(trainer, trainer_address, pools)
     if seen is not None:
         seen.extend(running)
@@ -425,7 +437,9 @@ async def settle(cfg: RunConfig, pools, trainer, trainer_address: str, *, record
     check_rollout_weights(cfg, running)
     effective = effective_config(cfg, running)
     check_run(effective, files="none")     # before the trainer is configured: nothing is half-applied
-    await configure_trainer(trainer, effective, reset_schedule=not resume)
+    answer = await configure_trainer(trainer, effective, reset_schedule=not resume, start=start)
+    if applied is not None:
+        applied.append(answer)
     return effective
 
 

@@ -5,6 +5,9 @@ When the trainer refuses that one (a missing manifest: the save never finished; 
 manifest; the folder is gone), the earlier `step_<M>` folders are tried newest first, each with the data position
 step M recorded in its metrics. Falling back is said twice: a WARNING log line per refused checkpoint and the
 run's message (the note returned). When none loads, the newest refusal is raised (CheckpointFailed: the run pauses naming it).
+
+A new run may start from another run's checkpoint (`run.init_from`): `resolve_init_from` finds it by run id or
+folder before the run starts.
 """
 
 from __future__ import annotations
@@ -59,3 +62,32 @@ async def restore_latest(store: RunStore, record: RunRecord, ctx: RunContext):
         record.checkpoint_path, record.checkpoint_step, record.checkpoint_data_position = path, step, position
         return restored, step, position, f"; {newest} was refused: {refused}"
     raise refused
+
+
+MANIFEST = "manifest.json"      # written last by a save (services/trainer/model/checkpoint.py): the save finished
+
+
+async def resolve_init_from(value: str, store: RunStore, run_dir: str) -> tuple[str, str]:
+    """`run.init_from` as (checkpoint folder, where the run starts from in words); ("", "") when unset.
+
+    A run id of this coordinator's store: that run's newest checkpoint; a run id with checkpoints under
+    `run_dir/<id>/checkpoints` (a run of an earlier coordinator): the newest finished one; otherwise a checkpoint
+    folder. Anything else is refused by name, before any service is called."""
+    if not value:
+        return "", ""
+    record = await store.get(value)
+    if record is not None:
+        if not record.checkpoint_path:
+            raise ValueError(f"run.init_from: run {value!r} has no checkpoint (it ran with run.checkpoint_every: 0, "
+                             f"or before its first); set run.checkpoint_every on the run to start from")
+        path = str(Path(record.checkpoint_path).resolve())
+        return path, f"run {value}'s checkpoint of step {record.checkpoint_step} at {path}"
+    finished = [(step, p) for step, p in earlier_checkpoints(Path(run_dir) / value, 2**62) if (p / MANIFEST).is_file()]
+    if finished:
+        step, path = finished[0]
+        return str(path.resolve()), f"run {value}'s checkpoint of step {step} at {path.resolve()}"
+    folder = Path(value)
+    if (folder / MANIFEST).is_file():
+        return str(folder.resolve()), f"checkpoint {folder.resolve()}"
+    raise ValueError(f"run.init_from: {value!r} is neither a run (none by that id, no finished checkpoint under "
+                     f"{Path(run_dir) / value / 'checkpoints'}) nor a checkpoint folder (no {MANIFEST} in it)")

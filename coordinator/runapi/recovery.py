@@ -10,6 +10,8 @@ the last one (services/trainer/steps.py). A reopened run compares it with its st
   the checkpoint's step and data position, dropping the metrics of the steps after it, which run again on the
   same prompts. Without a checkpoint a fresh trainer replays from step 0; a trainer holding other weights is
   refused by name.
+A run that started from another run's checkpoint (`run.init_from`) starts from it again wherever it would replay
+from step 0: a fresh trainer holds model.path's weights, not the ones the run started from.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import json
 import logging
 import time
 
+from coordinator.recipe import run_settings
 from coordinator.runapi import checkpoints
 
 from coordinator.runapi.store import RunRecord, RunStore
 from coordinator.training import remote, reporting
 from coordinator.training.context import RunContext
 from services.common.errors import FailedPrecondition
-from services.trainer.types import RunStep
+from services.trainer.types import RunStart, RunStep
 
 log = logging.getLogger("meshrl.runs")
 
@@ -48,8 +51,22 @@ async def settle_trainer(store: RunStore, record: RunRecord, ctx: RunContext) ->
             await _commit_recovered(store, record, ctx, applied, info.weight_version)
             return
     elif record.step == 0:
-        return          # nothing of this run was applied: the trainer's weights are the ones it started from
+        # Nothing of this run was applied: the trainer holds the weights it started from, unless it restarted
+        # since a start from run.init_from (a fresh trainer holds model.path's).
+        if record.init_checkpoint and info.weight_version != record.weight_version:
+            await _start_again(record, ctx)
+        return
     await _replay_from_checkpoint(store, record, ctx, fresh=applied is None and info.weight_version == 0)
+
+
+async def _start_again(record: RunRecord, ctx: RunContext) -> int:
+    """The trainer back to the run's run.init_from checkpoint, as when it started; -> the weight version."""
+    applied = await run_settings.configure_trainer(ctx.trainer, ctx.cfg, reset_schedule=True,
+                                                   start=RunStart(record.init_checkpoint))
+    log.warning("run %s: the trainer lost the weights the run started from; it starts again from %s",
+                record.run_id, applied.started_from)
+    ctx.weight_version = record.weight_version = applied.weight_version
+    return applied.weight_version
 
 
 async def _commit_recovered(store: RunStore, record: RunRecord, ctx: RunContext, applied: RunStep,
@@ -75,6 +92,9 @@ async def _replay_from_checkpoint(store: RunStore, record: RunRecord, ctx: RunCo
         version, source = restored.weight_version, f"checkpoint {record.checkpoint_path}{fallback}"
         log.info("run %s: trainer restored from %s (weight version %d)", record.run_id, record.checkpoint_path,
                  version)
+    elif fresh and record.init_checkpoint:
+        step, position, version = 0, 0, await _start_again(record, ctx)
+        source = f"its run.init_from checkpoint {record.init_checkpoint}: the run has no checkpoint of its own"
     elif fresh:
         step, position, version = 0, 0, 0
         source = "the trainer's initial weights: the run has no checkpoint (run.checkpoint_every: 0)"

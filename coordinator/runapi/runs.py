@@ -17,13 +17,14 @@ from coordinator.training import faults, phases, remote, reporting
 
 from coordinator.recipe.config import RunConfig
 from coordinator.recipe.preflight import check_run
-from coordinator.runapi import observe, recovery
+from coordinator.runapi import checkpoints, observe, recovery
 from coordinator.runapi.store import UNFINISHED, RunRecord, RunStore
 from coordinator.training.algorithms import open_context
 from coordinator.training.context import RunContext, TrainerUnavailable
 from coordinator.recipe.no_signal import NoSignalWatch
 from services.common.config import load_config
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.trainer.types import RunStart
 
 log = logging.getLogger("meshrl.runs")
 
@@ -72,14 +73,21 @@ class RunManager:
         if self.defaults is not None:
             cfg = await self.defaults.fill_trainer(cfg)
         self._check_trainer_free(cfg)
-        # Connect before accepting, so an unreachable server list fails StartRun itself.
-        ctx = await open_context(run_id, cfg, registry=self.registry, defaults=self.defaults)
-        # The run starts from the trainer's weights under their version (a trainer that trained a run before
-        # counts on): the staleness of async samples is measured against it.
+        # Refused by name before any service is called: an init_from that names no run and no checkpoint.
+        checkpoint, from_run = await checkpoints.resolve_init_from(cfg.run.init_from, self.store, cfg.run.run_dir)
+        # Connect before accepting, so an unreachable server list fails StartRun itself. The trainer sets the
+        # run's starting weights: model.path's (reloaded if another run trained them) or the checkpoint's.
+        ctx = await open_context(run_id, cfg, registry=self.registry, defaults=self.defaults,
+                                 start=RunStart(checkpoint))
+        # The weights' version (past every version before, when they were reset): replicas holding any other get
+        # them pushed before the run's first generate, and async staleness is measured against it.
         ctx.weight_version = (await remote.info(ctx.trainer)).weight_version
+        started_from = f"{from_run} (weights loaded, optimizer state cleared)" if from_run else ctx.started_from
+        log.info("run %s starts from %s", run_id, started_from or "the trainer's weights")
         record = RunRecord(run_id=run_id, config=config_text, state="RUNNING", num_steps=cfg.run.num_steps,
                            run_dir=str(ctx.run_dir), effective_config=run_settings.config_text(ctx.cfg),
-                           weight_version=ctx.weight_version)
+                           weight_version=ctx.weight_version, started_from=started_from,
+                           init_checkpoint=checkpoint)
         await self.store.put(record)
         self._launch(record, ctx)
         return run_id
@@ -320,7 +328,7 @@ def write_summary(ctx: RunContext, record: RunRecord, accuracy_after: float, sec
                 phase_totals[k[5:]] = phase_totals.get(k[5:], 0.0) + v
     total = sum(m.get("time/step", 0.0) for m in steps) or 1.0
     summary = {
-        "run_id": ctx.run_id, "steps": len(steps), "seconds": seconds,
+        "run_id": ctx.run_id, "started_from": record.started_from, "steps": len(steps), "seconds": seconds,
         "heldout_accuracy_before": before, "heldout_accuracy_after": accuracy_after,
         # The same two numbers under the names a report reader looks for first.
         "accuracy_before": before, "accuracy_after": accuracy_after,

@@ -38,6 +38,12 @@ class RunRecord:
     # The config it trains with, as YAML: `config` plus the running services' values of the keys fixed when a
     # service starts that it left out (coordinator/recipe/run_settings.py); secrets left out.
     effective_config: str = ""
+    # Where the run's weights came from as it started: "model.path X (weights reloaded, ...)", "run Y's checkpoint
+    # of step N (...)" (coordinator/runapi/runs.py).
+    started_from: str = ""
+    # The checkpoint run.init_from resolved to ("" : the run started from model.path): where a replay from step 0
+    # starts again when the trainer lost the weights (coordinator/runapi/recovery.py).
+    init_checkpoint: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -17,6 +17,7 @@ from coordinator.training import dpo, loop, remote
 from coordinator.training.context import Algorithm, GuardedTrainer, RunContext
 from services.common.rpc.channel import create_channel
 from services.common.rpc.pools import ReplicaPool, configured
+from services.trainer.types import RunStart
 
 ALGORITHMS: dict[str, Algorithm] = {"rl": loop.RL, "dpo": dpo.DPO}
 
@@ -62,11 +63,13 @@ def _heldout(cfg: RunConfig, tokenizer) -> list:
 
 
 async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: int = 0,
-                       recorded: dict | None = None, resume: bool = False, defaults=None) -> RunContext:
+                       recorded: dict | None = None, resume: bool = False, defaults=None,
+                       start: RunStart | None = None) -> RunContext:
     """Loads the run's data, connects to every pool and the trainer (fails early when a pool is empty), and
     settles the run's settings with the running services (coordinator/recipe/run_settings.py): fixed keys checked,
-    the trainer's optimizer configured; the context carries the effective config. `defaults` (the mesh's
-    replicas, coordinator/runapi/default_pools.py) fill the roles the recipe lists no servers for."""
+    the trainer's optimizer configured (and its weights set to `start`'s, for a run that starts); the context
+    carries the effective config and where the weights came from. `defaults` (the mesh's replicas,
+    coordinator/runapi/default_pools.py) fill the roles the recipe lists no servers for."""
     algorithm = ALGORITHMS[cfg.algorithm.kind]
     token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None
     data, state, heldout = _load(cfg, algorithm, position)
@@ -84,8 +87,10 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
     try:
         await _reach(pools)
         running: list[run_settings.Running] = []
+        applied: list = []
         asked, cfg = cfg, await run_settings.settle(cfg, pools.values(), trainer, cfg.trainer.address,
-                                                    recorded=recorded, resume=resume, seen=running)
+                                                    recorded=recorded, resume=resume, seen=running, start=start,
+                                                    applied=applied)
         if cfg.model.path != asked.model.path:      # the running services' model: its tokenizer
             data, state, heldout = _load(cfg, algorithm, position)
     except BaseException:
@@ -97,6 +102,7 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
     (run_dir / "recipe.yaml").write_text(run_settings.resolved_recipe(cfg, running))
     ctx = RunContext(run_id, cfg, algorithm, run_dir, pools["rollout"], pools["reward"], pools["reference"],
                      trainer_channel, trainer, data, heldout, trainer_losses(cfg), state)
+    ctx.started_from = applied[0].started_from if applied else ""
     a = cfg.algorithm
     ctx.kl_coef = a.kl_coef
     if a.use_kl_in_reward and a.kl_ctrl == "adaptive":

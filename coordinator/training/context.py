@@ -138,6 +138,8 @@ class RunContext:
     state: Any = None
     step: int = 0
     weight_version: int = 0
+    # Where the run's weights came from as it started, in words (the trainer's ConfigureRun answer; "" at a resume).
+    started_from: str = ""
     kl_coef: float = 0.0
     kl_controller: adv_fns.AdaptiveKLController | None = None
     # async_mode: the batches in flight (coordinator/training/async_rollouts.py InFlight); cancelled at close.

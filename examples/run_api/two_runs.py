@@ -2,7 +2,10 @@
 
 Nothing from meshrl is imported: the coordinator's methods and messages are found by gRPC reflection, as any
 client in any language could. Each run asks its own learning rate and reward components; the script prints
-what each run's step metrics show, or the coordinator's refusal naming the key.
+what each run's step metrics show, or the coordinator's refusal naming the key. Both runs start from the
+recipe's model.path (the second is not trained on from the first one's end), so both show the same held-out
+accuracy before their first step; `run: {init_from: <first run id>}` would start the second from the first's
+checkpoint instead (docs/coordinator.md, "Where a run starts from").
 
     python examples/run_api/two_runs.py --coordinator 127.0.0.1:50050 --config examples/arith/grpo.yaml
 
@@ -65,6 +68,7 @@ def one_run(coordinator: Coordinator, config: dict) -> dict:
     status = coordinator.call("GetRun", coordinator.message("GetRun", run_id=run_id))
     state = status.DESCRIPTOR.fields_by_name["state"].enum_type.values_by_number[status.state].name
     return {"run_id": run_id, "state": state, "steps": len(steps),
+            "heldout_accuracy_before": status.last_metrics.get("heldout_accuracy_before"),
             "actor/lr": sorted({m["actor/lr"] for m in steps}),
             "reward components": sorted({k for m in steps for k in m if k.startswith("reward/")})}
 

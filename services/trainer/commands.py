@@ -19,7 +19,7 @@ import torch.distributed as dist
 from services.common.errors import FailedPrecondition, passes_through
 from services.trainer import forward
 from services.trainer.config import ActorConfig, CriticConfig
-from services.trainer.model import checkpoint
+from services.trainer.model import checkpoint, fresh
 from services.trainer.model.optim import apply_hyperparams
 from services.trainer.nvtx import phase
 from services.trainer.rank import Rank
@@ -34,6 +34,7 @@ log = logging.getLogger("meshrl.trainer")
 
 
 def _update(rank: Rank, update: Update) -> dict[str, float]:
+    rank.pristine = False
     return run_update(update, seed=rank.cfg.seed if rank.cfg.shuffle else None, defer_last_step=rank.defer_last_step)
 
 
@@ -53,6 +54,26 @@ def train_critic(rank: Rank, samples: list[CriticSample], loss: CriticLoss) -> d
     return _update(rank, CriticUpdate(rank.layout, rank.critic, samples, loss))
 
 
+def start_from_model(rank: Rank) -> None:
+    """A run starts from the model path: every model's weights as at the trainer's start, optimizer state cleared,
+    under a weight version no replica holds yet."""
+    for trained in rank.models():
+        fresh.restore_weights(trained, rank.initial[trained.name], rank.param_dtype)
+        fresh.clear_optimizer(trained, rank.settings.actor)
+    rank.weight_version += 1
+    rank.pristine = True
+
+
+def start_from_checkpoint(rank: Rank, path: str) -> None:
+    """A run starts from a checkpoint's weights, optimizer state cleared, under a weight version past both the
+    trainer's and the checkpoint's (a replica may hold either for other weights)."""
+    before = rank.weight_version
+    load_checkpoint(rank, path)
+    for trained in rank.models():
+        fresh.clear_optimizer(trained, rank.settings.actor)
+    rank.weight_version = max(before, rank.weight_version) + 1
+
+
 def configure_run(rank: Rank, actor: ActorConfig, critic: CriticConfig | None, reset_schedule: bool) -> None:
     """A run's sections (checked on rank 0) on this rank's models: their optimizers take the run's hyperparameters
     and lr schedule and keep their moments."""
@@ -69,6 +90,7 @@ def save_checkpoint(rank: Rank, path: str, weight_version: int) -> None:
 def load_checkpoint(rank: Rank, path: str) -> None:
     aliases = {"lm_head.weight": "model.embed_tokens.weight"} if rank.hf_config.tie_word_embeddings else {}
     rank.weight_version = checkpoint.load(path, rank.models(), rank=rank.index, aliases=aliases)
+    rank.pristine = False
 
 
 # The commands rank 0 broadcasts and every rank runs: the channel carries the name, this table is the one place a
@@ -77,7 +99,8 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "warm_up": forward.warm_up, "compute_logprobs": forward.compute_logprobs,
     "compute_values": forward.compute_values, "train_actor": train_actor, "train_dpo": train_dpo,
     "train_critic": train_critic, "configure_run": configure_run, "state_for_sync": full.full_weights,
-    "save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint, "export_hf": full.export_hf}
+    "save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint, "export_hf": full.export_hf,
+    "start_from_model": start_from_model, "start_from_checkpoint": start_from_checkpoint}
 
 # Commands that are one profiling phase as a whole (nvtx.PHASES); training commands mark forward_backward and
 # optimizer inside.

@@ -9,7 +9,7 @@ from services.common.tensors.packed import (F32, I32, concat, field_of, pack_f32
                                     set_rows, split_rows, unpack, unpack_rows)
 from services.common.manifest import Manifest
 from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, OptimSettings, PreferencePair,
-                                    RunOptim, RunStep, TrainSample)
+                                    RunOptim, RunStart, RunStep, TrainSample)
 
 
 def actor_loss_from_pb(pb: trainer_pb2.ActorLoss) -> ActorLoss:
@@ -256,9 +256,11 @@ def run_optim_to_pb(r: RunOptim, *, response: bool = False):
     """A ConfigureRunRequest, or with response=True the ConfigureRunResponse that echoes the values in effect."""
     critic = optim_to_pb(r.critic) if r.critic is not None else None
     if response:
-        return trainer_pb2.ConfigureRunResponse(actor=optim_to_pb(r.actor), critic=critic, actor_lr=r.actor_lr)
+        return trainer_pb2.ConfigureRunResponse(actor=optim_to_pb(r.actor), critic=critic, actor_lr=r.actor_lr,
+                                                started_from=r.started_from, weight_version=r.weight_version)
+    start = trainer_pb2.RunStart(checkpoint=r.start.checkpoint) if r.start is not None else None
     return trainer_pb2.ConfigureRunRequest(actor=optim_to_pb(r.actor), critic=critic,
-                                           reset_schedule=r.reset_schedule)
+                                           reset_schedule=r.reset_schedule, start=start)
 
 
 def run_optim_from_pb(pb) -> RunOptim:
@@ -266,5 +268,8 @@ def run_optim_from_pb(pb) -> RunOptim:
     if not pb.HasField("actor"):
         raise ValueError("actor: ConfigureRun needs the actor's optimizer settings")
     critic = optim_from_pb(pb.critic) if pb.HasField("critic") else None
+    request = isinstance(pb, trainer_pb2.ConfigureRunRequest)
+    start = RunStart(pb.start.checkpoint) if request and pb.HasField("start") else None
     return RunOptim(optim_from_pb(pb.actor), critic, reset_schedule=getattr(pb, "reset_schedule", True),
-                    actor_lr=getattr(pb, "actor_lr", 0.0))
+                    start=start, actor_lr=getattr(pb, "actor_lr", 0.0),
+                    started_from=getattr(pb, "started_from", ""), weight_version=getattr(pb, "weight_version", 0))

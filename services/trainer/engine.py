@@ -126,7 +126,8 @@ class TrainerEngine:
                                        lambda: r.weight_version)
 
     def configure_run(self, run: RunOptim) -> RunOptim:
-        """Sets a run's optimizer hyperparameters on every rank; answers with the values now in effect."""
+        """Sets a run's optimizer hyperparameters on every rank, after its starting weights when it starts
+        (`run.start`); answers with the values now in effect and where the weights came from."""
         r = self.rank
         if (run.critic is None) != (r.critic is None):
             raise FailedPrecondition("critic: this trainer has " + ("a critic; the run must give its optimizer "
@@ -134,10 +135,33 @@ class TrainerEngine:
         # Checked here, before any rank changes: a bad value is refused by its key and nothing is half-applied.
         actor = r.cfg.with_run(run.actor, "actor")
         critic = r.critic.cfg.with_run(run.critic, "critic") if r.critic else None
-        self.commands.run("configure_run", actor, critic, run.reset_schedule)
+        started = self._start(run.start.checkpoint) if run.start is not None else ""
+        self.commands.run("configure_run", actor, critic, run.reset_schedule or run.start is not None)
         applied = [settings_in_effect(t.optimizer, t.scheduler, t.cfg) for t in r.models()]
         return RunOptim(applied[0], applied[1] if r.critic else None, reset_schedule=run.reset_schedule,
-                        actor_lr=r.actor.optimizer.param_groups[0]["lr"])
+                        actor_lr=r.actor.optimizer.param_groups[0]["lr"], started_from=started,
+                        weight_version=r.weight_version)
+
+    def _start(self, checkpoint_path: str) -> str:
+        """A run starts: the weights from the checkpoint, or the model path's (not reloaded when the trainer holds
+        exactly those, untouched); optimizer state cleared. -> where they came from, in words."""
+        r = self.rank
+        if checkpoint_path:
+            self._check_checkpoint(checkpoint_path)
+            command, args = "start_from_checkpoint", (checkpoint_path,)
+            said = f"checkpoint {checkpoint_path} (weights loaded, optimizer state cleared)"
+        elif r.pristine:
+            return f"model.path {r.model_path} (the trainer's start-up weights, untouched: not reloaded)"
+        else:
+            command, args = "start_from_model", ()
+            said = f"model.path {r.model_path} (weights reloaded, optimizer state cleared)"
+        with self.steps.hold():
+            self.commands.run(command, *args)
+            # No run step made these weights.
+            self.steps.restored(None)
+            self.critic_steps.restored(None)
+        log.info("trainer: a run starts from %s, as weight version %d", said, r.weight_version)
+        return said
 
     # ---- weights out: sync, checkpoints, export -----------------------------------------------------
 
@@ -157,12 +181,7 @@ class TrainerEngine:
             return self._checkpoint_result(path)
 
     def load_checkpoint(self, path: str, run_step: RunStep | None = None) -> dict:
-        # Every file against the manifest before any rank reads one: a damaged checkpoint is refused by name.
-        meta = checkpoint.verify(path)
-        critic = self.rank.critic
-        if bool(meta.get("has_critic")) != (critic is not None):
-            raise FailedPrecondition(f"path: checkpoint {'has' if meta.get('has_critic') else 'has no'} critic, "
-                                     f"this trainer {'has' if critic else 'has none'}")
+        self._check_checkpoint(path)
         with self.steps.hold():
             self.commands.run("load_checkpoint", path)
             # The weights are now the checkpoint's: the record of the last applied step is the caller's word for
@@ -220,6 +239,14 @@ class TrainerEngine:
         self._check_batch_size("sequences", len(prompts))
         if not (math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature: must be > 0, got {temperature}")
+
+    def _check_checkpoint(self, path: str) -> None:
+        """Every file against the manifest before any rank reads one: a damaged checkpoint is refused by name."""
+        meta = checkpoint.verify(path)
+        critic = self.rank.critic
+        if bool(meta.get("has_critic")) != (critic is not None):
+            raise FailedPrecondition(f"path: checkpoint {'has' if meta.get('has_critic') else 'has no'} critic, "
+                                     f"this trainer {'has' if critic else 'has none'}")
 
     def _checkpoint_result(self, path: str) -> dict:
         return {"path": path, "step": self.rank.actor.step, "weight_version": self.rank.weight_version,

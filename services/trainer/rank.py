@@ -16,6 +16,7 @@ import torch.distributed as dist
 from services.common.auto import Resolved
 from services.common.tensors.modeling import set_threads
 from services.trainer.config import ActorConfig, TrainerSettings, master_and_compute_dtypes
+from services.trainer.model import fresh
 from services.trainer.model.load import load_actor, load_value_model, setup_fused_head, setup_packing
 from services.trainer.model.trained import Trained, build_trained
 from services.trainer.parallel.layout import RankLayout
@@ -76,6 +77,10 @@ class Rank:
                                            device=self.device, packed=packed)
             self.critic = self._build("critic", value_model, settings.critic)
         self.weight_version = 0
+        # What a run that starts from the model path starts from (services/trainer/model/fresh.py), and whether
+        # the models hold exactly that, untouched (no update, no checkpoint load since the start or a reset).
+        self.initial = {t.name: self._initial(t) for t in self.models()}
+        self.pristine = True
         # Gathers each pipeline stage's weights to its sender for weight sync and export (built on first use).
         self.gatherer: StageGatherer | None = None
         devices = gather_to_rank0(str(self.device), self.group)
@@ -87,6 +92,15 @@ class Rank:
         a = self.settings.actor
         return build_trained(name, module, self.layout.mesh, cfg, a, self.param_dtype, self.compute_dtype,
                              compile=self.compiled)
+
+    def _initial(self, trained: Trained) -> fresh.Initial:
+        if trained.name == "actor":
+            # Under LoRA only the adapters train: they are kept, the frozen base never changes.
+            folder = None if self.settings.actor.lora else self.model_path
+            return fresh.keep_initial(trained, folder, fresh.actor_state, folder_holds=lambda name: True)
+        folder = self.settings.critic.model_path or self.model_path
+        return fresh.keep_initial(trained, folder, fresh.critic_state,
+                                  folder_holds=lambda name: not name.startswith("value_head."))
 
     @property
     def cfg(self) -> ActorConfig:

@@ -110,6 +110,14 @@ class OptimSettings:
 
 
 @dataclass
+class RunStart:
+    """Where a starting run's weights come from (ConfigureRun): the trainer's model path, or a checkpoint."""
+
+    # A checkpoint folder (SaveCheckpoint's); empty: the model path the trainer started from.
+    checkpoint: str = ""
+
+
+@dataclass
 class RunOptim:
     """What ConfigureRun sets (and answers with: the values in effect)."""
 
@@ -117,8 +125,14 @@ class RunOptim:
     critic: OptimSettings | None = None
     # A run starts: the schedule restarts at step 0. A run resumes: the schedule keeps its step.
     reset_schedule: bool = True
+    # A run starts (never set when one resumes): its weights from `start`, optimizer state cleared. None: the
+    # weights and optimizer state stay as they are.
+    start: RunStart | None = None
     # In an answer: the lr of the actor's next optimizer step.
     actor_lr: float = 0.0
+    # In an answer: where a start took the weights from, in words, and the weight version the trainer holds.
+    started_from: str = ""
+    weight_version: int = 0
 
 
 @dataclass(frozen=True)

@@ -58,3 +58,5 @@ def test_a_reflection_only_script_runs_two_runs_each_with_its_own_lr_and_reward_
     assert first["shown"]["actor/lr"] == [1e-4] and second["shown"]["actor/lr"] == [3e-6]
     assert first["shown"]["reward components"] == ["reward/exact_match"]
     assert second["shown"]["reward components"] == ["reward/boxed", "reward/em"]
+    # The second run starts from model.path, as the first did, not from the first one's end.
+    assert first["shown"]["heldout_accuracy_before"] == second["shown"]["heldout_accuracy_before"] is not None

@@ -30,24 +30,36 @@ class OptimSettings(_message.Message):
     def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., betas: _Optional[_Iterable[float]] = ..., eps: _Optional[float] = ..., grad_clip: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., min_lr_ratio: _Optional[float] = ...) -> None: ...
 
 class ConfigureRunRequest(_message.Message):
-    __slots__ = ("actor", "critic", "reset_schedule")
+    __slots__ = ("actor", "critic", "reset_schedule", "start")
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     CRITIC_FIELD_NUMBER: _ClassVar[int]
     RESET_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     actor: OptimSettings
     critic: OptimSettings
     reset_schedule: bool
-    def __init__(self, actor: _Optional[_Union[OptimSettings, _Mapping]] = ..., critic: _Optional[_Union[OptimSettings, _Mapping]] = ..., reset_schedule: _Optional[bool] = ...) -> None: ...
+    start: RunStart
+    def __init__(self, actor: _Optional[_Union[OptimSettings, _Mapping]] = ..., critic: _Optional[_Union[OptimSettings, _Mapping]] = ..., reset_schedule: _Optional[bool] = ..., start: _Optional[_Union[RunStart, _Mapping]] = ...) -> None: ...
+
+class RunStart(_message.Message):
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    def __init__(self, checkpoint: _Optional[str] = ...) -> None: ...
 
 class ConfigureRunResponse(_message.Message):
-    __slots__ = ("actor", "critic", "actor_lr")
+    __slots__ = ("actor", "critic", "actor_lr", "started_from", "weight_version")
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     CRITIC_FIELD_NUMBER: _ClassVar[int]
     ACTOR_LR_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FROM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     actor: OptimSettings
     critic: OptimSettings
     actor_lr: float
-    def __init__(self, actor: _Optional[_Union[OptimSettings, _Mapping]] = ..., critic: _Optional[_Union[OptimSettings, _Mapping]] = ..., actor_lr: _Optional[float] = ...) -> None: ...
+    started_from: str
+    weight_version: int
+    def __init__(self, actor: _Optional[_Union[OptimSettings, _Mapping]] = ..., critic: _Optional[_Union[OptimSettings, _Mapping]] = ..., actor_lr: _Optional[float] = ..., started_from: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class TrainSample(_message.Message):
     __slots__ = ("prompt_ids", "response_ids", "advantages", "old_logprobs", "ref_logprobs", "response_ids_packed", "advantages_packed", "old_logprobs_packed", "ref_logprobs_packed", "loss_mask")
