@@ -37,9 +37,11 @@ def test_every_marked_figure_equals_its_json(rel):
 def test_the_headline_figures_are_marked():
     readme = (REPO / "README.md").read_text()
     specs = [m["spec"] for m in docs.FIG.finditer(readme)]
-    for needed in ("demo_cpu:heldout_accuracy_after", "demo_cpu:run_seconds", "vs_trl_cpu:ratio_meshrl_over_trl",
-                   "vs_trl_gpu:ratio_meshrl_over_trl.samples_per_s"):
+    for needed in ("demo_cpu:heldout_accuracy_after", "demo_cpu:run_seconds", "vs_trl_cpu:ratio_meshrl_over_trl"):
         assert any(s.startswith(needed) for s in specs), f"README.md has no figure from {needed}"
+    # GPU figures are measured by hand on a lent machine and go stale with the next change to the services: the
+    # front page points to docs/gpu.md and bench/README.md for them rather than showing a stale note.
+    assert not [s for s in specs if s.split(":")[0].endswith("_gpu")], "README.md shows a GPU figure"
     # The front page gives each figure once, from the latest call: a file's history stays in bench/README.md.
     assert not any(".earlier_calls" in s or ":earlier_calls" in s for s in specs)
     for stem in {s.split(":")[0] for s in specs}:
