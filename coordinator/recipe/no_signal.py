@@ -2,7 +2,8 @@
 (`run.zero_variance_warn_steps`): every advantage is then 0 under the group estimators and the updates teach
 nothing, so it names the recipe's keys to check. Read off the step metrics (`train/frac_zero_adv_groups`,
 coordinator/training/phases.py) by the run manager, which logs it, and by `meshrl up` / `meshrl run`, which print it
-under their step lines. Here, beside the recipe, since the CLI reaches no training code; no torch."""
+under their step lines. Also the once-per-run line for a step that dynamic sampling (algorithm.filter_groups) left
+short. Here, beside the recipe, since the CLI reaches no training code; no torch."""
 
 from __future__ import annotations
 
