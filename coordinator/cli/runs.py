@@ -67,10 +67,12 @@ def step_line(m: dict, num_steps: int) -> str:
                 f"margin {_fmt(m.get('dpo/rewards/margins'))}  pref acc {_fmt(m.get('dpo/rewards/accuracy'))}  "
                 f"logp chosen {_fmt(m.get('dpo/logps/chosen'), '.2f')} rejected {_fmt(m.get('dpo/logps/rejected'), '.2f')}  "
                 f"{_fmt(m.get('time/step'), '.2f')}s")
+    # algorithm.filter_groups: the generation batches the step made to fill its batch.
+    gen = f"gen {int(m['train/num_gen_batches'])}  " if "train/num_gen_batches" in m else ""
     return (f"step {int(m['step']):>3}/{num_steps}  reward {_fmt(m.get('reward_mean'))}  "
             f"acc {_fmt(m.get('accuracy'))}  kl {_fmt(m.get('kl'), '.4f')}  "
             f"entropy {_fmt(m.get('actor/entropy'))}  len {_fmt(m.get('response_length_mean'), '.1f')}  "
-            f"{_fmt(m.get('time/step'), '.2f')}s")
+            f"{gen}{_fmt(m.get('time/step'), '.2f')}s")
 
 
 @command(context_settings=PASSTHROUGH)
@@ -223,9 +225,9 @@ def _follow(client, run_id: str, num_steps: int, *, warn_steps: int) -> None:
     once, after `warn_steps` such steps in a row (run.zero_variance_warn_steps, coordinator/recipe/no_signal.py)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from coordinator.recipe.no_signal import NoSignalWatch
+    from coordinator.recipe.no_signal import NoSignalWatch, ShortBatchWatch
 
-    no_signal = NoSignalWatch(warn_steps)
+    no_signal, short = NoSignalWatch(warn_steps), ShortBatchWatch()
 
     with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[stats]}"), console=console, transient=True) as progress:
@@ -238,9 +240,9 @@ def _follow(client, run_id: str, num_steps: int, *, warn_steps: int) -> None:
                          f"reward {_fmt(m.get('reward_mean'))} kl {_fmt(m.get('kl'), '.4f')} "
                          f"{_fmt(m.get('samples_per_s'), '.1f')} samples/s")
                 progress.update(task, completed=int(m["step"]), stats=stats)
-            said = no_signal.update(m)
-            if said:
-                say(said, progress.console, style="yellow")
+            for said in (no_signal.update(m), short.update(m)):
+                if said:
+                    say(said, progress.console, style="yellow")
             if "heldout_accuracy" in m:   # a mid-run evaluation arrives in its step's record
                 label = "after" if m.get("final") else ("before" if m["step"] == 0 else f"at step {m['step']}")
                 line = f"held-out accuracy {label}: {m['heldout_accuracy']:.1%}"

@@ -44,6 +44,31 @@ class RolloutCorrectionConfig(Section):
         return self
 
 
+class FilterGroupsConfig(Section):
+    """`algorithm.filter_groups:` DAPO's dynamic sampling (coordinator/training/dynamic_sampling.py): a step generates
+    batches of data.rollout_batch_size prompts, drops every group whose `metric` is the same for all its samples
+    (advantage 0 under the group estimators: it teaches nothing), until it holds data.rollout_batch_size groups.
+    Every prompt generated is consumed (the data position moves past it)."""
+
+    enable: bool = False
+    # acc: the reward function's `acc` when it returns one, else its score (as `accuracy` reads it); score: the
+    # reward service's score; seq_reward: the score with algorithm.overlong_buffer's penalty added.
+    metric: Literal["acc", "score", "seq_reward"] = "acc"
+    # Generation batches one step may make (0 = no bound, verl's meaning). A step that reaches the bound short
+    # trains on the groups it kept (verl raises), said once per run and counted in train/num_groups_short.
+    max_num_gen_batches: int = Field(0, ge=0)
+
+
+class OverlongBufferConfig(Section):
+    """`algorithm.overlong_buffer:` DAPO's soft overlong punishment, added to each sample's reward by the coordinator
+    (verl's reward_model.overlong_buffer): a response of L model tokens longer than rollout.max_tokens - len gets
+    -min(1, (L - (rollout.max_tokens - len)) / len) * penalty_factor."""
+
+    enable: bool = False
+    len: int = Field(0, ge=0)
+    penalty_factor: float = Field(1.0, ge=0)
+
+
 class AlgorithmConfig(Section):
     """`algorithm:` advantage estimator, KL handling and PPO loss settings (verl's names)."""
 
@@ -87,6 +112,9 @@ class AlgorithmConfig(Section):
     # When `auto` skips them, old log-probs are still computed at step 1 and every k-th step, for the
     # rollout-vs-trainer parity metric (0: never).
     logprob_parity_every: int = Field(10, ge=0)
+    # DAPO: dynamic sampling, and the overlong penalty.
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
     @model_validator(mode="after")
     def _dual_clip(self):
@@ -234,6 +262,24 @@ class RunConfig(MeshSettings):
         if not r.async_mode and self.rollout.partial_rollouts != "off":
             raise ValueError(f"rollout.partial_rollouts: {self.rollout.partial_rollouts!r} needs run.async_mode: "
                              "true (a synchronous run has no generation in flight when the weights update)")
+        return self
+
+    @model_validator(mode="after")
+    def _dapo_settings(self):
+        a, n, max_tokens = self.algorithm, self.rollout.n, self.rollout.max_tokens
+        if a.filter_groups.enable and a.kind != "rl":
+            raise ValueError(f"algorithm.filter_groups.enable: filters rollout groups; algorithm.kind {a.kind!r} "
+                             f"makes none")
+        if a.filter_groups.enable and n < 2:
+            raise ValueError(f"algorithm.filter_groups.enable: a group of rollout.n={n} sample has no reward "
+                             f"variance to keep it by; set rollout.n >= 2")
+        ob = a.overlong_buffer
+        if ob.enable and self.rollout.agent.name:
+            raise ValueError(f"algorithm.overlong_buffer.enable: measures one response against rollout.max_tokens; "
+                             f"rollout.agent.name {self.rollout.agent.name!r} plays multi-turn episodes")
+        if ob.enable and not 1 <= ob.len <= max_tokens:
+            raise ValueError(f"algorithm.overlong_buffer.len: {ob.len} must be in [1, rollout.max_tokens="
+                             f"{max_tokens}] (the last tokens before the response limit, where the penalty grows)")
         return self
 
     @property

@@ -225,9 +225,10 @@ class PromptStream:
             self._orders[epoch] = order
         return order
 
-    def take(self, count: int) -> list[Problem]:
-        """The next `count` problems; the position only moves when the caller commits it."""
-        out, pos = [], self.position
+    def take(self, count: int, at: int | None = None) -> list[Problem]:
+        """The next `count` problems (from position `at`, default the current one); the position only moves when the
+        caller commits it."""
+        out, pos = [], self.position if at is None else at
         n = len(self.problems)
         while len(out) < count:
             epoch, offset = divmod(pos, n)

@@ -2,7 +2,8 @@
 (`run.zero_variance_warn_steps`): every advantage is then 0 under the group estimators and the updates teach
 nothing, so it names the recipe's keys to check. Read off the step metrics (`train/frac_zero_adv_groups`,
 coordinator/training/phases.py) by the run manager, which logs it, and by `meshrl up` / `meshrl run`, which print it
-under their step lines. Here, beside the recipe, since the CLI reaches no training code; no torch."""
+under their step lines. Also the once-per-run line for a step that dynamic sampling (algorithm.filter_groups) left
+short. Here, beside the recipe, since the CLI reaches no training code; no torch."""
 
 from __future__ import annotations
 
@@ -37,3 +38,25 @@ class NoSignalWatch:
             self.warned = True
             return warning(self.steps)
         return None
+
+
+SHORT = "train/num_groups_short"
+
+
+class ShortBatchWatch:
+    """algorithm.filter_groups (coordinator/training/dynamic_sampling.py): `update` returns one line, once, for the
+    first step that reached max_num_gen_batches without data.rollout_batch_size groups with reward variance."""
+
+    def __init__(self):
+        self.warned = False
+
+    def update(self, metrics: dict) -> str | None:
+        short = metrics.get(SHORT)
+        if not short or self.warned:
+            return None
+        self.warned = True
+        return (f"warning: step {int(metrics['step'])} reached algorithm.filter_groups.max_num_gen_batches="
+                f"{int(metrics.get('train/num_gen_batches', 0))} with {int(short)} groups with reward variance fewer "
+                f"than data.rollout_batch_size; it trained on the {int(metrics.get('train/num_groups', 0))} groups "
+                f"it had (verl stops the run here). Later short steps count in {SHORT}; raise max_num_gen_batches "
+                f"to keep batches full")

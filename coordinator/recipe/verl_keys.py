@@ -160,6 +160,7 @@ def _multi_turn(value: bool, cfg, _: dict) -> dict:
 
 _KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 _ENGINES = {"vllm": "vllm", "hf": "torch"}
+_FILTER_METRICS = {"acc": "acc", "score": "score", "seq_reward": "seq_reward"}
 A, R = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
 VERL_KEYS: dict[str, VerlKey] = {
     "data.train_files": VerlKey(_files, "data.train_files", meaning="training Parquet/JSONL files"),
@@ -215,6 +216,22 @@ VERL_KEYS: dict[str, VerlKey] = {
     "algorithm.kl_ctrl.kl_coef": VerlKey(_float, "algorithm.kl_coef", meaning="the penalty's (initial) weight"),
     "algorithm.kl_ctrl.target_kl": VerlKey(_float, "algorithm.target_kl", meaning="adaptive target"),
     "algorithm.kl_ctrl.horizon": VerlKey(_int, "algorithm.kl_horizon", meaning="adaptive horizon"),
+    # DAPO (docs/dynamic_sampling.md).
+    "algorithm.filter_groups.enable": VerlKey(_bool, "algorithm.filter_groups.enable",
+                                              meaning="dynamic sampling: drop groups without variance, refill"),
+    "algorithm.filter_groups.metric": VerlKey(_choice(_FILTER_METRICS), "algorithm.filter_groups.metric",
+                                              meaning="acc, score or seq_reward (seq_final_reward is refused)"),
+    "algorithm.filter_groups.max_num_gen_batches": VerlKey(
+        _freq, "algorithm.filter_groups.max_num_gen_batches",
+        meaning="generation batches per step; 0 or below: no bound; reached short, the step trains on what it kept"),
+    "reward_model.overlong_buffer.enable": VerlKey(_bool, "algorithm.overlong_buffer.enable",
+                                                   meaning="soft overlong penalty, added to the reward"),
+    "reward_model.overlong_buffer.len": VerlKey(_int, "algorithm.overlong_buffer.len",
+                                                meaning="tokens before data.max_response_length where it grows"),
+    "reward_model.overlong_buffer.penalty_factor": VerlKey(_float, "algorithm.overlong_buffer.penalty_factor",
+                                                           meaning="the penalty at the limit"),
+    "reward_model.overlong_buffer.log": VerlKey(_bool, resolve=_unused,
+                                                meaning="ignored: reward/overlong_penalty is always a metric"),
     "trainer.total_epochs": VerlKey(_int, resolve=_epochs,
                                     meaning="epochs; meshrl counts steps: rows // train_batch_size x epochs"),
     "trainer.total_training_steps": VerlKey(_int, "run.num_steps", meaning="steps (wins over total_epochs)"),

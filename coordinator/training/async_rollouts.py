@@ -58,34 +58,40 @@ def _launch(ctx: RunContext, step: int, position: int, problems: list[Problem]) 
     return Batch(step, position, problems, task)
 
 
-def fill(ctx: RunContext, batch_size: int) -> InFlight:
-    """This step's batch and the next max_staleness ones in flight (launched in step order), each at its own data
-    position. Batches that do not continue the run's committed position (a rollback, a replayed step) are
-    cancelled and generated again."""
+def fill(ctx: RunContext, batch_size: int, offset: int = 0) -> InFlight:
+    """The batch at `offset` prompts past the run's committed position and the next max_staleness ones in flight
+    (launched in position order). Batches that do not continue there (a rollback, a replayed step) are cancelled
+    and generated again. A step takes one batch, or several under algorithm.filter_groups (offset: the prompts its
+    earlier batches took); a batch's step is the one it would train in at one batch per step (its sampling seed)."""
     flight = ctx.prefetched if isinstance(ctx.prefetched, InFlight) else InFlight()
     ctx.prefetched = flight
+    base = ctx.data.position + offset
     head = flight.batches[0] if flight.batches else None
-    if head is not None and (head.step, head.position) != (ctx.step + 1, ctx.data.position):
+    # Positions only grow from step to step, so a head at another position is a rollback or a replay.
+    if head is not None and head.position != base:
         log.info("async rollouts: %d batches in flight do not follow step %d (data position %d); generating again",
-                 len(flight.batches), ctx.step, ctx.data.position)
+                 len(flight.batches), ctx.step, base)
         flight.cancel()
     depth = ctx.cfg.run.max_staleness + 1
     have = len(flight.batches)
     if have < depth:
-        problems = ctx.data.take(depth * batch_size)
+        problems = ctx.data.take((depth - have) * batch_size, at=base + have * batch_size)
         for i in range(have, depth):
-            flight.batches.append(_launch(ctx, ctx.step + 1 + i, ctx.data.position + i * batch_size,
-                                          problems[i * batch_size:(i + 1) * batch_size]))
+            position = base + i * batch_size
+            chunk = problems[(i - have) * batch_size:(i - have + 1) * batch_size]
+            flight.batches.append(_launch(ctx, ctx.step + 1 + (position - ctx.data.position) // batch_size,
+                                          position, chunk))
     return flight
 
 
-async def next_batch(ctx: RunContext, batch_size: int) -> tuple[list[Sample], dict[str, float]]:
-    """This step's samples (none staler than run.max_staleness) and the `async/` metrics; in a synchronous run,
-    a fresh generation."""
+async def next_batch(ctx: RunContext, batch_size: int, offset: int = 0) -> tuple[list[Sample], dict[str, float]]:
+    """The samples of the batch at `offset` prompts past the committed position (none staler than
+    run.max_staleness) and the `async/` metrics; in a synchronous run, a fresh generation."""
     if not ctx.cfg.run.async_mode:
-        samples = await phases.generate(ctx, ctx.data.take(batch_size))
+        sampling = ctx.sampling_at(ctx.step + 1, offset // batch_size) if offset else None
+        samples = await phases.generate(ctx, ctx.data.take(batch_size, at=ctx.data.position + offset), sampling)
         return samples, {k: v for k, v in staleness_metrics(ctx, samples).items() if not k.startswith("async/")}
-    flight = fill(ctx, batch_size)
+    flight = fill(ctx, batch_size, offset)
     batch = flight.batches[0]
     try:
         samples = await batch.task

@@ -146,19 +146,22 @@ class RunContext:
     prefetched: Any = None
     # The last step's samples, for tests and debugging.
     last_samples: list = field(default_factory=list)
+    # What the run has said once (a warning it gives once per run).
+    said: set = field(default_factory=set)
 
     @property
     def sampling(self) -> SamplingParams:
         return self.sampling_at(self.step + 1)
 
-    def sampling_at(self, step: int) -> SamplingParams:
-        """The training sampling of run step `step` (1-based; async runs generate steps ahead)."""
+    def sampling_at(self, step: int, gen_batch: int = 0) -> SamplingParams:
+        """The training sampling of run step `step` (1-based; async runs generate steps ahead); `gen_batch`: the
+        step's generation batch under algorithm.filter_groups (0 = its first)."""
         r = self.cfg.rollout
         # With rollout.seed set, each step has its own seed, so a run (and a step retried on another
         # replica) is reproducible; None leaves the replicas unseeded.
         seed = None
         if r.seed is not None:
-            seed = ((r.seed * 1_000_003 + step) & (2**63 - 1)) or 1
+            seed = ((r.seed * 1_000_003 + step + gen_batch * 1_000_000_007) & (2**63 - 1)) or 1
         return r.sampling(seed=seed)
 
     async def close(self) -> None:

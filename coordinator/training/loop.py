@@ -8,7 +8,7 @@ import time
 
 from coordinator.recipe.config import RunConfig
 from coordinator.recipe.data import PromptStream, load_dataset
-from coordinator.training import async_rollouts, faults, phases, reporting
+from coordinator.training import dynamic_sampling, faults, phases, reporting
 from coordinator.training.context import Algorithm, PhaseTimer, RunContext
 
 
@@ -18,15 +18,14 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
     start = time.perf_counter()
     batch_size = ctx.cfg.data.rollout_batch_size
 
-    with timer("generate"):
-        # Async mode: the next max_staleness steps' batches generate while this one scores and trains.
-        samples, async_metrics = await async_rollouts.next_batch(ctx, batch_size)
-    faults.kill_point("after_generate", ctx.step + 1)
-    await phases.score_and_measure(ctx, samples, timer)
+    # Generate -> score || reference || old logprobs || values; under algorithm.filter_groups, generate -> score ->
+    # keep the groups with reward variance, until the batch is full (several generation batches), then the rest.
+    samples, gen_metrics, consumed = await dynamic_sampling.generate_and_score(ctx, batch_size, timer)
     adv_metrics = phases.compute_advantages(ctx, samples)
 
-    # Before the update: the trainer records the data position after it with the step (services/trainer/steps.py).
-    ctx.data.advance(batch_size)
+    # Before the update: the trainer records the data position after it with the step (services/trainer/steps.py);
+    # it moves past every prompt the step generated, dropped groups included.
+    ctx.data.advance(consumed)
     train_metrics = await phases.train(ctx, samples, timer)
     faults.kill_point("after_train", ctx.step + 1)
     with timer("weight_sync"):
@@ -38,7 +37,7 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
     reporting.write_samples(ctx, samples)
     seconds = time.perf_counter() - start
     return {**reporting.sample_metrics(samples), **adv_metrics, **train_metrics, **sync_metrics,
-            **async_metrics, **{f"time/{k}": v for k, v in timer.seconds.items()},
+            **gen_metrics, **{f"time/{k}": v for k, v in timer.seconds.items()},
             "time/step": seconds, "samples_per_s": len(samples) / seconds,
             "data_position": float(ctx.data.position), "epoch": float(ctx.data.epoch),
             "data/num_overlong_dropped": float(ctx.data.num_dropped)}

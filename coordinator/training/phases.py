@@ -177,13 +177,39 @@ async def critic_values(ctx: RunContext, samples: list[remote.Sample]) -> None:
         s.values = v
 
 
-async def score_and_measure(ctx: RunContext, samples: list[remote.Sample], timer: PhaseTimer) -> None:
+async def score_and_measure(ctx: RunContext, samples: list[remote.Sample], timer: PhaseTimer, *,
+                            scored: bool = False) -> None:
+    """The reward (and the overlong penalty) and the model forwards of a batch; `scored`: the reward is in already
+    (dynamic sampling scores each generation batch first, coordinator/training/dynamic_sampling.py)."""
     # Each call builds its request before its first await, one after another on this loop: the model
     # forwards (reference, old log-probs, values) go first, the reward (fast to serve) last.
     await asyncio.gather(timer.run("reference", reference_logprobs(ctx, samples)),
                          timer.run("old_logprobs", old_logprobs(ctx, samples)),
                          timer.run("values", critic_values(ctx, samples)),
-                         timer.run("reward", score(ctx, samples)))
+                         *([] if scored else [timer.run("reward", score_shaped(ctx, samples))]))
+
+
+async def score_shaped(ctx: RunContext, samples: list[remote.Sample]) -> None:
+    """The training reward: the reward pool's score plus algorithm.overlong_buffer's penalty."""
+    await score(ctx, samples)
+    ob = ctx.cfg.algorithm.overlong_buffer
+    if not ob.enable:
+        return
+    for s in samples:
+        if s.episode:
+            raise ValueError("algorithm.overlong_buffer.enable: measures one response against rollout.max_tokens; "
+                             f"sample {s.id} is a multi-turn episode")
+        if not s.reward_error:
+            s.overlong_penalty = overlong_penalty(num_model_tokens(s), ctx.cfg.rollout.max_tokens, ob.len,
+                                                  ob.penalty_factor)
+            s.reward += s.overlong_penalty
+
+
+def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (verl's reward_model.overlong_buffer): 0 up to max_len - buffer_len tokens,
+    then falling linearly to -factor at max_len."""
+    over = length - (max_len - buffer_len)
+    return -min(1.0, max(0.0, over / buffer_len)) * factor
 
 
 # --- advantages ----------------------------------------------------------------------------------------

@@ -45,6 +45,8 @@ class Sample:
     reward_extras: dict[str, float] = field(default_factory=dict)
     # Why the sample could not be scored ("" = scored): it is kept, recorded as failed, and trains on nothing.
     reward_error: str = ""
+    # algorithm.overlong_buffer's penalty (<= 0), already added to `reward` by the coordinator.
+    overlong_penalty: float = 0.0
     # Filled by the step.
     old_logprobs: list[float] = field(default_factory=list)
     ref_logprobs: list[float] = field(default_factory=list)

@@ -18,9 +18,10 @@ from coordinator.training.episodes import episode_metrics
 def success(s: remote.Sample) -> float:
     """How right a scored sample is by the run's own reward, as verl's validation reads it: the `acc` its reward
     function returned, when it returns one, else its reward (the recipe's weighted components, as training
-    scores them: 1.0 or 0.0 under an exact_match recipe, so the mean is the fraction right)."""
+    scores them: 1.0 or 0.0 under an exact_match recipe, so the mean is the fraction right), without the
+    coordinator's overlong penalty."""
     acc = s.reward_extras.get("acc")
-    return float(acc) if acc is not None else s.reward
+    return float(acc) if acc is not None else s.reward - s.overlong_penalty
 
 
 def reward_metrics(samples: list[remote.Sample]) -> dict[str, float]:
@@ -93,7 +94,7 @@ def sample_record(step: int, s: remote.Sample) -> dict:
             "data_source": p.data_source,
             "ability": p.ability, "reward_style": p.reward_style, "extra_info": p.extra_info,
             "reward": None if s.reward_error else s.reward, "reward_failed": bool(s.reward_error),
-            "reward_error": s.reward_error, "components": s.components, "reward_extras": s.reward_extras,
+            "reward_error": s.reward_error, "overlong_penalty": s.overlong_penalty, "components": s.components, "reward_extras": s.reward_extras,
             "weight_version": s.weight_version, **({"episode": s.episode} if s.episode else {}),
             # Partial rollouts: per token, the weight version that produced it (only when several did).
             **({"weight_versions": [int(v) for v in s.weight_versions]} if s.weight_versions is not None else {})}
