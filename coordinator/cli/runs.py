@@ -301,7 +301,8 @@ def _follow(client, run_id: str, num_steps: int, *, warn_steps: int, from_step: 
                 say(line, progress.console)
 
 
-def _follow_while_alive(launcher, client, run_id: str, num_steps: int, warn_steps: int, from_step: int = 0) -> None:
+def _follow_while_alive(launcher, client, run_id: str, num_steps: int, warn_steps: int,
+                        from_step: int = 0) -> None:
     """Follows the run while coordinator/cli/supervisor.py restarts replicas that die; the loss of the coordinator,
     the trainer or every replica of a role ends `meshrl up` with the dead process's cause line, not a hang."""
     import threading

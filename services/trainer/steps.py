@@ -3,9 +3,9 @@
 The coordinator names each update by its run step (run id, step, data position after it). The trainer keeps
 the last one with the update's metrics, on rank 0, and reports it (GetInfo details `run_id`, `run_step`,
 `run_data_position`), so a coordinator that restarts can tell a step the trainer applied but the run store
-never recorded from one that never reached the trainer, and record that step with the metrics kept here (GetInfo
-details `run_step_metrics`: the update's own and those the coordinator sent with it). A repeat of the last step is answered from the record
-without training again; any other step of the same run but the next is refused. A restarted trainer has no
+never recorded from one that never reached the trainer, and record that step with the metrics kept here
+(GetInfo details `run_step_metrics`: the update's own and those the coordinator sent with it). A repeat of the
+last step is answered from the record without training again; any other step of the same run but the next is refused. A restarted trainer has no
 record; LoadCheckpoint sets it to the step whose weights the checkpoint holds.
 """
 
