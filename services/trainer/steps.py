@@ -5,8 +5,8 @@ the last one with the update's metrics, on rank 0, and reports it (GetInfo detai
 `run_data_position`), so a coordinator that restarts can tell a step the trainer applied but the run store
 never recorded from one that never reached the trainer, and record that step with the metrics kept here
 (GetInfo details `run_step_metrics`: the update's own and those the coordinator sent with it). A repeat of the
-last step is answered from the record without training again; any other step of the same run but the next is refused. A restarted trainer has no
-record; LoadCheckpoint sets it to the step whose weights the checkpoint holds.
+last step is answered from the record without training again; any other step of the same run but the next is
+refused. A restarted trainer has no record; LoadCheckpoint sets it to the step whose weights the checkpoint holds.
 """
 
 from __future__ import annotations
