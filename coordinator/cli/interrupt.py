@@ -42,7 +42,12 @@ def pause_for_exit(client, run_id: str, wait_s: float, say: Callable[[str], None
     say(f"meshrl up: stopping: run {run_id} finishes its step in flight (up to {wait_s:g}s; Ctrl-C again "
         f"stops at once)")
     try:
-        status = client.pause_run(run_id)
+        try:
+            status = client.pause_run(run_id)
+        except grpc.RpcError as e:   # the run ended (or paused) meanwhile: nothing is in flight
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            status = client.get_run(run_id)
         deadline = time.monotonic() + wait_s
         while status.state != "PAUSED" and not status.finished and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -63,6 +68,8 @@ def pause_for_exit(client, run_id: str, wait_s: float, say: Callable[[str], None
 
 def resume_line(run_id: str, status, resumable: bool) -> str:
     """What to tell the user: where the run stopped and the command that continues it."""
+    if status is not None and status.finished:
+        return f"meshrl up: run {run_id} {status.state} after {status.step} steps; there is nothing to resume"
     at = f" at step {status.step}/{status.num_steps}" if status is not None else ""
     if not resumable:
         return (f"meshrl up: run {run_id} interrupted{at}; its record lived in the coordinator's memory (no "

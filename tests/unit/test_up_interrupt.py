@@ -24,7 +24,7 @@ def test_the_resume_command_is_this_command_line_with_resume_after_up_in_place_o
 
 
 def test_an_interrupted_run_without_a_run_store_says_it_cannot_be_resumed_and_why():
-    status = SimpleNamespace(step=3, num_steps=6, checkpoint_path="")
+    status = SimpleNamespace(step=3, num_steps=6, checkpoint_path="", finished=False)
     assert resume_line("r-1", status, resumable=False) == (
         "meshrl up: run r-1 interrupted at step 3/6; its record lived in the coordinator's memory (no "
         "run.redis_url), so it cannot be resumed: set run.redis_url to make runs resumable")
@@ -58,3 +58,9 @@ def test_a_resumed_runs_recorded_config_takes_the_addresses_it_reaches_now_and_k
     assert out["rollout"] == {"servers": ["127.0.0.1:9"], "n": 4, "dns": None, "registry": False}
     assert out["trainer"] == {"address": "h:3"} and out["actor"] == {"lr": 0.5}
     assert recorded["rollout"]["servers"] == ["127.0.0.1:1"]         # the record itself is not changed
+
+
+def test_a_run_that_ended_before_the_interrupt_has_no_resume_line():
+    status = SimpleNamespace(step=6, num_steps=6, checkpoint_path="", state="COMPLETED", finished=True)
+    assert resume_line("r-1", status, resumable=True) == \
+        "meshrl up: run r-1 COMPLETED after 6 steps; there is nothing to resume"
