@@ -33,9 +33,9 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, old)
 
 
-def pause_for_exit(client, run_id: str, wait_s: float, say: Callable[[str], None]):
+def pause_for_exit(client, run_id: str, wait_s: float, say: Callable[[str], None], *, checkpoint: bool = True):
     """Asks the run to pause after its step in flight and waits up to `wait_s` for it; a paused run is
-    checkpointed at its step (a restarted trainer resumes from there). -> the run's status, or None when the
+    checkpointed at its step when `checkpoint` (it can be resumed: a restarted trainer continues from there). -> the run's status, or None when the
     coordinator stopped answering. Another Ctrl-C or SIGTERM ends the wait at once."""
     import grpc
 
@@ -57,7 +57,7 @@ def pause_for_exit(client, run_id: str, wait_s: float, say: Callable[[str], None
                 say(f"meshrl up: run {run_id}'s step {status.step + 1} did not finish within {wait_s:g}s; it "
                     f"resumes from step {status.step} (or its last checkpoint)")
             return status
-        if not status.checkpoint_path.endswith(f"step_{status.step}"):
+        if checkpoint and not status.checkpoint_path.endswith(f"step_{status.step}"):
             status = client.save_checkpoint(run_id)
         return status
     except (grpc.RpcError, KeyboardInterrupt) as e:

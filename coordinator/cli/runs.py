@@ -167,8 +167,9 @@ def _drive(launcher, data: dict, conn: Connection, cfg, *, resume: str = "", sto
             _follow_while_alive(launcher, client, run_id, cfg.run.num_steps, cfg.run.zero_variance_warn_steps,
                                 from_step)
         except KeyboardInterrupt:
-            status = pause_for_exit(client, run_id, stop_wait_s, say)
-            say(resume_line(run_id, status, resumable=bool(cfg.run.redis_url)))
+            resumable = bool(cfg.run.redis_url)
+            status = pause_for_exit(client, run_id, stop_wait_s, say, checkpoint=resumable)
+            say(resume_line(run_id, status, resumable=resumable))
             raise
         return client.get_run(run_id)
 
