@@ -109,6 +109,14 @@ def error_line(e: Exception) -> tuple[str, int]:
     return " ".join(line.split("\n")), exit_code
 
 
+class Interrupted(KeyboardInterrupt):
+    """A signal handled as Ctrl-C is (`meshrl up` on SIGTERM); the command exits 128 + its number."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 def command(name: str | None = None, **kwargs):
     """app.command whose errors end the command with one line `meshrl NAME: ...` on stderr and the exit code
     of error_line; `--debug` prints the traceback first. The one place exceptions meet the user."""
@@ -121,9 +129,9 @@ def command(name: str | None = None, **kwargs):
                 return fn(*args, **kw)
             except (typer.Exit, typer.Abort, typer.TyperException):  # typer's own: exit codes, usage errors
                 raise
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as e:   # Ctrl-C, or SIGTERM where a command handles it so (Interrupted)
                 typer.echo(f"meshrl {cmd}: interrupted", err=True)
-                raise typer.Exit(130) from None
+                raise typer.Exit(128 + getattr(e, "signum", 2)) from None
             except Exception as e:  # noqa: BLE001 - every error becomes its line and exit code here
                 if _options["debug"]:
                     traceback.print_exc()

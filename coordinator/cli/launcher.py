@@ -113,8 +113,10 @@ class Launcher:
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices
         log_path = self.log_dir / (log_name or f"{role}-{index}.log")
+        # A session of its own: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches the launcher
+        # only, which lets the run's step in flight finish before it stops the services (coordinator/cli/interrupt.py).
         proc = subprocess.Popen(_die_with_parent(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env)
+                                env=env, start_new_session=True)
         child = Child(role, index, proc, log_path, devices=devices, extra_args=list(extra_args or []))
         threading.Thread(target=self._pump, args=(child,), daemon=True).start()
         self.children.append(child)

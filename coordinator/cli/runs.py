@@ -78,10 +78,16 @@ def step_line(m: dict, num_steps: int) -> str:
 @command(context_settings=PASSTHROUGH)
 def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, help="recipe YAML"),
        run_dir: Optional[Path] = typer.Option(None, help="where run directories go (default: run.run_dir)"),
-       threads: int = typer.Option(1, help="OMP threads per service process")):
+       threads: int = typer.Option(1, help="OMP threads per service process"),
+       resume: str = typer.Option("", "--resume", metavar="RUN_ID",
+                                  help="continue this interrupted run (needs run.redis_url) instead of starting one"),
+       stop_wait_s: float = typer.Option(120.0, help="on Ctrl-C or SIGTERM: how long the step in flight may take "
+                                                     "to finish before every service stops")):
     """Start every service as a process on 127.0.0.1, run the recipe to the end, stop everything.
     After the recipe: verl's overrides (`data.train_files=[a.parquet] actor_rollout_ref.rollout.n=8`,
-    docs/from_verl.md) and meshrl's `--section.key value`."""
+    docs/from_verl.md) and meshrl's `--section.key value`. Ctrl-C or SIGTERM: the step in flight finishes, the
+    run is paused and checkpointed, and the `meshrl up --resume RUN_ID ...` line that continues it is printed."""
+    from coordinator.cli.interrupt import sigterm_as_interrupt
     from coordinator.cli.launcher import Launcher
     from coordinator.recipe import verl_keys
     from coordinator.recipe.memory import check_recipe_fits
@@ -96,6 +102,10 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     # fail wastes no service start.
     raw, cfg = _load_recipe(config, verl, overrides)
     check_run(cfg, world_size=cfg.trainer.nproc_per_node, names=verl_keys.user_keys(verl, cfg))
+    if resume and not cfg.run.redis_url:
+        raise ValueError("--resume: run.redis_url is not set; without it a run's record lives in the coordinator's "
+                         "memory and ended with the `meshrl up` that ran it (set run.redis_url to make runs "
+                         "resumable)")
     placement, trainer_devices = _placement(cfg, raw, overrides)
     # On a CUDA model.device: the services' estimated memory fits each GPU, or the recipe is refused here with
     # the estimate and the setting to change (coordinator/recipe/memory.py), not an out-of-memory error at step 3.
@@ -107,11 +117,13 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     # The launcher calls its coordinator as the services call each other: the recipe's token and client TLS.
     conn = Connection("", cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None,
                       ClientTLS.from_server_config(cfg.server))
-    with Launcher(str(config), log_dir=log_dir, overrides=overrides, num_threads=threads) as launcher:
+    with Launcher(str(config), log_dir=log_dir, overrides=overrides, num_threads=threads) as launcher, \
+            sigterm_as_interrupt():
         addresses = _start_mesh(launcher, cfg, raw, overrides, placement, trainer_devices)
         say(f"mesh up: {json.dumps(addresses)} (logs in {log_dir})")
         conn.address = addresses["coordinator"][0]
-        status = _drive(launcher, _with_addresses(raw, overrides, addresses), conn, cfg)
+        status = _drive(launcher, _run_data(raw, overrides, addresses), conn, cfg, resume=resume,
+                        stop_wait_s=stop_wait_s)
     _report(status.run_dir)
     _print_result(status)
     if status.state != "COMPLETED":
@@ -145,14 +157,41 @@ def _start_mesh(launcher, cfg, raw: dict, overrides: dict[str, str], placement: 
     return {**addresses, "coordinator": [launcher.wait_ready(coordinator)]}
 
 
-def _drive(launcher, data: dict, conn: Connection, cfg):
-    """Starts the run on the coordinator and follows it to the end; returns its final status."""
+def _drive(launcher, data: dict, conn: Connection, cfg, *, resume: str = "", stop_wait_s: float = 120.0):
+    """Starts (or resumes) the run on the coordinator and follows it to the end; returns its final status. Ctrl-C
+    or SIGTERM: the run is paused after its step in flight and checkpointed, and the resume command printed
+    (coordinator/cli/interrupt.py), before the interrupt stops every service."""
+    from coordinator.cli.interrupt import pause_for_exit, resume_line
+
     with conn.client() as client:
+        run_id, from_step = _start_or_resume(client, data, resume)
+        try:
+            _follow_while_alive(launcher, client, run_id, cfg.run.num_steps, cfg.run.zero_variance_warn_steps,
+                                from_step)
+        except KeyboardInterrupt:
+            resumable = bool(cfg.run.redis_url)
+            status = pause_for_exit(client, run_id, stop_wait_s, say, checkpoint=resumable)
+            say(resume_line(run_id, status, resumable=resumable))
+            raise
+        return client.get_run(run_id)
+
+
+def _start_or_resume(client, data: dict, resume: str) -> tuple[str, int]:
+    """A new run of `data`, or the run `resume` names continued (the coordinator reopened it from the store at
+    its start, restoring its checkpoint into the new trainer); -> (run id, the first step to print)."""
+    if not resume:
         run_id = client.start_run(yaml.safe_dump(data, sort_keys=False))
         say(f"run {run_id} started")
         _print_resolved(Path(client.get_run(run_id).run_dir) / "recipe.yaml")
-        _follow_while_alive(launcher, client, run_id, cfg.run.num_steps, cfg.run.zero_variance_warn_steps)
-        return client.get_run(run_id)
+        return run_id, 0
+    status = client.get_run(resume)
+    if status.finished:
+        raise ValueError(f"--resume: run {resume!r} is {status.state}; there is nothing to resume")
+    if status.state == "PAUSED":
+        status = client.resume_run(resume)
+    say(f"run {resume} resumed at step {status.step}/{status.num_steps}"
+        + (f" ({status.message})" if status.message else ""))
+    return resume, status.step + 1
 
 
 def _print_resolved(recipe: Path) -> None:
@@ -182,6 +221,19 @@ def _placement(cfg, raw: dict, overrides: dict[str, str]) -> tuple[dict[str, lis
         raise ValueError(f"trainer.devices: {listed} GPU(s) (\"{trainer_devices}\") for trainer.nproc_per_node="
                          f"{cfg.trainer.nproc_per_node} ranks; each rank needs its own GPU (LOCAL_RANK)")
     return placement, trainer_devices
+
+
+def _run_data(raw: dict, overrides: dict[str, str], addresses: dict[str, list[str]]) -> dict:
+    """The run's config: the recipe without the trainer's and the replicas' addresses, which the coordinator
+    holds as its default pools (coordinator.yaml) and fills in, so that a run resumed on a mesh started again
+    (`--resume`, other ports) reaches that mesh. Env replicas, called by the rollout replicas, keep theirs."""
+    data = _with_addresses(raw, overrides, addresses)
+    for role in ("rollout", "reward", "reference"):
+        if addresses.get(role):
+            for key in ("servers", "dns", "registry"):
+                data[role].pop(key, None)
+    data.get("trainer", {}).pop("address", None)
+    return data
 
 
 def _with_addresses(raw: dict, overrides: dict[str, str], addresses: dict[str, list[str]]) -> dict:
@@ -220,7 +272,7 @@ def env_replicas(cfg, raw: dict, overrides: dict[str, str]) -> int:
     return 1 if needed else 0
 
 
-def _follow(client, run_id: str, num_steps: int, *, warn_steps: int) -> None:
+def _follow(client, run_id: str, num_steps: int, *, warn_steps: int, from_step: int = 0) -> None:
     """One line per step above a live progress bar (reward, KL, throughput); the zero-reward-variance warning
     once, after `warn_steps` such steps in a row (run.zero_variance_warn_steps, coordinator/recipe/no_signal.py)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -232,7 +284,7 @@ def _follow(client, run_id: str, num_steps: int, *, warn_steps: int) -> None:
     with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[stats]}"), console=console, transient=True) as progress:
         task = progress.add_task("run", total=num_steps, stats="")
-        for m in client.stream_metrics(run_id):
+        for m in client.stream_metrics(run_id, from_step):
             if "reward_mean" in m:
                 say(step_line(m, num_steps), progress.console)
                 stats = (f"margin {_fmt(m.get('reward_mean'))} {_fmt(m.get('pairs_per_s'), '.1f')} pairs/s"
@@ -252,7 +304,8 @@ def _follow(client, run_id: str, num_steps: int, *, warn_steps: int) -> None:
                 say(line, progress.console)
 
 
-def _follow_while_alive(launcher, client, run_id: str, num_steps: int, warn_steps: int) -> None:
+def _follow_while_alive(launcher, client, run_id: str, num_steps: int, warn_steps: int,
+                        from_step: int = 0) -> None:
     """Follows the run while coordinator/cli/supervisor.py restarts replicas that die; the loss of the coordinator,
     the trainer or every replica of a role ends `meshrl up` with the dead process's cause line, not a hang."""
     import threading
@@ -265,7 +318,7 @@ def _follow_while_alive(launcher, client, run_id: str, num_steps: int, warn_step
 
     def follow():
         try:
-            _follow(client, run_id, num_steps, warn_steps=warn_steps)
+            _follow(client, run_id, num_steps, warn_steps=warn_steps, from_step=from_step)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
         finally:

@@ -4,8 +4,10 @@ The trainer records the run step (run id, step, data position after it) with eac
 the last one (services/trainer/steps.py). A reopened run compares it with its stored record at step k:
 - the trainer's last step is k: they agree, the run continues at k + 1;
 - it is k + 1: the trainer applied a step the store never recorded (the coordinator died between the update and
-  its commit). That step is committed now, flagged `recovered` (its metrics died with the coordinator), and the
-  run continues at k + 2 with the prompts after it: the update is not applied twice, its prompts not reused;
+  its commit). That step is committed now, flagged `recovered`, with the metrics the trainer kept of it (the
+  update's own and those the coordinator sent with it: rewards, advantages, timings up to the update; what came
+  after it, the weight sync and the step's total time, died with the coordinator), and the run continues at
+  k + 2 with the prompts after it: the update is not applied twice, its prompts not reused;
 - anything else (a restarted trainer lost its weights): the last checkpoint is loaded and the run is set back to
   the checkpoint's step and data position, dropping the metrics of the steps after it, which run again on the
   same prompts. Without a checkpoint a fresh trainer replays from step 0; a trainer holding other weights is
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
+from typing import Awaitable, Callable
 
 from coordinator.recipe import run_settings
 from coordinator.runapi import checkpoints
@@ -31,6 +35,9 @@ from services.trainer.types import RunStart, RunStep
 
 log = logging.getLogger("meshrl.runs")
 
+# Commits one step's metrics: the store, metrics.jsonl and the run's metric sinks (RunManager._record).
+Commit = Callable[[RunRecord, dict, RunContext], Awaitable[None]]
+
 
 def applied_step(info) -> RunStep | None:
     """The trainer's record of its last applied run step, from its GetInfo details (None: it has none)."""
@@ -40,15 +47,17 @@ def applied_step(info) -> RunStep | None:
     return RunStep(d["run_id"], int(d.get("run_step", 0)), int(d.get("run_data_position", 0)))
 
 
-async def settle_trainer(store: RunStore, record: RunRecord, ctx: RunContext) -> None:
-    """Makes `record`, `ctx` and the trainer agree on the run's last step (see the module docstring)."""
+async def settle_trainer(store: RunStore, record: RunRecord, ctx: RunContext, commit: Commit | None = None) -> None:
+    """Makes `record`, `ctx` and the trainer agree on the run's last step (see the module docstring); a step
+    committed here goes through `commit` (default: the store and metrics.jsonl)."""
     info = await remote.info(ctx.trainer)
     applied = applied_step(info)
     if applied is not None and applied.run_id == record.run_id:
         if applied.step == record.step:
             return
         if applied.step == record.step + 1:
-            await _commit_recovered(store, record, ctx, applied, info.weight_version)
+            metrics = await _recover_step(record, ctx, applied, info)
+            await (commit or _commit_to_store(store))(record, metrics, ctx)
             return
     elif record.step == 0:
         # Nothing of this run was applied: the trainer holds the weights it started from, unless it restarted
@@ -69,20 +78,40 @@ async def _start_again(record: RunRecord, ctx: RunContext) -> int:
     return applied.weight_version
 
 
-async def _commit_recovered(store: RunStore, record: RunRecord, ctx: RunContext, applied: RunStep,
-                            weight_version: int) -> None:
+async def _recover_step(record: RunRecord, ctx: RunContext, applied: RunStep, info) -> dict[str, float]:
+    """The run moved on to the step the trainer applied; -> that step's metrics, from the trainer's record of it."""
+    weight_version = info.weight_version
+    kept = step_metrics(info, applied, weight_version)
     log.warning("run %s: the trainer applied step %d before the coordinator stopped; step %d is committed as "
-                "recovered (its metrics were lost) and the run continues at step %d", record.run_id, applied.step,
-                applied.step, applied.step + 1)
+                "recovered (%s) and the run continues at step %d", record.run_id, applied.step, applied.step,
+                "with the metrics the trainer kept" if kept else "its metrics were lost", applied.step + 1)
     ctx.step, ctx.data.position, ctx.weight_version = applied.step, applied.data_position, weight_version
     record.step, record.data_position, record.weight_version = applied.step, applied.data_position, weight_version
     every = ctx.cfg.run.checkpoint_every
     if every and ctx.step % every == 0:
         await save_checkpoint(ctx, record)
-    metrics = {"step": float(ctx.step), "recovered": 1.0, "weight_version": float(weight_version),
-               "data_position": float(ctx.data.position), "timestamp": time.time()}
-    await store.commit(record, metrics)
-    reporting.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)
+    recovered = ctx.algorithm.recovered_metrics(kept) if kept else {}
+    return {**recovered, "step": float(ctx.step), "recovered": 1.0, "weight_version": float(weight_version),
+            "data_position": float(ctx.data.position)}
+
+
+def step_metrics(info, applied: RunStep, weight_version: int) -> dict:
+    """The trainer's record of the metrics of `applied` (GetInfo details `run_step_metrics`, services/trainer/steps.py),
+    {} unless it is that step's and the weight version it made is the one the trainer holds."""
+    text = info.details.get("run_step_metrics", "")
+    kept = json.loads(text) if text else {}
+    same = (kept.get("run_id"), kept.get("step"), kept.get("weight_version")) == \
+        (applied.run_id, applied.step, weight_version)
+    return kept if same else {}
+
+
+def _commit_to_store(store: RunStore) -> Commit:
+    async def commit(record: RunRecord, metrics: dict, ctx: RunContext) -> None:
+        metrics = {**{k: float(v) for k, v in metrics.items()}, "timestamp": time.time()}
+        record.last_metrics = {**record.last_metrics, **{k: v for k, v in metrics.items() if math.isfinite(v)}}
+        await store.commit(record, metrics)
+        reporting.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)
+    return commit
 
 
 async def _replay_from_checkpoint(store: RunStore, record: RunRecord, ctx: RunContext, *, fresh: bool) -> None:

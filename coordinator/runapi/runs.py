@@ -140,7 +140,9 @@ class RunManager:
                                  recorded=recorded, resume=True, defaults=self.defaults)
         ctx.step, ctx.weight_version = record.step, record.weight_version
         try:
-            await recovery.settle_trainer(self.store, record, ctx)
+            # A step the trainer applied but the store missed is recorded as any step is: store, metrics.jsonl,
+            # TensorBoard.
+            await recovery.settle_trainer(self.store, record, ctx, commit=self._record)
         except BaseException:
             await ctx.close()
             raise
@@ -228,12 +230,12 @@ class RunManager:
                                "heldout_accuracy_before": summary["heldout_accuracy_before"]}
         await self._record(record, {"step": ctx.step, **evals, "final": 1.0})
 
-    async def _record(self, record: RunRecord, metrics: dict) -> None:
+    async def _record(self, record: RunRecord, metrics: dict, ctx: RunContext | None = None) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["timestamp"] = time.time()
         record.last_metrics = {**record.last_metrics, **{k: v for k, v in metrics.items() if math.isfinite(v)}}
         await self.store.commit(record, metrics)
-        ctx = self.contexts.get(record.run_id)
+        ctx = ctx or self.contexts.get(record.run_id)
         if ctx is not None:
             reporting.write_jsonl(ctx.run_dir / "metrics.jsonl", metrics)
             self._sinks(ctx).write(int(metrics["step"]), metrics)

@@ -50,6 +50,20 @@ def _mesh_roles(cfg: RunConfig, algorithm: Algorithm, why_reference: str) -> tup
     return required, optional
 
 
+def live_addresses(recorded: dict, cfg: RunConfig) -> dict:
+    """A resumed run's recorded config with the addresses it reaches now: the run is held to the settings it
+    trained with, not to the ports of the mesh it first ran on (`meshrl up --resume` starts the mesh again on
+    others; the coordinator's default pools name them)."""
+    out = {section: dict(v) if isinstance(v, dict) else v for section, v in recorded.items()}
+    for role in ("rollout", "reward", "reference", "env"):
+        if isinstance(out.get(role), dict):
+            live = getattr(cfg, role)
+            out[role].update(servers=list(live.servers), dns=live.dns, registry=live.registry)
+    if isinstance(out.get("trainer"), dict):
+        out["trainer"]["address"] = cfg.trainer.address
+    return out
+
+
 def _heldout(cfg: RunConfig, tokenizer) -> list:
     """The held-out problems, through the same path as the training prompts (chat prompts as token ids)."""
     d = cfg.data
@@ -76,6 +90,8 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
     why = algorithm.reference_needed(cfg, state)
     if defaults is not None:
         cfg = await defaults.fill(cfg, *_mesh_roles(cfg, algorithm, why))
+    if recorded is not None:
+        recorded = live_addresses(recorded, cfg)
     pools = _pools(cfg, algorithm, token, registry)
     if why and pools["reference"] is None:
         raise ValueError(f"reference.servers: {why}; list reference replicas in the recipe (reference.servers), "

@@ -98,6 +98,13 @@ def no_summary(history: list[dict], final_evals: dict) -> dict:
     return {}
 
 
+def rl_update_metrics(applied: dict) -> dict[str, float]:
+    """A step's metrics from the trainer's record of it (GetInfo details `run_step_metrics`): what the coordinator
+    sent with the update, then the actor's and the critic's update metrics under the names the step gives them."""
+    return {**applied.get("coordinator", {}), **{f"actor/{k}": v for k, v in applied.get("update", {}).items()},
+            **{f"critic/{k}": v for k, v in applied.get("critic", {}).items()}}
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """A training family as a run drives it: RL (GRPO, PPO, RLOO, REINFORCE++: coordinator/training/loop.py) or DPO
@@ -115,6 +122,9 @@ class Algorithm:
     needs_rollout: bool = True
     # (metrics history, last evaluation) -> extra keys of summary.json.
     summary: Callable[[list[dict], dict], dict] = no_summary
+    # The trainer's record of a step the coordinator never committed -> that step's metrics, as far as they were
+    # kept (coordinator/runapi/recovery.py).
+    recovered_metrics: Callable[[dict], dict[str, float]] = rl_update_metrics
 
 
 @dataclass

@@ -127,23 +127,36 @@ async def dpo_step(ctx: RunContext) -> dict[str, float]:
         await fill_reference(ctx, pairs)
     # Before the update: the trainer records the data position after it with the step (services/trainer/steps.py).
     ctx.data.advance(d.batch_size)
+    # The trainer keeps what was measured so far with its record of the step (coordinator/runapi/recovery.py).
+    sent = {**{f"time/{k}": v for k, v in timer.seconds.items()}, "data_position": float(ctx.data.position),
+            "epoch": float(ctx.data.epoch)}
     with timer("train"):
         _, metrics = await remote.train_dpo(ctx.trainer, pairs, ctx.losses.dpo,
-                                            remote.RunStep(ctx.run_id, ctx.step + 1, ctx.data.position))
-    out = {f"dpo/{k}": v for k, v in metrics.items()}
+                                            remote.RunStep(ctx.run_id, ctx.step + 1, ctx.data.position, sent))
+    out = update_metrics(metrics)
     # TrainDPO bumps the trainer's weight version. Rollout replicas only serve held-out evaluation here, so
     # they are not pushed every step: phases.generate brings them to this version before they generate.
     ctx.weight_version += 1
     out["weight_version"] = float(ctx.weight_version)
     ctx.step += 1
     seconds = time.perf_counter() - start
-    # The RL-shaped keys let the same CLI lines, plots and summaries show DPO runs.
-    out.update({"reward_mean": out.get("dpo/rewards/margins", math.nan),
-                "accuracy": out.get("dpo/rewards/accuracy", math.nan),
-                **{f"time/{k}": v for k, v in timer.seconds.items()}, "time/step": seconds,
+    out.update({**{f"time/{k}": v for k, v in timer.seconds.items()}, "time/step": seconds,
                 "pairs_per_s": len(pairs) / seconds, "data_position": float(ctx.data.position),
                 "epoch": float(ctx.data.epoch)})
     return out
+
+
+def update_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """A TrainDPO answer's metrics as the step records them; the RL-shaped keys let the same CLI lines, plots and
+    summaries show DPO runs."""
+    out = {f"dpo/{k}": v for k, v in metrics.items()}
+    return {**out, "reward_mean": out.get("dpo/rewards/margins", math.nan),
+            "accuracy": out.get("dpo/rewards/accuracy", math.nan)}
+
+
+def recovered_metrics(applied: dict) -> dict[str, float]:
+    """A step the coordinator never committed, from the trainer's record of it (coordinator/runapi/recovery.py)."""
+    return {**applied.get("coordinator", {}), **update_metrics(applied.get("update", {}))}
 
 
 async def evaluate(ctx: RunContext) -> dict[str, float]:
@@ -170,4 +183,4 @@ def summary(history: list[dict], final_evals: dict) -> dict:
 
 # Rollout and reward pools only serve held-out task accuracy here: used when configured.
 DPO = Algorithm(load=load_state, step=dpo_step, evaluate=evaluate, reference_needed=reference_needed,
-                needs_rollout=False, summary=summary)
+                needs_rollout=False, summary=summary, recovered_metrics=recovered_metrics)

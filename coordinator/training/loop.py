@@ -22,11 +22,14 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
     # keep the groups with reward variance, until the batch is full (several generation batches), then the rest.
     samples, gen_metrics, consumed = await dynamic_sampling.generate_and_score(ctx, batch_size, timer)
     adv_metrics = phases.compute_advantages(ctx, samples)
+    measured = {**reporting.sample_metrics(samples), **adv_metrics, **gen_metrics}
 
     # Before the update: the trainer records the data position after it with the step (services/trainer/steps.py);
-    # it moves past every prompt the step generated, dropped groups included.
+    # it moves past every prompt the step generated, dropped groups included. The trainer also keeps what was
+    # measured so far, for a coordinator that dies before its commit (runapi/recovery.py).
     ctx.data.advance(consumed)
-    train_metrics = await phases.train(ctx, samples, timer)
+    sent = {**measured, **_data_metrics(ctx), **{f"time/{k}": v for k, v in timer.seconds.items()}}
+    train_metrics = await phases.train(ctx, samples, timer, sent=sent)
     faults.kill_point("after_train", ctx.step + 1)
     with timer("weight_sync"):
         sync_metrics = await phases.sync_weights(ctx)
@@ -36,10 +39,12 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
     ctx.last_samples = samples
     reporting.write_samples(ctx, samples)
     seconds = time.perf_counter() - start
-    return {**reporting.sample_metrics(samples), **adv_metrics, **train_metrics, **sync_metrics,
-            **gen_metrics, **{f"time/{k}": v for k, v in timer.seconds.items()},
-            "time/step": seconds, "samples_per_s": len(samples) / seconds,
-            "data_position": float(ctx.data.position), "epoch": float(ctx.data.epoch),
+    return {**measured, **train_metrics, **sync_metrics, **{f"time/{k}": v for k, v in timer.seconds.items()},
+            "time/step": seconds, "samples_per_s": len(samples) / seconds, **_data_metrics(ctx)}
+
+
+def _data_metrics(ctx: RunContext) -> dict[str, float]:
+    return {"data_position": float(ctx.data.position), "epoch": float(ctx.data.epoch),
             "data/num_overlong_dropped": float(ctx.data.num_dropped)}
 
 

@@ -320,11 +320,13 @@ def policy_samples(ctx: RunContext, samples: list[remote.Sample]) -> list[remote
 
 # --- train, weight sync --------------------------------------------------------------------------------
 
-async def train(ctx: RunContext, samples: list[remote.Sample], timer: PhaseTimer) -> dict[str, float]:
+async def train(ctx: RunContext, samples: list[remote.Sample], timer: PhaseTimer,
+                sent: dict[str, float] | None = None) -> dict[str, float]:
     metrics: dict[str, float] = {}
-    # Recorded by the trainer as this step, with the data position after it (advanced by the caller). The critic
-    # goes first: an actor update on record means the step's critic update is too (coordinator/runapi/recovery.py).
-    run_step = remote.RunStep(ctx.run_id, ctx.step + 1, ctx.data.position)
+    # Recorded by the trainer as this step, with the data position after it (advanced by the caller) and the
+    # step's metrics measured so far (`sent`). The critic goes first: an actor update on record means the step's
+    # critic update is too (coordinator/runapi/recovery.py).
+    run_step = remote.RunStep(ctx.run_id, ctx.step + 1, ctx.data.position, dict(sent or {}))
     if estimator(ctx).needs_critic:
         with timer("train_critic"):
             critic = await remote.train_critic(ctx.trainer, samples, ctx.losses.critic, run_step)

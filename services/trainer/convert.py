@@ -201,7 +201,8 @@ def train_response_to_pb(step: int, metrics: dict[str, float], repeated: bool = 
 def run_step_to_pb(run_step: RunStep | None) -> trainer_pb2.RunStep | None:
     if run_step is None:
         return None
-    return trainer_pb2.RunStep(run_id=run_step.run_id, step=run_step.step, data_position=run_step.data_position)
+    return trainer_pb2.RunStep(run_id=run_step.run_id, step=run_step.step, data_position=run_step.data_position,
+                               metrics={k: float(v) for k, v in run_step.metrics.items()})
 
 
 def run_step_from_pb(request) -> RunStep | None:
@@ -215,7 +216,7 @@ def run_step_from_pb(request) -> RunStep | None:
         raise ValueError(f"run_step.step: must be >= 0, got {pb.step}")
     if pb.data_position < 0:
         raise ValueError(f"run_step.data_position: must be >= 0, got {pb.data_position}")
-    return RunStep(pb.run_id, pb.step, pb.data_position)
+    return RunStep(pb.run_id, pb.step, pb.data_position, dict(pb.metrics))
 
 
 def values_request_from_pb(request: trainer_pb2.ValuesRequest) -> tuple[list[str], list[list[int]], list[list[int]]]:

@@ -8,6 +8,7 @@ code.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -214,7 +215,18 @@ class TrainerEngine:
                 "fused_logprobs": r.fused_logprobs, "use_remove_padding": r.layout.packed,
                 "lora_rank": cfg.lora.rank if cfg.lora else 0,
                 "compile": r.compiled, "warmup_seconds": round(self.warmup_seconds, 3),
-                **self.steps.details()}
+                **self.steps.details(), "run_step_metrics": self._run_step_metrics()}
+
+    def _run_step_metrics(self) -> str:
+        """The last applied run step's metrics as JSON (services/trainer/steps.py), with the critic's update of the
+        same step when it has one; "" when none are kept."""
+        applied = self.steps.applied()
+        if not applied:
+            return ""
+        critic = self.critic_steps.metrics_of(self.steps.last)
+        if critic is not None:
+            applied["critic"] = critic
+        return json.dumps(applied)
 
     def close(self) -> None:
         """Releases ranks > 0 from their loop; the engine takes no commands afterwards."""

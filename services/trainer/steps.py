@@ -3,9 +3,10 @@
 The coordinator names each update by its run step (run id, step, data position after it). The trainer keeps
 the last one with the update's metrics, on rank 0, and reports it (GetInfo details `run_id`, `run_step`,
 `run_data_position`), so a coordinator that restarts can tell a step the trainer applied but the run store
-never recorded from one that never reached the trainer. A repeat of the last step is answered from the record
-without training again; any other step of the same run but the next is refused. A restarted trainer has no
-record; LoadCheckpoint sets it to the step whose weights the checkpoint holds.
+never recorded from one that never reached the trainer, and record that step with the metrics kept here
+(GetInfo details `run_step_metrics`: the update's own and those the coordinator sent with it). A repeat of the
+last step is answered from the record without training again; any other step of the same run but the next is
+refused. A restarted trainer has no record; LoadCheckpoint sets it to the step whose weights the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class StepRecord:
         self.model = model
         self.last: RunStep | None = None
         self._metrics: dict[str, float] = {}
+        # The weight version the last update made: the record's metrics are that version's.
+        self._version = 0
         # Re-entrant: a checkpoint load holds it (hold) while it sets the record (restored).
         self._lock = threading.RLock()
 
@@ -41,8 +44,8 @@ class StepRecord:
                 return dict(self._metrics), True
             metrics = update()
             if run_step is not None:
-                self.last, self._metrics = run_step, dict(metrics)
-                self._audit(run_step, weight_version())
+                self.last, self._metrics, self._version = run_step, dict(metrics), weight_version()
+                self._audit(run_step, self._version)
             return metrics, False
 
     def _audit(self, run_step: RunStep, weight_version: int) -> None:
@@ -72,7 +75,23 @@ class StepRecord:
     def restored(self, run_step: RunStep | None) -> None:
         """After a checkpoint load: the weights are `run_step`'s (None: no run step is known)."""
         with self._lock:
-            self.last, self._metrics = run_step, {}
+            self.last, self._metrics, self._version = run_step, {}, 0
+
+    def metrics_of(self, run_step: RunStep | None) -> dict[str, float] | None:
+        """The update metrics of `run_step` when it is the last one applied (None: another step, or none kept)."""
+        with self._lock:
+            if run_step is None or self.last != run_step or not self._metrics:
+                return None
+            return dict(self._metrics)
+
+    def applied(self) -> dict:
+        """The last applied step's metrics, keyed by the weight version it made: {} when none are kept (no update
+        of a run yet, or the record came from a checkpoint)."""
+        with self._lock:
+            if self.last is None or not self._metrics:
+                return {}
+            return {"run_id": self.last.run_id, "step": self.last.step, "weight_version": self._version,
+                    "coordinator": dict(self.last.metrics), "update": dict(self._metrics)}
 
     def details(self) -> dict:
         last = self.last

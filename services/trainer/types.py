@@ -144,3 +144,6 @@ class RunStep:
     step: int
     # The run's data position once this step's prompts (or pairs) are used.
     data_position: int = 0
+    # What the coordinator measured of the step before the update (rewards, timings): kept with the trainer's
+    # record so a step the coordinator never committed is recorded with them. Not part of the step's identity.
+    metrics: dict[str, float] = field(default_factory=dict, compare=False, hash=False)

@@ -145,11 +145,12 @@ async def coordinator(redis_url: str):
 
 
 def kill_at_each_point(cfg: dict, tmp_path: Path, redis_url: str, monkeypatch, kill_step: int,
-                       check: Callable[[str, Any, list[dict], str, list[dict]], None]) -> None:
+                       check: Callable[[str, Any, list[dict], str, list[dict]], None],
+                       points: tuple[str, ...] = ()) -> None:
     """For each point of coordinator/training/faults.py's KILL_POINTS, one run on the same trainer, reward and rollout
     processes: a coordinator killed there at step `kill_step`, then a restarted one (same Redis prefix) that runs
     it to COMPLETED; then check(point, final status, streamed metrics, trainer log, metrics.jsonl records), while
-    the processes still run (a failed check stops them all)."""
+    the processes still run (a failed check stops them all). `points`: those only."""
     from coordinator.training.faults import ENV, KILL_POINTS
 
     path = write_config(tmp_path / "run.yaml", cfg)
@@ -158,7 +159,7 @@ def kill_at_each_point(cfg: dict, tmp_path: Path, redis_url: str, monkeypatch, k
         trainer, reward, rollout = procs.start_all([("trainer", []), ("reward", []), ("rollout", [])])
         run_cfg = yaml.safe_dump(with_addresses(cfg, {"trainer": [trainer.address], "reward": [reward.address],
                                                       "rollout": [rollout.address]}))
-        for point in KILL_POINTS:
+        for point in points or KILL_POINTS:
             monkeypatch.setenv(ENV, f"{point}:step{kill_step}")
             doomed = procs.start("coordinator", args=coordinator_args)
             monkeypatch.delenv(ENV)

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/trainer.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"\xb6\x01\n\rOptimSettings\x12\n\n\x02lr\x18\x01 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65tas\x18\x03 \x03(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x11\n\tgrad_clip\x18\x05 \x01(\x01\x12\x13\n\x0blr_schedule\x18\x06 \x01(\t\x12\x14\n\x0cwarmup_steps\x18\x07 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x08 \x01(\x03\x12\x14\n\x0cmin_lr_ratio\x18\t \x01(\x01\"\xa4\x01\n\x13\x43onfigureRunRequest\x12\'\n\x05\x61\x63tor\x18\x01 \x01(\x0b\x32\x18.meshrl.v1.OptimSettings\x12(\n\x06\x63ritic\x18\x02 \x01(\x0b\x32\x18.meshrl.v1.OptimSettings\x12\x16\n\x0ereset_schedule\x18\x03 \x01(\x08\x12\"\n\x05start\x18\x04 \x01(\x0b\x32\x13.meshrl.v1.RunStart\"\x1e\n\x08RunStart\x12\x12\n\ncheckpoint\x18\x01 \x01(\t\"\xa9\x01\n\x14\x43onfigureRunResponse\x12\'\n\x05\x61\x63tor\x18\x01 \x01(\x0b\x32\x18.meshrl.v1.OptimSettings\x12(\n\x06\x63ritic\x18\x02 \x01(\x0b\x32\x18.meshrl.v1.OptimSettings\x12\x10\n\x08\x61\x63tor_lr\x18\x03 \x01(\x01\x12\x14\n\x0cstarted_from\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\"\xfc\x01\n\x0bTrainSample\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x02 \x03(\x05\x12\x12\n\nadvantages\x18\x03 \x03(\x02\x12\x14\n\x0cold_logprobs\x18\x04 \x03(\x02\x12\x14\n\x0cref_logprobs\x18\x05 \x03(\x02\x12\x1b\n\x13response_ids_packed\x18\x06 \x01(\x0c\x12\x19\n\x11\x61\x64vantages_packed\x18\x07 \x01(\x0c\x12\x1b\n\x13old_logprobs_packed\x18\x08 \x01(\x0c\x12\x1b\n\x13ref_logprobs_packed\x18\t \x01(\x0c\x12\x11\n\tloss_mask\x18\n \x01(\x0c\"\xd4\x01\n\tActorLoss\x12\x10\n\x08\x63lip_low\x18\x01 \x01(\x02\x12\x11\n\tclip_high\x18\x02 \x01(\x02\x12\x11\n\tdual_clip\x18\x03 \x01(\x02\x12\x0f\n\x07kl_coef\x18\x04 \x01(\x02\x12\x0f\n\x07kl_type\x18\x05 \x01(\t\x12\x14\n\x0c\x65ntropy_coef\x18\x06 \x01(\x02\x12\x15\n\rloss_agg_mode\x18\x07 \x01(\t\x12\x12\n\nppo_epochs\x18\x08 \x01(\x05\x12\x17\n\x0fmini_batch_size\x18\t \x01(\x05\x12\x13\n\x0btemperature\x18\n \x01(\x02\"\xb0\x01\n\x11TrainActorRequest\x12\'\n\x07samples\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.TrainSample\x12\"\n\x04loss\x18\x02 \x01(\x0b\x32\x14.meshrl.v1.ActorLoss\x12(\n\x07\x63olumns\x18\x03 \x01(\x0b\x32\x17.meshrl.v1.TrainColumns\x12$\n\x08run_step\x18\x04 \x01(\x0b\x32\x12.meshrl.v1.RunStep\">\n\x07RunStep\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rdata_position\x18\x03 \x01(\x03\"\xb1\x01\n\x0cTrainColumns\x12%\n\nprompt_ids\x18\x01 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12\'\n\x0cresponse_ids\x18\x02 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12\x12\n\nadvantages\x18\x03 \x01(\x0c\x12\x14\n\x0cold_logprobs\x18\x04 \x01(\x0c\x12\x14\n\x0cref_logprobs\x18\x05 \x01(\x0c\x12\x11\n\tloss_mask\x18\x06 \x01(\x0c\"<\n\rValuesRequest\x12+\n\tsequences\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.TokenSequence\")\n\x0bTokenValues\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\x02\"9\n\x0eValuesResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.TokenValues\"p\n\x0c\x43riticSample\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x02 \x03(\x05\x12\x0f\n\x07returns\x18\x03 \x03(\x02\x12\x12\n\nold_values\x18\x04 \x03(\x02\x12\x11\n\tloss_mask\x18\x05 \x01(\x0c\"\xa5\x01\n\x12TrainCriticRequest\x12(\n\x07samples\x18\x01 \x03(\x0b\x32\x17.meshrl.v1.CriticSample\x12\x12\n\nclip_value\x18\x02 \x01(\x02\x12\x12\n\nppo_epochs\x18\x03 \x01(\x05\x12\x17\n\x0fmini_batch_size\x18\x04 \x01(\x05\x12$\n\x08run_step\x18\x05 \x01(\x0b\x32\x12.meshrl.v1.RunStep\"\x97\x01\n\rTrainResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x36\n\x07metrics\x18\x02 \x03(\x0b\x32%.meshrl.v1.TrainResponse.MetricsEntry\x12\x10\n\x08repeated\x18\x03 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\";\n\x12PushWeightsRequest\x12\x0f\n\x07targets\x18\x01 \x03(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x03\"H\n\nPushResult\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"y\n\x13PushWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12&\n\x07results\x18\x02 \x03(\x0b\x32\x15.meshrl.v1.PushResult\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"G\n\x11\x43heckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12$\n\x08run_step\x18\x02 \x01(\x0b\x32\x12.meshrl.v1.RunStep\"n\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12$\n\x08run_step\x18\x04 \x01(\x0b\x32\x12.meshrl.v1.RunStep\"\x88\x01\n\x0ePreferencePair\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x12\n\nchosen_ids\x18\x02 \x03(\x05\x12\x14\n\x0crejected_ids\x18\x03 \x03(\x05\x12\x1a\n\x12ref_chosen_logprob\x18\x04 \x01(\x02\x12\x1c\n\x14ref_rejected_logprob\x18\x05 \x01(\x02\"\\\n\x07\x44POLoss\x12\x11\n\tloss_type\x18\x01 \x01(\t\x12\x0c\n\x04\x62\x65ta\x18\x02 \x01(\x02\x12\x17\n\x0flabel_smoothing\x18\x03 \x01(\x02\x12\x17\n\x0fmini_batch_size\x18\x04 \x01(\x05\"\x83\x01\n\x0fTrainDPORequest\x12(\n\x05pairs\x18\x01 \x03(\x0b\x32\x19.meshrl.v1.PreferencePair\x12 \n\x04loss\x18\x02 \x01(\x0b\x32\x12.meshrl.v1.DPOLoss\x12$\n\x08run_step\x18\x03 \x01(\x0b\x32\x12.meshrl.v1.RunStep2\xaf\x06\n\x07Trainer\x12J\n\x0f\x43omputeLogProbs\x12\x1a.meshrl.v1.LogProbsRequest\x1a\x1b.meshrl.v1.LogProbsResponse\x12\x44\n\rComputeValues\x12\x18.meshrl.v1.ValuesRequest\x1a\x19.meshrl.v1.ValuesResponse\x12\x44\n\nTrainActor\x12\x1c.meshrl.v1.TrainActorRequest\x1a\x18.meshrl.v1.TrainResponse\x12\x46\n\x0bTrainCritic\x12\x1d.meshrl.v1.TrainCriticRequest\x1a\x18.meshrl.v1.TrainResponse\x12@\n\x08TrainDPO\x12\x1a.meshrl.v1.TrainDPORequest\x1a\x18.meshrl.v1.TrainResponse\x12L\n\x0bPushWeights\x12\x1d.meshrl.v1.PushWeightsRequest\x1a\x1e.meshrl.v1.PushWeightsResponse\x12M\n\x0eSaveCheckpoint\x12\x1c.meshrl.v1.CheckpointRequest\x1a\x1d.meshrl.v1.CheckpointResponse\x12M\n\x0eLoadCheckpoint\x12\x1c.meshrl.v1.CheckpointRequest\x1a\x1d.meshrl.v1.CheckpointResponse\x12G\n\x08\x45xportHF\x12\x1c.meshrl.v1.CheckpointRequest\x1a\x1d.meshrl.v1.CheckpointResponse\x12<\n\x07GetInfo\x12\x19.meshrl.v1.GetInfoRequest\x1a\x16.meshrl.v1.ServiceInfo\x12O\n\x0c\x43onfigureRun\x12\x1e.meshrl.v1.ConfigureRunRequest\x1a\x1f.meshrl.v1.ConfigureRunResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/trainer.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"\xb6\x01\n\rOptimSettings\x12\n\n\x02lr\x18\x01 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65tas\x18\x03 \x03(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x11\n\tgrad_clip\x18\x05 \x01(\x01\x12\x13\n\x0blr_schedule\x18\x06 \x01(\t\x12\x14\n\x0cwarmup_steps\x18\x07 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x08 \x01(\x03\x12\x14\n\x0cmin_lr_ratio\x18\t \x01(\x01\"\xa4\x01\n\x13\x43onfigureRunRequest\x12\'\n\x05\x61\x63tor\x18\x01 \x01(\x0b\x32\x18.meshrl.v1.OptimSettings\x12(\n\x06\x63ritic\x18\x02 \x01(\x0b\x32\x18.meshrl.v1.OptimSettings\x12\x16\n\x0ereset_schedule\x18\x03 \x01(\x08\x12\"\n\x05start\x18\x04 \x01(\x0b\x32\x13.meshrl.v1.RunStart\"\x1e\n\x08RunStart\x12\x12\n\ncheckpoint\x18\x01 \x01(\t\"\xa9\x01\n\x14\x43onfigureRunResponse\x12\'\n\x05\x61\x63tor\x18\x01 \x01(\x0b\x32\x18.meshrl.v1.OptimSettings\x12(\n\x06\x63ritic\x18\x02 \x01(\x0b\x32\x18.meshrl.v1.OptimSettings\x12\x10\n\x08\x61\x63tor_lr\x18\x03 \x01(\x01\x12\x14\n\x0cstarted_from\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\"\xfc\x01\n\x0bTrainSample\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x02 \x03(\x05\x12\x12\n\nadvantages\x18\x03 \x03(\x02\x12\x14\n\x0cold_logprobs\x18\x04 \x03(\x02\x12\x14\n\x0cref_logprobs\x18\x05 \x03(\x02\x12\x1b\n\x13response_ids_packed\x18\x06 \x01(\x0c\x12\x19\n\x11\x61\x64vantages_packed\x18\x07 \x01(\x0c\x12\x1b\n\x13old_logprobs_packed\x18\x08 \x01(\x0c\x12\x1b\n\x13ref_logprobs_packed\x18\t \x01(\x0c\x12\x11\n\tloss_mask\x18\n \x01(\x0c\"\xd4\x01\n\tActorLoss\x12\x10\n\x08\x63lip_low\x18\x01 \x01(\x02\x12\x11\n\tclip_high\x18\x02 \x01(\x02\x12\x11\n\tdual_clip\x18\x03 \x01(\x02\x12\x0f\n\x07kl_coef\x18\x04 \x01(\x02\x12\x0f\n\x07kl_type\x18\x05 \x01(\t\x12\x14\n\x0c\x65ntropy_coef\x18\x06 \x01(\x02\x12\x15\n\rloss_agg_mode\x18\x07 \x01(\t\x12\x12\n\nppo_epochs\x18\x08 \x01(\x05\x12\x17\n\x0fmini_batch_size\x18\t \x01(\x05\x12\x13\n\x0btemperature\x18\n \x01(\x02\"\xb0\x01\n\x11TrainActorRequest\x12\'\n\x07samples\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.TrainSample\x12\"\n\x04loss\x18\x02 \x01(\x0b\x32\x14.meshrl.v1.ActorLoss\x12(\n\x07\x63olumns\x18\x03 \x01(\x0b\x32\x17.meshrl.v1.TrainColumns\x12$\n\x08run_step\x18\x04 \x01(\x0b\x32\x12.meshrl.v1.RunStep\"\xa0\x01\n\x07RunStep\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rdata_position\x18\x03 \x01(\x03\x12\x30\n\x07metrics\x18\x04 \x03(\x0b\x32\x1f.meshrl.v1.RunStep.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb1\x01\n\x0cTrainColumns\x12%\n\nprompt_ids\x18\x01 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12\'\n\x0cresponse_ids\x18\x02 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12\x12\n\nadvantages\x18\x03 \x01(\x0c\x12\x14\n\x0cold_logprobs\x18\x04 \x01(\x0c\x12\x14\n\x0cref_logprobs\x18\x05 \x01(\x0c\x12\x11\n\tloss_mask\x18\x06 \x01(\x0c\"<\n\rValuesRequest\x12+\n\tsequences\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.TokenSequence\")\n\x0bTokenValues\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\x02\"9\n\x0eValuesResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.meshrl.v1.TokenValues\"p\n\x0c\x43riticSample\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x02 \x03(\x05\x12\x0f\n\x07returns\x18\x03 \x03(\x02\x12\x12\n\nold_values\x18\x04 \x03(\x02\x12\x11\n\tloss_mask\x18\x05 \x01(\x0c\"\xa5\x01\n\x12TrainCriticRequest\x12(\n\x07samples\x18\x01 \x03(\x0b\x32\x17.meshrl.v1.CriticSample\x12\x12\n\nclip_value\x18\x02 \x01(\x02\x12\x12\n\nppo_epochs\x18\x03 \x01(\x05\x12\x17\n\x0fmini_batch_size\x18\x04 \x01(\x05\x12$\n\x08run_step\x18\x05 \x01(\x0b\x32\x12.meshrl.v1.RunStep\"\x97\x01\n\rTrainResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x36\n\x07metrics\x18\x02 \x03(\x0b\x32%.meshrl.v1.TrainResponse.MetricsEntry\x12\x10\n\x08repeated\x18\x03 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\";\n\x12PushWeightsRequest\x12\x0f\n\x07targets\x18\x01 \x03(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x03\"H\n\nPushResult\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"y\n\x13PushWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12&\n\x07results\x18\x02 \x03(\x0b\x32\x15.meshrl.v1.PushResult\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"G\n\x11\x43heckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12$\n\x08run_step\x18\x02 \x01(\x0b\x32\x12.meshrl.v1.RunStep\"n\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12$\n\x08run_step\x18\x04 \x01(\x0b\x32\x12.meshrl.v1.RunStep\"\x88\x01\n\x0ePreferencePair\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x12\n\nchosen_ids\x18\x02 \x03(\x05\x12\x14\n\x0crejected_ids\x18\x03 \x03(\x05\x12\x1a\n\x12ref_chosen_logprob\x18\x04 \x01(\x02\x12\x1c\n\x14ref_rejected_logprob\x18\x05 \x01(\x02\"\\\n\x07\x44POLoss\x12\x11\n\tloss_type\x18\x01 \x01(\t\x12\x0c\n\x04\x62\x65ta\x18\x02 \x01(\x02\x12\x17\n\x0flabel_smoothing\x18\x03 \x01(\x02\x12\x17\n\x0fmini_batch_size\x18\x04 \x01(\x05\"\x83\x01\n\x0fTrainDPORequest\x12(\n\x05pairs\x18\x01 \x03(\x0b\x32\x19.meshrl.v1.PreferencePair\x12 \n\x04loss\x18\x02 \x01(\x0b\x32\x12.meshrl.v1.DPOLoss\x12$\n\x08run_step\x18\x03 \x01(\x0b\x32\x12.meshrl.v1.RunStep2\xaf\x06\n\x07Trainer\x12J\n\x0f\x43omputeLogProbs\x12\x1a.meshrl.v1.LogProbsRequest\x1a\x1b.meshrl.v1.LogProbsResponse\x12\x44\n\rComputeValues\x12\x18.meshrl.v1.ValuesRequest\x1a\x19.meshrl.v1.ValuesResponse\x12\x44\n\nTrainActor\x12\x1c.meshrl.v1.TrainActorRequest\x1a\x18.meshrl.v1.TrainResponse\x12\x46\n\x0bTrainCritic\x12\x1d.meshrl.v1.TrainCriticRequest\x1a\x18.meshrl.v1.TrainResponse\x12@\n\x08TrainDPO\x12\x1a.meshrl.v1.TrainDPORequest\x1a\x18.meshrl.v1.TrainResponse\x12L\n\x0bPushWeights\x12\x1d.meshrl.v1.PushWeightsRequest\x1a\x1e.meshrl.v1.PushWeightsResponse\x12M\n\x0eSaveCheckpoint\x12\x1c.meshrl.v1.CheckpointRequest\x1a\x1d.meshrl.v1.CheckpointResponse\x12M\n\x0eLoadCheckpoint\x12\x1c.meshrl.v1.CheckpointRequest\x1a\x1d.meshrl.v1.CheckpointResponse\x12G\n\x08\x45xportHF\x12\x1c.meshrl.v1.CheckpointRequest\x1a\x1d.meshrl.v1.CheckpointResponse\x12<\n\x07GetInfo\x12\x19.meshrl.v1.GetInfoRequest\x1a\x16.meshrl.v1.ServiceInfo\x12O\n\x0c\x43onfigureRun\x12\x1e.meshrl.v1.ConfigureRunRequest\x1a\x1f.meshrl.v1.ConfigureRunResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshrl.v1.trainer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_RUNSTEP_METRICSENTRY']._loaded_options = None
+  _globals['_RUNSTEP_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_TRAINRESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_OPTIMSETTINGS']._serialized_start=63
@@ -48,40 +50,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACTORLOSS']._serialized_end=1086
   _globals['_TRAINACTORREQUEST']._serialized_start=1089
   _globals['_TRAINACTORREQUEST']._serialized_end=1265
-  _globals['_RUNSTEP']._serialized_start=1267
-  _globals['_RUNSTEP']._serialized_end=1329
-  _globals['_TRAINCOLUMNS']._serialized_start=1332
-  _globals['_TRAINCOLUMNS']._serialized_end=1509
-  _globals['_VALUESREQUEST']._serialized_start=1511
-  _globals['_VALUESREQUEST']._serialized_end=1571
-  _globals['_TOKENVALUES']._serialized_start=1573
-  _globals['_TOKENVALUES']._serialized_end=1614
-  _globals['_VALUESRESPONSE']._serialized_start=1616
-  _globals['_VALUESRESPONSE']._serialized_end=1673
-  _globals['_CRITICSAMPLE']._serialized_start=1675
-  _globals['_CRITICSAMPLE']._serialized_end=1787
-  _globals['_TRAINCRITICREQUEST']._serialized_start=1790
-  _globals['_TRAINCRITICREQUEST']._serialized_end=1955
-  _globals['_TRAINRESPONSE']._serialized_start=1958
-  _globals['_TRAINRESPONSE']._serialized_end=2109
-  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_start=2063
-  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_end=2109
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=2111
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=2170
-  _globals['_PUSHRESULT']._serialized_start=2172
-  _globals['_PUSHRESULT']._serialized_end=2244
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=2246
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=2367
-  _globals['_CHECKPOINTREQUEST']._serialized_start=2369
-  _globals['_CHECKPOINTREQUEST']._serialized_end=2440
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=2442
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=2552
-  _globals['_PREFERENCEPAIR']._serialized_start=2555
-  _globals['_PREFERENCEPAIR']._serialized_end=2691
-  _globals['_DPOLOSS']._serialized_start=2693
-  _globals['_DPOLOSS']._serialized_end=2785
-  _globals['_TRAINDPOREQUEST']._serialized_start=2788
-  _globals['_TRAINDPOREQUEST']._serialized_end=2919
-  _globals['_TRAINER']._serialized_start=2922
-  _globals['_TRAINER']._serialized_end=3737
+  _globals['_RUNSTEP']._serialized_start=1268
+  _globals['_RUNSTEP']._serialized_end=1428
+  _globals['_RUNSTEP_METRICSENTRY']._serialized_start=1382
+  _globals['_RUNSTEP_METRICSENTRY']._serialized_end=1428
+  _globals['_TRAINCOLUMNS']._serialized_start=1431
+  _globals['_TRAINCOLUMNS']._serialized_end=1608
+  _globals['_VALUESREQUEST']._serialized_start=1610
+  _globals['_VALUESREQUEST']._serialized_end=1670
+  _globals['_TOKENVALUES']._serialized_start=1672
+  _globals['_TOKENVALUES']._serialized_end=1713
+  _globals['_VALUESRESPONSE']._serialized_start=1715
+  _globals['_VALUESRESPONSE']._serialized_end=1772
+  _globals['_CRITICSAMPLE']._serialized_start=1774
+  _globals['_CRITICSAMPLE']._serialized_end=1886
+  _globals['_TRAINCRITICREQUEST']._serialized_start=1889
+  _globals['_TRAINCRITICREQUEST']._serialized_end=2054
+  _globals['_TRAINRESPONSE']._serialized_start=2057
+  _globals['_TRAINRESPONSE']._serialized_end=2208
+  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_start=1382
+  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_end=1428
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=2210
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=2269
+  _globals['_PUSHRESULT']._serialized_start=2271
+  _globals['_PUSHRESULT']._serialized_end=2343
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=2345
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=2466
+  _globals['_CHECKPOINTREQUEST']._serialized_start=2468
+  _globals['_CHECKPOINTREQUEST']._serialized_end=2539
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=2541
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=2651
+  _globals['_PREFERENCEPAIR']._serialized_start=2654
+  _globals['_PREFERENCEPAIR']._serialized_end=2790
+  _globals['_DPOLOSS']._serialized_start=2792
+  _globals['_DPOLOSS']._serialized_end=2884
+  _globals['_TRAINDPOREQUEST']._serialized_start=2887
+  _globals['_TRAINDPOREQUEST']._serialized_end=3018
+  _globals['_TRAINER']._serialized_start=3021
+  _globals['_TRAINER']._serialized_end=3836
 # @@protoc_insertion_point(module_scope)

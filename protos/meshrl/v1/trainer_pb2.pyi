@@ -122,14 +122,23 @@ class TrainActorRequest(_message.Message):
     def __init__(self, samples: _Optional[_Iterable[_Union[TrainSample, _Mapping]]] = ..., loss: _Optional[_Union[ActorLoss, _Mapping]] = ..., columns: _Optional[_Union[TrainColumns, _Mapping]] = ..., run_step: _Optional[_Union[RunStep, _Mapping]] = ...) -> None: ...
 
 class RunStep(_message.Message):
-    __slots__ = ("run_id", "step", "data_position")
+    __slots__ = ("run_id", "step", "data_position", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DATA_POSITION_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     data_position: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., data_position: _Optional[int] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., data_position: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TrainColumns(_message.Message):
     __slots__ = ("prompt_ids", "response_ids", "advantages", "old_logprobs", "ref_logprobs", "loss_mask")
