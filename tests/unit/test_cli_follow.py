@@ -10,7 +10,7 @@ class _Client:
     def __init__(self, records):
         self.records = records
 
-    def stream_metrics(self, run_id):
+    def stream_metrics(self, run_id, from_step=0):
         return iter(self.records)
 
 
