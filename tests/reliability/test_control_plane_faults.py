@@ -164,6 +164,17 @@ class RedisServer:
             self.kill9()
 
 
+def _check_no_commit_while_redis_was_down(records, killed_at: float, back_at: float, committed: list[int]) -> None:
+    """A step's metrics get their timestamp just before its commit, and metrics.jsonl its line just after Redis
+    took it (`committed`: the lines at the end of the outage). A commit begun with Redis gone waited for Redis to
+    come back (at most one: the run waits on it), and none landed while Redis was down."""
+    began = {int(m["step"]): m["timestamp"] for m in records if "reward_mean" in m}
+    waited = [s for s, t in began.items() if killed_at <= t <= back_at]
+    assert len(waited) <= 1 and not set(waited) & set(committed), (waited, committed)
+    assert all(began[s] < killed_at for s in committed), (began, killed_at)
+    assert max(committed, default=0) < 8                                # steps were left for after the outage
+
+
 def _pings(client) -> bool:
     try:
         return client.ping()
@@ -207,14 +218,7 @@ def test_run_state_survives_a_redis_restart_with_aof_and_services_re_register_by
                 records = list(client.stream_metrics(run_id))
             assert before.step < 8                                         # Redis went away mid-run
             assert _steps(records) == list(range(1, 9))                   # nothing lost, nothing twice
-            # A step's metrics get their timestamp just before its commit, and metrics.jsonl its line just after
-            # Redis took it. A commit begun with Redis gone waited for Redis to come back (at most one: the run
-            # waits on it), and none landed while Redis was down.
-            began = {int(m["step"]): m["timestamp"] for m in records if "reward_mean" in m}
-            waited = [s for s, t in began.items() if killed_at <= t <= back_at]
-            assert len(waited) <= 1 and not set(waited) & set(committed_in_outage), (waited, committed_in_outage)
-            assert all(began[s] < killed_at for s in committed_in_outage), (began, killed_at)
-            assert max(committed_in_outage, default=0) < 8                 # steps were left for after the outage
+            _check_no_commit_while_redis_was_down(records, killed_at, back_at, committed_in_outage)
             r = redis.Redis(port=server.port, decode_responses=True)
             stored = json.loads(r.get(f"meshrl:run:{run_id}"))
             assert stored["state"] == "COMPLETED" and stored["config"] == yaml.safe_dump(run_cfg)
