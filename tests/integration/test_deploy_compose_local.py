@@ -164,6 +164,33 @@ async def registered(redis_url: str, prefix: str) -> dict[str, list[str]]:
         await registry.close()
 
 
+def start_in_dependency_order(services: list[Service], model: dict, loc: Localizer, base_env: dict[str, str],
+                              app_dir: Path) -> None:
+    """As compose does: a service starts once every replica of its dependencies passed its health check."""
+    polls = 0
+    while not all(s.healthy for s in services):
+        now = time.monotonic()                  # schedules the health checks; asserts nothing
+        polls += 1
+        assert polls < START_POLLS, "not healthy in time: " + ", ".join(
+            f"{s.name} ({'started' if s.proc else 'waiting'})" for s in services if not s.healthy)
+        unhealthy_roles = {role(s) for s in services if not s.healthy}
+        for s in services:
+            # Compose's `condition: service_healthy`: start once every dependency's replicas are healthy.
+            if s.proc is None and not depends_on(model, s) & unhealthy_roles:
+                s.start(loc, base_env, app_dir)
+                s.next_check = now + 1.0
+        for s in services:
+            if s.proc is None or s.healthy or now < s.next_check:
+                continue
+            assert s.proc.poll() is None, f"{s.name} exited with {s.proc.returncode}:\n{s.tail()}"
+            if not s.announced(loc):
+                continue
+            check = subprocess.run(s.health, env=s.env, cwd=app_dir, capture_output=True, timeout=30)
+            s.healthy = check.returncode == 0
+            s.next_check = time.monotonic() + 2.0      # the compose file's start_interval
+        time.sleep(0.2)
+
+
 def test_every_compose_command_runs_locally_becomes_healthy_and_rollout_replicas_register(
         arith_model_path, redis_url, tmp_path):
     model = compose_model(COMPOSE)
@@ -180,30 +207,8 @@ def test_every_compose_command_runs_locally_becomes_healthy_and_rollout_replicas
     base_env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                     MESHRL_RUN__REDIS_PREFIX=prefix)   # this test's own keys: registry and run state
     assert sum(role(s) == "rollout" for s in services) == NUM_ROLLOUT
-    polls = 0
     try:
-        while not all(s.healthy for s in services):
-            now = time.monotonic()                  # schedules the health checks; asserts nothing
-            polls += 1
-            assert polls < START_POLLS, "not healthy in time: " + ", ".join(
-                f"{s.name} ({'started' if s.proc else 'waiting'})" for s in services if not s.healthy)
-            unhealthy_roles = {role(s) for s in services if not s.healthy}
-            for s in services:
-                # Compose's `condition: service_healthy`: start once every dependency's replicas are healthy.
-                if s.proc is None and not depends_on(model, s) & unhealthy_roles:
-                    s.start(loc, base_env, app_dir)
-                    s.next_check = now + 1.0
-            for s in services:
-                if s.proc is None or s.healthy or now < s.next_check:
-                    continue
-                assert s.proc.poll() is None, f"{s.name} exited with {s.proc.returncode}:\n{s.tail()}"
-                if not s.announced(loc):
-                    continue
-                check = subprocess.run(s.health, env=s.env, cwd=app_dir, capture_output=True, timeout=30)
-                s.healthy = check.returncode == 0
-                s.next_check = time.monotonic() + 2.0      # the compose file's start_interval
-            time.sleep(0.2)
-
+        start_in_dependency_order(services, model, loc, base_env, app_dir)
         listed = asyncio.run(registered(local_redis, prefix))
         for r in ("rollout", "reward", "reference"):
             ours = {f"127.0.0.1:{s.port}" for s in services if role(s) == r}
