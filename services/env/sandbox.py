@@ -5,8 +5,8 @@ number of processes are limited (RLIMIT_NPROC; as root a pids cgroup, or a secco
 process); stdout past `max_output_bytes` kills the process, of stderr the last `max_output_bytes` are kept; at
 `timeout_s` the whole process group is killed, and with namespaces every process the code started (the PID
 namespace dies with its first process). Network: a fresh network namespace (no route anywhere) when the kernel
-allows one; otherwise Python's socket module is disabled in the process, which code calling libc directly can
-get around; `env.python.network: namespace` refuses to start without the namespace instead.
+allows one, with a mount namespace whose every mount is read-only but the call's working directory; otherwise Python's socket module is disabled in the process, which code calling libc directly can
+get around, and the filesystem is not isolated; `env.python.network: namespace` refuses to start without the namespace instead.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ class PythonTool:
         else:
             procs = (f"{self.cfg.max_processes} processes (pids cgroup)" if self.cgroup_base else
                      "no new processes (seccomp; root without a writable pids cgroup)")
-        pid_ns = ", PID namespace" if self.isolated else ""
+        pid_ns = ", PID namespace, read-only filesystem but its working directory" if self.isolated else \
+            ", filesystem not isolated"
         return (f"cpu {self.cfg.cpu_s}s, memory {self.cfg.memory_mb} MiB, output {self.cfg.max_output_bytes} B, "
                 f"timeout {self.cfg.timeout_s:g}s, {procs}, {net}{pid_ns}")
 
@@ -146,7 +147,8 @@ class PythonTool:
             sys.executable, "-I", CHILD, _limits(self.cfg, "namespace" if self.isolated else "sockets", cgroup),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             cwd=workdir, start_new_session=True,
-            env={"PATH": os.defpath, "HOME": workdir, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"})
+            env={"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "OMP_NUM_THREADS": "1",
+                 "PYTHONIOENCODING": "utf-8"})
         bufs, over = (bytearray(), bytearray()), asyncio.Event()
         # stdout past the limit kills the process; of stderr the last max_output_bytes are kept (a traceback's end).
         readers = [asyncio.create_task(_read_capped(proc.stdout, bufs[0], self.cfg.max_output_bytes, over)),

@@ -1,8 +1,9 @@
 """Runs one `python` tool call inside the sandbox; started by services.env.sandbox as `python -I <this file> LIMITS`.
 
 Standard library only, run by path (never imported by the service). The code arrives on stdin. Steps:
-1. a new network and PID namespace (a user namespace too when not root): no interface but a downed loopback,
-   and every process the code starts dies with the namespace's first process;
+1. a new network, PID and mount namespace (a user namespace too when not root): no interface but a downed
+   loopback, every process the code starts dies with the namespace's first process, and every mount is read-only
+   but the working directory;
 2. fork that first process (PID 1 of the namespace), which forks the code's process and reaps it;
 3. in the code's process: rlimits (CPU seconds, address space, file size, processes), then the code; a last
    expression's value is printed, as in a notebook. Root ignores RLIMIT_NPROC, so as root the service puts the
@@ -20,18 +21,44 @@ import resource
 import sys
 import traceback
 
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1   # 442 on x86_64 and aarch64
 EXIT_SETUP = 97
 
 
+class MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
+
+
 def unshare_namespaces() -> bool:
-    """New network + PID namespaces (and a user namespace when not root); False when the kernel refuses."""
-    flags = CLONE_NEWNET | CLONE_NEWPID | (0 if os.geteuid() == 0 else CLONE_NEWUSER)
+    """New network, PID and mount namespaces (and a user namespace when not root); False when the kernel refuses."""
+    flags = CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS | (0 if os.geteuid() == 0 else CLONE_NEWUSER)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.unshare(flags) == 0
     except (OSError, AttributeError):
         return False
+
+
+def read_only_but(workdir: str) -> None:
+    """In the call's own mount namespace: every mount read-only (mount_setattr, Linux 5.12+), then the working
+    directory bound on itself writable again. Writing anywhere else fails with EROFS, whatever the user."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+    def setattr_(path: str, flags: int, attr: MountAttr) -> None:
+        check(libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), flags, ctypes.byref(attr),
+                           ctypes.sizeof(attr)), f"mount_setattr {path}")
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "private mounts")
+    setattr_("/", AT_RECURSIVE, MountAttr(attr_set=MOUNT_ATTR_RDONLY))
+    check(libc.mount(workdir.encode(), workdir.encode(), None, MS_BIND, None), f"bind {workdir}")
+    setattr_(workdir, 0, MountAttr(attr_clr=MOUNT_ATTR_RDONLY))
+    os.chdir(workdir)          # the bind mount, not the read-only directory under it
 
 
 def apply_limits(limits: dict) -> None:
@@ -165,6 +192,12 @@ def main() -> None:
     if not isolated and limits["network"] == "namespace":
         print("sandbox: the kernel refused a network namespace", file=sys.stderr)
         os._exit(EXIT_SETUP)
+    if isolated:
+        try:
+            read_only_but(os.getcwd())
+        except OSError as e:
+            print(f"sandbox: cannot make the filesystem read-only: {e}", file=sys.stderr)
+            os._exit(EXIT_SETUP)
     init = os.fork()
     if init == 0:   # PID 1 of the namespace: when it exits, every process the code started is killed
         worker = os.fork()

@@ -4,6 +4,7 @@ partial rollouts the samples' per-token versions reach the run."""
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,37 @@ def check_run(run_dir: Path, k: int) -> dict:
     assert [steps[s]["data_position"] for s in sorted(steps)] == [BATCH * s for s in sorted(steps)]
     prompts = [s["prompt"] for s in samples]
     assert len(prompts) == NUM_STEPS * BATCH * 4
-    return {"lags": lags, "partial": sum(steps[s]["async/partial_samples"] for s in steps)}
+    partial = check_token_versions(steps, samples, k)
+    return {"lags": lags, "partial": partial}
+
+
+def check_token_versions(steps: dict[int, dict], samples: list[dict], k: int) -> int:
+    """A sample that several weight versions generated lists each token's version: one per token, never going
+    back, its first token's version the sample's, none newer than the weights its step trains or more than k
+    behind them; its step's async/partial_samples counts exactly those samples. Returns how many there were."""
+    partial = [s for s in samples if "weight_versions" in s]
+    for s in partial:
+        versions, trained = s["weight_versions"], int(steps[s["step"]]["weight_version"]) - 1
+        assert len(versions) == s["response_length"] and len(set(versions)) > 1, s
+        assert versions == sorted(versions) and versions[0] == s["weight_version"], s
+        assert trained - k <= versions[0] and versions[-1] <= trained, (trained, s)
+    for step, m in steps.items():
+        assert m["async/partial_samples"] == sum(s["step"] == step for s in partial), (step, m)
+    return len(partial)
+
+
+def hold_for_a_swap(engine, bound_s: float = 15.0) -> None:
+    """Each partial-rollout decode waits after its first token until a weight update is posted (the next step's,
+    which does not need this batch when k >= 2), so that the update lands inside it; `bound_s` ends the wait of a
+    decode no update comes for (the run's first batch)."""
+    between_steps = engine._between_steps
+
+    def held(rows, first_token: int) -> bool:
+        deadline = time.monotonic() + bound_s
+        while first_token == 2 and not engine._swaps and time.monotonic() < deadline:
+            time.sleep(0.01)                   # this decode thread only; the update is posted by another
+        return between_steps(rows, first_token)
+    engine._between_steps = held
 
 
 def test_no_sample_trains_more_than_k_versions_behind_for_k_1_2_3(arith_model_path, tmp_path):
@@ -59,6 +90,7 @@ def test_no_sample_trains_more_than_k_versions_behind_for_k_1_2_3(arith_model_pa
 
     async def main():
         mesh = await start_local_mesh(cfgs[1], num_rollout=1)
+        hold_for_a_swap(mesh.engines["rollout"][0].engine)
         server, port, engine = await start_coordinator(load_config(CoordinatorSettings, data={}), "127.0.0.1:0")
         client = Client(f"127.0.0.1:{port}")
         try:
@@ -77,4 +109,6 @@ def test_no_sample_trains_more_than_k_versions_behind_for_k_1_2_3(arith_model_pa
             await mesh.stop()
 
     out = asyncio.run(main())
+    assert out[1]["partial"] == 0                       # partial rollouts off: every sample is one version's
+    assert out[2]["partial"] > 0 and out[3]["partial"] > 0     # updates landed inside decodes
     print({k: {"max_lag": max(v["lags"]), "partial_samples": v["partial"]} for k, v in out.items()})

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -34,30 +33,29 @@ def docker_answers() -> bool:
     return subprocess.run(["docker", "version"], capture_output=True, timeout=30).returncode == 0
 
 
-def free_port() -> int:
-    # The host port docker compose publishes the coordinator on (deploy/docker-compose.yml's
-    # MESHRL_COORDINATOR_PORT) is fixed before `compose up`; docker, not a service of ours, binds it.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Project:
     """One compose project of deploy/docker-compose.yml under its own name, port and images."""
 
     def __init__(self, tmp: Path):
         self.name = f"meshrl-test-{os.getpid()}"
         self.env_file = tmp / "compose.env"
-        self.port = free_port()
+        # Empty: docker publishes the coordinator on an ephemeral host port (deploy/docker-compose.yml), read back
+        # with `docker compose port` (coordinator_address); no port is picked before docker binds it.
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "MESHRL_"))},
                     "MESHRL_IMAGE": IMAGE, "MESHRL_ENV_FILE": str(self.env_file),
-                    "MESHRL_COORDINATOR_PORT": str(self.port), "MESHRL_RUN_ID": RUN_ID}
+                    "MESHRL_COORDINATOR_PORT": "", "MESHRL_RUN_ID": RUN_ID}
 
     def compose(self, *args: str, timeout: float = 600) -> str:
         cmd = ["docker", "compose", "-p", self.name, "--env-file", str(self.env_file), "-f", str(COMPOSE), *args]
         out = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
         assert out.returncode == 0, f"{' '.join(args)}: {out.stdout}\n{out.stderr}"
         return out.stdout
+
+    def coordinator_address(self) -> str:
+        """The host address docker published the coordinator's port 50051 on (127.0.0.1:<ephemeral port>)."""
+        address = self.compose("port", "coordinator", "50051").strip()
+        assert re.fullmatch(r"127\.0\.0\.1:\d+", address) and not address.endswith(":0"), address
+        return address
 
     def containers(self, service: str) -> list[str]:
         return self.compose("ps", "-q", service).split()
@@ -159,7 +157,7 @@ def test_compose_up_trains_the_demo_while_rollout_scales_and_a_replica_dies(tmp_
         start = time.monotonic()
         # one rollout replica to begin with, so that scaling to 3 adds two
         project.compose("up", "-d", "--scale", "rollout=1")
-        with Client(f"127.0.0.1:{project.port}", timeout=30) as client:
+        with Client(project.coordinator_address(), timeout=30) as client:
             wait_for("the run to start", lambda: client.get_run(RUN_ID), timeout=600, every=1)
             new, scaled_at, committed = drive_faults(project, client)
         [run_container] = project.containers("run")

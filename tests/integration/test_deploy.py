@@ -283,10 +283,9 @@ def test_healthcheck_cli_exits_zero_only_while_the_server_says_serving(health_se
 def test_healthcheck_fails_when_nothing_listens():
     from services.common.rpc.healthcheck import main
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    assert main([f"127.0.0.1:{port}", "--timeout", "0.5"]) == 1
+    with socket.socket() as held:          # bound, never listening: connections to it are refused
+        held.bind(("127.0.0.1", 0))
+        assert main([f"127.0.0.1:{held.getsockname()[1]}", "--timeout", "0.5"]) == 1
 
 
 # --- Kubernetes ----------------------------------------------------------------------------------------

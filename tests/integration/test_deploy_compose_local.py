@@ -1,5 +1,7 @@
 """deploy/docker-compose.yml's commands run for real: each service's command and environment, as Compose
-resolves them, started as a local process (container hostnames -> 127.0.0.1, container ports -> free ports,
+resolves them, started as a local process (container hostnames -> 127.0.0.1, container ports -> port 0, each
+service's address the one it announces; compose starts a service after its dependencies, the only services it
+addresses, so every address it is given is known by then;
 Redis -> a spare DB of the local server); each must pass the compose file's own health check, and three
 rollout replicas started that way must all be in the Redis registry, where the coordinator's pools look."""
 
@@ -9,7 +11,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,24 +31,16 @@ START_POLLS = 750            # a bound on the start loop's passes (0.2 s apart),
 BIN = Path(sys.executable).parent
 
 
-def free_port() -> int:
-    # Kept here: compose addresses each service by a port fixed before any of them starts (the coordinator's
-    # and the replicas' settings name it), which is what this test checks; a service cannot pick its own.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Service:
-    """One compose service replica as a local process."""
+    """One compose service replica as a local process; its port is the one it announces once started."""
 
     name: str
-    argv: list[str]
-    env: dict[str, str]
-    health: list[str]
-    port: int
+    spec: dict
     log: Path
+    env: dict[str, str] | None = None
+    health: list[str] | None = None
+    port: int = 0
     proc: subprocess.Popen | None = None
     healthy: bool = False
     next_check: float = 0.0
@@ -55,12 +48,44 @@ class Service:
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
+    def start(self, loc: "Localizer", base_env: dict[str, str], app_dir: Path) -> None:
+        """Started on port 0, with the addresses of the services started before it (its dependencies)."""
+        env = {k: loc.value(str(v)) for k, v in self.spec["environment"].items()}
+        # A container's 0.0.0.0 is its own address; here that is loopback, which is also what the replica then
+        # advertises (advertise_host defaults to host unless host is 0.0.0.0).
+        if env.get("MESHRL_SERVER__HOST") == "0.0.0.0":
+            env["MESHRL_SERVER__HOST"] = "127.0.0.1"
+        env["MESHRL_SERVER__PORT"] = "0"
+        # Each container has the metrics port to itself; here every process shares loopback: port 0 too.
+        if "MESHRL_SERVER__METRICS_PORT" in env:
+            env["MESHRL_SERVER__METRICS_PORT"] = "0"
+        self.env = {**base_env, **env}
+        argv = loc.argv(self.spec["command"])
+        unresolved = [v for v in [*env.values(), *argv] if loc.names_a_service(v)]
+        assert not unresolved, f"{self.name} names a service not started before it: {unresolved}"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(argv, env=self.env, cwd=app_dir, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def announced(self, loc: "Localizer") -> bool:
+        """Whether it said where it listens (`meshrl <role> listening on 127.0.0.1:<port>`); learns its port."""
+        if not self.port:
+            found = re.search(rf"meshrl {role(self)} listening on 127\.0\.0\.1:(\d+)", self.log.read_text())
+            if not found:
+                return False
+            self.port = int(found[1])
+            loc.ports.setdefault(role(self), self.port)          # how other services address it (one replica)
+            test = self.spec["healthcheck"]["test"]
+            assert test[0] == "CMD", f"{self.name}: health check must be an exec form"
+            self.health = loc.argv(test[1:], role(self), self.port)
+        return True
+
 
 class Localizer:
     """Rewrites a value from the compose model so it means the same thing on this machine."""
 
-    def __init__(self, model: dict, ports: dict[str, int], redis_url: str, app_dir: Path):
-        self.ports = ports
+    def __init__(self, model: dict, redis_url: str, app_dir: Path):
+        self.ports: dict[str, int] = {}       # each started service's announced port
         self.redis_url = redis_url
         self.container_port = {n: s.get("environment", {}).get("MESHRL_SERVER__PORT") for n, s in model["services"].items()}
         # bind mounts point at the host path; named volumes at a folder under the app dir
@@ -78,44 +103,27 @@ class Localizer:
             value = value.replace(f"127.0.0.1:{self.container_port[own]}", f"127.0.0.1:{own_port}")
         return self.paths.get(value, value)
 
-    def argv(self, argv: list[str], own: str, own_port: int) -> list[str]:
+    def names_a_service(self, value: str) -> bool:
+        return any(re.search(rf"\b{re.escape(n)}:{p}\b", value) for n, p in self.container_port.items() if p)
+
+    def argv(self, argv: list[str], own: str | None = None, own_port: int | None = None) -> list[str]:
         out = [self.value(a, own, own_port) for a in argv]
         if out[0] in ("meshrl", "python", "torchrun"):
             out[0] = sys.executable if out[0] == "python" else str(BIN / out[0])
         return out
 
 
-def plan(model: dict, redis_url: str, app_dir: Path, logs: Path, prefix: str) -> list[Service]:
+def plan(model: dict, logs: Path) -> list[Service]:
     services = model["services"]
     order = ["trainer", "reference", "reward", "env", "rollout", "coordinator"]
     # `run` (the one-shot driver that starts the recipe) is left out: this test starts its own run;
     # tests/integration/test_compose_up.py runs the real thing
     assert set(order) | {"redis", "run"} == set(services)
-    replicas = {name: NUM_ROLLOUT if name == "rollout" else 1 for name in order}
-    ports = {name: free_port() for name in order}          # how other services address it (one replica)
-    loc = Localizer(model, ports, redis_url, app_dir)
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("MESHRL_")}
-    base_env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                    MESHRL_RUN__REDIS_PREFIX=prefix)   # this test's own keys: registry and run state
-    planned = []
     for name in order:
-        svc = services[name]
-        for i in range(replicas[name]):
-            port = ports[name] if i == 0 else free_port()
-            env = {k: loc.value(str(v)) for k, v in svc["environment"].items()}
-            # A container's 0.0.0.0 is its own address; here that is loopback, which is also what the
-            # replica then advertises (advertise_host defaults to host unless host is 0.0.0.0).
-            if env.get("MESHRL_SERVER__HOST") == "0.0.0.0":
-                env["MESHRL_SERVER__HOST"] = "127.0.0.1"
-            env["MESHRL_SERVER__PORT"] = str(port)
-            # Each container has the metrics port to itself; here every process shares loopback: any free port.
-            if "MESHRL_SERVER__METRICS_PORT" in env:
-                env["MESHRL_SERVER__METRICS_PORT"] = "0"
-            test = svc["healthcheck"]["test"]
-            assert test[0] == "CMD", f"{name}: health check must be an exec form"
-            planned.append(Service(f"{name}-{i}", loc.argv(svc["command"], name, port), {**base_env, **env},
-                                   loc.argv(test[1:], name, port), port, logs / f"{name}-{i}.log"))
-    return planned
+        assert services[name]["healthcheck"]["test"], name
+    replicas = {name: NUM_ROLLOUT if name == "rollout" else 1 for name in order}
+    return [Service(f"{name}-{i}", services[name], logs / f"{name}-{i}.log")
+            for name in order for i in range(replicas[name])]
 
 
 def depends_on(model: dict, service: Service) -> set[str]:
@@ -156,6 +164,33 @@ async def registered(redis_url: str, prefix: str) -> dict[str, list[str]]:
         await registry.close()
 
 
+def start_in_dependency_order(services: list[Service], model: dict, loc: Localizer, base_env: dict[str, str],
+                              app_dir: Path) -> None:
+    """As compose does: a service starts once every replica of its dependencies passed its health check."""
+    polls = 0
+    while not all(s.healthy for s in services):
+        now = time.monotonic()                  # schedules the health checks; asserts nothing
+        polls += 1
+        assert polls < START_POLLS, "not healthy in time: " + ", ".join(
+            f"{s.name} ({'started' if s.proc else 'waiting'})" for s in services if not s.healthy)
+        unhealthy_roles = {role(s) for s in services if not s.healthy}
+        for s in services:
+            # Compose's `condition: service_healthy`: start once every dependency's replicas are healthy.
+            if s.proc is None and not depends_on(model, s) & unhealthy_roles:
+                s.start(loc, base_env, app_dir)
+                s.next_check = now + 1.0
+        for s in services:
+            if s.proc is None or s.healthy or now < s.next_check:
+                continue
+            assert s.proc.poll() is None, f"{s.name} exited with {s.proc.returncode}:\n{s.tail()}"
+            if not s.announced(loc):
+                continue
+            check = subprocess.run(s.health, env=s.env, cwd=app_dir, capture_output=True, timeout=30)
+            s.healthy = check.returncode == 0
+            s.next_check = time.monotonic() + 2.0      # the compose file's start_interval
+        time.sleep(0.2)
+
+
 def test_every_compose_command_runs_locally_becomes_healthy_and_rollout_replicas_register(
         arith_model_path, redis_url, tmp_path):
     model = compose_model(COMPOSE)
@@ -166,32 +201,14 @@ def test_every_compose_command_runs_locally_becomes_healthy_and_rollout_replicas
     app_dir.mkdir()
     (app_dir / "examples").symlink_to(REPO / "examples")
     (tmp_path / "logs").mkdir()
-    services = plan(model, local_redis, app_dir, tmp_path / "logs", prefix)
+    services = plan(model, tmp_path / "logs")
+    loc = Localizer(model, local_redis, app_dir)
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("MESHRL_")}
+    base_env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                    MESHRL_RUN__REDIS_PREFIX=prefix)   # this test's own keys: registry and run state
     assert sum(role(s) == "rollout" for s in services) == NUM_ROLLOUT
-    polls = 0
     try:
-        while not all(s.healthy for s in services):
-            now = time.monotonic()                  # schedules the health checks; asserts nothing
-            polls += 1
-            assert polls < START_POLLS, "not healthy in time: " + ", ".join(
-                f"{s.name} ({'started' if s.proc else 'waiting'})" for s in services if not s.healthy)
-            unhealthy_roles = {role(s) for s in services if not s.healthy}
-            for s in services:
-                # Compose's `condition: service_healthy`: start once every dependency's replicas are healthy.
-                if s.proc is None and not depends_on(model, s) & unhealthy_roles:
-                    with s.log.open("w") as log:
-                        s.proc = subprocess.Popen(s.argv, env=s.env, cwd=app_dir, stdout=log,
-                                                  stderr=subprocess.STDOUT, start_new_session=True)
-                    s.next_check = now + 1.0
-            for s in services:
-                if s.proc is None or s.healthy or now < s.next_check:
-                    continue
-                assert s.proc.poll() is None, f"{s.name} exited with {s.proc.returncode}:\n{s.tail()}"
-                check = subprocess.run(s.health, env=s.env, cwd=app_dir, capture_output=True, timeout=30)
-                s.healthy = check.returncode == 0
-                s.next_check = time.monotonic() + 2.0      # the compose file's start_interval
-            time.sleep(0.2)
-
+        start_in_dependency_order(services, model, loc, base_env, app_dir)
         listed = asyncio.run(registered(local_redis, prefix))
         for r in ("rollout", "reward", "reference"):
             ours = {f"127.0.0.1:{s.port}" for s in services if role(s) == r}

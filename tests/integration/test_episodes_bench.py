@@ -10,14 +10,18 @@ from bench import episodes as bench
 from services.env.calculator import evaluate
 
 
+# Worked by hand from the bench's documented rule (length x (character-code sum mod 997 + 2) + 7):
+# "" -> 0 x 2 + 7; "12+7=19": codes 49+50+43+55+61+49+57 = 364, 7 x 366 + 7; "zz 3": 122+122+32+51 = 327, 4 x 329 + 7.
+ANSWERS = {"": 7, "12+7=19": 2569, "zz 3": 1323}
+
+
 def test_the_scripted_parser_reads_every_turn_as_one_calculator_call_the_calculator_answers():
-    for text in ["", "12+7=19", "zz 3"]:
+    for text, answer in ANSWERS.items():
         parsed = bench.scripted_calculator_call(text)
         [call] = parsed.calls
         assert call.name == "calculator" and not parsed.errors and parsed.content == text
-        expression = call.arguments["expression"]
-        checksum = sum(map(ord, text)) % 997
-        assert evaluate(expression) == len(text) * (checksum + 2) + 7
+        assert set(call.arguments) == {"expression"}
+        assert evaluate(call.arguments["expression"]) == answer
 
 
 def test_the_episodes_bench_plays_tool_calls_through_an_env_replica_beside_the_same_token_generate(tmp_path):

@@ -8,6 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from coordinator.recipe.config import RunConfig
 from coordinator.training import loop
@@ -50,6 +51,10 @@ def test_a_grpo_step_of_env_agent_episodes_trains_on_the_models_tokens_only(arit
             "run": {"num_steps": 1, "run_dir": str(tmp_path)},
         }
         mesh = await start_local_mesh(config, num_rollout=1, num_reference=0)
+        # The samples of the TrainActor request, as the trainer received them.
+        trainer = mesh.engines["trainer"][0]
+        train_actor_step = trainer.train_actor_step
+        trainer.train_actor_step = lambda samples, *args: (received.extend(samples), train_actor_step(samples, *args))[1]
         try:
             ctx = await open_context("episodes-e2e", load_config(RunConfig, data=mesh.config))
             metrics = await loop.rl_step(ctx)
@@ -61,6 +66,7 @@ def test_a_grpo_step_of_env_agent_episodes_trains_on_the_models_tokens_only(arit
             await env_server.stop(0)
             await env_engine.close()
 
+    received = []
     metrics, samples = asyncio.run(main())
     assert len(samples) == 16
     for s in samples:
@@ -71,4 +77,18 @@ def test_a_grpo_step_of_env_agent_episodes_trains_on_the_models_tokens_only(arit
             assert s.episode["env_reward"] == 3.0 and (mask == 0).sum() > 0
     assert metrics["end_reason/answer"] + metrics.get("end_reason/length", 0.0) == pytest.approx(1.0)
     assert metrics["turns_per_episode"] > 1.0 and metrics["num_observation_tokens"] > 0
-    assert "actor/pg_loss" in metrics or any(k.startswith("actor/") for k in metrics)
+    # Only the model's tokens train: the trainer got every episode's mask, 0 on exactly the observation tokens
+    # (the environment's "+1=" turns), and counted only the 1s.
+    tokenizer = AutoTokenizer.from_pretrained(arith_model_path)
+    by_response = {tuple(s.response_ids): s for s in samples}
+    assert len(received) == 16 and {tuple(r.response_ids) for r in received} == set(by_response)
+    observed = 0
+    for r in received:
+        mask = np.asarray(r.loss_mask if len(r.loss_mask) else np.ones(len(r.response_ids)), dtype=int)
+        assert mask.tolist() == np.asarray(by_response[tuple(r.response_ids)].loss_mask).tolist()
+        zeros = np.flatnonzero(mask == 0)
+        if len(zeros):
+            assert "+1=" in tokenizer.decode([r.response_ids[i] for i in zeros]).replace(" ", "")
+        observed += len(zeros)
+    assert observed == metrics["num_observation_tokens"] > 0
+    assert metrics["actor/num_tokens"] == sum(len(s.response_ids) for s in samples) - observed

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,18 +21,11 @@ from services.rollout.config import RolloutSettings
 from services.rollout.engine_openai.engine import OpenAIEngine
 from services.rollout.testing import make_tiny_model, random_state_like
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
+from tests import ports
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")]
 START_TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    # `vllm serve` takes --port and does not report a port 0 it bound: the one external program here that needs
-    # a port picked before it starts.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,28 +33,44 @@ def served(tmp_path_factory):
     # head_dim 32: vLLM's CPU attention takes 32, 64, 80, ... (see test_rollout_vllm_engine.py)
     model_dir = make_tiny_model(tmp_path_factory.mktemp("vllm_serve_model"), hidden_size=128,
                                 max_position_embeddings=256)
-    port = _free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                             "--port", str(port), "--max-model-len", "256", "--dtype", "float32", "--enforce-eager"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    logs = tmp_path_factory.mktemp("vllm_serve_logs")
+    procs: list[subprocess.Popen] = []
+
+    def start(port: int) -> int:
+        """`vllm serve` on `port` until it answers; a crash fails the test, unless its bind met a port in use."""
+        log = logs / f"vllm-{port}.log"
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+        with log.open("w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                     model_dir, "--port", str(port), "--max-model-len", "256", "--dtype", "float32",
+                                     "--enforce-eager"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        procs.append(proc)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                pytest.skip(f"vllm serve exited with {proc.returncode} before it answered")
+                if ports.in_use(log.read_text(errors="replace")):
+                    raise ports.PortInUse(port)
+                pytest.fail(f"vllm serve exited with {proc.returncode} before it answered:\n"
+                            f"{log.read_text(errors='replace')[-3000:]}")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                    break
+                    return port
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
                 pytest.fail(f"vllm serve did not answer within {START_TIMEOUT_S}s")
             time.sleep(2)
+
+    try:
+        # `vllm serve` takes --port and does not report a port 0 it bound: tests/ports.py picks one, and another
+        # only when vllm's bind says the port is in use.
+        port = ports.start_on_a_port(start)
         yield model_dir, f"http://127.0.0.1:{port}/v1"
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
 
 
 def engine(model_dir: str, url: str, weights_dir, **rollout) -> OpenAIEngine:

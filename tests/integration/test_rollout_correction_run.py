@@ -14,15 +14,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("correction,steps_with_metrics", [
-    ({"mode": "decoupled", "level": "sequence", "method": "truncate", "threshold": 2.0}, [1, 2]),
-    # bypass: measured on the parity steps only (step 1 and every 2nd)
-    ({"mode": "bypass"}, [1, 2]),
-    ({"mode": "decoupled", "level": "geometric", "method": "mask", "threshold": 1.5}, [1, 2]),
+    # decoupled: the trainer's old log-probs are computed, and the correction measured, on every step
+    ({"mode": "decoupled", "level": "sequence", "method": "truncate", "threshold": 2.0}, [1, 2, 3, 4]),
+    # bypass: measured on the parity steps only (step 1 and every 3rd): not on steps 2 and 4
+    ({"mode": "bypass"}, [1, 3]),
+    ({"mode": "decoupled", "level": "geometric", "method": "mask", "threshold": 1.5}, [1, 2, 3, 4]),
 ])
 def test_the_corrections_metrics_appear_in_metrics_jsonl(arith_model_path, tmp_path, correction, steps_with_metrics):
-    config = base_config(arith_model_path, tmp_path, run={"num_steps": 2},
+    config = base_config(arith_model_path, tmp_path, run={"num_steps": 4},
                          algorithm={"adv_estimator": "grpo", "rollout_correction": correction,
-                                    "logprob_parity_every": 2}, data={"heldout_size": 0, "heldout_files": []})
+                                    "logprob_parity_every": 3}, data={"heldout_size": 0, "heldout_files": []})
 
     async def body(mesh, address):
         client = Client(address)
@@ -32,8 +33,12 @@ def test_the_corrections_metrics_appear_in_metrics_jsonl(arith_model_path, tmp_p
         assert final.state == "COMPLETED", final
         records = [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in records if "reward_mean" in r]
+        assert [int(r["step"]) for r in steps] == [1, 2, 3, 4]
         assert [int(r["step"]) for r in steps if "rollout_corr/ess" in r] == steps_with_metrics
-        for r in steps:
+        # a step without the measurement has none of its metrics (no stale or zero stand-ins)
+        assert not any(k.startswith("rollout_corr/") for r in steps if int(r["step"]) not in steps_with_metrics
+                       for k in r)
+        for r in (r for r in steps if int(r["step"]) in steps_with_metrics):
             assert 0 < r["rollout_corr/ess"] <= 1 + 1e-6 and r["rollout_corr/kl_k3"] >= -1e-6
             assert {"rollout_corr/weight_mean", "rollout_corr/weight_max", "rollout_corr/kl_k1",
                     "rollout_corr/log_ppl_diff"} <= set(r)

@@ -160,9 +160,16 @@ def test_a_new_channel_reaches_a_service_that_just_came_up_on_a_port_that_failed
     import socket
 
     async def main():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # A socket bound to the port but not listening holds it (connections are refused) for the whole test; with
+        # SO_REUSEADDR on both, the server binds it too once it starts (Linux lets a listener join a bound,
+        # non-listening socket): nothing else can take the port in between.
+        with socket.socket() as held:
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            held.bind(("127.0.0.1", 0))
+            port = held.getsockname()[1]
+            return await reach(port)
+
+    async def reach(port: int):
         async with create_channel(f"127.0.0.1:{port}", max_attempts=1) as early:
             for _ in range(3):
                 with pytest.raises(grpc.aio.AioRpcError):

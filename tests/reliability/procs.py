@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -15,14 +14,17 @@ from typing import Any, Callable
 
 import yaml
 
-from coordinator.cli.launcher import Child, Launcher
+from coordinator.cli.launcher import Child, Launcher, ServiceFailed
 from coordinator.client import Client
 from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
 from services.common.config import load_config
+from tests import ports
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "examples" / "arith" / "data" / "train.jsonl")
 HELDOUT = str(REPO / "examples" / "arith" / "data" / "heldout.jsonl")
+# What a service prints when it cannot bind its port (services/common/rpc/server.py's bind_failure).
+BIND_FAILED = "could not bind 127.0.0.1:"
 # Keys whose values differ between two runs of the same seed (clocks, throughput).
 TIMING_KEYS = ("time/", "timestamp", "samples_per_s", "tokens_per_s", "seconds", "gb_per_s")
 
@@ -59,12 +61,6 @@ def with_addresses(cfg: dict, addresses: dict[str, list[str]]) -> dict:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Procs:
     """Service processes of one test. Every process is killed at close(), whatever happened."""
 
@@ -95,18 +91,21 @@ class Procs:
         os.kill(child.proc.pid, signal.SIGKILL)
         child.proc.wait(timeout=30)
 
-    def restart(self, child: Child, *, wait: bool = True) -> Child:
-        """The same role on the same port (static server lists keep naming it)."""
-        port = int(child.address.rsplit(":", 1)[1])
-        for _ in range(50):                    # the old socket may linger a moment after SIGKILL
+    def restart(self, child: Child) -> Child:
+        """The same role on the same port (static server lists keep naming it), once it serves."""
+        def start(port: int) -> Child:
+            new = self.start(child.role, port=port, args=getattr(child, "args", []), wait=False)
             try:
-                with socket.socket() as s:
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)    # as grpc binds
-                    s.bind(("127.0.0.1", port))
-                break
-            except OSError:
-                time.sleep(0.1)
-        return self.start(child.role, port=port, args=getattr(child, "args", []), wait=wait)
+                self.wait(new)
+            except ServiceFailed:
+                # Only a bind that failed on a port still in use (the old socket may linger a moment after
+                # SIGKILL) is tried again; any other failure is the test's.
+                if f"{BIND_FAILED}{port}: " in Procs.log(new) and ports.in_use(Procs.log(new)):
+                    time.sleep(0.2)
+                    raise ports.PortInUse(port) from None
+                raise
+            return new
+        return ports.start_on_a_port(start, port=int(child.address.rsplit(":", 1)[1]), attempts=25)
 
     @staticmethod
     def log(child: Child) -> str:

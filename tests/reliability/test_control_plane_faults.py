@@ -13,7 +13,8 @@ import yaml
 
 from coordinator.client import Client
 
-from tests.reliability.procs import Procs, free_port, run_config, wait_until, with_addresses, write_config
+from tests import ports
+from tests.reliability.procs import Procs, run_config, wait_until, with_addresses, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -117,12 +118,12 @@ def test_a_killed_trainer_pauses_the_run_with_the_reason_and_resume_run_continue
 
 
 class RedisServer:
-    """A redis-server of the test's own on a spare port (the shared one on 6379 is never touched)."""
+    """A redis-server of the test's own (the shared one on 6379 is never touched). It cannot bind port 0 and report
+    it (`--port 0` turns TCP off): it starts on a port of tests/ports.py's range (another one while that one is in
+    use) and is restarted on the same one mid-test."""
 
     def __init__(self, workdir: Path, *, aof: bool):
-        # redis-server cannot bind port 0 and report it (`--port 0` turns TCP off), and it is restarted on the
-        # same port mid-test: the one place a port is picked before the server binds it.
-        self.port = free_port()
+        self.port: int | None = None
         self.workdir = workdir
         self.aof = aof
         self.proc = None
@@ -133,13 +134,26 @@ class RedisServer:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = ports.start_on_a_port(self._start, port=self.port, attempts=8 if self.port is None else 25)
+
+    def _start(self, port: int) -> int:
         persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.aof else ["--appendonly", "no"]
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--dir", str(self.workdir), "--save", "", *persistence],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-        wait_until(lambda: _pings(client), 30, "redis-server to start")
-        client.close()
+        log = self.workdir / "redis-server.log"
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                                          "--dir", str(self.workdir), "--save", "", *persistence],
+                                         stdout=out, stderr=subprocess.STDOUT)
+        client = redis.Redis(port=port)
+        try:
+            wait_until(lambda: self.proc.poll() is not None or _pings(client), 30, "redis-server to start")
+        finally:
+            client.close()
+        if self.proc.poll() is not None:
+            if ports.in_use(log.read_text()):
+                time.sleep(0.2)
+                raise ports.PortInUse(port)
+            raise AssertionError(f"redis-server exited with {self.proc.returncode}:\n{log.read_text()[-2000:]}")
+        return port
 
     def kill9(self) -> None:
         self.proc.kill()
@@ -148,6 +162,17 @@ class RedisServer:
     def close(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.kill9()
+
+
+def _check_no_commit_while_redis_was_down(records, killed_at: float, back_at: float, committed: list[int]) -> None:
+    """A step's metrics get their timestamp just before its commit, and metrics.jsonl its line just after Redis
+    took it (`committed`: the lines at the end of the outage). A commit begun with Redis gone waited for Redis to
+    come back (at most one: the run waits on it), and none landed while Redis was down."""
+    began = {int(m["step"]): m["timestamp"] for m in records if "reward_mean" in m}
+    waited = [s for s, t in began.items() if killed_at <= t <= back_at]
+    assert len(waited) <= 1 and not set(waited) & set(committed), (waited, committed)
+    assert all(began[s] < killed_at for s in committed), (began, killed_at)
+    assert max(committed, default=0) < 8                                # steps were left for after the outage
 
 
 def _pings(client) -> bool:
@@ -178,9 +203,14 @@ def test_run_state_survives_a_redis_restart_with_aof_and_services_re_register_by
                 wait_until(lambda: client.get_run(run_id).step >= 2, 300, "two completed steps")
                 before = client.get_run(run_id)
                 server.kill9()
-                # Redis stays away a while: the run's next commit meets no Redis (the store retries). The
-                # assertions below hold for any outage length, so this wait orders nothing they check.
+                killed_at = time.time()
+                # Redis stays away a while: the run's next store call meets no Redis and retries (RedisStore's
+                # Retry) instead of failing. The assertions below hold for any outage length, so this wait orders
+                # nothing they check.
                 time.sleep(3.0)
+                jsonl = Path(before.run_dir) / "metrics.jsonl"
+                committed_in_outage = _steps(map(json.loads, jsonl.read_text().splitlines()))
+                back_at = time.time()
                 server.start()
                 final = client.wait(run_id)
                 assert final.state == "COMPLETED", final.message
@@ -188,6 +218,7 @@ def test_run_state_survives_a_redis_restart_with_aof_and_services_re_register_by
                 records = list(client.stream_metrics(run_id))
             assert before.step < 8                                         # Redis went away mid-run
             assert _steps(records) == list(range(1, 9))                   # nothing lost, nothing twice
+            _check_no_commit_while_redis_was_down(records, killed_at, back_at, committed_in_outage)
             r = redis.Redis(port=server.port, decode_responses=True)
             stored = json.loads(r.get(f"meshrl:run:{run_id}"))
             assert stored["state"] == "COMPLETED" and stored["config"] == yaml.safe_dump(run_cfg)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,23 @@ from services.env.types import ToolError
 LIMITS = {"timeout_s": 4, "cpu_s": 2, "memory_mb": 512, "max_output_bytes": 2048, "max_processes": 16}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_workdirs(tmp_path_factory):
+    """The sandbox's working directories under a folder of this module's own, so that the sandbox processes of
+    other test runs on the machine are not counted as this one's."""
+    saved, tempfile.tempdir = tempfile.tempdir, str(tmp_path_factory.mktemp("sandbox_workdirs"))
+    yield tempfile.tempdir
+    tempfile.tempdir = saved
+
+
 def _sandbox_processes() -> list[int]:
-    """Processes still running the sandbox (forked children keep its command line)."""
+    """Processes still running the sandbox of this module's calls (forked children keep its command line and its
+    working directory)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if b"sandbox_child.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"sandbox_child.py" in Path(f"/proc/{pid}/cmdline").read_bytes() and \
+                    os.readlink(f"/proc/{pid}/cwd").startswith(tempfile.gettempdir()):
                 found.append(int(pid))
         except OSError:
             pass
@@ -48,33 +60,63 @@ def test_python_prints_and_shows_a_last_expression(engine):
     assert (result.error, result.content) == ("", "hi\n42\n")
 
 
-@pytest.mark.parametrize("code, expected", [
-    ("while True:\n    pass", ("timed out after 4s", "CPU time limit of 2s")),
-    ("x = bytearray(10 * 2**30)", ("MemoryError",)),
-    ("import os\nwhile True:\n    os.fork()", ("BlockingIOError", "Resource temporarily unavailable", "timed out",
-                                               "CPU time limit", "output past")),
-    ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=3)",
-     ("Network is unreachable", "network access is disabled")),
+def _isolated(engine: EnvEngine) -> bool:
+    """Whether this replica's sandbox has its namespaces (else the best-effort fallback: GetInfo says which)."""
+    return "network namespace" in engine.info()["python_sandbox"]
+
+
+NO_ROUTE = "OSError: [Errno 101] Network is unreachable"
+NO_SOCKET = "PermissionError: network access is disabled in the python tool"
+
+
+# Each runaway is stopped by the limit meant for it, with that limit's own error (namespaced, fallback).
+@pytest.mark.parametrize("code, namespaced, fallback", [
+    ("x = bytearray(10 * 2**30)", "MemoryError", "MemoryError"),
+    # the process limit stops a fork bomb: fork fails with EAGAIN long before any time limit
+    ("import os\nwhile True:\n    os.fork()", "BlockingIOError: [Errno 11] Resource temporarily unavailable",
+     "BlockingIOError: [Errno 11] Resource temporarily unavailable"),
+    ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=3)", NO_ROUTE, NO_SOCKET),
+    # with no interface the name lookup cannot reach a resolver; without sockets nothing is even tried
     ("import urllib.request\nurllib.request.urlopen('http://example.com', timeout=3)",
-     ("Network is unreachable", "network access is disabled", "Temporary failure in name resolution",
-      "Name or service not known")),
-    ("print('x' * 100000)", ("output past env.python.max_output_bytes (2048 bytes)",)),
-    ("import time\ntime.sleep(60)", ("timed out after 4s",)),
+     "urllib.error.URLError: <urlopen error [Errno -3] Temporary failure in name resolution>", NO_SOCKET),
+    ("import urllib.request\nurllib.request.urlopen('http://1.1.1.1', timeout=3)",
+     "urllib.error.URLError: <urlopen error [Errno 101] Network is unreachable>", NO_SOCKET),
+    ("print('x' * 100000)", "output past env.python.max_output_bytes (2048 bytes)",
+     "output past env.python.max_output_bytes (2048 bytes)"),
+    ("import time\ntime.sleep(60)", "timed out after 4s", "timed out after 4s"),
 ])
-def test_the_sandbox_kills_runaway_code_and_answers_with_an_error_observation(engine, code, expected):
+def test_the_sandbox_kills_runaway_code_and_answers_with_an_error_observation(engine, code, namespaced, fallback):
     result = _call(engine, "python", code=code)
     assert result.error, result.content
     assert result.content.startswith("Error: ")
-    assert any(e in result.error for e in expected), result.error
+    assert (namespaced if _isolated(engine) else fallback) in result.error, result.error
     assert _sandbox_processes() == []          # nothing it started lives on
     # The tool still serves the next call.
     assert _call(engine, "python", code="print(1 + 1)").content == "2\n"
 
 
-def test_sandboxed_code_writes_only_its_working_directory_which_is_removed(engine):
-    result = _call(engine, "python", code="import os\nopen('f.txt', 'w').write('x')\nprint(os.getcwd())")
+def test_an_endless_loop_is_stopped_by_a_limit(engine):
+    # CPU seconds (cpu_s 2) come first on an idle machine, wall time (timeout_s 4) on a busy one: both are limits
+    result = _call(engine, "python", code="while True:\n    pass")
+    assert result.error.startswith(("killed: CPU time limit of 2s", "timed out after 4s")), result.error
+    assert _sandbox_processes() == []
+
+
+def test_sandboxed_code_writes_only_its_working_directory_which_is_removed(engine, tmp_path):
+    code = ("import os\nopen('f.txt', 'w').write('x')\nprint(os.getcwd())\n"
+            f"for path in ({str(tmp_path / 'outside.txt')!r}, '/tmp/meshrl-sandbox-escape.txt', "
+            f"os.path.join(os.path.dirname(os.getcwd()), 'sibling.txt')):\n"
+            "    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
+            "    except OSError as e:\n        print('refused', e.errno)\n")
+    result = _call(engine, "python", code=code)
     assert result.error == ""
-    assert not Path(result.content.strip()).exists()
+    workdir, *outcomes = result.content.strip().splitlines()
+    assert not Path(workdir).exists()
+    if not _isolated(engine):
+        pytest.skip("no namespaces here: the fallback sandbox does not isolate the filesystem (GetInfo says so)")
+    assert "read-only filesystem but its working directory" in engine.info()["python_sandbox"]
+    assert outcomes == ["refused 30"] * 3                    # EROFS, even for root
+    assert not (tmp_path / "outside.txt").exists() and not Path("/tmp/meshrl-sandbox-escape.txt").exists()
 
 
 def test_the_engine_answers_every_call_in_order_even_when_some_fail(engine):

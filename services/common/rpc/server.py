@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import logging
 import signal
+import socket
 import sys
 import traceback
 from dataclasses import dataclass
@@ -268,14 +269,32 @@ async def create_server(servicers: Iterable[tuple[Callable[[Any, grpc.aio.Server
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server)
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise RuntimeError(f"could not bind {address}")
+        raise RuntimeError(bind_failure(address))
     serve_metrics(config.metrics_port, config.host, _role(service_names))     # a port in use fails before serving
     await server.start()
     mesh = MeshServer(server, health_servicer, service_names, port)
     await mesh.set_serving(True)
     return mesh, port
+
+
+def bind_failure(address: str) -> str:
+    """Why `address` cannot be bound, as one line ("could not bind 127.0.0.1:50051: [Errno 98] Address already in
+    use"): gRPC's own error names no cause unless GRPC_VERBOSITY=debug."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)       # as gRPC binds
+            s.bind((host, int(port)))
+            s.listen()
+    except (OSError, ValueError) as exc:
+        return f"could not bind {address}: {exc}"
+    return f"could not bind {address}"
 
 
 def _role(service_names: Sequence[str]) -> str:
