@@ -21,7 +21,8 @@ from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import ActorLoss, CriticLoss, CriticSample, TrainSample
 from services.trainer.updates.actor import actor_loss
 
-LOSS = dict(kl_coef=0.1, entropy_coef=0.01, loss_scale_factor=8.0, policy_loss_settings={"clip_ratio_c": 3.0, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28})
+LOSS = dict(kl_coef=0.1, entropy_coef=0.01, loss_scale_factor=8.0,
+            policy_loss_settings={"clip_ratio_c": 3.0, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28})
 
 
 @pytest.fixture(scope="module")

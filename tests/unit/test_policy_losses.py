@@ -102,7 +102,8 @@ def test_dr_grpo_aggregation_divides_each_sequence_sum_by_a_constant_length():
     total = aggregate(loss, mask, "seq-mean-token-sum-norm", scale=6.0)
     total.backward()
     assert float(total.detach()) == pytest.approx((6 / 6 + 4 / 6) / 2)
-    assert loss.grad[0].tolist() == pytest.approx([1 / 12] * 3) and loss.grad[1].tolist() == pytest.approx([1 / 12, 0, 0])
+    assert loss.grad[0].tolist() == pytest.approx([1 / 12] * 3)
+    assert loss.grad[1].tolist() == pytest.approx([1 / 12, 0, 0])
     with pytest.raises(ValueError, match="loss_scale_factor"):
         aggregate(loss, mask, "seq-mean-token-sum-norm")
 

@@ -49,8 +49,8 @@ def gspo(logp, old_logp, adv, mask, s: GSPOSettings) -> PolicyLossOut:
     ratio, a = log_s.exp(), _seq_mean(adv, mask)
     unclipped = -a * ratio
     clipped = -a * ratio.clamp(1.0 - s.clip_ratio_low, 1.0 + s.clip_ratio_high)
-    loss = torch.maximum(unclipped, clipped)
-    return PolicyLossOut(loss.unsqueeze(-1).expand_as(logp), (clipped > unclipped).float().unsqueeze(-1).expand_as(logp))
+    loss, is_clipped = torch.maximum(unclipped, clipped), (clipped > unclipped).float()       # [B]
+    return PolicyLossOut(loss.unsqueeze(-1).expand_as(logp), is_clipped.unsqueeze(-1).expand_as(logp))
 
 
 def gspo_token(logp, old_logp, adv, mask, s: GSPOSettings) -> PolicyLossOut:
