@@ -2,10 +2,14 @@
 gradients computed by hand on tiny tensors, and the registry's checks of a loss's name and settings."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
+from coordinator.recipe.config import RunConfig, trainer_losses
+from services.common.config import format_validation_error, load_config
 from services.trainer.convert import actor_loss_from_pb, actor_loss_to_pb
 from services.trainer.policy_losses import POLICY_LOSSES, policy_loss_settings
 from services.trainer.types import ActorLoss
@@ -134,3 +138,33 @@ def test_the_loss_and_its_settings_cross_the_wire_under_the_recipes_names():
     assert actor_loss_from_pb(trainer_pb2.ActorLoss()).policy_loss == "vanilla"
     with pytest.raises(ValueError, match="loss.policy_loss_settings: expected a JSON object"):
         actor_loss_from_pb(trainer_pb2.ActorLoss(policy_loss_settings="[1]"))
+
+
+def _algorithm(**algorithm):
+    return trainer_losses(RunConfig(algorithm=algorithm)).actor
+
+
+def test_a_recipes_policy_loss_reaches_the_trainer_by_name_with_its_settings_unread():
+    actor = _algorithm(policy_loss={"name": "cispo", "clip_ratio_high": 0.3})
+    assert (actor.policy_loss, actor.policy_loss_settings) == ("cispo", {"clip_ratio_high": 0.3})
+    # verl's place, one level up, is the same setting.
+    assert _algorithm(clip_ratio_low=0.1, clip_ratio_c=0).policy_loss_settings == {"clip_ratio_low": 0.1,
+                                                                                  "clip_ratio_c": 0}
+
+
+@pytest.mark.parametrize("algorithm, message", [
+    ({"policy_loss": {"name": "gspo"}, "clip_ratio_c": 3.0}, "algorithm.policy_loss.clip_ratio_c: not a setting"),
+    ({"clip_ratio_low": 0.1, "policy_loss": {"clip_ratio_low": 0.2}}, "algorithm.clip_ratio_low: set here and in"),
+    ({"policy_loss": {"name": "gpso"}}, "algorithm.policy_loss.name: unknown policy loss 'gpso' (did you mean"),
+])
+def test_a_recipe_with_a_bad_policy_loss_is_refused_before_start_naming_the_key(algorithm, message):
+    with pytest.raises(ValidationError) as err:
+        RunConfig(algorithm=algorithm)
+    assert message in format_validation_error(err.value, model=RunConfig)
+
+
+def test_the_drgrpo_recipe_turns_off_std_normalisation_and_divides_by_max_tokens():
+    cfg = load_config(RunConfig, Path(__file__).resolve().parents[2] / "examples/arith/drgrpo.yaml")
+    actor = trainer_losses(cfg).actor
+    assert cfg.algorithm.norm_adv_by_std is False
+    assert (actor.loss_agg_mode, actor.loss_scale_factor) == ("seq-mean-token-sum-norm", cfg.rollout.max_tokens)
