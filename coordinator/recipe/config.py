@@ -27,11 +27,13 @@ class PolicyLossConfig(Section):
 
     @property
     def settings(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
+        """The settings the recipe wrote, as the loss's class reads them (a flag's "0.1" becomes 0.1)."""
+        given = dict(self.model_extra or {})
+        return policy_loss_settings(self.name, given, key="algorithm.policy_loss").model_dump(include=set(given))
 
     @model_validator(mode="after")
     def _settings_of_the_loss(self):
-        policy_loss_settings(self.name, self.settings, key="algorithm.policy_loss")
+        policy_loss_settings(self.name, dict(self.model_extra or {}), key="algorithm.policy_loss")
         return self
 
 

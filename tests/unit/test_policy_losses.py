@@ -168,3 +168,8 @@ def test_the_drgrpo_recipe_turns_off_std_normalisation_and_divides_by_max_tokens
     actor = trainer_losses(cfg).actor
     assert cfg.algorithm.norm_adv_by_std is False
     assert (actor.loss_agg_mode, actor.loss_scale_factor) == ("seq-mean-token-sum-norm", cfg.rollout.max_tokens)
+
+
+def test_a_setting_given_as_text_reaches_the_trainer_as_the_losss_type():
+    assert _algorithm(policy_loss={"name": "gspo", "clip_ratio_high": "1e-3"}).policy_loss_settings == {
+        "clip_ratio_high": 0.001}
