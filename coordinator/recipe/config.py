@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig, bool_choice
 from services.env.config import EnvConfig
@@ -13,7 +13,32 @@ from services.reference.config import ReferenceConfig
 from services.reward.config import RewardConfig
 from services.rollout.config import RolloutConfig
 from services.trainer.config import ActorConfig, CriticConfig, WeightSyncConfig
+from services.trainer.policy_losses import DEFAULT_POLICY_LOSS, policy_loss_settings
 from services.trainer.types import ActorLoss, CriticLoss, DPOLoss
+
+
+class PolicyLossConfig(Section):
+    """`algorithm.policy_loss:` the loss's name (POLICY_LOSSES in services/trainer/policy_losses.py) and its own
+    settings beside it, checked by that loss's settings class and sent to the trainer unread."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    name: str = DEFAULT_POLICY_LOSS
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The settings the recipe wrote, as the loss's class reads them (a flag's "0.1" becomes 0.1)."""
+        given = dict(self.model_extra or {})
+        return policy_loss_settings(self.name, given, key="algorithm.policy_loss").model_dump(include=set(given))
+
+    @model_validator(mode="after")
+    def _settings_of_the_loss(self):
+        policy_loss_settings(self.name, dict(self.model_extra or {}), key="algorithm.policy_loss")
+        return self
+
+
+# The clip knobs verl keeps beside loss_mode; written at algorithm level they are the policy loss's settings.
+CLIP_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
 
 
 class RolloutCorrectionConfig(Section):
@@ -90,12 +115,14 @@ class AlgorithmConfig(Section):
     kl_coef: float = Field(0.001, ge=0)
     target_kl: float = Field(0.1, gt=0)
     kl_horizon: int = Field(10000, ge=1)
-    clip_ratio_low: float = Field(0.2, ge=0)
-    clip_ratio_high: float = Field(0.2, ge=0)
-    # Dual-clip constant c for negative advantages; 0 turns it off.
-    clip_ratio_c: float = Field(3.0, ge=0)
+    # The policy loss and its settings: `{name: gspo, clip_ratio_low: 3.0e-4, clip_ratio_high: 4.0e-4}`; the
+    # clip knobs (clip_ratio_low, clip_ratio_high, clip_ratio_c) may also be written here, one level up, as verl does.
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     entropy_coeff: float = Field(0.0, ge=0)
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    # seq-mean-token-sum-norm's constant length (Dr. GRPO); None = rollout.max_tokens.
+    loss_scale_factor: float | None = Field(None, gt=0)
     ppo_epochs: int = Field(1, ge=1)
     ppo_mini_batch_size: int = Field(0, ge=0)
     # Critic (PPO).
@@ -116,10 +143,25 @@ class AlgorithmConfig(Section):
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _clip_keys_into_policy_loss(cls, data: Any) -> Any:
+        """`algorithm.clip_ratio_low: x` is `algorithm.policy_loss.clip_ratio_low: x` (refused when both are set)."""
+        if not isinstance(data, dict) or not any(k in data for k in CLIP_KEYS):
+            return data
+        data = dict(data)
+        loss = data.get("policy_loss") or {}
+        loss = dict(loss) if isinstance(loss, dict) else loss.model_dump()
+        for k in CLIP_KEYS:
+            if k in data:
+                if k in loss:
+                    raise ValueError(f"{k}: set here and in algorithm.policy_loss.{k}; keep one")
+                loss[k] = data.pop(k)
+        data["policy_loss"] = loss
+        return data
+
     @model_validator(mode="after")
-    def _dual_clip(self):
-        if self.clip_ratio_c and self.clip_ratio_c <= 1:
-            raise ValueError("clip_ratio_c must be > 1 (or 0 to turn dual clip off)")
+    def _one_correction(self):
         if self.tis_cap and self.rollout_correction.mode != "off":
             raise ValueError("tis_cap: set either tis_cap or rollout_correction, not both")
         return self
@@ -297,12 +339,14 @@ class TrainerLosses:
 
 
 def trainer_losses(cfg: RunConfig) -> TrainerLosses:
-    """The one place the YAML's names (verl's: clip_ratio_low, entropy_coeff, ...) become the trainer's."""
+    """The one place the YAML's names (verl's: entropy_coeff, ...) become the trainer's. The policy loss's
+    settings pass through unread: their names are the recipe's, and the trainer checks them."""
     a, d = cfg.algorithm, cfg.dpo
-    actor = ActorLoss(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, dual_clip=a.clip_ratio_c,
+    actor = ActorLoss(policy_loss=a.policy_loss.name, policy_loss_settings=a.policy_loss.settings,
                       kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type,
-                      entropy_coef=a.entropy_coeff, loss_agg_mode=a.loss_agg_mode, ppo_epochs=a.ppo_epochs,
-                      mini_batch_size=a.ppo_mini_batch_size, temperature=1.0)
+                      entropy_coef=a.entropy_coeff, loss_agg_mode=a.loss_agg_mode,
+                      loss_scale_factor=a.loss_scale_factor or float(cfg.rollout.max_tokens),
+                      ppo_epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size, temperature=1.0)
     critic = CriticLoss(clip_value=a.clip_value, ppo_epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size)
     dpo = DPOLoss(loss_type=d.loss_type, beta=d.beta, label_smoothing=d.label_smoothing,
                   mini_batch_size=d.mini_batch_size)

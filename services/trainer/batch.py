@@ -10,6 +10,7 @@ import numpy as np
 
 from services.common.tensors.modeling import validate_sequences
 from services.trainer.updates.losses import AGG_MODES, DPO_LOSSES, KL_ALIASES, KL_PENALTIES
+from services.trainer.policy_losses import policy_loss_settings
 from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, TrainSample
 
 
@@ -93,12 +94,11 @@ def validate_actor_batch(samples: Sequence[TrainSample], loss: ActorLoss, *, voc
         raise ValueError(f"loss.kl_type: unknown {loss.kl_type!r} (expected one of {', '.join(KL_PENALTIES)})")
     if loss.loss_agg_mode not in AGG_MODES:
         raise ValueError(f"loss.loss_agg_mode: unknown {loss.loss_agg_mode!r} (expected one of {', '.join(AGG_MODES)})")
-    if not 0 <= loss.clip_low < 1:
-        raise ValueError(f"loss.clip_low: must be in [0, 1), got {loss.clip_low}")
-    if loss.clip_high < 0:
-        raise ValueError(f"loss.clip_high: must be >= 0, got {loss.clip_high}")
-    if loss.dual_clip != 0 and loss.dual_clip <= 1:
-        raise ValueError(f"loss.dual_clip: must be 0 (off) or > 1, got {loss.dual_clip}")
+    policy_loss_settings(loss.policy_loss, loss.policy_loss_settings, key="loss.policy_loss")
+    if AGG_MODES[loss.loss_agg_mode].scaled and not (math.isfinite(loss.loss_scale_factor)
+                                                     and loss.loss_scale_factor > 0):
+        raise ValueError(f"loss.loss_scale_factor: {loss.loss_agg_mode} divides by a constant length > 0, "
+                         f"got {loss.loss_scale_factor}")
     if not (math.isfinite(loss.kl_coef) and loss.kl_coef >= 0):
         raise ValueError(f"loss.kl_coef: must be >= 0, got {loss.kl_coef}")
     if not math.isfinite(loss.entropy_coef):

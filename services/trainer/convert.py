@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from meshrl.v1 import common_pb2, trainer_pb2
 import numpy as np
 
@@ -13,20 +15,29 @@ from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss
 
 
 def actor_loss_from_pb(pb: trainer_pb2.ActorLoss) -> ActorLoss:
-    """Unset (zero) fields take ActorLoss's defaults; clip_high defaults to clip_low (symmetric clip)."""
+    """Unset (zero) fields take ActorLoss's defaults; the policy loss's settings arrive as a JSON object, read
+    (not checked: batch.py checks them against the loss's settings class) into a plain map."""
     d = ActorLoss()
-    clip_low = pb.clip_low or d.clip_low
-    return ActorLoss(clip_low=clip_low, clip_high=pb.clip_high or clip_low, dual_clip=pb.dual_clip,
+    try:
+        settings = json.loads(pb.policy_loss_settings) if pb.policy_loss_settings else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"loss.policy_loss_settings: not JSON ({e})") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"loss.policy_loss_settings: expected a JSON object, got {pb.policy_loss_settings!r}")
+    return ActorLoss(policy_loss=pb.policy_loss or d.policy_loss, policy_loss_settings=settings,
                      kl_coef=pb.kl_coef, kl_type=pb.kl_type or d.kl_type, entropy_coef=pb.entropy_coef,
-                     loss_agg_mode=pb.loss_agg_mode or d.loss_agg_mode, ppo_epochs=pb.ppo_epochs or d.ppo_epochs,
-                     mini_batch_size=pb.mini_batch_size, temperature=pb.temperature or d.temperature)
+                     loss_agg_mode=pb.loss_agg_mode or d.loss_agg_mode, loss_scale_factor=pb.loss_scale_factor,
+                     ppo_epochs=pb.ppo_epochs or d.ppo_epochs, mini_batch_size=pb.mini_batch_size,
+                     temperature=pb.temperature or d.temperature)
 
 
 def actor_loss_to_pb(loss: ActorLoss) -> trainer_pb2.ActorLoss:
-    return trainer_pb2.ActorLoss(clip_low=loss.clip_low, clip_high=loss.clip_high, dual_clip=loss.dual_clip,
+    return trainer_pb2.ActorLoss(policy_loss=loss.policy_loss,
+                                 policy_loss_settings=json.dumps(loss.policy_loss_settings, sort_keys=True),
                                  kl_coef=loss.kl_coef, kl_type=loss.kl_type, entropy_coef=loss.entropy_coef,
-                                 loss_agg_mode=loss.loss_agg_mode, ppo_epochs=loss.ppo_epochs,
-                                 mini_batch_size=loss.mini_batch_size, temperature=loss.temperature)
+                                 loss_agg_mode=loss.loss_agg_mode, loss_scale_factor=loss.loss_scale_factor,
+                                 ppo_epochs=loss.ppo_epochs, mini_batch_size=loss.mini_batch_size,
+                                 temperature=loss.temperature)
 
 
 def train_actor_from_pb(request: trainer_pb2.TrainActorRequest) -> tuple[list[TrainSample], ActorLoss]:

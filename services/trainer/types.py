@@ -7,6 +7,7 @@ moves them over the wire, services/trainer/batch.py validates them before any ra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -30,16 +31,18 @@ class TrainSample:
 class ActorLoss:
     """Loss settings of one TrainActor call (the ActorLoss message, with proto zeros read as defaults)."""
 
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    # Dual-clip constant c > 1 for negative advantages; 0 turns it off.
-    dual_clip: float = 0.0
+    # A key of services.trainer.policy_losses.POLICY_LOSSES, and that loss's own settings (its settings class
+    # there: clip_ratio_low, clip_ratio_high, ...); a setting left out takes the class's default.
+    policy_loss: str = "vanilla"
+    policy_loss_settings: dict[str, Any] = field(default_factory=dict)
     kl_coef: float = 0.0
     # A key of services.trainer.updates.losses.KL_PENALTIES (or one of verl's aliases).
     kl_type: str = "k3"
     entropy_coef: float = 0.0
     # A key of services.trainer.updates.losses.AGG_MODES.
     loss_agg_mode: str = "token-mean"
+    # The constant length a scaled loss_agg_mode (seq-mean-token-sum-norm) divides each sequence's sum by; 0 = unset.
+    loss_scale_factor: float = 0.0
     ppo_epochs: int = 1
     # Samples per optimizer step; 0 = the whole batch.
     mini_batch_size: int = 0

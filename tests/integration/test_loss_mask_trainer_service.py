@@ -23,7 +23,8 @@ from services.trainer.servicer import start
 from services.trainer.types import ActorLoss, CriticLoss, RunStep
 
 MODEL = str(Path(__file__).resolve().parents[2] / "examples" / "arith" / "model")
-LOSS = ActorLoss(kl_coef=0.05, entropy_coef=0.01, dual_clip=3.0, ppo_epochs=2, mini_batch_size=3)
+LOSS = ActorLoss(kl_coef=0.05, entropy_coef=0.01, policy_loss_settings={"clip_ratio_c": 3.0}, ppo_epochs=2,
+                 mini_batch_size=3)
 
 
 @contextlib.asynccontextmanager

@@ -22,7 +22,8 @@ from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import ActorLoss
 
-LOSS = ActorLoss(mini_batch_size=4, kl_coef=0.05, entropy_coef=0.01, dual_clip=3.0, ppo_epochs=2)
+LOSS = ActorLoss(mini_batch_size=4, kl_coef=0.05, entropy_coef=0.01, policy_loss_settings={"clip_ratio_c": 3.0},
+                 ppo_epochs=2)
 TOL = 1e-5
 
 

@@ -439,8 +439,8 @@ def test_limits_a_generate_with_an_absurd_sample_count_is_refused_before_it_take
 def test_limits_a_train_actor_with_an_absurd_epoch_count_is_refused_quickly(mesh):
     # Last of the module: when it is not refused, the trainer stays busy until the fixture kills it.
     request = trainer_pb2.TrainActorRequest(samples=[_valid_train_sample()],
-                                            loss=trainer_pb2.ActorLoss(ppo_epochs=2**31 - 1, clip_low=0.2,
-                                                                       clip_high=0.2))
+                                            loss=trainer_pb2.ActorLoss(ppo_epochs=2**31 - 1, policy_loss_settings=(
+                                                '{"clip_ratio_low": 0.2, "clip_ratio_high": 0.2}')))
     code, details = _call(mesh["channels"]["trainer"], "trainer", "TrainActor", request.SerializeToString(),
                           timeout=10)
     assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), (code, details)

@@ -18,7 +18,9 @@ SOURCE_DIRS = ("services", "coordinator", "examples", "bench")
 FACES = {"config", "types", "convert"}
 # The built-in reward rules are pure standard-library functions; the reward config checks a rule's name and
 # params against them wherever it loads (meshrl up, StartRun), so they belong to the reward face.
-EXTRA_FACES = {"services.reward.functions"}
+# The policy losses' names and settings schemas likewise: the recipe's algorithm.policy_loss is checked against
+# them before start, while the loss math (services/trainer/updates/policy_losses.py) stays behind the face.
+EXTRA_FACES = {"services.reward.functions", "services.trainer.policy_losses"}
 MAX_FILE_LINES = 600            # tests and benches
 MAX_SOURCE_FILE_LINES = 450     # services, coordinator, examples
 MAX_FUNCTION_LINES = 60

@@ -35,6 +35,7 @@ def test_every_service_face_imports_without_torch():
     """A face (config, types, convert) is what another service or a client reads: it needs no tensor library."""
     faces = sorted(f"services.{p.parent.name}.{p.stem}" for p in (REPO / "services").glob("*/*.py")
                    if p.stem in ("config", "types", "convert") and p.parent.name != "common")
+    faces += ["services.reward.functions", "services.trainer.policy_losses"]
     code = ("import json, sys, importlib; "
             f"[importlib.import_module(m) for m in {faces!r}]; "
             "print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))")

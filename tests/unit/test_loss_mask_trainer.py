@@ -21,7 +21,8 @@ from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import ActorLoss, CriticLoss, CriticSample, TrainSample
 from services.trainer.updates.actor import actor_loss
 
-LOSS = dict(kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0, clip_low=0.2, clip_high=0.28)
+LOSS = dict(kl_coef=0.1, entropy_coef=0.01, loss_scale_factor=8.0,
+            policy_loss_settings={"clip_ratio_c": 3.0, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28})
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,8 @@ def test_the_masked_loss_equals_the_loss_over_the_model_tokens_alone_with_the_sa
         want = sum(sum(r) for r in per_row) / sum(len(r) for r in per_row)
     elif mode == "seq-mean-token-sum":
         want = sum(sum(r) for r in per_row) / B
+    elif mode == "seq-mean-token-sum-norm":
+        want = sum(sum(r) / 8.0 for r in per_row) / B
     else:
         want = sum(sum(r) / len(r) for r in per_row) / B
     assert float(total.detach()) == pytest.approx(want, rel=1e-5)

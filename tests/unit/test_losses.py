@@ -12,8 +12,8 @@ from services.trainer.updates.losses import (aggregate, clipped_policy_loss, cli
 def _policy(ratios, advs, **kw):
     ratio = torch.tensor([ratios], dtype=torch.float64)
     adv = torch.tensor([advs], dtype=torch.float64)
-    kw.setdefault("clip_low", 0.2)
-    kw.setdefault("clip_high", 0.2)
+    kw.setdefault("clip_ratio_low", 0.2)
+    kw.setdefault("clip_ratio_high", 0.2)
     loss, clipped = clipped_policy_loss(ratio.log(), torch.zeros_like(ratio), adv, **kw)
     return loss[0].tolist(), clipped[0].tolist()
 
@@ -44,13 +44,13 @@ def test_policy_loss_clips_ratios_below_the_range_for_negative_advantages():
 
 
 def test_clip_higher_widens_only_the_upper_bound():
-    loss, clipped = _policy([1.25, 0.7], [1.0, -1.0], clip_low=0.2, clip_high=0.28)
+    loss, clipped = _policy([1.25, 0.7], [1.0, -1.0], clip_ratio_low=0.2, clip_ratio_high=0.28)
     assert loss == pytest.approx([-1.25, 0.8])
     assert clipped == [0.0, 1.0]
 
 
 def test_dual_clip_bounds_the_loss_of_negative_advantages_at_c_times_advantage():
-    loss, clipped = _policy([5.0, 2.0, 5.0], [-1.0, -1.0, 1.0], dual_clip=3.0)
+    loss, clipped = _policy([5.0, 2.0, 5.0], [-1.0, -1.0, 1.0], clip_ratio_c=3.0)
     # ratio 5, A=-1: max(5, 1.2) = 5, bounded by 3; ratio 2: 2 < 3 stays; A>0 untouched (clipped to -1.2).
     assert loss == pytest.approx([3.0, 2.0, -1.2])
     assert clipped == [1.0, 0.0, 1.0]
@@ -58,7 +58,7 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages_at_c_times_advantage()
 
 def test_policy_loss_gradient_is_zero_where_clipped():
     logp = torch.tensor([[math.log(1.5), math.log(1.1)]], requires_grad=True)
-    loss, _ = clipped_policy_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), clip_low=0.2, clip_high=0.2)
+    loss, _ = clipped_policy_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), clip_ratio_low=0.2, clip_ratio_high=0.2)
     loss.sum().backward()
     assert logp.grad[0, 0].item() == 0.0
     assert logp.grad[0, 1].item() == pytest.approx(-1.1)

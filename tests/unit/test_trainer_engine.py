@@ -103,6 +103,12 @@ def _bad_cases():
                             r"samples\[0\]\.old_logprobs\[2\]: not finite"),
         "unknown kl_type": (edit(lambda s: None, kl_type="k7"), "loss.kl_type"),
         "unknown loss_agg_mode": (edit(lambda s: None, loss_agg_mode="sum"), "loss.loss_agg_mode"),
+        "unknown policy loss": (edit(lambda s: None, policy_loss="ppo2"), r"loss\.policy_loss\.name: unknown"),
+        "a setting of another loss": (edit(lambda s: None, policy_loss="gspo",
+                                           policy_loss_settings={"clip_ratio_c": 3}),
+                                      r"loss\.policy_loss\.clip_ratio_c: not a setting of policy loss 'gspo'"),
+        "norm without its length": (edit(lambda s: None, loss_agg_mode="seq-mean-token-sum-norm"),
+                                    "loss.loss_scale_factor"),
         "token outside vocab": (edit(lambda s: s[1].response_ids.__setitem__(0, 32)),
                                 r"samples\[1\]\.response_ids: token id 32"),
         "negative token": (edit(lambda s: s[0].prompt_ids.__setitem__(0, -1)), r"samples\[0\]\.prompt_ids"),
@@ -162,14 +168,17 @@ def test_a_model_folder_without_config_is_named_by_the_key_the_user_set(tmp_path
     assert str(err.value) == f"{section}.{key}: {missing!r} is not a Hugging Face model folder (no config.json)"
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
-def test_gradient_accumulation_over_micro_batches_equals_one_big_batch(model_path, mode):
+@pytest.mark.parametrize("mode,policy", [("token-mean", "vanilla"), ("seq-mean-token-sum", "vanilla"),
+                                         ("seq-mean-token-mean", "vanilla"), ("seq-mean-token-sum-norm", "vanilla"),
+                                         ("seq-mean-token-mean", "gspo"), ("token-mean", "cispo")])
+def test_gradient_accumulation_over_micro_batches_equals_one_big_batch(model_path, mode, policy):
     # A small lr: Adam's first step is lr * g / (|g| + eps), so near-zero gradients amplify rounding.
     big = engine(model_path, lr=1e-4, micro_batch_token_budget=100_000, shuffle=False)
     small = engine(model_path, lr=1e-4, micro_batch_token_budget=8, shuffle=False)   # ~one sample per micro-batch
     samples = with_old_logprobs(big, random_samples(8, seed=1))
-    m_big = big.train_actor(samples, ActorLoss(loss_agg_mode=mode))
-    m_small = small.train_actor(samples, ActorLoss(loss_agg_mode=mode))
+    loss = ActorLoss(loss_agg_mode=mode, loss_scale_factor=6.0, policy_loss=policy)
+    m_big = big.train_actor(samples, loss)
+    m_small = small.train_actor(samples, loss)
     assert m_small["pg_loss"] == pytest.approx(m_big["pg_loss"], abs=1e-6)
     assert m_small["grad_norm"] == pytest.approx(m_big["grad_norm"], rel=1e-5)
     pb, ps = params(big), params(small)

@@ -86,28 +86,28 @@ class TrainSample(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., ref_logprobs: _Optional[_Iterable[float]] = ..., response_ids_packed: _Optional[bytes] = ..., advantages_packed: _Optional[bytes] = ..., old_logprobs_packed: _Optional[bytes] = ..., ref_logprobs_packed: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ...) -> None: ...
 
 class ActorLoss(_message.Message):
-    __slots__ = ("clip_low", "clip_high", "dual_clip", "kl_coef", "kl_type", "entropy_coef", "loss_agg_mode", "ppo_epochs", "mini_batch_size", "temperature")
-    CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
-    CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
-    DUAL_CLIP_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("policy_loss", "policy_loss_settings", "kl_coef", "kl_type", "entropy_coef", "loss_agg_mode", "loss_scale_factor", "ppo_epochs", "mini_batch_size", "temperature")
+    POLICY_LOSS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_LOSS_SETTINGS_FIELD_NUMBER: _ClassVar[int]
     KL_COEF_FIELD_NUMBER: _ClassVar[int]
     KL_TYPE_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
     LOSS_AGG_MODE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FACTOR_FIELD_NUMBER: _ClassVar[int]
     PPO_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     MINI_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    clip_low: float
-    clip_high: float
-    dual_clip: float
+    policy_loss: str
+    policy_loss_settings: str
     kl_coef: float
     kl_type: str
     entropy_coef: float
     loss_agg_mode: str
+    loss_scale_factor: float
     ppo_epochs: int
     mini_batch_size: int
     temperature: float
-    def __init__(self, clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., dual_clip: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_type: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_agg_mode: _Optional[str] = ..., ppo_epochs: _Optional[int] = ..., mini_batch_size: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
+    def __init__(self, policy_loss: _Optional[str] = ..., policy_loss_settings: _Optional[str] = ..., kl_coef: _Optional[float] = ..., kl_type: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_agg_mode: _Optional[str] = ..., loss_scale_factor: _Optional[float] = ..., ppo_epochs: _Optional[int] = ..., mini_batch_size: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class TrainActorRequest(_message.Message):
     __slots__ = ("samples", "loss", "columns", "run_step")

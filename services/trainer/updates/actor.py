@@ -1,5 +1,6 @@
-"""The policy update of PPO / GRPO and their relatives (TrainActor): a clipped surrogate with optional KL and
-entropy terms over each micro-batch; the loop is runner.py's."""
+"""The policy update of PPO / GRPO and their relatives (TrainActor): the run's policy loss (policy_losses.py:
+PPO's clipped surrogate, GSPO, CISPO, ...) with optional KL and entropy terms over each micro-batch; the loop is
+runner.py's."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 from services.common.tensors.fused import sequence_logprobs
 from services.trainer.batch import has_loss_mask, is_on_policy, loss_mask_of, num_model_tokens
 from services.trainer.parallel.layout import RankLayout
-from services.trainer.updates.losses import AGG_MODES, aggregate, clipped_policy_loss, kl_penalty
+from services.trainer.updates.losses import AGG_MODES, aggregate, kl_penalty
+from services.trainer.updates.policy_losses import bound_policy_loss
 from services.trainer.parallel.pipeline import last_stage_head, stage_logprobs
 from services.trainer.model.trained import Trained
 from services.trainer.types import ActorLoss, TrainSample
@@ -28,14 +30,14 @@ def actor_loss(logp, mask, entropy, old, adv, ref, loss: ActorLoss, denom: float
     old, adv = torch.where(mask, old, here), torch.where(mask, adv, torch.zeros_like(adv))
     if ref is not None:
         ref = torch.where(mask, ref, here)
-    pg, clipped = clipped_policy_loss(logp, old, adv, clip_low=loss.clip_low, clip_high=loss.clip_high,
-                                      dual_clip=loss.dual_clip)
-    pg_loss = aggregate(pg, mask, loss.loss_agg_mode, denom=denom)
-    ent_loss = aggregate(entropy, mask, loss.loss_agg_mode, denom=denom)
+    pg, clipped = bound_policy_loss(loss.policy_loss, loss.policy_loss_settings)(logp, old, adv, mask)
+    agg = dict(denom=denom, scale=loss.loss_scale_factor)
+    pg_loss = aggregate(pg, mask, loss.loss_agg_mode, **agg)
+    ent_loss = aggregate(entropy, mask, loss.loss_agg_mode, **agg)
     total = pg_loss - loss.entropy_coef * ent_loss
     kl_loss = torch.zeros((), device=logp.device)
     if ref is not None:
-        kl_loss = aggregate(kl_penalty(logp, ref, loss.kl_type), mask, loss.loss_agg_mode, denom=denom)
+        kl_loss = aggregate(kl_penalty(logp, ref, loss.kl_type), mask, loss.loss_agg_mode, **agg)
         total = total + loss.kl_coef * kl_loss
     with torch.no_grad():
         # Stays on the device: read once per TrainActor call, not once per micro-batch.

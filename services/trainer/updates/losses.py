@@ -15,20 +15,20 @@ import torch
 import torch.nn.functional as F
 
 
-def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, *, clip_low: float,
-                        clip_high: float, dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, *, clip_ratio_low: float,
+                        clip_ratio_high: float, clip_ratio_c: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate per token [B, T] and where clipping was active (float 0/1, [B, T]).
 
-    `dual_clip` = c > 1 bounds the loss of negative-advantage tokens at -c * adv (Ye et al. 2020);
-    0 turns it off.
+    `clip_ratio_c` = c > 1 bounds the loss of negative-advantage tokens at -c * adv (dual clip, Ye et al.
+    2020); 0 turns it off. The policy losses (updates/policy_losses.py) build on it.
     """
     ratio = (logp - old_logp).exp()                                           # [B, T]
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss = torch.maximum(unclipped, clipped)
     is_clipped = (clipped > unclipped).float()
-    if dual_clip > 0:
-        bounded = torch.minimum(loss, -adv * dual_clip)
+    if clip_ratio_c > 0:
+        bounded = torch.minimum(loss, -adv * clip_ratio_c)
         is_clipped = torch.where((adv < 0) & (bounded < loss), torch.ones_like(is_clipped), is_clipped)
         loss = torch.where(adv < 0, bounded, loss)
     return loss, is_clipped
@@ -99,10 +99,12 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
 
 class Aggregation(NamedTuple):
     """A loss_agg_mode: the summed loss of a batch from the per-token loss and mask [B, T], and what its mean
-    divides by (response tokens, or sequences with a response token)."""
+    divides by (response tokens, or sequences with a response token); `scaled` modes divide the sum once more
+    by a constant length (ActorLoss.loss_scale_factor), the same for every sequence and micro-batch."""
 
     total: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     unit: Literal["token", "sequence"]
+    scaled: bool = False
 
 
 AGG_MODES: dict[str, Aggregation] = {
@@ -113,6 +115,9 @@ AGG_MODES: dict[str, Aggregation] = {
     # Mean over sequences of the per-sequence mean.
     "seq-mean-token-mean": Aggregation(
         lambda loss, mask: ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), "sequence"),
+    # Dr. GRPO (Liu et al. 2025): each sequence's sum over a constant length, then the mean over sequences; no
+    # sequence's tokens weigh more for being short.
+    "seq-mean-token-sum-norm": Aggregation(lambda loss, mask: (loss * mask).sum(-1).sum(), "sequence", scaled=True),
 }
 
 
@@ -129,15 +134,22 @@ def num_units(mask: torch.Tensor, mode: str) -> int:
     return int((mask.sum(-1) > 0).sum().item())
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, *, denom: float | None = None) -> torch.Tensor:
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, *, denom: float | None = None,
+              scale: float = 0.0) -> torch.Tensor:
     """Reduces a per-token loss [B, T] to a scalar by the aggregation `mode` (AGG_MODES).
 
     `denom` replaces the count of this batch (tokens or sequences, see `num_units`) with the count of
-    the whole mini-batch, so summing the results of its micro-batches gives the mini-batch's loss.
+    the whole mini-batch, so summing the results of its micro-batches gives the mini-batch's loss. `scale` is
+    the constant length of a scaled mode (required there, unused elsewhere).
     """
-    total = _aggregation(mode).total(loss, mask.to(loss.dtype))
+    agg = _aggregation(mode)
+    total = agg.total(loss, mask.to(loss.dtype))
     if denom is None:
         denom = num_units(mask, mode)
+    if agg.scaled:
+        if scale <= 0:
+            raise ValueError(f"loss_scale_factor: {mode} divides by a constant length > 0, got {scale}")
+        total = total / scale
     return total / max(float(denom), 1.0)
 
 
