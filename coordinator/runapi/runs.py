@@ -70,15 +70,13 @@ class RunManager:
         run_id = run_id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         if await self.store.get(run_id):
             raise ValueError(f"run_id: run {run_id!r} already exists")
-        if self.defaults is not None:
-            cfg = await self.defaults.fill_trainer(cfg)
-        self._check_trainer_free(cfg)
         # Refused by name before any service is called: an init_from that names no run and no checkpoint.
         checkpoint, from_run = await checkpoints.resolve_init_from(cfg.run.init_from, self.store, cfg.run.run_dir)
-        # Connect before accepting, so an unreachable server list fails StartRun itself. The trainer sets the
-        # run's starting weights: model.path's (reloaded if another run trained them) or the checkpoint's.
+        # Connect before accepting, so an unreachable server list fails StartRun itself (after the run's data is
+        # read, so a bad dataset is named first). The trainer (the mesh's when the recipe names none) must be free;
+        # it sets the run's starting weights: model.path's (reloaded if another run trained them) or the checkpoint's.
         ctx = await open_context(run_id, cfg, registry=self.registry, defaults=self.defaults,
-                                 start=RunStart(checkpoint))
+                                 start=RunStart(checkpoint), claim=self._check_trainer_free)
         # The weights' version (past every version before, when they were reset): replicas holding any other get
         # them pushed before the run's first generate, and async staleness is measured against it.
         ctx.weight_version = (await remote.info(ctx.trainer)).weight_version
@@ -134,8 +132,6 @@ class RunManager:
         # The services are held to the settings the run trained with so far (a record from before effective
         # configs were recorded: to the keys the run set).
         recorded = yaml.safe_load(record.effective_config) if record.effective_config else None
-        if self.defaults is not None:
-            cfg = await self.defaults.fill_trainer(cfg)
         ctx = await open_context(record.run_id, cfg, registry=self.registry, position=record.data_position,
                                  recorded=recorded, resume=True, defaults=self.defaults)
         ctx.step, ctx.weight_version = record.step, record.weight_version

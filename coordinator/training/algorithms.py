@@ -78,18 +78,22 @@ def _heldout(cfg: RunConfig, tokenizer) -> list:
 
 async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: int = 0,
                        recorded: dict | None = None, resume: bool = False, defaults=None,
-                       start: RunStart | None = None) -> RunContext:
+                       start: RunStart | None = None, claim=None) -> RunContext:
     """Loads the run's data, connects to every pool and the trainer (fails early when a pool is empty), and
     settles the run's settings with the running services (coordinator/recipe/run_settings.py): fixed keys checked,
     the trainer's optimizer configured (and its weights set to `start`'s, for a run that starts); the context
     carries the effective config and where the weights came from. `defaults` (the mesh's replicas,
-    coordinator/runapi/default_pools.py) fill the roles the recipe lists no servers for."""
+    coordinator/runapi/default_pools.py) fill the roles and the trainer the recipe names none for; `claim(cfg)`
+    refuses a trainer another run holds."""
     algorithm = ALGORITHMS[cfg.algorithm.kind]
     token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None
     data, state, heldout = _load(cfg, algorithm, position)
     why = algorithm.reference_needed(cfg, state)
     if defaults is not None:
+        cfg = await defaults.fill_trainer(cfg)
         cfg = await defaults.fill(cfg, *_mesh_roles(cfg, algorithm, why))
+    if claim is not None:
+        claim(cfg)
     if recorded is not None:
         recorded = live_addresses(recorded, cfg)
     pools = _pools(cfg, algorithm, token, registry)
