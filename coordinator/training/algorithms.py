@@ -53,9 +53,10 @@ def _mesh_roles(cfg: RunConfig, algorithm: Algorithm, why_reference: str) -> tup
 def live_addresses(recorded: dict, cfg: RunConfig) -> dict:
     """A resumed run's recorded config with the addresses it reaches now: the run is held to the settings it
     trained with, not to the ports of the mesh it first ran on (`meshrl up --resume` starts the mesh again on
-    others; the coordinator's default pools name them)."""
+    others; the coordinator's default pools name them). Env addresses stay as recorded: the rollout replicas hold
+    them from their start (a fixed key the replicas are checked against), the run's config names none."""
     out = {section: dict(v) if isinstance(v, dict) else v for section, v in recorded.items()}
-    for role in ("rollout", "reward", "reference", "env"):
+    for role in ("rollout", "reward", "reference"):
         if isinstance(out.get(role), dict):
             live = getattr(cfg, role)
             out[role].update(servers=list(live.servers), dns=live.dns, registry=live.registry)
