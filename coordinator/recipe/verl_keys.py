@@ -352,6 +352,8 @@ def apply(given: dict[str, Any], load: Callable[[dict], Any]) -> tuple[dict, Any
     problems = list(getattr(given, "problems", []))
     direct = {VERL_KEYS[k].target: v for k, v in given.items() if VERL_KEYS[k].target}
     targets = [(k, VERL_KEYS[k].target) for k in given if VERL_KEYS[k].target]
+    if "custom_reward_function.name" in given:   # a name without its file: the error names verl's path key
+        targets.append(("custom_reward_function.path", "reward.custom_function.path"))
     data = nest_overrides(direct)
     try:
         cfg = load(data)

@@ -168,3 +168,8 @@ def test_up_refuses_a_verl_value_by_its_verl_key_before_anything_starts(recipe, 
     assert result.exit_code == 2, result.output
     assert "actor_rollout_ref.rollout.n (meshrl rollout.n)" in " ".join(result.output.split())
     assert not (tmp_path / "runs").exists()
+
+
+def test_custom_reward_function_name_without_its_path_names_the_verl_key(recipe):
+    with pytest.raises(ValueError, match=r"custom_reward_function\.path \(meshrl reward\.custom_function\.path\): Field required"):
+        load(recipe, ["custom_reward_function.name=score"])
