@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import json
 import types
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Union, get_args, get_origin
 
 import grpc
 import yaml
+from google.protobuf import text_format
 from pydantic import BaseModel, ValidationError
 
 from coordinator.training import remote
@@ -38,8 +39,9 @@ from services.common.config import format_validation_error
 from services.reward.config import ComponentConfig
 from services.rollout.config import AgentConfig
 from services.reward.functions import REWARD_FUNCTIONS
+from services.trainer.config import RUN_OPTIM_KEYS, RunOptim
 from services.trainer.convert import run_optim_from_pb, run_optim_to_pb
-from services.trainer.types import OptimSettings, RunOptim, RunStart
+from services.trainer.types import RunStart
 
 RUN, FIXED, LAUNCH = "run", "fixed", "launch"
 # The trainer's answers to a checkpoint it will not start a run from (damaged, missing, another model's).
@@ -62,8 +64,6 @@ class Setting:
         return self.kind == FIXED or self.held
 
 
-# The trainer applies these per run (ConfigureRun); the rest of `actor:` and `critic:` is fixed at its start.
-OPTIM_KEYS = tuple(f.name for f in fields(OptimSettings))
 SAMPLING_KEYS = ("n", "temperature", "top_p", "max_tokens", "stop", "seed")
 POOL_KEYS = ("servers", "dns", "registry", "load_balancer", "timeout_s", "rejoin_wait_s")
 POOLS = ("rollout", "reward", "reference")
@@ -80,9 +80,9 @@ _PLACEMENT = Setting(LAUNCH, "meshrl up", "how many replicas it starts, on which
 SETTINGS: dict[str, Setting] = {
     "model.*": Setting(FIXED, "trainer, rollout, reference", "loaded when the service starts"),
     "actor.*": Setting(FIXED, "trainer", "read when the trainer starts"),
-    **{f"actor.{k}": _OPTIM for k in OPTIM_KEYS},
+    **{f"actor.{k}": _OPTIM for k in RUN_OPTIM_KEYS},
     "critic.*": Setting(FIXED, "trainer", "read when the trainer starts (a critic exists or not)"),
-    **{f"critic.{k}": _OPTIM for k in OPTIM_KEYS},
+    **{f"critic.{k}": _OPTIM for k in RUN_OPTIM_KEYS},
     "weight_sync.*": Setting(FIXED, "trainer", "read when the trainer starts"),
     "rollout.*": Setting(FIXED, "rollout", "read when the replica starts"),
     **{f"rollout.{k}": _SAMPLING for k in SAMPLING_KEYS},
@@ -391,29 +391,23 @@ async def running_services(trainer, trainer_address: str, pools) -> list[Running
     return list(await asyncio.gather(*calls))
 
 
-def run_optim(cfg: RunConfig, *, reset_schedule: bool, start: RunStart | None = None) -> RunOptim:
-    """The run's optimizer settings as ConfigureRun carries them (and, as a run starts, its starting weights)."""
-    def optim(section) -> OptimSettings:
-        return OptimSettings(**{k: getattr(section, k) for k in OPTIM_KEYS})
-    return RunOptim(optim(cfg.actor), optim(cfg.critic) if cfg.critic is not None else None,
-                    reset_schedule=reset_schedule, start=start)
-
-
 async def configure_trainer(trainer, cfg: RunConfig, *, reset_schedule: bool,
                             start: RunStart | None = None) -> RunOptim:
     """Sets the run's optimizer settings on the trainer (after its starting weights, given `start`); RuntimeError
     when its answer differs from them. A checkpoint the trainer refuses is refused as the run's run.init_from."""
-    asked = run_optim(cfg, reset_schedule=reset_schedule, start=start)
+    request = run_optim_to_pb(RunOptim(cfg.actor, cfg.critic, reset_schedule=reset_schedule, start=start))
     try:
-        applied = run_optim_from_pb(await trainer.ConfigureRun(run_optim_to_pb(asked)))
+        answer = await trainer.ConfigureRun(request)
     except grpc.aio.AioRpcError as e:
         if start is None or not start.checkpoint or e.code() not in REFUSED:
             raise
         raise ValueError(f"run.init_from: the trainer refused checkpoint {start.checkpoint}: {e.details()}") from None
-    for name, want, got in (("actor", asked.actor, applied.actor), ("critic", asked.critic, applied.critic)):
+    for name in ("actor", "critic"):      # compared as sent: the run's keys, through one converter both ways
+        want, got = (getattr(m, name) if m.HasField(name) else None for m in (request, answer))
         if want != got:
-            raise RuntimeError(f"{name}: the trainer applied {got}, not the run's {want}")
-    return applied
+            said = [text_format.MessageToString(m, as_one_line=True) if m is not None else None for m in (got, want)]
+            raise RuntimeError(f"{name}: the trainer applied {said[0]}, not the run's {said[1]}")
+    return run_optim_from_pb(answer)
 
 
 async def settle(cfg: RunConfig, pools, trainer, trainer_address: str, *, recorded: dict | None = None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -11,7 +11,7 @@ from services.common.auto import AUTO, Auto
 from services.common.config import (MeshSettings, ModelConfig, Section, ServerConfig, bool_choice,
                                    format_validation_error)
 from services.common.manifest import DEFAULT_BUCKET_BYTES
-from services.trainer.types import OptimSettings
+from services.trainer.types import RunStart
 
 DType = Literal["float32", "bfloat16", "float16"]
 # Schedules that run several stages per rank.
@@ -56,6 +56,12 @@ def master_and_compute_dtypes(actor: "ActorConfig", model_dtype: str) -> tuple[s
     return actor.param_dtype, actor.dtype or (model_dtype if model_dtype in HALF else actor.param_dtype)
 
 
+# The keys of OptimSection a run sets on a running trainer (ConfigureRun): the fields of the proto's OptimSettings,
+# by the same names. micro_batch_token_budget stays the trainer's start value.
+RUN_OPTIM_KEYS = ("lr", "weight_decay", "betas", "eps", "grad_clip", "lr_schedule", "warmup_steps", "total_steps",
+                  "min_lr_ratio")
+
+
 class OptimSection(Section):
     """AdamW and its learning-rate schedule."""
 
@@ -85,13 +91,32 @@ class OptimSection(Section):
                 raise ValueError(f"betas: each must be in [0, 1), got {list(self.betas)}")
         return self
 
-    def with_run(self, optim: OptimSettings, section: str) -> OptimSection:
-        """This section with a run's optimizer settings (ConfigureRun) in place of its own, validated as the YAML
-        is; an error names the key (`actor.lr: ...`)."""
+    def with_run(self, run: OptimSection, section: str) -> OptimSection:
+        """This section with a run's optimizer settings (ConfigureRun's RUN_OPTIM_KEYS of `run`, as they came off
+        the wire: unchecked) in place of its own, validated as the YAML is; an error names the key (`actor.lr: ...`)."""
         try:
-            return type(self)(**{**self.model_dump(), **asdict(optim)})
+            return type(self)(**{**self.model_dump(), **{k: getattr(run, k) for k in RUN_OPTIM_KEYS}})
         except ValidationError as e:
             raise ValueError(format_validation_error(e, source="", section=section)) from None
+
+
+@dataclass
+class RunOptim:
+    """What ConfigureRun sets (and answers with: the values in effect): the run's `actor:` and `critic:` sections,
+    of which the trainer takes RUN_OPTIM_KEYS."""
+
+    actor: OptimSection
+    critic: OptimSection | None = None
+    # A run starts: the schedule restarts at step 0. A run resumes: the schedule keeps its step.
+    reset_schedule: bool = True
+    # A run starts (never set when one resumes): its weights from `start`, optimizer state cleared. None: the
+    # weights and optimizer state stay as they are.
+    start: RunStart | None = None
+    # In an answer: the lr of the actor's next optimizer step.
+    actor_lr: float = 0.0
+    # In an answer: where a start took the weights from, in words, and the weight version the trainer holds.
+    started_from: str = ""
+    weight_version: int = 0
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -10,8 +10,9 @@ import numpy as np
 from services.common.tensors.packed import (F32, I32, concat, field_of, pack_f32, pack_i32, row_lengths, row_lengths_of,
                                     set_rows, split_rows, unpack, unpack_rows)
 from services.common.manifest import Manifest
-from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, OptimSettings, PreferencePair,
-                                    RunOptim, RunStart, RunStep, TrainSample)
+from services.trainer.config import RUN_OPTIM_KEYS, OptimSection, RunOptim
+from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, RunStart, RunStep,
+                                    TrainSample)
 
 
 def actor_loss_from_pb(pb: trainer_pb2.ActorLoss) -> ActorLoss:
@@ -252,16 +253,16 @@ def manifest_to_pb(m: Manifest) -> common_pb2.WeightManifest:
         for t in m.tensors])
 
 
-def optim_to_pb(o: OptimSettings) -> trainer_pb2.OptimSettings:
-    return trainer_pb2.OptimSettings(lr=o.lr, weight_decay=o.weight_decay, betas=list(o.betas), eps=o.eps,
-                                     grad_clip=o.grad_clip, lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps,
-                                     total_steps=o.total_steps, min_lr_ratio=o.min_lr_ratio)
+def optim_to_pb(o: OptimSection) -> trainer_pb2.OptimSettings:
+    """A section's RUN_OPTIM_KEYS as the OptimSettings message (its fields bear the same names)."""
+    return trainer_pb2.OptimSettings(**{k: getattr(o, k) for k in RUN_OPTIM_KEYS})
 
 
-def optim_from_pb(pb: trainer_pb2.OptimSettings) -> OptimSettings:
-    return OptimSettings(lr=pb.lr, weight_decay=pb.weight_decay, betas=tuple(pb.betas), eps=pb.eps,
-                         grad_clip=pb.grad_clip, lr_schedule=pb.lr_schedule, warmup_steps=pb.warmup_steps,
-                         total_steps=pb.total_steps, min_lr_ratio=pb.min_lr_ratio)
+def optim_from_pb(pb: trainer_pb2.OptimSettings) -> OptimSection:
+    """The message as an OptimSection, unchecked: the section it lands in checks it (OptimSection.with_run, an
+    error naming the key), as the YAML is."""
+    return OptimSection.model_construct(**{k: tuple(pb.betas) if k == "betas" else getattr(pb, k)
+                                           for k in RUN_OPTIM_KEYS})
 
 
 def run_optim_to_pb(r: RunOptim, *, response: bool = False):

@@ -20,13 +20,12 @@ from services.common.errors import FailedPrecondition
 from services.common.tensors.modeling import validate_sequences
 from services.trainer.batch import validate_actor_batch, validate_critic_batch, validate_dpo_batch
 from services.trainer.commands import Commands
-from services.trainer.config import TrainerSettings
+from services.trainer.config import RunOptim, TrainerSettings
 from services.trainer.model import checkpoint
 from services.trainer.model.optim import settings_in_effect
 from services.trainer.rank import Rank
 from services.trainer.steps import StepRecord
-from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, RunOptim, RunStep,
-                                    TrainSample)
+from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, RunStep, TrainSample
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -134,7 +133,7 @@ class TrainerEngine:
             raise FailedPrecondition("critic: this trainer has " + ("a critic; the run must give its optimizer "
                                      "settings" if r.critic else "no critic (set when the trainer starts)"))
         # Checked here, before any rank changes: a bad value is refused by its key and nothing is half-applied.
-        actor = r.cfg.with_run(run.actor, "actor")
+        actor = r.actor.cfg.with_run(run.actor, "actor")
         critic = r.critic.cfg.with_run(run.critic, "critic") if r.critic else None
         started = self._start(run.start.checkpoint) if run.start is not None else ""
         self.commands.run("configure_run", actor, critic, run.reset_schedule or run.start is not None)

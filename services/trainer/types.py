@@ -97,45 +97,11 @@ class DPOLoss:
 
 
 @dataclass
-class OptimSettings:
-    """A run's optimizer hyperparameters of one model (ConfigureRun): the keys of an `actor:` or `critic:`
-    section that a running trainer applies without a restart. Field names are the YAML keys."""
-
-    lr: float
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int = 0
-    min_lr_ratio: float = 0.0
-
-
-@dataclass
 class RunStart:
     """Where a starting run's weights come from (ConfigureRun): the trainer's model path, or a checkpoint."""
 
     # A checkpoint folder (SaveCheckpoint's); empty: the model path the trainer started from.
     checkpoint: str = ""
-
-
-@dataclass
-class RunOptim:
-    """What ConfigureRun sets (and answers with: the values in effect)."""
-
-    actor: OptimSettings
-    critic: OptimSettings | None = None
-    # A run starts: the schedule restarts at step 0. A run resumes: the schedule keeps its step.
-    reset_schedule: bool = True
-    # A run starts (never set when one resumes): its weights from `start`, optimizer state cleared. None: the
-    # weights and optimizer state stay as they are.
-    start: RunStart | None = None
-    # In an answer: the lr of the actor's next optimizer step.
-    actor_lr: float = 0.0
-    # In an answer: where a start took the weights from, in words, and the weight version the trainer holds.
-    started_from: str = ""
-    weight_version: int = 0
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ from meshrl.v1 import trainer_pb2_grpc
 from services.common.rpc.channel import create_channel
 from services.common.config import load_config
 from services.trainer import convert
-from services.trainer.config import TrainerSettings
+from services.trainer.config import OptimSection, RunOptim, TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model
-from services.trainer.types import OptimSettings, RunOptim, RunStart
+from services.trainer.types import RunStart
 
-RUN = OptimSettings(lr=0.05, grad_clip=0.5)
+RUN = OptimSection(lr=0.05, grad_clip=0.5)
 
 
 async def _train_start_train(port: int, first, second):

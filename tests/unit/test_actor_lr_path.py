@@ -8,11 +8,10 @@ import asyncio
 from pathlib import Path
 
 from coordinator.recipe.config import RunConfig
-from coordinator.recipe.run_settings import run_optim
 from meshrl.v1 import trainer_pb2
 from services.common.config import load_config
 from services.trainer import convert
-from services.trainer.config import TrainerSettings
+from services.trainer.config import RunOptim, TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.servicer import TrainerServicer
 from services.trainer.testing import make_tiny_model, random_samples
@@ -27,7 +26,7 @@ def test_the_lr_a_recipe_sets_reaches_the_optimizer_and_the_next_step(tmp_path):
     trainer = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": make_tiny_model(tmp_path / "m")},
                                                                "actor": {"lr": 1e-3}}))
     request = trainer_pb2.ConfigureRunRequest.FromString(
-        convert.run_optim_to_pb(run_optim(recipe, reset_schedule=True)).SerializeToString())
+        convert.run_optim_to_pb(RunOptim(recipe.actor, recipe.critic)).SerializeToString())
     answer = asyncio.run(TrainerServicer(trainer, sender=None).ConfigureRun(request, None))
     applied = convert.run_optim_from_pb(trainer_pb2.ConfigureRunResponse.FromString(answer.SerializeToString()))
     assert applied.actor.lr == applied.actor_lr == 2.0e-5

@@ -160,3 +160,19 @@ def test_an_effective_config_that_fails_its_checks_leaves_the_trainer_unconfigur
         settle(parse_run_config("actor: {lr: 0.5}\nrollout: {n: 1, max_tokens: 6}\n"), trainer)  # n 1 under grpo
     assert str(err.value).startswith("rollout.n: algorithm.adv_estimator grpo compares the samples of each prompt")
     assert trainer.configured is None
+
+
+class ClampingTrainer(FakeTrainer):
+    """A trainer that answers ConfigureRun with another lr than it was asked (one that clamps it, say)."""
+
+    async def ConfigureRun(self, request):
+        answer = await super().ConfigureRun(request)
+        answer.actor.lr = 1e-4
+        return answer
+
+
+def test_a_trainer_that_applies_other_values_than_the_runs_is_refused_naming_both():
+    with pytest.raises(RuntimeError) as err:
+        settle(parse_run_config("actor: {lr: 0.5}\nrollout: {n: 2, max_tokens: 6}\n"), ClampingTrainer())
+    assert str(err.value).startswith("actor: the trainer applied lr: 0.0001 ")
+    assert "not the run's lr: 0.5 " in str(err.value)

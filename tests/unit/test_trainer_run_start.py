@@ -9,12 +9,12 @@ import torch
 
 from services.common.config import load_config
 from services.trainer import convert
-from services.trainer.config import TrainerSettings
+from services.trainer.config import OptimSection, RunOptim, TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.testing import make_tiny_model, random_samples
-from services.trainer.types import ActorLoss, CriticLoss, CriticSample, OptimSettings, RunOptim, RunStart, RunStep
+from services.trainer.types import ActorLoss, CriticLoss, CriticSample, RunStart, RunStep
 
-RUN = OptimSettings(lr=0.05, warmup_steps=2)
+RUN = OptimSection(lr=0.05, warmup_steps=2)
 
 
 @pytest.fixture(scope="module")
@@ -131,14 +131,14 @@ def test_a_missing_checkpoint_is_refused_by_name_and_nothing_changes(model_path,
 def test_a_critics_backbone_and_value_head_start_over_too(model_path):
     e = engine(model_path, critic={"lr": 0.01})
     start_up = weights(e, "critic")
-    run = RunOptim(RUN, OptimSettings(lr=0.01))
+    run = RunOptim(RUN, OptimSection(lr=0.01))
     e.configure_run(run)
     sample = random_samples(4)
     e.train_critic([CriticSample(s.prompt_ids, s.response_ids, returns=[1.0] * len(s.response_ids))
                     for s in sample], CriticLoss())
     train(e, steps=1)
     assert not torch.equal(weights(e, "critic")["value_head.weight"], start_up["value_head.weight"])
-    e.configure_run(RunOptim(RUN, OptimSettings(lr=0.01), start=RunStart()))
+    e.configure_run(RunOptim(RUN, OptimSection(lr=0.01), start=RunStart()))
     assert_same(weights(e, "critic"), start_up)
     assert not e.rank.critic.optimizer.state and e.rank.critic.step == 0
 

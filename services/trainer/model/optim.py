@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 from services.trainer.config import OptimSection
-from services.trainer.types import OptimSettings
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -211,10 +210,10 @@ def apply_hyperparams(optimizer: torch.optim.Optimizer, scheduler: torch.optim.l
 
 
 def settings_in_effect(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-                       cfg: OptimSection) -> OptimSettings:
+                       cfg: OptimSection) -> OptimSection:
     """A live optimizer's run settings, read back from AdamW's first group and the schedule's base lr (the rest
     from the section the schedule follows): what ConfigureRun answers."""
     group = optimizer.param_groups[0]
-    return OptimSettings(lr=scheduler.base_lrs[0], weight_decay=group["weight_decay"], betas=tuple(group["betas"]),
-                         eps=group["eps"], grad_clip=cfg.grad_clip, lr_schedule=cfg.lr_schedule,
-                         warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio)
+    return OptimSection(lr=scheduler.base_lrs[0], weight_decay=group["weight_decay"], betas=tuple(group["betas"]),
+                        eps=group["eps"], grad_clip=cfg.grad_clip, lr_schedule=cfg.lr_schedule,
+                        warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio)
