@@ -24,6 +24,9 @@ def check_distill_config(cfg: Any, coef: float) -> None:
             raise ValueError(f"algorithm.{key}: the reference replicas serve the distillation teacher "
                              f"(reference.model_path), so a KL-to-reference term would pull toward the teacher a "
                              f"second time, not toward the initial policy; turn {key} off while distilling")
+    if a.adv_estimator == "distill" and a.filter_groups.enable:
+        raise ValueError("algorithm.filter_groups.enable: drops groups whose rewards are all equal, but under "
+                         "adv_estimator distill the reward has no part in the advantage; turn it off")
     teacher = cfg.reference.model_path
     student = cfg.actor.model_path or cfg.model.path
     if not teacher or Path(teacher).resolve() == Path(student).resolve():

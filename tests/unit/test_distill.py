@@ -83,8 +83,8 @@ def test_a_sample_without_teacher_log_probs_is_refused_by_name():
 
 
 def _config(**algorithm_and_sections) -> RunConfig:
-    sections = {k: v for k, v in algorithm_and_sections.items() if isinstance(v, dict)}
-    algorithm = {k: v for k, v in algorithm_and_sections.items() if not isinstance(v, dict)}
+    sections = {k: v for k, v in algorithm_and_sections.items() if k in ("rollout", "reference", "actor")}
+    algorithm = {k: v for k, v in algorithm_and_sections.items() if k not in sections}
     data = {"model": {"path": str(ARITH / "model")}, "rollout": {"n": 4, "max_tokens": 6},
             "reference": {"model_path": str(ARITH / "teacher")}, "data": {"train_files": [TRAIN]},
             "algorithm": {"adv_estimator": "distill", **algorithm}}
@@ -101,15 +101,25 @@ def _config(**algorithm_and_sections) -> RunConfig:
     ({"reference": {"model_path": None}}, "reference.model_path: distillation"),
     ({"reference": {"model_path": str(ARITH / "model")}}, "reference.model_path: distillation"),
     ({"rollout": {"temperature": 0.7}}, "rollout.temperature: 0.7; distillation"),
+    ({"filter_groups": {"enable": True}}, "algorithm.filter_groups.enable: drops groups"),
 ])
 def test_settings_distillation_cannot_honour_are_refused_by_name(settings, message):
     with pytest.raises(ValueError, match=message):
         _config(**settings)
 
 
-def test_a_recipe_that_distills_needs_a_reference_pool():
+def test_a_recipe_that_distills_needs_a_reference_pool_even_under_lora():
+    from coordinator.training.algorithms import ALGORITHMS, _mesh_roles
+
     assert _config().needs_reference
     assert _config(adv_estimator="grpo", distill_kl_coef=0.2).needs_reference
+    # Under actor.lora the trainer answers as the reference (its base model), which is no teacher.
+    lora = {"lora": {"rank": 4}}
+    required, _ = _mesh_roles(_config(actor=lora), ALGORITHMS["rl"], "distillation")
+    assert "reference" in required
+    required, _ = _mesh_roles(_config(adv_estimator="grpo", distill_kl_coef=0.0, actor=lora, reference={}),
+                              ALGORITHMS["rl"], "kl")
+    assert "reference" not in required
 
 
 def test_the_committed_teacher_shares_the_students_tokenizer_and_passes_preflight():
