@@ -64,3 +64,21 @@ def check_teacher_tokenizer(student: str, teacher: str) -> None:
     if s["specials"] != t["specials"]:
         raise ValueError(f"reference.model_path: the teacher's special token ids {t['specials']} are not the "
                          f"student's {s['specials']} ({teacher} vs {student}); the tokenizers must match")
+
+
+def check_teacher_replicas(student: str, running: list) -> None:
+    """Refuses reference replicas (the teachers) whose tokenizer fingerprint (GetInfo details["tokenizer"]) is not
+    the student's: the check of check_teacher_tokenizer for a teacher folder the coordinator cannot read. running:
+    run_settings.Running of the run's services."""
+    from services.common.tensors.modeling import tokenizer_fingerprint
+
+    want = tokenizer_fingerprint(student)
+    for svc in running:
+        if svc.role != "reference":
+            continue
+        got = svc.details.get("tokenizer", "")
+        if got != want:
+            why = "reports no tokenizer" if not got else f"has tokenizer {got}, the student's ({student}) is {want}"
+            raise ValueError(f"reference.model_path: the teacher replica {svc.address} "
+                             f"({svc.settings.get('reference', {}).get('model_path') or 'model.path'}) {why}; "
+                             f"distillation compares log-probs of the same token ids, so the tokenizers must match")

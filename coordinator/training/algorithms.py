@@ -12,6 +12,7 @@ from pathlib import Path
 from coordinator.recipe import run_settings
 from coordinator.recipe.config import RunConfig, distill_coef, trainer_losses
 from coordinator.recipe.data import load_dataset
+from coordinator.recipe.distill import check_teacher_replicas
 from coordinator.training import advantages as adv_fns
 from coordinator.training import dpo, loop, remote
 from coordinator.training.context import Algorithm, GuardedTrainer, RunContext
@@ -118,6 +119,8 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
         asked, cfg = cfg, await run_settings.settle(cfg, pools.values(), trainer, cfg.trainer.address,
                                                     recorded=recorded, resume=resume, seen=running, start=start,
                                                     applied=applied)
+        if distill_coef(cfg.algorithm) > 0:        # the teachers the replicas serve: the student's token ids
+            check_teacher_replicas(cfg.actor.model_path or cfg.model.path, running)
         if cfg.model.path != asked.model.path:      # the running services' model: its tokenizer
             data, state, heldout = _load(cfg, algorithm, position)
     except BaseException:

@@ -145,3 +145,25 @@ def test_a_teacher_whose_tokenizer_gives_other_ids_is_refused_by_name(tmp_path):
         check_teacher_tokenizer(str(ARITH / "model"), teacher)
     with pytest.raises(ValueError, match="reference.model_path: the teacher's tokenizer"):
         check_run(_config(reference={"model_path": teacher}), world_size=1)
+
+
+def test_teacher_replicas_are_checked_by_the_tokenizer_fingerprint_they_report(tmp_path):
+    from coordinator.recipe.distill import check_teacher_replicas
+    from coordinator.recipe.run_settings import Running
+    from services.common.tensors.modeling import tokenizer_fingerprint
+
+    student, teacher = str(ARITH / "model"), str(ARITH / "teacher")
+    assert tokenizer_fingerprint(teacher) == tokenizer_fingerprint(student)
+    other = _teacher_with(tmp_path, lambda tok: tok["model"]["vocab"].update({"1": 6, "2": 5}))
+    assert tokenizer_fingerprint(other) != tokenizer_fingerprint(student)
+
+    def replica(fingerprint):
+        return Running("reference", "10.0.0.9:50051", {"reference": {"model_path": "/teachers/t"}},
+                       {"tokenizer": fingerprint})
+    check_teacher_replicas(student, [replica(tokenizer_fingerprint(teacher)),
+                                     Running("rollout", "r:1", {}, {})])
+    with pytest.raises(ValueError, match=r"reference.model_path: the teacher replica 10.0.0.9:50051 \(/teachers/t\) "
+                                         r"has tokenizer [0-9a-f]{16}, the student's"):
+        check_teacher_replicas(student, [replica(tokenizer_fingerprint(other))])
+    with pytest.raises(ValueError, match="reports no tokenizer"):
+        check_teacher_replicas(student, [replica("")])
