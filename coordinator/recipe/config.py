@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from coordinator.recipe.distill import check_distill_config
 from services.common.config import MeshSettings, ModelConfig, Section, ServerConfig, bool_choice
 from services.env.config import EnvConfig
 from services.reference.config import ReferenceConfig
@@ -46,27 +47,57 @@ class RolloutCorrectionConfig(Section):
     engine's own log-probs (coordinator/training/rollout_correction.py). `decoupled`: a trainer old-log-prob pass each
     step, the weights scale the advantages, the PPO ratio is taken against the trainer's old policy. `bypass`:
     the rollout log-probs are the old policy (no old-log-prob pass; the PPO clip bounds pi / pi_rollout), the
-    metrics come from the parity steps (algorithm.logprob_parity_every)."""
+    metrics come from the parity steps (algorithm.logprob_parity_every). `preset` names a published combination
+    (PRESETS); the keys written beside it override its values."""
 
+    # icepop, seq_mask_tis or geo_rs: sets mode decoupled and the level/method/thresholds of PRESETS.
+    preset: Literal["icepop", "seq_mask_tis", "geo_rs"] | None = None
     mode: Literal["off", "decoupled", "bypass"] = "off"
     # YAML reads a bare `off` as false.
     _mode_off = field_validator("mode", mode="before")(bool_choice(None, "off"))
     # token: w per token; sequence: the product over the sequence; geometric: exp(mean log-ratio) per sequence.
     level: Literal["token", "sequence", "geometric"] = "token"
     # truncate: w capped at threshold (TIS); mask: w outside [threshold_low, threshold] rejects the token or
-    # sequence (it trains on nothing), the rest keep weight 1.
-    method: Literal["truncate", "mask"] = "truncate"
+    # sequence (it trains on nothing), the rest keep weight 1; mask_is: the same rejection, and each kept token is
+    # weighted by its own token ratio (IcePop at level token, NeMo-RL's seq-mask-tis at level geometric).
+    method: Literal["truncate", "mask", "mask_is"] = "truncate"
     threshold: float = Field(2.0, gt=0)
-    # mask only; None = 1 / threshold.
+    # mask and mask_is only; None = 1 / threshold.
     threshold_low: float | None = Field(None, ge=0)
+    # A sequence with any token ratio below it is rejected whole (verl's rollout_token_veto_threshold); None = off.
+    veto_threshold: float | None = Field(None, gt=0, lt=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("preset") is None:
+            return data
+        if data["preset"] not in PRESETS:
+            return data                       # the Literal names the choices
+        if data.get("mode") not in (None, "decoupled"):
+            raise ValueError(f"mode: preset {data['preset']!r} weights the advantages, which mode "
+                             f"{data['mode']!r} does not; leave mode out (the preset sets decoupled)")
+        return {**PRESETS[data["preset"]], **data, "mode": "decoupled"}
 
     @model_validator(mode="after")
     def _bounds(self):
-        if self.threshold_low is not None and self.method != "mask":
-            raise ValueError(f"threshold_low: only used by method mask (got {self.method!r})")
+        if self.threshold_low is not None and self.method == "truncate":
+            raise ValueError(f"threshold_low: only used by methods mask and mask_is (got {self.method!r})")
         if self.threshold_low is not None and self.threshold_low >= self.threshold:
             raise ValueError(f"threshold_low: {self.threshold_low} must be below threshold {self.threshold}")
         return self
+
+
+# Published corrections as this section's settings (docs/algorithms.md gives their formulas and sources).
+PRESETS: dict[str, dict[str, Any]] = {
+    # IcePop (inclusionAI's Ring-1T report, 2025): the token ratio kept as the weight inside [0.5, 5], 0 outside.
+    "icepop": {"level": "token", "method": "mask_is", "threshold": 5.0, "threshold_low": 0.5},
+    # NeMo-RL's seq-mask-tis: a sequence whose geometric-mean ratio leaves [0.999, 1.001] is rejected, the kept
+    # ones' tokens weighted by their own ratios.
+    "seq_mask_tis": {"level": "geometric", "method": "mask_is", "threshold": 1.001, "threshold_low": 0.999},
+    # verl's geo_rs: geometric-mean rejection in [1/1.001, 1.001] (weight 1), with a 1e-4 token veto.
+    "geo_rs": {"level": "geometric", "method": "mask", "threshold": 1.001, "veto_threshold": 1.0e-4},
+}
 
 
 class FilterGroupsConfig(Section):
@@ -99,7 +130,13 @@ class AlgorithmConfig(Section):
 
     # rl: GRPO/PPO/RLOO/REINFORCE++ with rollouts; dpo: offline preference optimisation (`dpo:` section).
     kind: Literal["rl", "dpo"] = "rl"
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = "grpo"
+    # distill: on-policy distillation, the advantage is the reverse KL to the teacher alone (distill_kl_coef).
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae",
+                           "distill"] = "grpo"
+    # On-policy distillation (coordinator/training/advantages.py, docs/algorithms.md): the teacher is served by the
+    # reference replicas (reference.model_path); each token's advantage gains
+    # -distill_kl_coef * (log pi_student - log pi_teacher). None: 1.0 under adv_estimator distill, else off (0).
+    distill_kl_coef: float | None = Field(None, ge=0)
     # False gives Dr. GRPO's mean-centred advantages.
     norm_adv_by_std: bool = True
     gamma: float = Field(1.0, ge=0, le=1)
@@ -324,9 +361,22 @@ class RunConfig(MeshSettings):
                              f"{max_tokens}] (the last tokens before the response limit, where the penalty grows)")
         return self
 
+    @model_validator(mode="after")
+    def _distill_settings(self):
+        check_distill_config(self, distill_coef(self.algorithm))
+        return self
+
     @property
     def needs_reference(self) -> bool:
-        return self.algorithm.use_kl_loss or self.algorithm.use_kl_in_reward
+        a = self.algorithm
+        return a.use_kl_loss or a.use_kl_in_reward or distill_coef(a) > 0
+
+
+def distill_coef(a: AlgorithmConfig) -> float:
+    """The weight of the reverse-KL-to-teacher advantage in effect (0: no distillation)."""
+    if a.distill_kl_coef is not None:
+        return a.distill_kl_coef
+    return 1.0 if a.adv_estimator == "distill" else 0.0
 
 
 @dataclass(frozen=True)

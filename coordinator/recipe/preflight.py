@@ -15,7 +15,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-from coordinator.recipe.config import RunConfig
+from coordinator.recipe.config import RunConfig, distill_coef
+from coordinator.recipe.distill import check_teacher_tokenizer
 from coordinator.training.advantages import ADVANTAGE_ESTIMATORS
 from services.common.plugins import attribute, load_module, split_path
 from services.trainer.config import check_lora_targets, check_mesh
@@ -252,6 +253,10 @@ def _check_run(cfg: RunConfig, world_size: int | None, files: str, keys: set[str
     checks = [lambda: check_batches(cfg), lambda: check_groups(cfg), lambda: check_lengths(cfg),
               lambda: check_rollout_weights(cfg), lambda: check_proxy_agent(cfg), lambda: check_speed_switches(cfg)]
     actor_model = ("actor.model_path", a.model_path) if a.model_path else ("model.path", cfg.model.path)
+    teacher = cfg.reference.model_path
+    if distill_coef(cfg.algorithm) > 0 and teacher and ("reference.model_path" in scope or Path(teacher).is_dir()):
+        # Wherever the teacher's folder is readable (StartRun on a mesh whose reference runs elsewhere: not).
+        checks.append(lambda: check_teacher_tokenizer(actor_model[1], teacher))
     if a.lora is not None and actor_model[0] in scope:
         # The model's own layer names: a target that matches none is refused before any process starts.
         checks.append(lambda: check_lora_targets(actor_model[1], a.lora))

@@ -1,4 +1,5 @@
-"""Advantage estimators as pure functions of rewards (and values): GRPO, RLOO, REINFORCE++, GAE, and
+"""Advantage estimators as pure functions of rewards (and values): GRPO, RLOO, REINFORCE++, GAE, on-policy
+distillation's reverse KL to a teacher, and
 ADVANTAGE_ESTIMATORS, the registry `algorithm.adv_estimator` names (a new estimator is one function and one
 entry).
 
@@ -177,6 +178,21 @@ def _reinforce_pp_baseline(b: AdvantageBatch, a) -> tuple[torch.Tensor, None]:
     return reinforce_pp_baseline_advantages(b.scores, b.groups, b.mask), None
 
 
+def _distill(b: AdvantageBatch, a) -> tuple[torch.Tensor, None]:
+    """Pure distillation: the reward has no part in the advantage (it is still scored and reported); the whole
+    advantage is the reverse-KL term, which compute_advantages adds whenever distillation is on (distill_advantages)."""
+    return torch.zeros_like(b.token_rewards), None
+
+
+def distill_advantages(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """On-policy distillation's per-token advantage -coef * (log pi_student(y_t) - log pi_teacher(y_t)) [B, T], 0
+    off the mask: the one-sample estimate of the reverse KL(student || teacher) at each sampled token, negated
+    (Agarwal et al. 2024, GKD with lambda 1; Thinking Machines' on-policy distillation). Each token is its own
+    reward, undiscounted and not whitened. student: the log-probs the tokens were sampled with (the rollout
+    engine's); teacher: the teacher's log-probs of the same tokens."""
+    return -coef * (student - teacher) * mask
+
+
 def _gae(b: AdvantageBatch, a) -> tuple[torch.Tensor, torch.Tensor]:
     return gae_advantages(b.token_rewards, b.values, b.mask, gamma=a.gamma, lam=a.lam, whiten=a.whiten_advantages)
 
@@ -188,6 +204,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "reinforce_plus_plus": Estimator(_reinforce_pp),
     "reinforce_plus_plus_baseline": Estimator(_reinforce_pp_baseline, needs_groups=True),
     "gae": Estimator(_gae, needs_critic=True),
+    "distill": Estimator(_distill),
 }
 
 

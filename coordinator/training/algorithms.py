@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from coordinator.recipe import run_settings
-from coordinator.recipe.config import RunConfig, trainer_losses
+from coordinator.recipe.config import RunConfig, distill_coef, trainer_losses
 from coordinator.recipe.data import load_dataset
+from coordinator.recipe.distill import check_teacher_replicas
 from coordinator.training import advantages as adv_fns
 from coordinator.training import dpo, loop, remote
 from coordinator.training.context import Algorithm, GuardedTrainer, RunContext
@@ -31,7 +32,7 @@ def _pools(cfg: RunConfig, algorithm: Algorithm, token: str | None, registry) ->
     for role, stub_factory in STUBS.items():
         section = getattr(cfg, role)
         used = configured(section) or (algorithm.needs_rollout and role != "reference")
-        if role == "reference" and not used and cfg.actor.lora is not None and cfg.trainer.address:
+        if role == "reference" and not used and _trainer_is_reference(cfg) and cfg.trainer.address:
             # Under actor.lora the trainer answers as the reference: its base model with the adapters off.
             section, used = section.model_copy(update={"servers": [cfg.trainer.address]}), True
         pools[role] = ReplicaPool.from_section(role, stub_factory, section, registry=registry,
@@ -42,12 +43,18 @@ def _pools(cfg: RunConfig, algorithm: Algorithm, token: str | None, registry) ->
 def _mesh_roles(cfg: RunConfig, algorithm: Algorithm, why_reference: str) -> tuple[list[str], list[str]]:
     """The roles a run takes from the mesh when its recipe lists none: those it needs, and those it uses when there
     (DPO's rollout and reward, for held-out accuracy). The reference only when the run needs one and the trainer
-    does not answer as it (actor.lora)."""
+    does not answer as it (actor.lora without distillation)."""
     own = ["rollout", "reward"]
     required, optional = (own, []) if algorithm.needs_rollout else ([], own)
-    if why_reference and cfg.actor.lora is None:
+    if why_reference and not _trainer_is_reference(cfg):
         required = [*required, "reference"]
     return required, optional
+
+
+def _trainer_is_reference(cfg: RunConfig) -> bool:
+    """Under actor.lora the trainer's base model is the reference, unless the run distills: then the reference
+    replicas serve the teacher (reference.model_path), which the trainer does not hold."""
+    return cfg.actor.lora is not None and distill_coef(cfg.algorithm) == 0
 
 
 def live_addresses(recorded: dict, cfg: RunConfig) -> dict:
@@ -112,6 +119,8 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
         asked, cfg = cfg, await run_settings.settle(cfg, pools.values(), trainer, cfg.trainer.address,
                                                     recorded=recorded, resume=resume, seen=running, start=start,
                                                     applied=applied)
+        if distill_coef(cfg.algorithm) > 0:        # the teachers the replicas serve: the student's token ids
+            check_teacher_replicas(cfg.actor.model_path or cfg.model.path, running)
         if cfg.model.path != asked.model.path:      # the running services' model: its tokenizer
             data, state, heldout = _load(cfg, algorithm, position)
     except BaseException:

@@ -66,7 +66,8 @@ def load_prompts(cfg: RunConfig, tokenizer, position: int) -> tuple[PromptStream
 
 
 def reference_needed(cfg: RunConfig, state) -> str:
-    return "the KL settings need a reference pool, but none is configured" if cfg.needs_reference else ""
+    return ("the KL settings (or distillation's teacher) need a reference pool, but none is configured"
+            if cfg.needs_reference else "")
 
 
 RL = Algorithm(load=load_prompts, step=rl_step, evaluate=evaluate, reference_needed=reference_needed)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from coordinator.recipe import run_settings
-from coordinator.recipe.config import rollout_correction
+from coordinator.recipe.config import distill_coef, rollout_correction
 from coordinator.recipe.data import Problem
 from coordinator.training import advantages as adv_fns
 from coordinator.training import remote
@@ -278,6 +278,10 @@ def compute_advantages(ctx: RunContext, samples: list[remote.Sample]) -> dict[st
     batch = adv_fns.AdvantageBatch(token_rewards, mask, torch.tensor([s.group for s in samples]),
                                    padded([s.values for s in samples], T) if estimator(ctx).needs_critic else None)
     token_adv, returns = estimator(ctx).fn(batch, a)
+    if distill_coef(a) > 0:
+        distilled, distill_metrics = distill_term(samples, mask, distill_coef(a))
+        token_adv = token_adv + distilled
+        metrics.update(distill_metrics)
     if returns is not None:
         for i, s in enumerate(samples):
             s.returns = returns[i, :len(s.response_ids)].tolist()
@@ -293,6 +297,22 @@ def compute_advantages(ctx: RunContext, samples: list[remote.Sample]) -> dict[st
     return metrics
 
 
+def distill_term(samples: list[remote.Sample], mask: torch.Tensor, coef: float):
+    """On-policy distillation's advantages [B, T] (adv_fns.distill_advantages: the student's rollout log-probs
+    against the teacher's, which the reference replicas computed) and their `distill/` metrics."""
+    T = mask.shape[1]
+    for s in samples:
+        if len(s.rollout_logprobs) != len(s.response_ids) or len(s.ref_logprobs) != len(s.response_ids):
+            raise ValueError(f"algorithm.distill_kl_coef: sample {s.id} lacks the student's rollout log-probs or "
+                             f"the teacher's (reference) log-probs of its {len(s.response_ids)} response tokens")
+    student, teacher = padded([s.rollout_logprobs for s in samples], T), padded([s.ref_logprobs for s in samples], T)
+    n = mask.sum().clamp(min=1.0)
+    reverse_kl = ((student - teacher) * mask).sum() / n
+    return adv_fns.distill_advantages(student, teacher, mask, coef), {
+        "distill/reverse_kl": float(reverse_kl), "distill/teacher_logprob": float((teacher * mask).sum() / n),
+        "distill/kl_coef": coef}
+
+
 def correction(ctx: RunContext, samples: list[remote.Sample], mask: torch.Tensor):
     """algorithm.rollout_correction: (weights [B, T] for the advantages, or None, and the `rollout_corr/`
     metrics). Decoupled mode weights every step; bypass mode only measures, on the steps whose trainer old
@@ -304,9 +324,10 @@ def correction(ctx: RunContext, samples: list[remote.Sample], mask: torch.Tensor
         return None, {}
     old, roll = padded([s.old_logprobs for s in samples], T), padded([s.rollout_logprobs for s in samples], T)
     weights, raw = rc_math.correction_weights(old, roll, mask, level=rc.level, method=rc.method,
-                                              threshold=rc.threshold, threshold_low=rc.threshold_low)
+                                              threshold=rc.threshold, threshold_low=rc.threshold_low,
+                                              veto_threshold=rc.veto_threshold)
     metrics = rc_math.correction_metrics(old, roll, mask, weights, raw, level=rc.level, method=rc.method,
-                                         threshold=rc.threshold)
+                                         threshold=rc.threshold, veto_threshold=rc.veto_threshold)
     return (weights if rc.mode == "decoupled" else None), metrics
 
 

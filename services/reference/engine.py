@@ -8,7 +8,8 @@ import logging
 from services.common.auto import Resolved
 from services.common.tensors.compile import warm_up_forward
 from services.common.tensors.fused import enable_fused_head, supports_fused_head
-from services.common.tensors.modeling import batched_logprobs, load_causal_lm, set_threads, validate_sequences
+from services.common.tensors.modeling import (batched_logprobs, load_causal_lm, set_threads, tokenizer_fingerprint,
+                                             validate_sequences)
 from services.common.tensors.packing import enable_packing, supports_packing
 from services.reference.config import ReferenceSettings
 
@@ -49,6 +50,7 @@ class ReferenceEngine:
         self.pad_id = self.model.config.pad_token_id or 0
         self.vocab_size = self.model.config.vocab_size
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
+        self.tokenizer = _fingerprint(self.model_path)
         # One forward at a time: torch CPU work is not faster when interleaved, and memory stays bounded.
         self._lock = asyncio.Lock()
         self.num_calls = 0
@@ -72,7 +74,8 @@ class ReferenceEngine:
         return {"dtype": self.dtype, "device": self.device, "num_calls": self.num_calls, "micro_batch_token_budget":
                 self.config.micro_batch_token_budget, "max_model_len": self.max_len, "fused_logprobs": self.fused,
                 "use_remove_padding": self.packed, "compile": self.compiled,
-                "resolved": self.resolved.json(), "warmup_seconds": round(self.warmup_seconds, 3)}
+                "resolved": self.resolved.json(), "warmup_seconds": round(self.warmup_seconds, 3),
+                "tokenizer": self.tokenizer}
 
     def logprobs_sync(self, prompts, responses, temperature: float = 1.0, *, as_arrays: bool = False):
         """Rows as lists, or float32 numpy arrays with as_arrays."""
@@ -87,3 +90,13 @@ class ReferenceEngine:
         self.num_calls += 1
         async with self._lock:
             return await asyncio.to_thread(self.logprobs_sync, prompts, responses, temperature, as_arrays=as_arrays)
+
+
+def _fingerprint(path: str) -> str:
+    """The model folder's tokenizer fingerprint (GetInfo details["tokenizer"]: a distillation run checks its teacher
+    with it); "" for a folder without a tokenizer, which a reference for KL terms does not need."""
+    try:
+        return tokenizer_fingerprint(path)
+    except (OSError, ValueError) as e:
+        log.info("no tokenizer in %s (%s): GetInfo reports none", path, e)
+        return ""

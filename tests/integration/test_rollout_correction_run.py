@@ -19,6 +19,8 @@ pytestmark = pytest.mark.slow
     # bypass: measured on the parity steps only (step 1 and every 3rd): not on steps 2 and 4
     ({"mode": "bypass"}, [1, 3]),
     ({"mode": "decoupled", "level": "geometric", "method": "mask", "threshold": 1.5}, [1, 2, 3, 4]),
+    # a preset: decoupled, geometric rejection and the token veto (docs/algorithms.md)
+    ({"preset": "geo_rs"}, [1, 2, 3, 4]),
 ])
 def test_the_corrections_metrics_appear_in_metrics_jsonl(arith_model_path, tmp_path, correction, steps_with_metrics):
     config = base_config(arith_model_path, tmp_path, run={"num_steps": 4},
@@ -42,8 +44,10 @@ def test_the_corrections_metrics_appear_in_metrics_jsonl(arith_model_path, tmp_p
             assert 0 < r["rollout_corr/ess"] <= 1 + 1e-6 and r["rollout_corr/kl_k3"] >= -1e-6
             assert {"rollout_corr/weight_mean", "rollout_corr/weight_max", "rollout_corr/kl_k1",
                     "rollout_corr/log_ppl_diff"} <= set(r)
-            share = "rollout_corr/fraction_masked" if correction.get("method") == "mask" else \
-                "rollout_corr/fraction_truncated"
+            share = "rollout_corr/fraction_masked" if correction.get("method") == "mask" or "preset" in correction \
+                else "rollout_corr/fraction_truncated"
             assert 0 <= r[share] <= 1
+            if "preset" in correction:
+                assert 0 <= r["rollout_corr/fraction_vetoed"] <= r[share]
 
     asyncio.run(with_mesh(config, body, num_rollout=1))

@@ -25,7 +25,8 @@ def _samples(num_groups: int, n: int, seed: int = 0) -> list[Sample]:
             length = rng.randint(1, 5)
             out.append(Sample(problem, g, np.array([1, 2], dtype=np.int32), np.arange(length, dtype=np.int32),
                               np.full(length, -0.5, dtype=np.float32), "", "stop", 0,
-                              reward=float(rng.randint(0, 3)), values=[rng.random() for _ in range(length)]))
+                              reward=float(rng.randint(0, 3)), values=[rng.random() for _ in range(length)],
+                              ref_logprobs=[-rng.random() for _ in range(length)]))   # distill's teacher
     return out
 
 

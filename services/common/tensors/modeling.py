@@ -170,3 +170,17 @@ def batched_logprobs(model, prompts, responses, *, pad_id: int, temperature: flo
         for row, i in enumerate(group):
             out[i] = rows[row][:len(responses[i])]
     return out  # type: ignore[return-value]
+
+
+def tokenizer_fingerprint(path: str) -> str:
+    """A short hash of what makes two tokenizers' ids mean the same text: the token -> id map (added tokens
+    included) and the bos/eos/pad/unk ids. Equal fingerprints: a model's log-probs of the other's ids are
+    meaningful (on-policy distillation compares a teacher's with a student's)."""
+    import hashlib
+    import json
+
+    tok = load_tokenizer(path)
+    specials = {name: getattr(tok, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
+    blob = json.dumps({"vocab": sorted(tok.get_vocab().items(), key=lambda kv: (kv[1], kv[0])),
+                       "specials": specials}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
