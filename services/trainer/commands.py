@@ -27,6 +27,7 @@ from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss,
 from services.trainer.updates.actor import ActorUpdate
 from services.trainer.updates.critic import CriticUpdate
 from services.trainer.updates.dpo import DPOUpdate
+from services.trainer.updates import primitive
 from services.trainer.updates.runner import Update, run_update
 from services.trainer.weights import full
 
@@ -100,7 +101,9 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "compute_values": forward.compute_values, "train_actor": train_actor, "train_dpo": train_dpo,
     "train_critic": train_critic, "configure_run": configure_run, "state_for_sync": full.full_weights,
     "save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint, "export_hf": full.export_hf,
-    "start_from_model": start_from_model, "start_from_checkpoint": start_from_checkpoint}
+    "start_from_model": start_from_model, "start_from_checkpoint": start_from_checkpoint,
+    # The training API's primitives (docs/training_api.md): gradients accumulate over calls, a step applies them.
+    "forward_backward": primitive.forward_backward, "optim_step": primitive.optim_step}
 
 # Commands that are one profiling phase as a whole (nvtx.PHASES); training commands mark forward_backward and
 # optimizer inside.

@@ -25,8 +25,9 @@ from services.trainer.model import checkpoint
 from services.trainer.model.optim import settings_in_effect
 from services.trainer.rank import Rank
 from services.trainer.steps import StepRecord
-from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, RunOptim, RunStep,
-                                    TrainSample)
+from services.trainer.types import (ActorLoss, AdamParams, CriticLoss, CriticSample, Datum, DPOLoss, PreferencePair,
+                                    PrimitiveLoss, RunOptim, RunStep, TrainSample)
+from services.trainer.updates.primitive import validate_datums
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -41,6 +42,8 @@ class TrainerEngine:
         self.steps = StepRecord()
         self.critic_steps = StepRecord("critic")
         self.warmup_seconds = 0.0
+        # ForwardBackward calls whose gradients wait for an OptimStep (the training API).
+        self.pending_gradients = 0
 
     # ---- log-probs and values ---------------------------------------------------------------------
 
@@ -158,11 +161,40 @@ class TrainerEngine:
             said = f"model.path {r.model_path} (weights reloaded, optimizer state cleared)"
         with self.steps.hold():
             self.commands.run(command, *args)
+            self.pending_gradients = 0          # the start cleared them with the optimizer state
             # No run step made these weights.
             self.steps.restored(None)
             self.critic_steps.restored(None)
         log.info("trainer: a run starts from %s, as weight version %d", said, r.weight_version)
         return said
+
+    # ---- the training API's primitives (docs/training_api.md) ------------------------------------------
+
+    def forward_backward(self, data: Sequence[Datum], loss: PrimitiveLoss) -> tuple[dict[str, float], list[list[float]]]:
+        """Adds the batch's gradient (summed loss) to the actor's; the weights stay. -> (metrics, each Datum's
+        log-probs of its targets)."""
+        r = self.rank
+        if r.dims.pp > 1:
+            raise FailedPrecondition("forward_backward: the training API runs without pipeline parallel (pp_size 1)")
+        self._check_batch_size("data", len(data))
+        validate_datums(list(data), loss, vocab_size=r.vocab_size, max_len=r.max_len)
+        out = self.commands.run("forward_backward", list(data), loss)
+        self.pending_gradients += 1
+        return out
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """One AdamW step with `adam` over the gradients of the ForwardBackward calls since the last step."""
+        if not self.pending_gradients:
+            raise FailedPrecondition("optim_step: no gradients to apply (call forward_backward first)")
+        try:
+            actor = self.rank.cfg.with_run(adam.optim_settings(), "adam_params")
+        except ValueError as e:             # the message in AdamParams' names, not the run section's
+            raise ValueError(str(e).replace("adam_params.lr", "adam_params.learning_rate").replace(
+                "adam_params.betas", "adam_params.beta1/beta2").replace("adam_params.grad_clip",
+                                                                        "adam_params.grad_clip_norm")) from None
+        metrics = self.commands.run("optim_step", actor)
+        self.pending_gradients = 0
+        return metrics
 
     # ---- weights out: sync, checkpoints, export -----------------------------------------------------
 
