@@ -92,6 +92,9 @@ def load_checkpoint(rank: Rank, path: str) -> None:
     aliases = {"lm_head.weight": "model.embed_tokens.weight"} if rank.hf_config.tie_word_embeddings else {}
     rank.weight_version = checkpoint.load(path, rank.models(), rank=rank.index, aliases=aliases)
     rank.pristine = False
+    for trained in rank.models():
+        # Gradients a training-API client accumulated belong to the weights before the load: a step drops them.
+        trained.optimizer.zero_grad(set_to_none=True)
 
 
 # The commands rank 0 broadcasts and every rank runs: the channel carries the name, this table is the one place a

@@ -217,6 +217,7 @@ class TrainerEngine:
         self._check_checkpoint(path)
         with self.steps.hold():
             self.commands.run("load_checkpoint", path)
+            self.pending_gradients = 0          # the load dropped them
             # The weights are now the checkpoint's: the record of the last applied step is the caller's word for
             # which run step they are, or nothing.
             self.steps.restored(run_step)
