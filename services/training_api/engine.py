@@ -46,6 +46,9 @@ class TrainingEngine:
             held = int(info.details.get("lora_rank", "0") or 0)
             if not _same_model(base_model, info.model):
                 raise FailedPrecondition(f"base_model: this mesh's trainer holds {info.model!r}, not {base_model!r}")
+            if info.details.get("critic") == "True":
+                raise FailedPrecondition("critic: the training API trains the actor alone; this trainer has a critic "
+                                         "(start the mesh from a recipe without a `critic:` section)")
             if rank != held:
                 raise FailedPrecondition(f"rank: this mesh's trainer trains " + (
                     f"LoRA rank {held} (actor.lora.rank, set at its start)" if held else
@@ -88,6 +91,9 @@ class TrainingEngine:
         """n samples of each prompt from the client's current weights; -> (one response per prompt, version)."""
         async with self._lock:
             client = self._check(client_id)
+            if not self.mesh.rollout_addresses:
+                raise FailedPrecondition("rollout.servers: this mesh has no rollout replica to sample on (a recipe "
+                                         "with rollout.replicas >= 1)")
             if not prompts or any(not p for p in prompts):
                 raise ValueError("prompts: at least one prompt, each with at least one token")
             if self.synced != client.weight_version:

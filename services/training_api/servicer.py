@@ -75,13 +75,11 @@ SERVICE_NAME = training_pb2.DESCRIPTOR.services_by_name["Training"].full_name
 
 
 async def start(settings: TrainingSettings, address: str | None = None) -> tuple[MeshServer, int, TrainingEngine]:
-    """Serves the training API for the trainer and rollout replicas the settings name (both required)."""
+    """Serves the training API for the trainer and rollout replicas the settings name (a mesh without rollout
+    replicas serves every primitive but Sample)."""
     if not settings.trainer.address:
         raise ValueError("trainer.address: the training API drives the mesh's trainer; name its address "
                          "(`meshrl mesh RECIPE` fills it in)")
-    if not settings.rollout.servers:
-        raise ValueError("rollout.servers: Sample generates on the mesh's rollout replicas; name at least one "
-                         "(`meshrl mesh RECIPE` fills them in)")
     token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None
     mesh = Mesh(settings.trainer.address, settings.rollout.servers, token=token,
                 timeout=settings.training_api.call_timeout_s)

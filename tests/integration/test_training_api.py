@@ -113,3 +113,19 @@ def test_one_client_samples_trains_saves_and_loads_through_the_mesh(tmp_path):
             await asyncio.to_thread(_primitives, address)
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_the_grpo_loop_example_lifts_heldout_accuracy_on_the_arithmetic_task(tmp_path):
+    """A shorter run of examples/training_api/grpo_loop.py (its 40 steps: 0.325 -> 0.95 held-out in 40 s through
+    `meshrl mesh`); 10 steps reach about 0.8 here."""
+    from examples.training_api import grpo_loop
+
+    async def main():
+        async with training_mesh(tmp_path, num_rollout=2) as address:
+            args = grpo_loop.parse(["--address", address, "--steps", "10", "--eval-every", "100"])
+            return await asyncio.to_thread(grpo_loop.train, args)
+
+    before, after = asyncio.run(main())
+    assert before == pytest.approx(0.325, abs=0.02)
+    assert after - before >= 0.2
