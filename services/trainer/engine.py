@@ -170,7 +170,8 @@ class TrainerEngine:
 
     # ---- the training API's primitives (docs/training_api.md) ------------------------------------------
 
-    def forward_backward(self, data: Sequence[Datum], loss: PrimitiveLoss) -> tuple[dict[str, float], list[list[float]]]:
+    def forward_backward(self, data: Sequence[Datum],
+                         loss: PrimitiveLoss) -> tuple[dict[str, float], list[list[float]]]:
         """Adds the batch's gradient (summed loss) to the actor's; the weights stay. -> (metrics, each Datum's
         log-probs of its targets)."""
         r = self.rank

@@ -53,7 +53,8 @@ class Mesh:
             reset_schedule=True, start=trainer_pb2.RunStart()))
 
     @_upstream
-    async def forward_backward(self, request: trainer_pb2.ForwardBackwardRequest) -> trainer_pb2.ForwardBackwardResponse:
+    async def forward_backward(self, request: trainer_pb2.ForwardBackwardRequest
+                               ) -> trainer_pb2.ForwardBackwardResponse:
         return await self.trainer.ForwardBackward(request)
 
     @_upstream

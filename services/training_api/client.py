@@ -179,8 +179,9 @@ class TrainingClient:
                          loss_fn_config: dict[str, float] | None = None) -> Future:
         """Adds the gradient of the summed loss over `data` (cross_entropy, importance_sampling, ppo, cispo) to
         what earlier calls left; -> Future[ForwardBackwardOutput]."""
-        request = training_pb2.ClientForwardBackwardRequest(client_id=self.client_id, request=trainer_pb2.ForwardBackwardRequest(
-            data=[d.to_pb() for d in data], loss_fn=loss_fn, loss_fn_config=loss_fn_config or {}))
+        inner = trainer_pb2.ForwardBackwardRequest(data=[d.to_pb() for d in data], loss_fn=loss_fn,
+                                                   loss_fn_config=loss_fn_config or {})
+        request = training_pb2.ClientForwardBackwardRequest(client_id=self.client_id, request=inner)
 
         def run() -> ForwardBackwardOutput:
             pb = self.service.call("ForwardBackward", request)

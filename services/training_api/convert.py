@@ -1,5 +1,6 @@
 """The training API's messages <-> its dataclasses (services/training_api/types.py): the servicer and the light
-client both convert here. Datums, losses and AdamParams convert with the trainer's face (services/trainer/convert.py)."""
+client both convert here. Datums and AdamParams go as the trainer's messages (trainer.proto), which the service
+forwards as they came."""
 
 from __future__ import annotations
 

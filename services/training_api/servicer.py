@@ -63,8 +63,9 @@ class TrainingServicer(training_pb2_grpc.TrainingServicer):
 
     async def Decode(self, request, context):
         tok = await asyncio.to_thread(self.engine.tokenizer, request.client_id)
-        return training_pb2.DecodeResponse(texts=[tok.decode(list(i.ids), skip_special_tokens=request.skip_special_tokens)
-                                                  for i in request.ids])
+        skip = request.skip_special_tokens
+        texts = [tok.decode(list(i.ids), skip_special_tokens=skip) for i in request.ids]
+        return training_pb2.DecodeResponse(texts=texts)
 
     async def GetInfo(self, request, context):
         return common_convert.info_to_pb("training", self.engine.model_path, self.engine.synced or 0,
