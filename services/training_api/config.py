@@ -34,6 +34,9 @@ class TrainingApiSection(Section):
     state_dir: str = "runs/training_api"
     # Deadline of one call to the trainer or a rollout replica (seconds).
     call_timeout_s: float = Field(600.0, gt=0)
+    # An open client that made no call for this long is closed when another client asks for the trainer (its
+    # script may have died without close()); 0 keeps it open until it closes.
+    release_idle_s: float = Field(900.0, ge=0)
 
 
 class TrainingSettings(MeshSettings):

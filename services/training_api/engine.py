@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -33,12 +34,15 @@ class TrainingEngine:
         self._lock = asyncio.Lock()
         self._tokenizer = None
         self.model_path = ""
+        # When the open client last made a call (monotonic seconds).
+        self.last_call = 0.0
 
     # ---- clients ----------------------------------------------------------------------------------
 
     async def create(self, base_model: str, rank: int) -> ClientInfo:
         """A training client on the trainer's model with fresh adapters of `rank`; refused while one is open."""
         async with self._lock:
+            self._release_idle()
             if self.client is not None:
                 raise FailedPrecondition(f"training client {self.client.client_id} is open on this trainer; one "
                                          f"client at a time (close it first)")
@@ -56,6 +60,7 @@ class TrainingEngine:
             started = await self.mesh.start_fresh()
             self.model_path, self.synced = info.model, None
             self.client = ClientInfo(uuid.uuid4().hex[:12], info.model, rank, started.weight_version, 0)
+            self.last_call = time.monotonic()
             log.info("training API: client %s opened on %s (rank %d)", self.client.client_id, info.model, rank)
             return self.client
 
@@ -70,7 +75,17 @@ class TrainingEngine:
         if self.client is None or self.client.client_id != client_id:
             raise NotFound(f"client_id: no open training client {client_id!r}"
                            + (f" (the open one is {self.client.client_id})" if self.client else ""))
+        self.last_call = time.monotonic()
         return self.client
+
+    def _release_idle(self) -> None:
+        """Closes an open client idle past training_api.release_idle_s (a script that died without close())."""
+        limit = self.settings.training_api.release_idle_s
+        idle = time.monotonic() - self.last_call
+        if self.client is not None and limit and idle > limit:
+            log.warning("training API: client %s made no call for %.0f s (training_api.release_idle_s=%g): closed "
+                        "for the next client", self.client.client_id, idle, limit)
+            self.client = None
 
     # ---- primitives -------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import time
 
 import grpc
 import pytest
@@ -30,7 +31,7 @@ async def training_mesh(tmp_path, num_rollout: int = 1):
     mesh = await start_local_mesh(recipe, num_rollout=num_rollout, num_reward=0, num_reference=0)
     server, port, engine = await start_training(load_config(TrainingSettings, data=mesh.config), "127.0.0.1:0")
     try:
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", engine
     finally:
         await server.stop(0)
         await engine.close()
@@ -48,7 +49,7 @@ def _datums(tok, prompt: str, sequences, advantages) -> list[Datum]:
     return out
 
 
-def _primitives(address: str) -> None:
+def _primitives(address: str, engine) -> None:
     service = ServiceClient(address)
     tc = service.create_lora_training_client(base_model="examples/arith/model", rank=8)
     with pytest.raises(grpc.RpcError) as err:
@@ -80,7 +81,18 @@ def _primitives(address: str) -> None:
         assert o["logprobs"][skip:] == pytest.approx(s.logprobs, abs=2e-3)
     assert service.get_info()["synced_version"] == str(int(stepped["weight_version"]))
 
-    # A second step moves the weights; load_state brings back the saved ones, and drops the gradients left since.
+    _save_and_load(tc, data, saved)
+    with pytest.raises(grpc.RpcError) as err:
+        tc.forward_backward([Datum(ModelInput.from_ints([1, 5, 6]), {"target_tokens": [5, 9, 9]})]).result()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("forward_backward: data[0].target_tokens: must be model_input shifted")
+    tc.close()
+    _one_client_at_a_time(service, engine)
+    service.close()
+
+
+def _save_and_load(tc, data: list[Datum], saved: str) -> None:
+    """A second step moves the weights; load_state brings back the saved ones, and drops the gradients left since."""
     at_save = tc.forward_backward(data, "cross_entropy").result()
     tc.forward_backward(data, "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}).result()
     tc.optim_step(AdamParams(learning_rate=1e-2)).result()
@@ -94,23 +106,27 @@ def _primitives(address: str) -> None:
     back = tc.forward_backward(data, "importance_sampling").result()
     for b, o in zip(back.loss_fn_outputs, at_save.loss_fn_outputs):
         assert b["logprobs"] == pytest.approx(o["logprobs"], abs=1e-5)
-    with pytest.raises(grpc.RpcError) as err:
-        tc.forward_backward([Datum(ModelInput.from_ints([1, 5, 6]), {"target_tokens": [5, 9, 9]})]).result()
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().startswith("forward_backward: data[0].target_tokens: must be model_input shifted")
-    tc.close()
+
+
+def _one_client_at_a_time(service: ServiceClient, engine) -> None:
     with pytest.raises(grpc.RpcError) as err:
         service.create_lora_training_client(base_model="examples/arith/model", rank=4)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert err.value.details().startswith("rank: this mesh's trainer trains LoRA rank 8")
+    idle = service.create_lora_training_client(base_model="examples/arith/model", rank=8)
+    # A client whose script went away without close() gives the trainer up after training_api.release_idle_s.
+    engine.settings.training_api.release_idle_s = 0.2
+    time.sleep(0.3)
     service.create_lora_training_client(base_model="examples/arith/model", rank=8).close()
-    service.close()
+    with pytest.raises(grpc.RpcError) as err:
+        idle.optim_step(AdamParams()).result()
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and idle.client_id in err.value.details()
 
 
 def test_one_client_samples_trains_saves_and_loads_through_the_mesh(tmp_path):
     async def main():
-        async with training_mesh(tmp_path) as address:
-            await asyncio.to_thread(_primitives, address)
+        async with training_mesh(tmp_path) as served:
+            await asyncio.to_thread(_primitives, *served)
 
     asyncio.run(main())
 
@@ -122,7 +138,7 @@ def test_the_grpo_loop_example_lifts_heldout_accuracy_on_the_arithmetic_task(tmp
     from examples.training_api import grpo_loop
 
     async def main():
-        async with training_mesh(tmp_path, num_rollout=2) as address:
+        async with training_mesh(tmp_path, num_rollout=2) as (address, _):
             args = grpo_loop.parse(["--address", address, "--steps", "10", "--eval-every", "100"])
             return await asyncio.to_thread(grpo_loop.train, args)
 
