@@ -38,12 +38,14 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
-def write(address: str, *, pid: int, log_dir: str, recipe: str) -> Path:
-    """Records this mesh (atomically: a reader never sees half a file); the last mesh started wins."""
+def write(address: str, *, pid: int, log_dir: str, recipe: str, training: str = "") -> Path:
+    """Records this mesh (atomically: a reader never sees half a file); the last mesh started wins. `training`: the
+    training API's address (services/training_api/client.py reads it)."""
     path = mesh_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{pid}")
-    tmp.write_text(json.dumps({"coordinator": address, "pid": pid, "log_dir": log_dir, "recipe": recipe,
+    tmp.write_text(json.dumps({"coordinator": address, "training": training, "pid": pid, "log_dir": log_dir,
+                               "recipe": recipe,
                                "started": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1) + "\n")
     os.replace(tmp, path)
     return path

@@ -63,14 +63,17 @@ def _serve(ctx: typer.Context, config: Path | None, run_dir: Path | None, thread
         config = _write_private(log_dir / "recipe.yaml", raw)
     stopping = threading.Event()
     with Launcher(str(config), log_dir=log_dir, overrides=overrides, num_threads=threads) as launcher:
-        addresses = _start_mesh(launcher, cfg, raw, overrides, placement, trainer_devices)
+        addresses = _start_mesh(launcher, cfg, raw, overrides, placement, trainer_devices, training_api=True)
         coordinator = addresses["coordinator"][0]
         signal.signal(signal.SIGTERM, lambda *_: stopping.set())   # Launcher puts the old handler back
-        path = mesh_address.write(coordinator, pid=os.getpid(), log_dir=str(log_dir), recipe=str(config))
+        path = mesh_address.write(coordinator, pid=os.getpid(), log_dir=str(log_dir), recipe=str(config),
+                                  training=addresses["training"][0])
         try:
             _say(f"mesh up: {json.dumps(addresses)} (logs in {log_dir})")
             _say(f"meshrl mesh: coordinator at {coordinator}, recorded in {path}; `meshrl run RECIPE` starts a run "
                 f"on it, Ctrl-C or `meshrl mesh --stop` stops it")
+            _say(f"meshrl mesh: training API at {addresses['training'][0]} (docs/training_api.md: "
+                 f"services.training_api.client.ServiceClient() finds it)")
             supervisor = Supervisor(launcher, say=_say)
             try:
                 while not stopping.wait(0.5):

@@ -131,7 +131,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
 
 
 def _start_mesh(launcher, cfg, raw: dict, overrides: dict[str, str], placement: dict[str, list[str]],
-                trainer_devices: str) -> dict[str, list[str]]:
+                trainer_devices: str, *, training_api: bool = False) -> dict[str, list[str]]:
     """Starts the trainer, every replica, then the coordinator; returns each role's addresses once all serve.
 
     Env replicas serve first: the rollout replicas, whose episode loops call them, start with their addresses
@@ -154,7 +154,10 @@ def _start_mesh(launcher, cfg, raw: dict, overrides: dict[str, str], placement: 
     # (ListServices with no run id, `meshrl services`). The later --config wins over the launcher's.
     own = _write_private(launcher.log_dir / "coordinator.yaml", _with_addresses(raw, overrides, addresses))
     coordinator = launcher.start("coordinator", extra_args=["--config", str(own)])
-    return {**addresses, "coordinator": [launcher.wait_ready(coordinator)]}
+    # `meshrl mesh`: the training API beside the coordinator, on the same trainer and replicas (docs/training_api.md).
+    training = [launcher.start("training", extra_args=["--config", str(own)])] if training_api else []
+    return {**addresses, "coordinator": [launcher.wait_ready(coordinator)],
+            **({"training": [launcher.wait_ready(training[0])]} if training else {})}
 
 
 def _drive(launcher, data: dict, conn: Connection, cfg, *, resume: str = "", stop_wait_s: float = 120.0):

@@ -16,6 +16,7 @@ from services.rollout.config import RolloutConfig
 from services.trainer.config import ActorConfig, CriticConfig, WeightSyncConfig
 from services.trainer.policy_losses import DEFAULT_POLICY_LOSS, policy_loss_settings
 from services.trainer.types import ActorLoss, CriticLoss, DPOLoss
+from services.training_api.config import TrainingApiSection
 
 
 class PolicyLossConfig(Section):
@@ -329,6 +330,8 @@ class RunConfig(MeshSettings):
     trainer: TrainerSection = TrainerSection()
     coordinator: CoordinatorConfig = CoordinatorConfig()
     server: ServerConfig = ServerConfig()
+    # Read by the training API that `meshrl mesh` serves beside the coordinator (docs/training_api.md).
+    training_api: TrainingApiSection = TrainingApiSection()
 
     @model_validator(mode="after")
     def _async_settings(self):

@@ -27,6 +27,7 @@ from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss,
 from services.trainer.updates.actor import ActorUpdate
 from services.trainer.updates.critic import CriticUpdate
 from services.trainer.updates.dpo import DPOUpdate
+from services.trainer.updates import primitive
 from services.trainer.updates.runner import Update, run_update
 from services.trainer.weights import full
 
@@ -91,6 +92,9 @@ def load_checkpoint(rank: Rank, path: str) -> None:
     aliases = {"lm_head.weight": "model.embed_tokens.weight"} if rank.hf_config.tie_word_embeddings else {}
     rank.weight_version = checkpoint.load(path, rank.models(), rank=rank.index, aliases=aliases)
     rank.pristine = False
+    for trained in rank.models():
+        # Gradients a training-API client accumulated belong to the weights before the load: a step drops them.
+        trained.optimizer.zero_grad(set_to_none=True)
 
 
 # The commands rank 0 broadcasts and every rank runs: the channel carries the name, this table is the one place a
@@ -100,7 +104,9 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "compute_values": forward.compute_values, "train_actor": train_actor, "train_dpo": train_dpo,
     "train_critic": train_critic, "configure_run": configure_run, "state_for_sync": full.full_weights,
     "save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint, "export_hf": full.export_hf,
-    "start_from_model": start_from_model, "start_from_checkpoint": start_from_checkpoint}
+    "start_from_model": start_from_model, "start_from_checkpoint": start_from_checkpoint,
+    # The training API's primitives (docs/training_api.md): gradients accumulate over calls, a step applies them.
+    "forward_backward": primitive.forward_backward, "optim_step": primitive.optim_step}
 
 # Commands that are one profiling phase as a whole (nvtx.PHASES); training commands mark forward_backward and
 # optimizer inside.

@@ -11,8 +11,8 @@ from services.common.tensors.packed import (F32, I32, concat, field_of, pack_f32
                                     set_rows, split_rows, unpack, unpack_rows)
 from services.common.manifest import Manifest
 from services.trainer.config import RUN_OPTIM_KEYS, OptimSection, RunOptim
-from services.trainer.types import (ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, RunStart, RunStep,
-                                    TrainSample)
+from services.trainer.types import (ActorLoss, AdamParams, CriticLoss, CriticSample, Datum, DPOLoss, PreferencePair,
+                                    PrimitiveLoss, RunStart, RunStep, TrainSample)
 
 
 def actor_loss_from_pb(pb: trainer_pb2.ActorLoss) -> ActorLoss:
@@ -286,3 +286,40 @@ def run_optim_from_pb(pb) -> RunOptim:
     return RunOptim(optim_from_pb(pb.actor), critic, reset_schedule=getattr(pb, "reset_schedule", True),
                     start=start, actor_lr=getattr(pb, "actor_lr", 0.0),
                     started_from=getattr(pb, "started_from", ""), weight_version=getattr(pb, "weight_version", 0))
+
+
+# ---- the training API's primitives (ForwardBackward, OptimStep) ------------------------------------------------
+
+def datums_to_pb(data: list[Datum]) -> list[trainer_pb2.Datum]:
+    return [trainer_pb2.Datum(model_input=d.model_input, target_tokens=d.target_tokens, weights=d.weights,
+                              logprobs=d.logprobs, advantages=d.advantages) for d in data]
+
+
+def forward_backward_to_pb(data: list[Datum], loss: PrimitiveLoss) -> trainer_pb2.ForwardBackwardRequest:
+    return trainer_pb2.ForwardBackwardRequest(data=datums_to_pb(data), loss_fn=loss.loss_fn,
+                                              loss_fn_config=loss.loss_fn_config)
+
+
+def forward_backward_from_pb(pb: trainer_pb2.ForwardBackwardRequest) -> tuple[list[Datum], PrimitiveLoss]:
+    data = [Datum(list(d.model_input), list(d.target_tokens), list(d.weights), list(d.logprobs), list(d.advantages))
+            for d in pb.data]
+    return data, PrimitiveLoss(pb.loss_fn or "cross_entropy", dict(pb.loss_fn_config))
+
+
+def forward_backward_result_to_pb(metrics: dict[str, float],
+                                  logprobs: list[list[float]]) -> trainer_pb2.ForwardBackwardResponse:
+    return trainer_pb2.ForwardBackwardResponse(outputs=[trainer_pb2.DatumOutput(logprobs=lp) for lp in logprobs],
+                                               metrics=metrics)
+
+
+def adam_to_pb(a: AdamParams) -> trainer_pb2.AdamParams:
+    return trainer_pb2.AdamParams(learning_rate=a.learning_rate, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
+                                  weight_decay=a.weight_decay, grad_clip_norm=a.grad_clip_norm)
+
+
+def adam_from_pb(pb: trainer_pb2.AdamParams) -> AdamParams:
+    """Unset betas and eps take Tinker's defaults (a set 0 is honoured); learning_rate has none."""
+    d = AdamParams()
+    return AdamParams(learning_rate=pb.learning_rate, beta1=pb.beta1 if pb.HasField("beta1") else d.beta1,
+                      beta2=pb.beta2 if pb.HasField("beta2") else d.beta2, eps=pb.eps if pb.HasField("eps") else d.eps,
+                      weight_decay=pb.weight_decay, grad_clip_norm=pb.grad_clip_norm)

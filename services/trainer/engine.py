@@ -20,12 +20,14 @@ from services.common.errors import FailedPrecondition
 from services.common.tensors.modeling import validate_sequences
 from services.trainer.batch import validate_actor_batch, validate_critic_batch, validate_dpo_batch
 from services.trainer.commands import Commands
-from services.trainer.config import RunOptim, TrainerSettings
+from services.trainer.config import OptimSection, RunOptim, TrainerSettings
 from services.trainer.model import checkpoint
 from services.trainer.model.optim import settings_in_effect
 from services.trainer.rank import Rank
 from services.trainer.steps import StepRecord
-from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss, PreferencePair, RunStep, TrainSample
+from services.trainer.types import (ActorLoss, AdamParams, CriticLoss, CriticSample, Datum, DPOLoss, PreferencePair,
+                                    PrimitiveLoss, RunStep, TrainSample)
+from services.trainer.updates.primitive import validate_datums
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -40,6 +42,8 @@ class TrainerEngine:
         self.steps = StepRecord()
         self.critic_steps = StepRecord("critic")
         self.warmup_seconds = 0.0
+        # ForwardBackward calls whose gradients wait for an OptimStep (the training API).
+        self.pending_gradients = 0
 
     # ---- log-probs and values ---------------------------------------------------------------------
 
@@ -157,11 +161,41 @@ class TrainerEngine:
             said = f"model.path {r.model_path} (weights reloaded, optimizer state cleared)"
         with self.steps.hold():
             self.commands.run(command, *args)
+            self.pending_gradients = 0          # the start cleared them with the optimizer state
             # No run step made these weights.
             self.steps.restored(None)
             self.critic_steps.restored(None)
         log.info("trainer: a run starts from %s, as weight version %d", said, r.weight_version)
         return said
+
+    # ---- the training API's primitives (docs/training_api.md) ------------------------------------------
+
+    def forward_backward(self, data: Sequence[Datum],
+                         loss: PrimitiveLoss) -> tuple[dict[str, float], list[list[float]]]:
+        """Adds the batch's gradient (summed loss) to the actor's; the weights stay. -> (metrics, each Datum's
+        log-probs of its targets)."""
+        r = self.rank
+        if r.dims.pp > 1:
+            raise FailedPrecondition("forward_backward: the training API runs without pipeline parallel (pp_size 1)")
+        self._check_batch_size("data", len(data))
+        validate_datums(list(data), loss, vocab_size=r.vocab_size, max_len=r.max_len)
+        out = self.commands.run("forward_backward", list(data), loss)
+        self.pending_gradients += 1
+        return out
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """One AdamW step with `adam` over the gradients of the ForwardBackward calls since the last step."""
+        if not self.pending_gradients:
+            raise FailedPrecondition("optim_step: no gradients to apply (call forward_backward first)")
+        try:
+            actor = self.rank.cfg.with_run(_as_section(adam), "adam_params")
+        except ValueError as e:             # the message in AdamParams' names, not the run section's
+            raise ValueError(str(e).replace("adam_params.lr", "adam_params.learning_rate").replace(
+                "adam_params.betas", "adam_params.beta1/beta2").replace("adam_params.grad_clip",
+                                                                        "adam_params.grad_clip_norm")) from None
+        metrics = self.commands.run("optim_step", actor)
+        self.pending_gradients = 0
+        return metrics
 
     # ---- weights out: sync, checkpoints, export -----------------------------------------------------
 
@@ -184,6 +218,7 @@ class TrainerEngine:
         self._check_checkpoint(path)
         with self.steps.hold():
             self.commands.run("load_checkpoint", path)
+            self.pending_gradients = 0          # the load dropped them
             # The weights are now the checkpoint's: the record of the last applied step is the caller's word for
             # which run step they are, or nothing.
             self.steps.restored(run_step)
@@ -262,3 +297,10 @@ class TrainerEngine:
     def _checkpoint_result(self, path: str) -> dict:
         return {"path": path, "step": self.rank.actor.step, "weight_version": self.rank.weight_version,
                 "run_step": self.steps.last}
+
+
+def _as_section(adam: AdamParams) -> OptimSection:
+    """One OptimStep's AdamParams as a run's optimizer settings (unchecked: with_run checks them), at a constant lr."""
+    return OptimSection.model_construct(lr=adam.learning_rate, weight_decay=adam.weight_decay,
+                                        betas=(adam.beta1, adam.beta2), eps=adam.eps, grad_clip=adam.grad_clip_norm,
+                                        lr_schedule="constant", warmup_steps=0, total_steps=0, min_lr_ratio=0.0)

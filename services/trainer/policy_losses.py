@@ -57,6 +57,10 @@ class CISPOSettings(ClipSettings):
     clip_ratio_low: float = Field(1.0, ge=0, le=1)
 
 
+class ImportanceSamplingSettings(PolicyLossSettings):
+    """REINFORCE with an unclipped importance weight (Tinker's importance_sampling): no settings."""
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
     """A registered loss: its function (`module:name`, torch, loaded by the trainer only) and its settings."""
@@ -71,6 +75,7 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     "gspo": PolicyLoss(f"{_MATH}:gspo", GSPOSettings),
     "gspo_token": PolicyLoss(f"{_MATH}:gspo_token", GSPOSettings),
     "cispo": PolicyLoss(f"{_MATH}:cispo", CISPOSettings),
+    "importance_sampling": PolicyLoss(f"{_MATH}:importance_sampling", ImportanceSamplingSettings),
 }
 DEFAULT_POLICY_LOSS = "vanilla"
 

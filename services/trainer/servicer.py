@@ -96,6 +96,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                                           "weight_transports": ",".join(available_senders(rank.device)),
                                           "settings": settings_json(rank.settings)})
 
+    async def ForwardBackward(self, request, context):
+        data, loss = convert.forward_backward_from_pb(request)
+        metrics, logprobs = await asyncio.to_thread(self.engine.forward_backward, data, loss)
+        return convert.forward_backward_result_to_pb(metrics, logprobs)
+
+    async def OptimStep(self, request, context):
+        metrics = await asyncio.to_thread(self.engine.optim_step, convert.adam_from_pb(request.adam_params))
+        rank = self.engine.rank
+        return trainer_pb2.OptimStepResponse(step=rank.actor.step, weight_version=rank.weight_version,
+                                             metrics=metrics)
+
     async def ConfigureRun(self, request, context):
         applied = await asyncio.to_thread(self.engine.configure_run, convert.run_optim_from_pb(request))
         return convert.run_optim_to_pb(applied, response=True)

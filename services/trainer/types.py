@@ -116,3 +116,66 @@ class RunStep:
     # What the coordinator measured of the step before the update (rewards, timings): kept with the trainer's
     # record so a step the coordinator never committed is recorded with them. Not part of the step's identity.
     metrics: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
+
+
+# ---- the training API's primitives (ForwardBackward, OptimStep: docs/training_api.md) -------------------------
+
+@dataclass
+class Datum:
+    """One sequence of a ForwardBackward call (Tinker's Datum): position i of model_input predicts target_tokens[i];
+    the per-position lists are aligned with target_tokens (empty when the loss does not read them)."""
+
+    model_input: list[int]
+    target_tokens: list[int]
+    # cross_entropy: 0 on positions that carry no loss; empty = all 1.
+    weights: list[float] = field(default_factory=list)
+    # Policy losses: the sampler's log-prob of each target token, and each position's advantage.
+    logprobs: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+
+
+# Tinker's loss names -> the trainer's policy loss (services/trainer/policy_losses.py POLICY_LOSSES); "" is the
+# cross-entropy of target_tokens. A loss of that registry may also be named directly, with its own settings.
+PRIMITIVE_LOSSES: dict[str, str] = {"cross_entropy": "", "importance_sampling": "importance_sampling",
+                                    "ppo": "vanilla", "cispo": "cispo"}
+
+
+@dataclass
+class PrimitiveLoss:
+    """The loss of one ForwardBackward call. Every loss is summed over positions and Datums (Tinker's reduction):
+    the caller scales advantages or weights for the normalisation it wants."""
+
+    loss_fn: str = "cross_entropy"
+    # Tinker's settings (ppo: clip_low_threshold, clip_high_threshold) or a registry loss's own settings.
+    loss_fn_config: dict[str, float] = field(default_factory=dict)
+
+    def policy_loss(self) -> tuple[str, dict[str, float]]:
+        """(the registry's loss name or "" for cross-entropy, its settings); a ValueError names loss_fn."""
+        name = PRIMITIVE_LOSSES.get(self.loss_fn, self.loss_fn)
+        config = dict(self.loss_fn_config)
+        if name == "":
+            if config:
+                raise ValueError(f"loss_fn_config: cross_entropy takes no settings, got {sorted(config)}")
+            return "", {}
+        if self.loss_fn == "ppo":
+            # Tinker's ppo clips the ratio to [clip_low_threshold, clip_high_threshold] (0.8, 1.2), no dual clip.
+            low, high = config.pop("clip_low_threshold", 0.8), config.pop("clip_high_threshold", 1.2)
+            if config:
+                raise ValueError(f"loss_fn_config: ppo takes clip_low_threshold and clip_high_threshold, got "
+                                 f"{sorted(config)}")
+            return name, {"clip_ratio_low": 1.0 - low, "clip_ratio_high": high - 1.0, "clip_ratio_c": 0.0}
+        return name, config
+
+
+@dataclass
+class AdamParams:
+    """One OptimStep's AdamW hyperparameters (Tinker's AdamParams and its defaults)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    # 0 turns clipping off.
+    grad_clip_norm: float = 0.0
+

@@ -33,7 +33,7 @@ USAGE_ERRORS = {
                   "as an integer (`meshrl up --help`)"),
     "unknown command": (("nosuch",), "meshrl: no such command 'nosuch' (`meshrl --help`)"),
     "unknown role": (("serve", "nosuch"), "meshrl serve: invalid value for ROLE: unknown role 'nosuch'; expected one "
-                                          "of coordinator, trainer, reference, reward, env, rollout "
+                                          "of coordinator, trainer, reference, reward, env, rollout, training "
                                           "(`meshrl serve --help`)"),
     "no run directory": (("plot", "runs/nosuch"), "meshrl plot: runs/nosuch: no such run directory"),
 }

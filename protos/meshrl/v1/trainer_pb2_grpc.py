@@ -90,6 +90,16 @@ class TrainerStub:
                 request_serializer=meshrl_dot_v1_dot_trainer__pb2.ConfigureRunRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_trainer__pb2.ConfigureRunResponse.FromString,
                 _registered_method=True)
+        self.ForwardBackward = channel.unary_unary(
+                '/meshrl.v1.Trainer/ForwardBackward',
+                request_serializer=meshrl_dot_v1_dot_trainer__pb2.ForwardBackwardRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_trainer__pb2.ForwardBackwardResponse.FromString,
+                _registered_method=True)
+        self.OptimStep = channel.unary_unary(
+                '/meshrl.v1.Trainer/OptimStep',
+                request_serializer=meshrl_dot_v1_dot_trainer__pb2.OptimStepRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_trainer__pb2.OptimStepResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -173,6 +183,22 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForwardBackward(self, request, context):
+        """Training API (docs/training_api.md): forward and backward of a batch of Datums under one loss; the gradients
+        add to those of earlier calls until OptimStep applies them. The weights do not change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OptimStep(self, request, context):
+        """Training API: one AdamW step with these hyperparameters over the gradients ForwardBackward accumulated since
+        the last step; bumps the weight version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,6 +256,16 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.ConfigureRun,
                     request_deserializer=meshrl_dot_v1_dot_trainer__pb2.ConfigureRunRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_trainer__pb2.ConfigureRunResponse.SerializeToString,
+            ),
+            'ForwardBackward': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForwardBackward,
+                    request_deserializer=meshrl_dot_v1_dot_trainer__pb2.ForwardBackwardRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_trainer__pb2.ForwardBackwardResponse.SerializeToString,
+            ),
+            'OptimStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.OptimStep,
+                    request_deserializer=meshrl_dot_v1_dot_trainer__pb2.OptimStepRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_trainer__pb2.OptimStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -529,6 +565,60 @@ class Trainer:
             '/meshrl.v1.Trainer/ConfigureRun',
             meshrl_dot_v1_dot_trainer__pb2.ConfigureRunRequest.SerializeToString,
             meshrl_dot_v1_dot_trainer__pb2.ConfigureRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardBackward(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Trainer/ForwardBackward',
+            meshrl_dot_v1_dot_trainer__pb2.ForwardBackwardRequest.SerializeToString,
+            meshrl_dot_v1_dot_trainer__pb2.ForwardBackwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OptimStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Trainer/OptimStep',
+            meshrl_dot_v1_dot_trainer__pb2.OptimStepRequest.SerializeToString,
+            meshrl_dot_v1_dot_trainer__pb2.OptimStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,8 +15,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from services.common.plugins import load_object
-from services.trainer.policy_losses import (POLICY_LOSSES, CISPOSettings, GSPOSettings, PolicyLossSettings,
-                                            VanillaSettings, policy_loss_settings)
+from services.trainer.policy_losses import (POLICY_LOSSES, CISPOSettings, GSPOSettings, ImportanceSamplingSettings,
+                                            PolicyLossSettings, VanillaSettings, policy_loss_settings)
 from services.trainer.updates.losses import clipped_policy_loss
 
 # exp of a larger log-ratio overflows float32 long before the clip matters (verl clamps at the same place).
@@ -68,6 +68,13 @@ def cispo(logp, old_logp, adv, mask, s: CISPOSettings) -> PolicyLossOut:
     ratio = (logp - old_logp).detach().clamp(max=MAX_LOG_RATIO).exp()
     weight = ratio.clamp(1.0 - s.clip_ratio_low, 1.0 + s.clip_ratio_high)
     return PolicyLossOut(-weight * adv * logp, (weight != ratio).float())
+
+
+def importance_sampling(logp, old_logp, adv, mask, s: ImportanceSamplingSettings) -> PolicyLossOut:
+    """-exp(logp - old_logp) * A_t per token, unclipped: REINFORCE corrected for the sampler's log-probs (Tinker's
+    importance_sampling; the ratio's value is 1 on policy, its gradient A_t grad logp_t)."""
+    ratio = (logp - old_logp).clamp(max=MAX_LOG_RATIO).exp()
+    return PolicyLossOut(-ratio * adv, torch.zeros_like(logp))
 
 
 PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], PolicyLossOut]

@@ -129,6 +129,12 @@ class _Steps:
                 "loss_scale": trained.loss_scale, "seconds": seconds}
 
 
+def accumulate_gradients(update: Update, idx: list[int]) -> torch.Tensor:
+    """Forward/backward of the items `idx` as one mini-batch, no optimizer step: the gradients add to what the
+    parameters hold (the training API's ForwardBackward, updates/primitive.py); this rank's stats on the device."""
+    return _mini_batch(update, idx)
+
+
 def _mini_batch(update: Update, idx: list[int]) -> torch.Tensor:
     """Forward/backward of one mini-batch over this rank's micro-batches; this rank's stats on the device
     (under PP the last stage holds them, other stages zeros)."""

@@ -1,0 +1,1 @@
+"""Loops written over the training API (docs/training_api.md)."""

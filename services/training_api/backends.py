@@ -1,0 +1,97 @@
+"""The training API's calls to the mesh: the trainer (ForwardBackward, OptimStep, ConfigureRun, checkpoints,
+PushWeights) and the rollout replicas (Generate). The engine's gRPC edge; an upstream error keeps its status."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import grpc
+
+from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.common.errors import MeshError
+from services.common.rpc.channel import create_channel
+from services.training_api.types import SampledSequence, SampleResponse
+
+
+class Upstream(MeshError):
+    """A call to the trainer or a replica failed: its status and message reach the training API's caller."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _upstream(fn):
+    @functools.wraps(fn)
+    async def call(self, *args, **kwargs):
+        try:
+            return await fn(self, *args, **kwargs)
+        except grpc.aio.AioRpcError as e:
+            raise Upstream(e.code().name, f"{fn.__name__}: {e.details()}") from None
+    return call
+
+
+class Mesh:
+    """Stubs of the trainer and of every rollout replica (Sample spreads its prompts over them)."""
+
+    def __init__(self, trainer: str, rollout: list[str], *, token: str | None, timeout: float):
+        self.trainer_address, self.rollout_addresses = trainer, list(rollout)
+        self._channels = [create_channel(a, token=token, timeout=timeout) for a in [trainer, *rollout]]
+        self.trainer = trainer_pb2_grpc.TrainerStub(self._channels[0])
+        self.rollout = [rollout_pb2_grpc.RolloutStub(c) for c in self._channels[1:]]
+
+    @_upstream
+    async def trainer_info(self) -> common_pb2.ServiceInfo:
+        return await self.trainer.GetInfo(common_pb2.GetInfoRequest())
+
+    @_upstream
+    async def start_fresh(self) -> trainer_pb2.ConfigureRunResponse:
+        """The trainer's model-path weights (fresh adapters), optimizer state cleared; the lr is each OptimStep's."""
+        return await self.trainer.ConfigureRun(trainer_pb2.ConfigureRunRequest(
+            actor=trainer_pb2.OptimSettings(lr=1e-4, betas=[0.9, 0.95], eps=1e-12, lr_schedule="constant"),
+            reset_schedule=True, start=trainer_pb2.RunStart()))
+
+    @_upstream
+    async def forward_backward(self, request: trainer_pb2.ForwardBackwardRequest
+                               ) -> trainer_pb2.ForwardBackwardResponse:
+        return await self.trainer.ForwardBackward(request)
+
+    @_upstream
+    async def optim_step(self, adam: trainer_pb2.AdamParams) -> trainer_pb2.OptimStepResponse:
+        return await self.trainer.OptimStep(trainer_pb2.OptimStepRequest(adam_params=adam))
+
+    @_upstream
+    async def save(self, path: str) -> trainer_pb2.CheckpointResponse:
+        return await self.trainer.SaveCheckpoint(trainer_pb2.CheckpointRequest(path=path))
+
+    @_upstream
+    async def load(self, path: str) -> trainer_pb2.CheckpointResponse:
+        return await self.trainer.LoadCheckpoint(trainer_pb2.CheckpointRequest(path=path))
+
+    @_upstream
+    async def push_weights(self) -> int:
+        """The trainer's weights onto every rollout replica; -> the version they now hold."""
+        response = await self.trainer.PushWeights(trainer_pb2.PushWeightsRequest(targets=self.rollout_addresses))
+        failed = [f"{r.target}: {r.error}" for r in response.results if not r.ok]
+        if failed:
+            raise Upstream("UNAVAILABLE", f"push_weights: {'; '.join(failed)}")
+        return response.weight_version
+
+    @_upstream
+    async def generate(self, prompts: list[list[int]], sampling: rollout_pb2.SamplingParams) -> list[SampleResponse]:
+        """Every prompt's samples, the prompts split in contiguous shares over the replicas, in request order."""
+        k = len(self.rollout)
+        shares = [prompts[i * len(prompts) // k:(i + 1) * len(prompts) // k] for i in range(k)]
+        calls = [stub.Generate(rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(id=str(j), prompt_ids=p) for j, p in enumerate(share)], sampling=sampling))
+            for stub, share in zip(self.rollout, shares) if share]
+        out = []
+        for response in await asyncio.gather(*calls):
+            out += [SampleResponse([SampledSequence(list(s.response_ids), list(s.logprobs), s.finish_reason)
+                                    for s in r.samples]) for r in response.responses]
+        return out
+
+    async def close(self) -> None:
+        for c in self._channels:
+            await c.close()
