@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -39,9 +39,7 @@ class Batch:
     step: int                      # the run step (1-based) that trains on it
     position: int                  # data position of its first prompt
     problems: list[Problem]
-    task: asyncio.Task             # -> list[Sample]
-    # Groups (indexes in the batch) dropped as stale when a restart took the batch back from the ledger.
-    dropped: set[int] = field(default_factory=set)
+    task: asyncio.Task             # -> list[Sample]; groups it lacks (dropped as stale) are marked dropped
 
 
 class InFlight:
@@ -100,7 +98,7 @@ async def _restore(ctx: RunContext, batch_size: int) -> InFlight:
         step = ctx.step + 1 + i
         problems = ctx.data.take(batch_size, at=position)
         task = _track(asyncio.create_task(_rebuild(ctx, step, position, problems, r)))
-        flight.batches.append(Batch(step, position, problems, task, r.dropped))
+        flight.batches.append(Batch(step, position, problems, task))
     return flight
 
 

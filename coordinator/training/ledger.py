@@ -106,11 +106,11 @@ async def stage_step(ctx: RunContext, taken: Taken, trained: list[Sample]) -> No
 
 @dataclass
 class Restored:
-    """One batch taken back from the ledger: groups reloaded, and the groups (indexes in the batch) to generate."""
+    """One batch taken back from the ledger: groups reloaded, and the groups (indexes in the batch) to generate; the
+    groups it has neither of were dropped as stale (marked dropped by the step that takes the batch)."""
 
     reloaded: dict[int, list[Sample]]
     regenerate: list[int]
-    dropped: set[int]
 
 
 async def restore(ctx: RunContext, base: int, batch_size: int, depth: int) -> tuple[list[Restored], dict]:
@@ -142,7 +142,7 @@ async def restore(ctx: RunContext, base: int, batch_size: int, depth: int) -> tu
             else:
                 stale.append(g)
         drop = set(stale) if ctx.cfg.run.stale_samples == "drop" and (fresh or missing) else set()
-        out.append(Restored(fresh, sorted(missing + [g for g in stale if g not in drop]), drop))
+        out.append(Restored(fresh, sorted(missing + [g for g in stale if g not in drop])))
         counts["async/groups_recovered"] += len(fresh)
         counts["async/groups_regenerated"] += len(missing) + len(stale) - len(drop)
         counts["async/groups_dropped_stale"] += len(drop)
