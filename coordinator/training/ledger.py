@@ -12,6 +12,7 @@ generates again the ones that were generating, and regenerates or drops (run.sta
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -74,9 +75,10 @@ async def generated(ctx: RunContext, step: int, position: int, samples: list[Sam
     groups: dict[int, list[Sample]] = {}
     for s in samples:
         groups.setdefault(s.group, []).append(s)
+    # Encoded off the event loop: a large batch is many MB of tokens, and the run's RPCs must keep going meanwhile.
+    texts = await asyncio.to_thread(lambda: {position + g: encode(ss) for g, ss in groups.items()})
     await ledger.put({position + g: {"state": "generated", "step": step, "problem": ss[0].problem.id,
-                                     "version": min(s.weight_version for s in ss)} for g, ss in groups.items()},
-                     {position + g: encode(ss) for g, ss in groups.items()})
+                                     "version": min(s.weight_version for s in ss)} for g, ss in groups.items()}, texts)
 
 
 @dataclass
