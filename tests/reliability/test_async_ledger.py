@@ -186,3 +186,27 @@ def test_stale_groups_reloaded_at_a_restart_are_dropped_under_drop_and_settled_a
     (line,) = asyncio.run(store.ledger("r").settled())
     assert line == {"step": 2, "trained": [BATCH + 1, BATCH + 2], "dropped": [BATCH]}
     assert metrics["async/in_flight"] == 2
+
+
+def test_a_step_taking_two_batches_marks_the_groups_it_left_out_filtered_and_settles_them_with_it(monkeypatch):
+    """algorithm.filter_groups: a step generates batches until it holds enough groups with reward variance; the
+    groups it took but does not train on are consumed all the same, settled as filtered by that step."""
+    store = MemoryStore()
+    ctx, pool = make_ctx(monkeypatch, 2)
+    _with_ledger(ctx, store)
+
+    async def main():
+        first, _ = await async_rollouts.next_batch(ctx, BATCH)
+        second, _ = await async_rollouts.next_batch(ctx, BATCH, offset=BATCH)
+        trained = [s for s in first if s.group == 1] + [s for s in second if s.group != 0]
+        ctx.data.advance(2 * BATCH)
+        await async_rollouts.stage_step(ctx, trained)
+        ctx.step, ctx.weight_version = 1, 1
+        await store.commit(RunRecord(run_id="r", config="", step=1, data_position=2 * BATCH), {"step": 1})
+        ctx.prefetched.cancel()
+        return await store.ledger("r").settled(), await store.ledger("r").live()
+
+    settled, live = asyncio.run(main())
+    assert settled == [{"step": 1, "trained": [1, BATCH + 1, BATCH + 2], "filtered": [0, 2, BATCH]}]
+    # What stays in flight is past the committed position, untouched.
+    assert live and min(live) >= 2 * BATCH
