@@ -210,3 +210,28 @@ def test_a_step_taking_two_batches_marks_the_groups_it_left_out_filtered_and_set
     assert settled == [{"step": 1, "trained": [1, BATCH + 1, BATCH + 2], "filtered": [0, 2, BATCH]}]
     # What stays in flight is past the committed position, untouched.
     assert live and min(live) >= 2 * BATCH
+
+
+def test_groups_marked_for_an_update_that_never_ran_are_generated_again_and_trained_once(monkeypatch):
+    """The coordinator died between a step's ledger marks and its update: the marks were never committed, so the
+    restarted coordinator generates those groups again and the step that trains them settles them once."""
+    store = MemoryStore()
+    ctx, pool = make_ctx(monkeypatch, 1)
+    _with_ledger(ctx, store)
+
+    async def main():
+        samples, _ = await async_rollouts.next_batch(ctx, BATCH)
+        await async_rollouts.stage_step(ctx, samples)           # then the crash: no update, no commit
+        ctx.prefetched.cancel()
+        again, pool2 = make_ctx(monkeypatch, 1)
+        _with_ledger(again, store)
+        metrics = await _run_steps(again, store, 1)
+        again.prefetched.cancel()
+        return pool2.calls, metrics[0], await store.ledger("r").settled()
+
+    calls, metrics, settled = asyncio.run(main())
+    assert calls[0] == [p.id for p in PromptStream(PROBLEMS, seed=0).take(BATCH)]
+    # The marked batch is generated again (first call); the one behind it (k = 1) reloaded or generated again.
+    assert metrics["async/groups_regenerated"] >= BATCH
+    assert metrics["async/groups_recovered"] + metrics["async/groups_regenerated"] == 2 * BATCH
+    assert settled == [{"step": 1, "trained": list(range(BATCH))}]
