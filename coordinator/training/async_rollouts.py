@@ -3,15 +3,15 @@ t+1 .. t+k (k = run.max_staleness) already run, so no sample trains more than k 
 
 Each batch is the prompts at its own data position (step s takes the rollout_batch_size prompts after the
 s-1 committed batches), so the data position stays "prompts consumed by committed steps": a restarted
-coordinator has nothing in flight and generates those batches again, and no prompt is trained twice. A group
+coordinator takes the batches from there again, and no prompt is trained twice. A group
 (one prompt's n samples) whose oldest token is staler than k is regenerated on the current weights, or dropped
 with its prompt counted (run.stale_samples). Partial rollouts (rollout.partial_rollouts) let the weight update
 land inside the generations in flight; samples then carry per-token versions and their `weight_version` is the
 oldest one.
 
-With the run in Redis, the ledger (coordinator/training/ledger.py) follows each group from launched to generated
-to taken by a step, and marks it trained in the step's own commit; a restarted coordinator reloads the generated
-groups of the batches in flight (those still within max_staleness) instead of generating them again.
+The run's ledger (coordinator/training/ledger.py; in Redis with run.redis_url) follows each group from launched to
+generated to taken by a step, and marks it trained in the step's own commit; a restarted coordinator reloads the
+generated groups of the batches in flight (those still within max_staleness) and generates only the others.
 """
 
 from __future__ import annotations
