@@ -278,7 +278,9 @@ class RunSection(Section):
     async_mode: bool = False
     max_staleness: int = Field(1, ge=0)
     # A group (prompt) whose oldest token is staler than max_staleness: regenerated on the current weights, or
-    # dropped from its step (its prompt consumed, counted in async/dropped_stale, never trained).
+    # dropped from its step (its prompt consumed, counted in async/dropped_stale, never trained). The same holds for
+    # the groups a restarted coordinator reloads from the ledger (coordinator/training/ledger.py; counted in
+    # async/groups_regenerated, async/groups_dropped_stale).
     stale_samples: Literal["regenerate", "drop"] = "regenerate"
     # Run state store; empty = in memory (lost with the coordinator).
     redis_url: str = ""

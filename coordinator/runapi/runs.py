@@ -87,6 +87,7 @@ class RunManager:
                            weight_version=ctx.weight_version, started_from=started_from,
                            init_checkpoint=checkpoint)
         await self.store.put(record)
+        ctx.ledger = self.store.ledger(run_id)
         self._launch(record, ctx)
         return run_id
 
@@ -135,6 +136,7 @@ class RunManager:
         ctx = await open_context(record.run_id, cfg, registry=self.registry, position=record.data_position,
                                  recorded=recorded, resume=True, defaults=self.defaults)
         ctx.step, ctx.weight_version = record.step, record.weight_version
+        ctx.ledger = self.store.ledger(record.run_id)
         try:
             # A step the trainer applied but the store missed is recorded as any step is: store, metrics.jsonl,
             # TensorBoard.

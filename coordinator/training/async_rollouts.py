@@ -3,11 +3,15 @@ t+1 .. t+k (k = run.max_staleness) already run, so no sample trains more than k 
 
 Each batch is the prompts at its own data position (step s takes the rollout_batch_size prompts after the
 s-1 committed batches), so the data position stays "prompts consumed by committed steps": a restarted
-coordinator has nothing in flight and generates those batches again, and no prompt is trained twice. A group
+coordinator takes the batches from there again, and no prompt is trained twice. A group
 (one prompt's n samples) whose oldest token is staler than k is regenerated on the current weights, or dropped
 with its prompt counted (run.stale_samples). Partial rollouts (rollout.partial_rollouts) let the weight update
 land inside the generations in flight; samples then carry per-token versions and their `weight_version` is the
 oldest one.
+
+The run's ledger (coordinator/training/ledger.py; in Redis with run.redis_url) follows each group from launched to
+generated to taken by a step, and marks it trained in the step's own commit; a restarted coordinator reloads the
+generated groups of the batches in flight (those still within max_staleness) and generates only the others.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from coordinator.recipe.data import Problem
-from coordinator.training import phases
+from coordinator.training import ledger, phases
 from coordinator.training.context import RunContext
 from coordinator.training.remote import Sample
 
@@ -35,7 +39,7 @@ class Batch:
     step: int                      # the run step (1-based) that trains on it
     position: int                  # data position of its first prompt
     problems: list[Problem]
-    task: asyncio.Task             # -> list[Sample]
+    task: asyncio.Task             # -> list[Sample]; groups it lacks (dropped as stale) are marked dropped
 
 
 class InFlight:
@@ -43,6 +47,10 @@ class InFlight:
 
     def __init__(self):
         self.batches: deque[Batch] = deque()
+        # The groups the step in progress took, for its ledger marks (ledger.stage_step).
+        self.taken = ledger.Taken()
+        # The ledger's restart counts (ledger.RESTART_KEYS): reported by the first step after the restart, 0 after.
+        self.restart = dict.fromkeys(ledger.RESTART_KEYS, 0.0)
 
     def cancel(self) -> None:
         for b in self.batches:
@@ -50,12 +58,48 @@ class InFlight:
         self.batches.clear()
 
 
-def _launch(ctx: RunContext, step: int, position: int, problems: list[Problem]) -> Batch:
-    task = asyncio.create_task(phases.generate(ctx, problems, ctx.sampling_at(step),
-                                               partial_rollout=ctx.cfg.rollout.partial_rollouts))
+def _track(task: asyncio.Task) -> asyncio.Task:
     # A batch cancelled with its run, or failing after it, must not log "exception never retrieved".
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return Batch(step, position, problems, task)
+    return task
+
+
+async def _generate(ctx: RunContext, step: int, position: int, problems: list[Problem],
+                    groups: list[int] | None = None) -> list[Sample]:
+    """The batch at `position` (only its `groups`, when given, numbered as in the batch), noted in the ledger."""
+    groups = list(range(len(problems))) if groups is None else groups
+    await ledger.generating(ctx, step, [position + g for g in groups])
+    samples = await phases.generate(ctx, [problems[g] for g in groups], ctx.sampling_at(step),
+                                    partial_rollout=ctx.cfg.rollout.partial_rollouts)
+    for s in samples:
+        s.group = groups[s.group]          # generate numbers the groups of its call from 0
+    await ledger.generated(ctx, step, position, samples)
+    return samples
+
+
+def _launch(ctx: RunContext, step: int, position: int, problems: list[Problem]) -> Batch:
+    return Batch(step, position, problems, _track(asyncio.create_task(_generate(ctx, step, position, problems))))
+
+
+async def _rebuild(ctx: RunContext, step: int, position: int, problems: list[Problem],
+                   restored: ledger.Restored) -> list[Sample]:
+    """A batch taken back from the ledger after a restart: its reloaded groups and its others generated again."""
+    fresh = await _generate(ctx, step, position, problems, restored.regenerate) if restored.regenerate else []
+    return sorted([s for ss in restored.reloaded.values() for s in ss] + fresh, key=lambda s: s.group)
+
+
+async def _restore(ctx: RunContext, batch_size: int) -> InFlight:
+    """A context's first queue: the batches in flight at a restart, from the run's ledger (none at a start)."""
+    flight = InFlight()
+    base, depth = ctx.data.position, ctx.cfg.run.max_staleness + 1
+    restored, flight.restart = await ledger.restore(ctx, base, batch_size, depth)
+    for i, r in enumerate(restored):
+        position = base + i * batch_size
+        step = ctx.step + 1 + i
+        problems = ctx.data.take(batch_size, at=position)
+        task = _track(asyncio.create_task(_rebuild(ctx, step, position, problems, r)))
+        flight.batches.append(Batch(step, position, problems, task))
+    return flight
 
 
 def fill(ctx: RunContext, batch_size: int, offset: int = 0) -> InFlight:
@@ -91,7 +135,11 @@ async def next_batch(ctx: RunContext, batch_size: int, offset: int = 0) -> tuple
         sampling = ctx.sampling_at(ctx.step + 1, offset // batch_size) if offset else None
         samples = await phases.generate(ctx, ctx.data.take(batch_size, at=ctx.data.position + offset), sampling)
         return samples, {k: v for k, v in staleness_metrics(ctx, samples).items() if not k.startswith("async/")}
+    if not isinstance(ctx.prefetched, InFlight):
+        ctx.prefetched = await _restore(ctx, batch_size)
     flight = fill(ctx, batch_size, offset)
+    if offset == 0:                        # a step's first batch: what an earlier, failed step took is moot
+        flight.taken = ledger.Taken()
     batch = flight.batches[0]
     try:
         samples = await batch.task
@@ -99,8 +147,19 @@ async def next_batch(ctx: RunContext, batch_size: int, offset: int = 0) -> tuple
         if flight.batches and flight.batches[0] is batch:
             flight.batches.popleft()
     samples, counts = await handle_stale(ctx, samples)
-    return samples, {**staleness_metrics(ctx, samples), **counts,
+    kept = {s.group for s in samples}
+    flight.taken.dropped |= {batch.position + g for g in range(len(batch.problems)) if g not in kept}
+    for s in samples:
+        flight.taken.groups.setdefault(batch.position + s.group, []).append(s)
+    restart, flight.restart = flight.restart, dict.fromkeys(ledger.RESTART_KEYS, 0.0)
+    return samples, {**staleness_metrics(ctx, samples), **counts, **restart,
                      "async/in_flight": float(len(flight.batches))}
+
+
+async def stage_step(ctx: RunContext, samples: list[Sample]) -> None:
+    """Before the step's update: the ledger marks of the groups it took (ledger.stage_step); no-op when sync."""
+    if isinstance(ctx.prefetched, InFlight):
+        await ledger.stage_step(ctx, ctx.prefetched.taken, samples)
 
 
 async def handle_stale(ctx: RunContext, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:

@@ -154,6 +154,8 @@ class RunContext:
     kl_controller: adv_fns.AdaptiveKLController | None = None
     # async_mode: the batches in flight (coordinator/training/async_rollouts.py InFlight); cancelled at close.
     prefetched: Any = None
+    # async_mode: the run's ledger of prompt groups in its store (coordinator/training/ledger.py); None: not kept.
+    ledger: Any = None
     # The last step's samples, for tests and debugging.
     last_samples: list = field(default_factory=list)
     # What the run has said once (a warning it gives once per run).

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from coordinator.training import async_rollouts, faults, phases, reporting
+from coordinator.training import async_rollouts, faults, ledger, phases, reporting
 from coordinator.training.context import PhaseTimer, RunContext
 from coordinator.training.remote import Sample
 
@@ -119,7 +119,7 @@ async def generate_and_score(ctx: RunContext, batch_size: int,
 async def _gather(ctx: RunContext, batch_size: int, timer: PhaseTimer,
                   f: GroupFilter) -> tuple[list[Sample], dict[str, float]]:
     """Generation batches, each scored and filtered, until the filter is done; -> (the kept samples, metrics)."""
-    counts = {"async/dropped_stale": 0.0, "async/regenerated": 0.0}
+    counts = {"async/dropped_stale": 0.0, "async/regenerated": 0.0, **dict.fromkeys(ledger.RESTART_KEYS, 0.0)}
     metrics: dict[str, float] = {}
     while not f.done:
         with timer("generate"):

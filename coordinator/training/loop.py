@@ -8,7 +8,7 @@ import time
 
 from coordinator.recipe.config import RunConfig
 from coordinator.recipe.data import PromptStream, load_dataset
-from coordinator.training import dynamic_sampling, faults, phases, reporting
+from coordinator.training import async_rollouts, dynamic_sampling, faults, phases, reporting
 from coordinator.training.context import Algorithm, PhaseTimer, RunContext
 
 
@@ -28,6 +28,8 @@ async def rl_step(ctx: RunContext) -> dict[str, float]:
     # it moves past every prompt the step generated, dropped groups included. The trainer also keeps what was
     # measured so far, for a coordinator that dies before its commit (runapi/recovery.py).
     ctx.data.advance(consumed)
+    # Async mode: the ledger says which groups this step trains on before the update; its commit marks them trained.
+    await async_rollouts.stage_step(ctx, samples)
     sent = {**measured, **_data_metrics(ctx), **{f"time/{k}": v for k, v in timer.seconds.items()}}
     train_metrics = await phases.train(ctx, samples, timer, sent=sent)
     faults.kill_point("after_train", ctx.step + 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -145,15 +146,17 @@ async def coordinator(redis_url: str):
 
 def kill_at_each_point(cfg: dict, tmp_path: Path, redis_url: str, monkeypatch, kill_step: int,
                        check: Callable[[str, Any, list[dict], str, list[dict]], None],
-                       points: tuple[str, ...] = ()) -> None:
+                       points: tuple[str, ...] = (), prefix: str = "") -> None:
     """For each point of coordinator/training/faults.py's KILL_POINTS, one run on the same trainer, reward and rollout
     processes: a coordinator killed there at step `kill_step`, then a restarted one (same Redis prefix) that runs
     it to COMPLETED; then check(point, final status, streamed metrics, trainer log, metrics.jsonl records), while
-    the processes still run (a failed check stops them all). `points`: those only."""
+    the processes still run (a failed check stops them all). `points`: those only; `prefix`: the coordinators'
+    Redis prefix (default a fresh one)."""
     from coordinator.training.faults import ENV, KILL_POINTS
 
     path = write_config(tmp_path / "run.yaml", cfg)
-    coordinator_args = ["--run.redis_url", redis_url, "--run.redis_prefix", f"meshrl-once-{uuid.uuid4().hex[:8]}"]
+    coordinator_args = ["--run.redis_url", redis_url, "--run.redis_prefix",
+                        prefix or f"meshrl-once-{uuid.uuid4().hex[:8]}"]
     with Procs(path, tmp_path / "logs") as procs:
         trainer, reward, rollout = procs.start_all([("trainer", []), ("reward", []), ("rollout", [])])
         run_cfg = yaml.safe_dump(with_addresses(cfg, {"trainer": [trainer.address], "reward": [reward.address],
@@ -174,6 +177,35 @@ def kill_at_each_point(cfg: dict, tmp_path: Path, redis_url: str, monkeypatch, k
             Procs.kill9(restarted)
             jsonl = [json.loads(line) for line in (Path(final.run_dir) / "metrics.jsonl").read_text().splitlines()]
             check(point, final, records, Procs.log(trainer), jsonl)
+
+
+def ledger_report(redis_url: str, prefix: str, run_id: str, num_steps: int, batch: int) -> dict[str, int]:
+    """Exactly-once by the async ledger's settled log (coordinator/runapi/store.py): steps missing or settled twice,
+    prompt groups (data positions) trained twice or never, left unsettled, or trained by another step than the one
+    whose prompts they are (step s trains the `batch` groups after the s - 1 before it)."""
+    from coordinator.runapi.store import RedisStore
+
+    async def settled() -> list[dict]:
+        store = RedisStore(redis_url, prefix=prefix)
+        try:
+            return await store.ledger(run_id).settled()
+        finally:
+            await store.close()
+
+    lines = asyncio.run(settled())
+    steps = [line["step"] for line in lines]
+    trained = [p for line in lines for p in line.get("trained", [])]
+    return {"steps_missing": len(set(range(1, num_steps + 1)) - set(steps)),
+            "steps_twice": len(steps) - len(set(steps)),
+            "groups_twice": len(trained) - len(set(trained)),
+            "groups_lost": len(set(range(num_steps * batch)) - set(trained)),
+            "groups_unsettled": sum(len(line.get("unsettled", [])) for line in lines),
+            "groups_misplaced": sum(line.get("trained", []) != list(range((line["step"] - 1) * batch,
+                                                                           line["step"] * batch)) for line in lines)}
+
+
+LEDGER_OK = dict.fromkeys(("steps_missing", "steps_twice", "groups_twice", "groups_lost", "groups_unsettled",
+                           "groups_misplaced"), 0)
 
 
 def comparable(metrics: dict) -> dict:
