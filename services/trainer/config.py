@@ -99,8 +99,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 class LoraSection(Section):
     """`actor.lora:` train low-rank adapters (peft's LoRA) instead of every weight. The base model stays frozen
-    in model.dtype; the reference policy is the base model with the adapters off; rollout replicas and
-    ExportHF get the merged weights; checkpoints hold the adapters and their optimizer state."""
+    in model.dtype; the reference policy is the base model with the adapters off; rollout replicas get the merged
+    weights; ExportHF writes the adapters in peft's format (merged on request); checkpoints hold the adapters and
+    their optimizer state, and name their base model."""
 
     rank: int = Field(8, ge=1)
     # The adapters' output is scaled by alpha / rank.
