@@ -136,3 +136,35 @@ def test_a_checkpoint_names_its_base_and_another_base_is_refused(model_path, tmp
     full.save_checkpoint(str(tmp_path / "full"))
     with pytest.raises(FailedPrecondition, match=r"holds every weight of a model; this trainer trains LoRA"):
         engine(model_path).load_checkpoint(str(tmp_path / "full"))
+
+
+def test_a_vllm_replica_checks_an_adapter_against_its_base_before_vllm_sees_it(model_path):
+    from services.rollout.engine_vllm.adapters import AdapterServing, check_adapter_tensors
+    from services.rollout.engine_vllm.engine import hf_reference
+
+    ref = hf_reference(model_path, "float32")                   # q_proj [64, 64], k_proj [32, 64] (2 KV heads)
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj"]}
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    good = {f"{q}.lora_A.weight": torch.zeros(4, 64), f"{q}.lora_B.weight": torch.zeros(64, 4)}
+    assert check_adapter_tensors(config, good, ref, max_rank=16) == 4
+    k = "base_model.model.model.layers.0.self_attn.k_proj"
+    with pytest.raises(ValueError, match=r"k_proj.lora_B.weight' is \[64, 4\], the base layer needs \[32, 4\]"):
+        check_adapter_tensors(config, {**good, f"{k}.lora_B.weight": torch.zeros(64, 4)}, ref, max_rank=16)
+    with pytest.raises(ValueError, match=r"is no lora_A/lora_B of a linear layer"):
+        check_adapter_tensors(config, {"base_model.model.model.nope.lora_A.weight": torch.zeros(4, 64)}, ref, 16)
+    with pytest.raises(ValueError, match=r"outside target_modules"):
+        check_adapter_tensors({**config, "target_modules": ["k_proj"]}, good, ref, max_rank=16)
+    with pytest.raises(ValueError, match=r"rank 4 is not in 1\.\.2"):
+        check_adapter_tensors(config, good, ref, max_rank=2)
+
+    class NoLora(AdapterServing):
+        pass
+
+    replica = NoLora()
+    replica._init_adapters({})                                   # engine args without enable_lora
+    assert not replica.supports_adapters
+    with pytest.raises(FailedPrecondition, match="serves no adapters; start it with rollout.vllm_engine_args"):
+        replica.load_adapter("policy", 1, config, good)
+    with pytest.raises(ValueError, match=r"sampling\.adapter: 'policy' is not loaded"):
+        replica.lora_request("policy")
+    assert replica.lora_request("") is None
