@@ -168,3 +168,19 @@ def test_a_vllm_replica_checks_an_adapter_against_its_base_before_vllm_sees_it(m
     with pytest.raises(ValueError, match=r"sampling\.adapter: 'policy' is not loaded"):
         replica.lora_request("policy")
     assert replica.lora_request("") is None
+
+
+def test_under_lora_the_frozen_base_has_no_master_copy_gradients_or_optimizer_state(model_path):
+    e = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": model_path, "dtype": "bfloat16"},
+                                                         "actor": {"lr": 1e-2, "lora": LORA}}))
+    assert (e.rank.param_dtype, e.rank.compute_dtype) == ("float32", "bfloat16")
+    params = dict(e.rank.actor.module.named_parameters())
+    frozen = {n: p for n, p in params.items() if ".lora_" not in n}
+    assert frozen and all(not p.requires_grad and p.dtype == torch.bfloat16 for p in frozen.values())
+    assert all(p.requires_grad and p.dtype == torch.float32 for n, p in params.items() if ".lora_" in n)
+    samples = random_samples(6, seed=7)
+    e.train_actor(samples, ActorLoss(mini_batch_size=3))
+    optimized = {id(p) for g in e.rank.actor.optimizer.param_groups for p in g["params"]}
+    assert optimized == {id(p) for n, p in params.items() if ".lora_" in n}
+    assert set(map(id, (p for p in e.rank.actor.optimizer.state))) <= optimized
+    assert all(p.grad is None for p in frozen.values())
