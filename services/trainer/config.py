@@ -110,6 +110,16 @@ class LoraSection(Section):
     # Names (last part of the module path, as peft matches them) of the linear layers that get adapters.
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
 
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, v: float) -> float:
+        # The trainer runs the model without dropout (module.train(False): at a batch's first step the ratio to
+        # the old policy must be exactly 1), so a dropout would be silently ignored: refused instead.
+        if v != 0:
+            raise ValueError(f"the trainer runs without dropout (the PPO ratio must be exactly 1 at a batch's first "
+                             f"step); got {v}, leave it 0")
+        return v
+
 
 def check_lora_targets(model_path: str, lora: LoraSection, *, key: str = "actor.lora.target_modules") -> None:
     """Every target module name matches a linear layer of the model (read from its config, built on the meta

@@ -184,3 +184,11 @@ def test_under_lora_the_frozen_base_has_no_master_copy_gradients_or_optimizer_st
     assert optimized == {id(p) for n, p in params.items() if ".lora_" in n}
     assert set(map(id, (p for p in e.rank.actor.optimizer.state))) <= optimized
     assert all(p.grad is None for p in frozen.values())
+
+
+def test_a_lora_dropout_the_trainer_would_ignore_is_refused_by_key(model_path):
+    from coordinator.recipe.config import RunConfig
+
+    with pytest.raises(ValueError, match=r"actor\.lora\.dropout: the trainer runs without dropout"):
+        load_config(RunConfig, data={"model": {"path": model_path}, "actor": {"lora": {"rank": 4, "dropout": 0.1}}})
+    assert load_config(RunConfig, data={"actor": {"lora": {"rank": 4, "dropout": 0.0}}}).actor.lora.dropout == 0
