@@ -3,7 +3,7 @@
 # transformers 5.17, CuPy); each named part writes its log and JSON under $OUT.
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
-#   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench spy
+#   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench spy loratrain
 #          mfuautotune upgpu
 #          meshrl trl trl15 trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
@@ -136,6 +136,11 @@ for what in "$@"; do
     fit) # the largest Qwen2.5 shape whose GRPO actor step (AdamW, bf16 compute, fp32 master, checkpointing on,
          # 8 x 2,048 tokens) fits one GPU, full fine-tuning and LoRA (bench/trainer_fit.py)
       part fit 560 python3 bench/trainer_fit.py --sizes "${FIT_SIZES:-0.5b,1.5b,3b,7b}" --out "$OUT/trainer_fit_gpu.json" ;;
+    loratrain) # LoRA (rank 16) vs full actor steps through TrainerEngine at the 1.5B Qwen2.5 shape, 8 x 2,048 tokens:
+         # step seconds and peak memory of full, lora and lora_peft (peft's own forward), one process each
+         # (LORA_VARIANTS=full,lora drops the peft-forward row when the 560 s run out: each variant compiles cold)
+      part loratrain 560 python3 bench/lora_train.py --shape "${LORA_SHAPE:-qwen2.5-1.5b}" --rank 16 \
+        --variants "${LORA_VARIANTS:-full,lora,lora_peft}" --out "$OUT/lora_train_gpu.json" ;;
     wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py -s ;;
     reference) part reference 240 python3 bench/reference_gpu.py --out "$OUT/reference_gpu.json" ;;
     ipcbench) # CUDA IPC between two processes on one GPU vs a same-process copy (bench/weight_sync_ipc.py)

@@ -85,6 +85,11 @@ SOURCES: dict[str, list[str]] = {
                     "services/trainer/model/optim.py", "bench/trainer_fit.py"],
     "trainer_fit_gpu": ["services/trainer/model/lora.py", "services/trainer/parallel/parallelize.py",
                         "services/trainer/model/optim.py", "bench/trainer_fit.py"],
+    # LoRA vs full actor steps through the trainer itself (its step, compile, fused head, master weights).
+    "lora_train": ["services/trainer", "services/common/tensors/fused.py", "services/common/tensors/compile.py",
+                   "bench/lora_train.py"],
+    "lora_train_gpu": ["services/trainer", "services/common/tensors/fused.py", "services/common/tensors/compile.py",
+                       "bench/lora_train.py"],
 }
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from services.common.errors import FailedPrecondition, passes_through
 from services.trainer import forward
 from services.trainer.config import ActorConfig, CriticConfig
-from services.trainer.model import checkpoint, fresh
+from services.trainer.model import adapters, checkpoint, fresh
 from services.trainer.model.optim import apply_hyperparams
 from services.trainer.nvtx import phase
 from services.trainer.rank import Rank
@@ -84,8 +84,10 @@ def configure_run(rank: Rank, actor: ActorConfig, critic: CriticConfig | None, r
 
 
 def save_checkpoint(rank: Rank, path: str, weight_version: int) -> None:
+    # Under LoRA the checkpoint holds the adapters only: it names the base they train on (rank 0 writes the meta).
+    base = adapters.base_identity(rank.model_path) if rank.cfg.lora and rank.index == 0 else None
     checkpoint.save(path, rank.models(), weight_version=weight_version, rank=rank.index,
-                    world_size=rank.dims.world_size, mesh=rank.dims.describe())
+                    world_size=rank.dims.world_size, mesh=rank.dims.describe(), lora_base=base)
 
 
 def load_checkpoint(rank: Rank, path: str) -> None:
@@ -104,6 +106,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "compute_values": forward.compute_values, "train_actor": train_actor, "train_dpo": train_dpo,
     "train_critic": train_critic, "configure_run": configure_run, "state_for_sync": full.full_weights,
     "save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint, "export_hf": full.export_hf,
+    "export_adapter": adapters.export_adapter,
     "start_from_model": start_from_model, "start_from_checkpoint": start_from_checkpoint,
     # The training API's primitives (docs/training_api.md): gradients accumulate over calls, a step applies them.
     "forward_backward": primitive.forward_backward, "optim_step": primitive.optim_step}
@@ -111,7 +114,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
 # Commands that are one profiling phase as a whole (nvtx.PHASES); training commands mark forward_backward and
 # optimizer inside.
 COMMAND_PHASES = {"compute_logprobs": "logprobs", "compute_values": "values", "state_for_sync": "state_for_sync",
-                  "export_hf": "export_hf", "save_checkpoint": "save_checkpoint", "load_checkpoint": "load_checkpoint"}
+                  "export_hf": "export_hf", "export_adapter": "export_hf", "save_checkpoint": "save_checkpoint", "load_checkpoint": "load_checkpoint"}
 
 
 class CommandChannel:

@@ -124,8 +124,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 class LoraSection(Section):
     """`actor.lora:` train low-rank adapters (peft's LoRA) instead of every weight. The base model stays frozen
-    in model.dtype; the reference policy is the base model with the adapters off; rollout replicas and
-    ExportHF get the merged weights; checkpoints hold the adapters and their optimizer state."""
+    in model.dtype; the reference policy is the base model with the adapters off; rollout replicas get the merged
+    weights; ExportHF writes the adapters in peft's format (merged on request); checkpoints hold the adapters and
+    their optimizer state, and name their base model."""
 
     rank: int = Field(8, ge=1)
     # The adapters' output is scaled by alpha / rank.
@@ -133,6 +134,16 @@ class LoraSection(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     # Names (last part of the module path, as peft matches them) of the linear layers that get adapters.
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, v: float) -> float:
+        # The trainer runs the model without dropout (module.train(False): at a batch's first step the ratio to
+        # the old policy must be exactly 1), so a dropout would be silently ignored: refused instead.
+        if v != 0:
+            raise ValueError(f"the trainer runs without dropout (the PPO ratio must be exactly 1 at a batch's first "
+                             f"step); got {v}, leave it 0")
+        return v
 
 
 def check_lora_targets(model_path: str, lora: LoraSection, *, key: str = "actor.lora.target_modules") -> None:

@@ -21,7 +21,7 @@ from services.common.tensors.modeling import validate_sequences
 from services.trainer.batch import validate_actor_batch, validate_critic_batch, validate_dpo_batch
 from services.trainer.commands import Commands
 from services.trainer.config import OptimSection, RunOptim, TrainerSettings
-from services.trainer.model import checkpoint
+from services.trainer.model import adapters, checkpoint
 from services.trainer.model.optim import settings_in_effect
 from services.trainer.rank import Rank
 from services.trainer.steps import StepRecord
@@ -225,10 +225,12 @@ class TrainerEngine:
             self.critic_steps.restored(run_step)
             return self._checkpoint_result(path)
 
-    def export_hf(self, path: str) -> dict:
+    def export_hf(self, path: str, merged: bool = False) -> dict:
+        """The actor as a Hugging Face folder; under actor.lora its adapters as a peft folder (adapter_config.json +
+        adapter_model.safetensors) unless `merged` asks for the base with the adapters merged in."""
         checkpoint.check_target(path, "export to")
         with checkpoint.file_errors(f"export to {path!r}"):
-            self.commands.run("export_hf", path)
+            self.commands.run("export_adapter" if self.rank.cfg.lora and not merged else "export_hf", path)
         return self._checkpoint_result(path)
 
     # ---- state ------------------------------------------------------------------------------------
@@ -289,6 +291,7 @@ class TrainerEngine:
     def _check_checkpoint(self, path: str) -> None:
         """Every file against the manifest before any rank reads one: a damaged checkpoint is refused by name."""
         meta = checkpoint.verify(path)
+        adapters.check_checkpoint_base(meta, path, model_path=self.rank.model_path, lora=self.rank.cfg.lora is not None)
         critic = self.rank.critic
         if bool(meta.get("has_critic")) != (critic is not None):
             raise FailedPrecondition(f"path: checkpoint {'has' if meta.get('has_critic') else 'has no'} critic, "

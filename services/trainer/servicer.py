@@ -86,7 +86,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.load_checkpoint, request.path, run_step))
 
     async def ExportHF(self, request, context):
-        return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.export_hf, request.path))
+        return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.export_hf, request.path,
+                                                                      request.merged))
 
     async def GetInfo(self, request, context):
         rank = self.engine.rank

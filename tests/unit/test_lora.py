@@ -1,5 +1,5 @@
 """LoRA RL (actor.lora): only the adapters train, the reference is the base model with them off, replicas and
-ExportHF get merged weights under the model's own names, checkpoints hold the adapters, and bad settings are
+ExportHF(merged) get merged weights under the model's own names, checkpoints hold the adapters, and bad settings are
 refused by key before anything starts."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_sync_and_export_merge_the_adapters_under_the_models_own_names(model_pat
     synced, _ = e.state_for_sync()
     plain = load_causal_lm(model_path, dtype="float32", device="cpu")
     assert list(synced) == list(named_weights(plain))
-    e.export_hf(str(tmp_path / "hf"))
+    e.export_hf(str(tmp_path / "hf"), merged=True)
     assert set(load_file(tmp_path / "hf" / "model.safetensors")) == set(synced)
     # A plain model with the exported (merged) weights answers what the LoRA policy answers.
     for got, want in zip(base_logprobs(str(tmp_path / "hf"), samples), e.compute_logprobs(*ids(samples))):

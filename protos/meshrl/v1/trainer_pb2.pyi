@@ -254,12 +254,14 @@ class PushWeightsResponse(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ..., results: _Optional[_Iterable[_Union[PushResult, _Mapping]]] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("path", "run_step")
+    __slots__ = ("path", "run_step", "merged")
     PATH_FIELD_NUMBER: _ClassVar[int]
     RUN_STEP_FIELD_NUMBER: _ClassVar[int]
+    MERGED_FIELD_NUMBER: _ClassVar[int]
     path: str
     run_step: RunStep
-    def __init__(self, path: _Optional[str] = ..., run_step: _Optional[_Union[RunStep, _Mapping]] = ...) -> None: ...
+    merged: bool
+    def __init__(self, path: _Optional[str] = ..., run_step: _Optional[_Union[RunStep, _Mapping]] = ..., merged: _Optional[bool] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
     __slots__ = ("path", "step", "weight_version", "run_step")

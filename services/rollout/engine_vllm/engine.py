@@ -36,6 +36,7 @@ from services.common.errors import FailedPrecondition, Unavailable
 from services.common.tensors.modeling import validate_sequences
 from services.common.tensors.weights import Manifest, PayloadAssembler, check_against, named_weights
 from services.rollout.config import RolloutSettings
+from services.rollout.engine_vllm.adapters import AdapterServing
 from services.rollout.engine_vllm.weights import pack_tensors
 from services.rollout.local_model import LocalModelEngine, find_eos_ids, model_len_limit, try_tokenizer
 from services.rollout.types import GenerateBatch, PromptResult, SampleResult, SamplingParams, check_weight_version
@@ -148,7 +149,7 @@ def _kv_cache_bytes(r, on_cpu: bool) -> int | None:
     return int(share * total)
 
 
-class VLLMEngine(LocalModelEngine):
+class VLLMEngine(AdapterServing, LocalModelEngine):
     """Generates with vLLM; the same requests, results and checks as the torch engine, no gRPC here."""
 
     def __init__(self, settings: RolloutSettings):
@@ -181,6 +182,7 @@ class VLLMEngine(LocalModelEngine):
         self.max_batch_size = self.resolved.pick("rollout.max_batch_size", r.max_batch_size,
                                                  64 if self.device == "cpu" else 256, f"vLLM on {self.device}")
         args = self._engine_args(settings)
+        self._init_adapters(args)          # vLLM's LoRA (enable_lora): adapters by name (adapters.py)
         # vLLM forks its engine process unless told otherwise; forking a process with gRPC threads is unsafe.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self.vllm_version = vllm.__version__
@@ -235,7 +237,8 @@ class VLLMEngine(LocalModelEngine):
                 "dtype": self.dtype,
                 "vocab_size": self.vocab_size, "tokenizer": self.tokenizer is not None,
                 "logprobs_mode": "raw_logprobs", "prefix_caching": True,
-                "weight_updates": self.update_problem or "in place", **self.stats}
+                "weight_updates": self.update_problem or "in place", **self.stats,
+                **({"adapters": {n: a.version for n, a in self.adapters.items()}} if self.supports_adapters else {})}
 
     async def generate(self, batch: GenerateBatch) -> list[PromptResult]:
         return await self._loop.run(self._generate(batch, self.check_batch(batch)))
@@ -300,6 +303,7 @@ class VLLMEngine(LocalModelEngine):
             with contextlib.suppress(Exception):
                 self._loop.call(_shutdown(llm))
         self._loop.stop()
+        self.close_adapters()
 
     # ---- inside the engine loop
 
@@ -310,8 +314,11 @@ class VLLMEngine(LocalModelEngine):
         try:
             params = [self._sampling(p, ids) for ids in prompt_ids]
             async with self._gate.shared():
-                version = self.weight_version
-                outs = await asyncio.gather(*(self._request(ids, sp) for ids, sp in zip(prompt_ids, params)))
+                # An adapter's samples carry its version; no adapter swap runs while the gate is shared.
+                adapter = self.lora_request(p.adapter)
+                version = adapter.version if adapter else self.weight_version
+                lora = adapter.request if adapter else None
+                outs = await asyncio.gather(*(self._request(ids, sp, lora) for ids, sp in zip(prompt_ids, params)))
         except VLLMClientError as e:
             raise ValueError(f"sampling: vLLM rejected the request: {e}") from None
         results = []
@@ -337,9 +344,10 @@ class VLLMEngine(LocalModelEngine):
                                logprobs=p.top_logprobs, detokenize=self.tokenizer is not None,
                                skip_special_tokens=True, output_kind=RequestOutputKind.FINAL_ONLY)
 
-    async def _request(self, ids: list[int], sp):
+    async def _request(self, ids: list[int], sp, lora=None):
         final = None
-        async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=uuid.uuid4().hex):
+        async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request_id=uuid.uuid4().hex,
+                                           lora_request=lora):
             final = out
         if final is None or not final.finished:
             raise Unavailable("vLLM ended a request without a final output")

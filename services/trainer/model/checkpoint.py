@@ -301,21 +301,23 @@ def _write_rank_files(root: Path, models: Sequence, rank: int, meta: dict) -> No
         _write_atomic(root / STATE_FILE, json.dumps(meta, indent=1))
 
 
-def _trainer_state(models: Sequence, weight_version: int, world_size: int, mesh: str) -> dict:
-    return {"weight_version": weight_version, "world_size": world_size, "mesh": mesh,
+def _trainer_state(models: Sequence, weight_version: int, world_size: int, mesh: str, lora_base: dict | None) -> dict:
+    return {"weight_version": weight_version, "world_size": world_size, "mesh": mesh, "lora_base": lora_base,
             "has_critic": any(m.name == "critic" for m in models),
             "models": {m.name: {"step": m.step, "scheduler": m.scheduler.state_dict(),
                                 "scaler": m.scaler.state_dict() if m.scaler is not None else None}
                        for m in models}}
 
 
-def save(path: str, models: Sequence, *, weight_version: int, rank: int, world_size: int, mesh: str) -> None:
-    """Collective: every rank writes its shards and RNG state; rank 0 the trainer state, then the manifest."""
+def save(path: str, models: Sequence, *, weight_version: int, rank: int, world_size: int, mesh: str,
+         lora_base: dict | None = None) -> None:
+    """Collective: every rank writes its shards and RNG state; rank 0 the trainer state, then the manifest.
+    `lora_base` (a LoRA run: the adapters only are saved) names the base model they train on (model/adapters.py)."""
     root, what = Path(path), f"save checkpoint {path!r}"
     _together(what, lambda: _begin(root, rank))
     _together(what, lambda: dcp.save(_state(models), storage_writer=dcp.FileSystemWriter(
         str(root / "dcp"), overwrite=True)))
-    meta = _trainer_state(models, weight_version, world_size, mesh)
+    meta = _trainer_state(models, weight_version, world_size, mesh, lora_base)
     _together(what, lambda: _write_rank_files(root, models, rank, meta))
     share = _together(what, lambda: _checksums(root, rank, world_size))
     shares: list = [None] * world_size

@@ -1,0 +1,147 @@
+"""LoRA vs full fine-tuning through the trainer itself (TrainerEngine.train_actor: its compile, fused head, packing,
+activation checkpointing, master weights and AdamW): seconds per actor step and peak device memory, in one call.
+
+    python bench/lora_train.py --shape qwen2.5-1.5b --rank 16              # GPU: bench/results/lora_train_gpu.json
+    python bench/lora_train.py --shape tiny --batch 2 --prompt 8 --response 24 --steps 3   # CPU smoke
+
+Each variant runs in its own process (a clean peak): `full` (fp32 master weights, bf16 compute), `lora` (the frozen
+bf16 base, fp32 adapters, the trainer's lean adapter forward: services/trainer/model/lora.py lean_forward) and
+`lora_peft` (the same with peft's own LoraLayer.forward: what the trainer ran before). One step = one TrainActor
+call of `batch` sequences (prompt + response tokens each) in one optimizer step; the median of the steps after
+`--warmup` (compiles happen there). Peak = torch.cuda.max_memory_allocated over the steps, weights and optimizer
+state included.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "protos"), str(REPO / "bench")]
+
+VARIANTS = ("full", "lora", "lora_peft")
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=True)
+
+
+def model_folder(shape: str, root: Path, device: str) -> Path:
+    from peers.settings import QWEN25, make_random_model
+
+    out = root / shape
+    if not (out / "config.json").is_file():
+        make_random_model(out, dtype="bfloat16", shape=TINY if shape == "tiny" else QWEN25[shape],
+                          init_in_dtype=True, device=device)
+    return out
+
+
+def one(args) -> dict:
+    """One variant in this process: build the trainer, time `steps` TrainActor calls."""
+    import torch
+
+    from services.common.config import load_config
+    from services.trainer.config import TrainerSettings
+    from services.trainer.engine import TrainerEngine
+    from services.trainer.types import ActorLoss, TrainSample
+
+    if args.variant == "lora_peft":
+        from services.trainer.model import lora
+
+        lora.lean_forward = lambda layer: type(layer).forward.__get__(layer)        # peft's own forward
+    cuda = args.device.startswith("cuda")
+    actor = {"lr": 1e-5, "activation_checkpointing": args.checkpointing,
+             "micro_batch_token_budget": args.batch * (args.prompt + args.response)}
+    if args.variant != "full":
+        actor["lora"] = {"rank": args.rank, "alpha": 2 * args.rank}
+    settings = load_config(TrainerSettings, data={"model": {"path": args.model, "dtype": "bfloat16",
+                                                             "device": args.device}, "actor": actor})
+    e = TrainerEngine(settings)
+    module = e.rank.actor.module
+    g = torch.Generator().manual_seed(0)
+    vocab = e.rank.vocab_size
+    samples = [TrainSample(prompt_ids=torch.randint(3, vocab, (args.prompt,), generator=g).tolist(),
+                           response_ids=torch.randint(3, vocab, (args.response,), generator=g).tolist(),
+                           advantages=torch.randn(args.response, generator=g).tolist(),
+                           old_logprobs=[0.0] * args.response, ref_logprobs=[]) for _ in range(args.batch)]
+    for s, lp in zip(samples, e.compute_logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples])):
+        s.old_logprobs = lp
+    if cuda:
+        torch.cuda.synchronize()
+        resident = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        e.train_actor(samples, ActorLoss(mini_batch_size=args.batch))       # returns host floats: synced
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    tokens = args.batch * (args.prompt + args.response)
+    step_s = statistics.median(times[args.warmup:])
+    return {"variant": args.variant, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "steps_s": times, "tokens": tokens,
+            "params": sum(p.numel() for n, p in module.named_parameters() if ".lora_" not in n),
+            "trainable_params": sum(p.numel() for p in module.parameters() if p.requires_grad),
+            "resident_bytes": resident if cuda else None,
+            "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "compiled": e.rank.compiled, "fused_logprobs": e.rank.fused_logprobs, "packed": e.rank.layout.packed,
+            "param_dtype": e.rank.param_dtype, "compute_dtype": e.rank.compute_dtype}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen2.5-1.5b")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--response", type=int, default=1536)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"])
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--models", default="/tmp/meshrl-gpu-work/models")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)      # the child process's one variant
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.variant:
+        print("RESULT " + json.dumps(one(args)), flush=True)
+        return
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    model = model_folder(args.shape, Path(args.models), device)
+    rows = []
+    for variant in args.variants.split(","):
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant, "--model", str(model), "--device", device]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        rows.append(json.loads(line[7:]) if line else {"variant": variant, "error": proc.stderr[-2000:]})
+        print(json.dumps(rows[-1]), flush=True)
+    by = {r["variant"]: r for r in rows if "step_s" in r}
+    ratios = {}
+    for v in ("lora", "lora_peft"):
+        if v in by and "full" in by:
+            ratios[f"{v}_step_vs_full"] = by[v]["step_s"] / by["full"]["step_s"]
+            if cuda:
+                ratios[f"{v}_peak_vs_full"] = by[v]["peak_bytes"] / by["full"]["peak_bytes"]
+    result = {"benchmark": "lora_train", "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "shape": args.shape, "lora_rank": args.rank, "batch": args.batch, "prompt": args.prompt,
+              "response": args.response, "activation_checkpointing": args.checkpointing,
+              "goal": "lora step <= 0.7 x full, lora peak <= 0.5 x full", "ratios": ratios, "results": rows}
+    from provenance import stamp
+
+    stem = f"lora_train{'_gpu' if cuda else ''}"
+    path = Path(args.out or REPO / "bench" / "results" / f"{stem}.json")
+    path.write_text(json.dumps(stamp(stem, result), indent=1) + "\n")
+    print(json.dumps(ratios))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""bench/lora_train.py (LoRA vs full actor steps through TrainerEngine) runs its three variants on a tiny shape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_the_lora_train_benchmark_runs_full_lora_and_peft_forward_on_a_tiny_shape(tmp_path):
+    out = tmp_path / "lora_train.json"
+    subprocess.run([sys.executable, str(REPO / "bench" / "lora_train.py"), "--shape", "tiny", "--batch", "2",
+                    "--prompt", "8", "--response", "16", "--steps", "2", "--warmup", "1",
+                    "--models", str(tmp_path / "models"), "--out", str(out)], check=True, timeout=300)
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["results"]}
+    assert set(rows) == {"full", "lora", "lora_peft"} and all("step_s" in r for r in rows.values())
+    assert rows["full"]["trainable_params"] == rows["full"]["params"]
+    assert 0 < rows["lora"]["trainable_params"] == rows["lora_peft"]["trainable_params"] < rows["full"]["params"]
+    assert result["ratios"]["lora_step_vs_full"] > 0 and result["provenance"]["source_paths"]
