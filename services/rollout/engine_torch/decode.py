@@ -98,6 +98,8 @@ def decode_rows(engine, rows: list[Row], *, partial: str = "off", flight: Flight
     it serves their sampling settings, else with the eager loop. partial (continue / pause): posted weight swaps
     land between two steps (engine._between_steps); pause recomputes the running rows' KV cache with the new
     weights (on the eager loop, not the graph one)."""
+    if engine._paged is not None and partial == "off":
+        return _paged_decode(engine, rows)
     dec = engine._graph_decoder
     if partial != "pause" and dec is not None and dec.serves(
             [r.generator is not None for r in rows], [r.sampling.temperature for r in rows],
@@ -185,6 +187,14 @@ def _mark_stop_strings(engine, hit: torch.Tensor, rows: list[Row], act: list[int
         stops = row.sampling.stop
         if stops and _hit_stop(engine, row, tokens[act[b], :step + 1].tolist(), stops):
             hit[b] = True
+
+
+def _paged_decode(engine, rows: list[Row]) -> None:
+    """The paged KV cache's decode (paged/decoder.py): the prefix cache, forks and preemption live there."""
+    def stop_check(r: int, tokens: list[int]) -> bool:
+        return _hit_stop(engine, rows[r], tokens, rows[r].sampling.stop)
+
+    engine._paged.decode(rows, engine.weight_version, stop_check=stop_check)
 
 
 def _graph_decode(engine, rows: list[Row], *, partial: bool = False, flight: Flight | None = None) -> None:

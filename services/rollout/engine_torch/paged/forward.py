@@ -1,0 +1,81 @@
+"""The model forward over block tables: each row feeds its new tokens (a prompt's uncached tail, a resumed row's
+history, a tool response, or one decode token) at its own positions, writes their K/V into its blocks and attends to
+every earlier token of its sequence through its block table.
+
+The model's own modules do everything but attention (embedding, RMSNorms, projections, rotary embedding, MLP),
+as in the CUDA-graph step (graph_step.py); attention gathers each row's K/V slots by block table and runs
+scaled_dot_product_attention with a causal mask over positions. Rows are right-padded to the longest new-token
+count; a padded query attends to the row's first key only, and its output is never read.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from services.rollout.engine_torch.paged.kv import PagedKV
+
+
+def slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool slot of each position: tables [B, nblk], positions [B, T] -> [B, T]."""
+    blk = tables.gather(1, (positions // block_size).clamp(max=tables.size(1) - 1))
+    return blk * block_size + positions % block_size
+
+
+@torch.inference_mode()
+def paged_forward(model, kv: PagedKV, tables: list[list[int]], starts: list[int], new: list[list[int]]
+                  ) -> torch.Tensor:
+    """Feeds row b's tokens new[b] at positions starts[b]..; its blocks tables[b] must cover them. Returns the fp32
+    logits after each row's last new token, [B, V]."""
+    dev = kv.k[0].device
+    B, Q = len(new), max(len(t) for t in new)
+    width = max(len(t) for t in tables)
+    ids = torch.zeros((B, Q), dtype=torch.long)
+    tab = torch.zeros((B, width), dtype=torch.long)
+    for b, (toks, blocks) in enumerate(zip(new, tables)):
+        ids[b, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+        tab[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+    ids, tab = ids.to(dev), tab.to(dev)
+    qlen = torch.tensor([len(t) for t in new], dtype=torch.long, device=dev)
+    start = torch.tensor(starts, dtype=torch.long, device=dev)
+    pos = start[:, None] + torch.arange(Q, device=dev)                              # [B, Q]
+    live = torch.arange(Q, device=dev)[None, :] < qlen[:, None]                      # [B, Q]
+    pos = torch.where(live, pos, start[:, None])                                     # padded queries: no new slot
+    C = int((start + qlen).max())
+    keys = torch.arange(C, device=dev)
+    write = slots_of(tab, pos, kv.block_size)[live]                                  # [N]
+    read = slots_of(tab, keys.expand(B, C), kv.block_size)                           # [B, C]
+    mask = (keys[None, None, :] <= pos[:, :, None])[:, None]                         # [B, 1, Q, C] causal
+    m = model.model
+    x = m.embed_tokens(ids)
+    cos, sin = m.rotary_emb(x, pos)
+    for i, layer in enumerate(m.layers):
+        x = _layer(layer, x, cos, sin, kv.k[i], kv.v[i], write, read, live, mask)
+    x = m.norm(x)
+    last = x[torch.arange(B, device=dev), qlen - 1]                                  # [B, d]
+    return model.lm_head(last).float()
+
+
+def _layer(layer, x, cos, sin, kc: torch.Tensor, vc: torch.Tensor, write: torch.Tensor, read: torch.Tensor,
+           live: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One decoder layer: writes the live tokens' K/V at their slots, attends over each row's gathered slots."""
+    a = layer.self_attn
+    B, Q, _ = x.shape
+    hd = a.head_dim
+    h = layer.input_layernorm(x)
+    q = a.q_proj(h).view(B, Q, -1, hd).transpose(1, 2)                               # [B, H, Q, hd]
+    k = a.k_proj(h).view(B, Q, -1, hd).transpose(1, 2)                               # [B, KV, Q, hd]
+    v = a.v_proj(h).view(B, Q, -1, hd).transpose(1, 2)
+    q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+    kc.index_copy_(0, write, k.transpose(1, 2)[live])                                 # [N, KV, hd]
+    vc.index_copy_(0, write, v.transpose(1, 2)[live])
+    keys = kc[read].transpose(1, 2)                                                   # [B, KV, C, hd]
+    values = vc[read].transpose(1, 2)
+    groups = q.size(1) // keys.size(1)
+    if groups > 1:
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling)
+    x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
