@@ -103,9 +103,10 @@ def test_a_hit_takes_the_block_off_the_lru_list_so_it_is_not_evicted_under_its_h
     pool = BlockPool(2, 2)
     t = filled(pool, 2)
     pool.register([5, 6], t, 0)
+    cached = t.blocks[0]
     pool.free(t)
     held = pool.lookup([5, 6, 7], 0)
-    assert held.blocks == t.blocks
+    assert held.blocks == [cached] and held.num_tokens == 2
     other = filled(pool, 2)
     assert other.blocks[0] != held.blocks[0]
     with pytest.raises(NoFreeBlock):

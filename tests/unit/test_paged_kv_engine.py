@@ -1,0 +1,170 @@
+"""The torch engine with rollout.kv_cache: paged (services/rollout/engine_torch/paged/): the same tokens and log-probs
+as today's decode and as a full forward, a GRPO group's prompt prefilled once, prefixes reused across calls and
+episode turns, preemption and resume under a small budget, weight versions, and the settings' refusals."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from services.common.tensors.modeling import response_logprobs
+from services.rollout.config import RolloutSettings
+from services.rollout.engine_torch.engine import TorchEngine
+from services.rollout.engine_torch.paged.forward import paged_forward
+from services.rollout.engine_torch.paged.kv import block_bytes
+from services.rollout.testing import make_tiny_model, random_state_like
+from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
+
+PROMPTS = [[4, 5, 13, 6, 15], [7, 3, 9, 12, 8, 10, 11, 14, 16, 4, 4, 5], [20]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("paged_model"))
+
+
+def make_engine(path: str, **rollout) -> TorchEngine:
+    return TorchEngine(RolloutSettings(model={"path": path}, rollout=rollout))
+
+
+def paged(path: str, **rollout) -> TorchEngine:
+    return make_engine(path, kv_cache="paged", kv_block_size=4, **rollout)
+
+
+def gen(engine, prompts=PROMPTS, **sampling):
+    batch = GenerateBatch([PromptInput(id=f"p{i}", prompt_ids=list(p)) for i, p in enumerate(prompts)],
+                          SamplingParams(**sampling))
+    return asyncio.run(engine.generate(batch))
+
+
+def flat(results):
+    return [s for r in results for s in r.samples]
+
+
+def blocks_gib(engine, n: int) -> float:
+    return n * block_bytes(engine.model, 4) / 2**30
+
+
+@pytest.mark.parametrize("sampling", [dict(n=3, temperature=1.0, seed=11), dict(n=2, temperature=0.7, top_p=0.8, seed=3),
+                                      dict(n=2, temperature=0.0, top_logprobs=3)])
+def test_paged_decode_samples_what_todays_decode_samples_with_the_same_logprobs(model_dir, sampling):
+    today, new = make_engine(model_dir), paged(model_dir)
+    a, b = flat(gen(today, max_tokens=20, **sampling)), flat(gen(new, max_tokens=20, **sampling))
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert [s.finish_reason for s in a] == [s.finish_reason for s in b]
+    for x, y in zip(a, b):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+        if sampling.get("top_logprobs"):
+            assert [[t for t, _ in step] for step in x.top_logprobs] == [[t for t, _ in step] for step in y.top_logprobs]
+
+
+def test_paged_logprobs_equal_a_full_forward_of_prompt_and_response(model_dir):
+    eng = paged(model_dir, max_batch_size=4)
+    results = gen(eng, max_tokens=24, n=3, temperature=1.0, seed=7)
+    prompts = [r.prompt_ids for r in results for _ in r.samples]
+    samples = flat(results)
+    lp, _ = response_logprobs(eng.model, prompts, [s.response_ids for s in samples], pad_id=eng.pad_id)
+    for i, s in enumerate(samples):
+        assert torch.allclose(torch.tensor(s.logprobs), lp[i, :len(s.response_ids)], atol=1e-4, rtol=0), i
+
+
+def test_a_ragged_paged_forward_equals_the_models_own_logits(model_dir):
+    eng = paged(model_dir)
+    dec = eng._paged
+    seqs = [[3, 4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16]]
+    tables = []
+    for q in seqs:
+        from services.rollout.engine_torch.paged.blocks import BlockTable
+        t = BlockTable()
+        dec.pool.reserve(t, len(q))
+        tables.append(t.blocks)
+    # Fed in two pieces (a cached prefix, then the rest) as a later call would.
+    paged_forward(eng.model, dec.kv, tables, [0] * 3, [q[:-1] for q in seqs])
+    got = paged_forward(eng.model, dec.kv, tables, [len(q) - 1 for q in seqs], [q[-1:] for q in seqs])
+    for q, lg in zip(seqs, got):
+        want = eng.model(input_ids=torch.tensor([q])).logits[0, -1].float()
+        assert torch.allclose(lg, want, atol=1e-4, rtol=0)
+
+
+def test_a_group_prefills_its_prompt_once_and_forks_it(model_dir):
+    eng = paged(model_dir)
+    prompt = PROMPTS[1][:10]                                    # 2 full blocks of 4 and one of 2 tokens
+    gen(eng, prompts=[prompt], n=8, temperature=1.0, seed=1, max_tokens=6)
+    m = eng.info()
+    assert m["prefill_tokens"] == len(prompt)                   # one prefill for 8 samples
+    assert m["prefill_tokens_saved"] == 7 * len(prompt)
+    assert m["cow_copies"] == 7                                 # the shared partial block, copied by 7 of 8
+    assert m["kv_blocks_used"] == 0                              # every row let go; its full blocks stay cached
+    assert m["kv_blocks_cached"] > 0
+
+
+def test_a_later_call_and_an_episodes_next_turn_feed_only_their_new_tokens(model_dir):
+    eng = paged(model_dir)
+    first = flat(gen(eng, prompts=[PROMPTS[1]], n=1, temperature=0.0, max_tokens=9))[0]
+    fed = eng.info()["prefill_tokens"]
+    history = PROMPTS[1] + first.response_ids + [21, 22, 23]      # the tool's answer appended
+    gen(eng, prompts=[history], n=1, temperature=0.0, max_tokens=4)
+    m = eng.info()
+    new_tokens = m["prefill_tokens"] - fed
+    assert new_tokens < 4 + 3                        # the tool tokens and at most one block's tail, not the history
+    assert m["prefix_hit_blocks"] == (len(PROMPTS[1]) + len(first.response_ids)) // 4
+    today = flat(gen(make_engine(model_dir), prompts=[history], n=1, temperature=0.0, max_tokens=4))[0]
+    again = flat(gen(eng, prompts=[history], n=1, temperature=0.0, max_tokens=4))[0]
+    assert again.response_ids == today.response_ids
+    assert torch.allclose(torch.tensor(again.logprobs), torch.tensor(today.logprobs), atol=1e-5, rtol=0)
+
+
+def test_a_full_pool_preempts_rows_which_resume_with_the_same_samples(model_dir):
+    probe = paged(model_dir)
+    small = paged(model_dir, kv_cache_gib=blocks_gib(probe, 14))     # 8 rows of up to 7 blocks do not fit
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    sampling = dict(n=4, temperature=1.0, seed=5, max_tokens=16)
+    want = flat(gen(make_engine(model_dir), prompts=prompts, **sampling))
+    got = flat(gen(small, prompts=prompts, **sampling))
+    m = small.info()
+    assert m["preemptions"] > 0 and m["resumed_rows"] == m["preemptions"]
+    assert [s.response_ids for s in got] == [s.response_ids for s in want]
+    for x, y in zip(got, want):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+    assert m["kv_blocks_used"] == 0
+
+
+def test_a_prompt_larger_than_the_whole_budget_is_refused_by_name(model_dir):
+    probe = paged(model_dir)
+    tiny = paged(model_dir, kv_cache_gib=blocks_gib(probe, 2))
+    with pytest.raises(ValueError, match="rollout.kv_cache_gib"):
+        gen(tiny, prompts=[PROMPTS[1]], n=1, max_tokens=4)
+    assert tiny.info()["kv_blocks_used"] == 0
+
+
+def test_new_weights_drop_the_cached_blocks_of_the_old_ones(model_dir):
+    eng = paged(model_dir)
+    gen(eng, prompts=[PROMPTS[1]], n=2, temperature=0.0, max_tokens=8)
+    assert eng.info()["kv_blocks_cached"] > 0
+    asyncio.run(eng.apply_update(1, random_state_like(eng.model, seed=3)))
+    fed = eng.info()["prefill_tokens"]
+    out = flat(gen(eng, prompts=[PROMPTS[1]], n=1, temperature=0.0, max_tokens=8))[0]
+    m = eng.info()
+    assert m["invalidated_blocks"] > 0 and m["prefill_tokens"] - fed == len(PROMPTS[1])
+    assert out.weight_version == 1
+    lp, _ = response_logprobs(eng.model, [PROMPTS[1]], [out.response_ids], pad_id=eng.pad_id)
+    assert torch.allclose(torch.tensor(out.logprobs), lp[0, :len(out.response_ids)], atol=1e-4, rtol=0)
+
+
+def test_stop_strings_cut_paged_samples_as_they_cut_todays(model_dir):
+    today, new = make_engine(model_dir), paged(model_dir)
+    sampling = dict(n=2, temperature=1.0, seed=4, max_tokens=20)
+    text = flat(gen(today, **sampling))[0].text
+    stop = text[3:5] if len(text) >= 5 else text[-1:]
+    a, b = flat(gen(today, stop=[stop], **sampling)), flat(gen(new, stop=[stop], **sampling))
+    assert [(s.text, s.finish_reason, s.response_ids) for s in a] == [(s.text, s.finish_reason, s.response_ids)
+                                                                        for s in b]
+    assert any(s.finish_reason == "stop" for s in b)
+
+
+def test_kv_cache_auto_keeps_todays_cache_and_paged_needs_the_torch_engine(model_dir):
+    assert make_engine(model_dir)._paged is None
+    with pytest.raises(ValueError, match="kv_cache: paged needs engine 'torch'"):
+        RolloutSettings(model={"path": model_dir}, rollout={"engine": "vllm", "kv_cache": "paged"})
