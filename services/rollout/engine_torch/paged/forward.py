@@ -48,6 +48,9 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]], starts: list[int]
     write = slots_of(tab, pos, kv.block_size)[live]                                  # [N]
     read = slots_of(tab, keys.expand(B, C), kv.block_size)                           # [B, C]
     mask = (keys[None, None, :] <= pos[:, :, None])[:, None]                         # [B, 1, Q, C] causal
+    # Grouped query attention without repeating K/V: each kv head's G query heads attend as G x Q queries.
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    mask = mask.repeat(1, 1, groups, 1)                                              # [B, 1, G * Q, C]
     m = model.model
     x = m.embed_tokens(ids)
     cos, sin = m.rotary_emb(x, pos)
@@ -66,6 +69,7 @@ def _layer(layer, x, cos, sin, kc: torch.Tensor, vc: torch.Tensor, write: torch.
     hd = a.head_dim
     h = layer.input_layernorm(x)
     q = a.q_proj(h).view(B, Q, -1, hd).transpose(1, 2)                               # [B, H, Q, hd]
+    H = q.size(1)
     k = a.k_proj(h).view(B, Q, -1, hd).transpose(1, 2)                               # [B, KV, Q, hd]
     v = a.v_proj(h).view(B, Q, -1, hd).transpose(1, 2)
     q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(q, k, cos, sin)
@@ -73,9 +77,8 @@ def _layer(layer, x, cos, sin, kc: torch.Tensor, vc: torch.Tensor, write: torch.
     vc.index_copy_(0, write, v.transpose(1, 2)[live])
     keys = kc[read].transpose(1, 2)                                                   # [B, KV, C, hd]
     values = vc[read].transpose(1, 2)
-    groups = q.size(1) // keys.size(1)
-    if groups > 1:
-        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling)
+    KV = keys.size(1)
+    q = q.reshape(B, KV, (H // KV) * Q, hd)                                           # head h = kv * G + g
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling).view(B, H, Q, hd)
     x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
