@@ -101,8 +101,6 @@ def build(args):
 
 def engine_for(args, model, tokenizer, *, batch: int, eos: bool = True, kv_cache: str = "none"):
     """kv_cache none: today's engine (CUDA graphs on a GPU); paged: rollout.kv_cache paged (eager steps)."""
-    import torch
-
     from services.rollout.engine_torch.engine import TorchEngine
 
     cuda = args.device.startswith("cuda")
@@ -116,8 +114,6 @@ def engine_for(args, model, tokenizer, *, batch: int, eos: bool = True, kv_cache
         if engine._graph_decoder is not None:
             raise ValueError("--device cuda: eos stays on (the graph decoder holds its eos ids)")
         engine.eos_ids = set()
-        if engine._paged is not None:
-            engine._paged.eos = torch.tensor([-1], device=engine._paged.device)
     return engine
 
 

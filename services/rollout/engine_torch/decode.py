@@ -194,7 +194,7 @@ def _paged_decode(engine, rows: list[Row]) -> None:
     def stop_check(r: int, tokens: list[int]) -> bool:
         return _hit_stop(engine, rows[r], tokens, rows[r].sampling.stop)
 
-    engine._paged.decode(rows, engine.weight_version, stop_check=stop_check)
+    engine._paged.decode(rows, engine.weight_version, eos_ids=sorted(engine.eos_ids), stop_check=stop_check)
 
 
 def _graph_decode(engine, rows: list[Row], *, partial: bool = False, flight: Flight | None = None) -> None:

@@ -50,8 +50,7 @@ class _Seq:
 class PagedDecoder:
     """Decodes rows over a paged KV cache shared by every call (the prefix cache lives across calls)."""
 
-    def __init__(self, model, *, block_size: int, budget_gib: float | None, max_model_len: int, max_batch_size: int,
-                 eos_ids: Sequence[int]):
+    def __init__(self, model, *, block_size: int, budget_gib: float | None, max_model_len: int, max_batch_size: int):
         cfg = model.config
         p = next(model.parameters())
         attn = model.model.layers[0].self_attn
@@ -62,7 +61,6 @@ class PagedDecoder:
         self.kv = PagedKV(num_layers=cfg.num_hidden_layers, num_kv=cfg.num_key_value_heads, head_dim=attn.head_dim,
                           num_blocks=num_blocks, block_size=block_size, dtype=p.dtype, device=p.device)
         self.max_batch_size = max_batch_size
-        self.eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=p.device)
         self.stats = {"preemptions": 0, "resumed_rows": 0, "prefill_tokens": 0, "prefill_tokens_saved": 0,
                       "max_running_rows": 0}
         log.info("rollout paged KV: %d blocks of %d tokens, %.2f GiB (%s)", num_blocks, block_size,
@@ -72,10 +70,11 @@ class PagedDecoder:
         return {**self.pool.metrics(), **self.stats}
 
     @torch.inference_mode()
-    def decode(self, rows, version: int, *, stop_check: StopCheck | None = None) -> None:
+    def decode(self, rows, version: int, *, eos_ids: Sequence[int], stop_check: StopCheck | None = None) -> None:
         """Decodes engine rows (decode.Row: prompt, budget, sampling, generator) to their end, filling their tokens,
         log-probs, top-logprobs and finish reasons. version: the weights' version (older cached blocks go)."""
         self.pool.set_version(version)
+        self.eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
         seqs = [_Seq(i, list(r.prompt), len(r.prompt)) for i, r in enumerate(rows)]
         waiting, running = deque(seqs), []
         tops: list[list] = [[] for _ in rows]
