@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from services.rollout.engine_torch.paged import attention
 from services.rollout.engine_torch.paged.kv import PagedKV
 
 
@@ -25,10 +26,11 @@ def slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> 
 
 
 @torch.inference_mode()
-def paged_forward(model, kv: PagedKV, tables: list[list[int]], starts: list[int], new: list[list[int]]
-                  ) -> torch.Tensor:
+def paged_forward(model, kv: PagedKV, tables: list[list[int]], starts: list[int], new: list[list[int]], *,
+                  kernel: bool | None = None) -> torch.Tensor:
     """Feeds row b's tokens new[b] at positions starts[b]..; its blocks tables[b] must cover them. Returns the fp32
-    logits after each row's last new token, [B, V]."""
+    logits after each row's last new token, [B, V]. kernel: decode steps (one token per row) attend with the
+    Triton kernel of attention.py, reading the pool in place (None: where it runs, on CUDA)."""
     dev = kv.k[0].device
     B, Q = len(new), max(len(t) for t in new)
     width = max(len(t) for t in tables)
@@ -43,6 +45,11 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]], starts: list[int]
     pos = start[:, None] + torch.arange(Q, device=dev)                              # [B, Q]
     live = torch.arange(Q, device=dev)[None, :] < qlen[:, None]                      # [B, Q]
     pos = torch.where(live, pos, start[:, None])                                     # padded queries: no new slot
+    hd = model.model.layers[0].self_attn.head_dim
+    if kernel is None:
+        kernel = attention.available(dev) and attention.supports(kv.block_size, hd)
+    if Q == 1 and kernel:
+        return _decode(model, kv, ids, pos, tab, start + 1)
     C = int((start + qlen).max())
     keys = torch.arange(C, device=dev)
     write = slots_of(tab, pos, kv.block_size)[live]                                  # [N]
@@ -59,6 +66,29 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]], starts: list[int]
     x = m.norm(x)
     last = x[torch.arange(B, device=dev), qlen - 1]                                  # [B, d]
     return model.lm_head(last).float()
+
+
+def _decode(model, kv: PagedKV, ids, pos, tab, ctx) -> torch.Tensor:
+    """One token per row, attention by the Triton kernel over the block tables (no gather of the cache)."""
+    m = model.model
+    slot = slots_of(tab, pos, kv.block_size)[:, 0]                                   # [B]
+    x = m.embed_tokens(ids)
+    cos, sin = m.rotary_emb(x, pos)
+    B = ids.size(0)
+    for i, layer in enumerate(m.layers):
+        a = layer.self_attn
+        hd = a.head_dim
+        h = layer.input_layernorm(x)
+        q = a.q_proj(h).view(B, 1, -1, hd).transpose(1, 2)
+        k = a.k_proj(h).view(B, 1, -1, hd).transpose(1, 2)
+        v = a.v_proj(h).view(B, 1, -1, hd)
+        q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+        kv.k[i].index_copy_(0, slot, k[:, :, 0])
+        kv.v[i].index_copy_(0, slot, v[:, 0])
+        o = attention.paged_decode_attention(q[:, :, 0], kv.k[i], kv.v[i], tab, ctx, kv.block_size, a.scaling)
+        x = x + a.o_proj(o.reshape(B, 1, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(m.norm(x)[:, 0]).float()
 
 
 def _layer(layer, x, cos, sin, kc: torch.Tensor, vc: torch.Tensor, write: torch.Tensor, read: torch.Tensor,
