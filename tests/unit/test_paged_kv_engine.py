@@ -168,3 +168,13 @@ def test_kv_cache_auto_keeps_todays_cache_and_paged_needs_the_torch_engine(model
     assert make_engine(model_dir)._paged is None
     with pytest.raises(ValueError, match="kv_cache: paged needs engine 'torch'"):
         RolloutSettings(model={"path": model_dir}, rollout={"engine": "vllm", "kv_cache": "paged"})
+
+
+def test_prometheus_reports_the_live_decoders_kv_metrics(model_dir):
+    from prometheus_client import REGISTRY, generate_latest
+
+    eng = paged(model_dir)
+    gen(eng, prompts=[PROMPTS[1][:10]], n=4, temperature=1.0, seed=2, max_tokens=4)
+    text = generate_latest(REGISTRY).decode()
+    assert "meshrl_rollout_kv_blocks_total" in text and "meshrl_rollout_prefill_tokens_saved_total" in text
+    assert REGISTRY.get_sample_value("meshrl_rollout_prefill_tokens_saved_total") >= 3 * 10

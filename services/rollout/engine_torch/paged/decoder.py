@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from services.rollout.engine_torch.paged import metrics
 from services.rollout.engine_torch.paged.blocks import BlockPool, BlockTable, NoFreeBlock
 from services.rollout.engine_torch.paged.forward import paged_forward
 from services.rollout.engine_torch.paged.kv import PagedKV, num_blocks_for
@@ -63,6 +64,7 @@ class PagedDecoder:
         self.max_batch_size = max_batch_size
         self.stats = {"preemptions": 0, "resumed_rows": 0, "prefill_tokens": 0, "prefill_tokens_saved": 0,
                       "max_running_rows": 0}
+        metrics.watch(self)
         log.info("rollout paged KV: %d blocks of %d tokens, %.2f GiB (%s)", num_blocks, block_size,
                  self.kv.num_bytes / 2**30, why)
 
