@@ -39,7 +39,8 @@ class _Seq:
     tokens: list[int]
     prompt_len: int
     table: BlockTable = field(default_factory=BlockTable)
-    logits: torch.Tensor | None = None           # [V] fp32: what the next token is sampled from
+    # what the next token is sampled from: row i of a [B, V] fp32 batch of logits (a forward's, kept whole)
+    logits: tuple[torch.Tensor, int] | None = None
     done: bool = False
     preempted: bool = False                      # waits to resume (its history is fed again, mostly cached)
 
@@ -98,9 +99,9 @@ class PagedDecoder:
                 if running:
                     logits = paged_forward(self.model, self.kv, [s.table.blocks for s in running],
                                            [s.table.num_tokens for s in running], [s.tokens[-1:] for s in running])
-                    for s, lg in zip(running, logits):
+                    for i, s in enumerate(running):
                         s.table.num_tokens += 1
-                        s.logits = lg
+                        s.logits = (logits, i)
         finally:
             for s in seqs:                      # an error mid-decode frees what its rows held
                 if s.table.blocks:
@@ -161,11 +162,11 @@ class PagedDecoder:
             logits = paged_forward(self.model, self.kv, [s.table.blocks for s in group],
                                    [s.table.num_tokens for s in group],
                                    [s.tokens[s.table.num_tokens:] for s in group])
-            for s, lg in zip(group, logits):
+            for row, s in enumerate(group):
                 self.stats["prefill_tokens_saved"] += s.table.num_tokens
                 self.stats["prefill_tokens"] += len(s.tokens) - s.table.num_tokens
                 s.table.num_tokens = len(s.tokens)
-                s.logits = lg
+                s.logits = (logits, row)
                 self.pool.register(s.tokens, s.table, version)
 
     # ---- one decode step
@@ -173,7 +174,7 @@ class PagedDecoder:
     def _sample(self, rows, running: list[_Seq], logps, tops, stop_check: StopCheck | None) -> None:
         """Samples each running row's next token, records its raw log-prob (and top-k); marks rows that ended."""
         dev = self.device
-        logits = torch.stack([s.logits for s in running])                            # [B, V] fp32
+        logits = _batch_logits(running)                                              # [B, V] fp32
         rs = [rows[s.index] for s in running]
         tok = sample_tokens(logits, temperature=torch.tensor([r.sampling.temperature for r in rs], device=dev),
                             top_p=torch.tensor([r.sampling.top_p for r in rs], device=dev),
@@ -228,3 +229,20 @@ class PagedDecoder:
         s.preempted = True
         waiting.appendleft(s)
         self.stats["preemptions"] += 1
+
+
+def _batch_logits(running: list[_Seq]) -> torch.Tensor:
+    """The running rows' logits as one [B, V] batch: the last decode forward's tensor itself when the rows are its
+    rows in order (most steps), else rows picked from each source (after admissions and ends)."""
+    src0 = running[0].logits[0]
+    if len(running) == src0.size(0) and all(s.logits[0] is src0 and s.logits[1] == i for i, s in enumerate(running)):
+        return src0
+    parts, i = [], 0
+    while i < len(running):
+        src, j = running[i].logits[0], i
+        while j < len(running) and running[j].logits[0] is src:
+            j += 1
+        idx = torch.tensor([s.logits[1] for s in running[i:j]], dtype=torch.long, device=src.device)
+        parts.append(src.index_select(0, idx))
+        i = j
+    return torch.cat(parts)

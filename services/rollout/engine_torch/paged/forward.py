@@ -34,12 +34,9 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]], starts: list[int]
     dev = kv.k[0].device
     B, Q = len(new), max(len(t) for t in new)
     width = max(len(t) for t in tables)
-    ids = torch.zeros((B, Q), dtype=torch.long)
-    tab = torch.zeros((B, width), dtype=torch.long)
-    for b, (toks, blocks) in enumerate(zip(new, tables)):
-        ids[b, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-        tab[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-    ids, tab = ids.to(dev), tab.to(dev)
+    # One host tensor each (a decode step at batch 512 builds these every token), then one copy to the device.
+    ids = torch.tensor([t + [0] * (Q - len(t)) for t in new], dtype=torch.long).to(dev, non_blocking=True)
+    tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).to(dev, non_blocking=True)
     qlen = torch.tensor([len(t) for t in new], dtype=torch.long, device=dev)
     start = torch.tensor(starts, dtype=torch.long, device=dev)
     pos = start[:, None] + torch.arange(Q, device=dev)                              # [B, Q]
