@@ -91,8 +91,11 @@ def test_a_ragged_paged_forward_equals_the_models_own_logits(model_dir):
 def test_a_group_prefills_its_prompt_once_and_forks_it(model_dir):
     eng = paged(model_dir)
     prompt = PROMPTS[1][:10]                                    # 2 full blocks of 4 and one of 2 tokens
-    gen(eng, prompts=[prompt], n=8, temperature=1.0, seed=1, max_tokens=6)
+    out = flat(gen(eng, prompts=[prompt], n=8, temperature=1.0, seed=1, max_tokens=6))
+    assert [s.cached_prompt_tokens for s in out] == [0] + [10] * 7
     m = eng.info()
+    samples = flat(gen(make_engine(model_dir), prompts=[prompt], n=2, max_tokens=2))
+    assert [s.cached_prompt_tokens for s in samples] == [0, 0]      # today's cache reuses nothing it reports
     assert m["prefill_tokens"] == len(prompt)                   # one prefill for 8 samples
     assert m["prefill_tokens_saved"] == 7 * len(prompt)
     assert m["cow_copies"] == 7                                 # the shared partial block, copied by 7 of 8
@@ -105,8 +108,9 @@ def test_a_later_call_and_an_episodes_next_turn_feed_only_their_new_tokens(model
     first = flat(gen(eng, prompts=[PROMPTS[1]], n=1, temperature=0.0, max_tokens=9))[0]
     fed = eng.info()["prefill_tokens"]
     history = PROMPTS[1] + first.response_ids + [21, 22, 23]      # the tool's answer appended
-    gen(eng, prompts=[history], n=1, temperature=0.0, max_tokens=4)
+    turn = flat(gen(eng, prompts=[history], n=1, temperature=0.0, max_tokens=4))[0]
     m = eng.info()
+    assert turn.cached_prompt_tokens == 4 * m["prefix_hit_blocks"]
     new_tokens = m["prefill_tokens"] - fed
     assert new_tokens < 4 + 3                        # the tool tokens and at most one block's tail, not the history
     assert m["prefix_hit_blocks"] == (len(PROMPTS[1]) + len(first.response_ids)) // 4
@@ -206,3 +210,23 @@ def test_random_mixes_under_a_tight_budget_match_todays_decode_and_leak_no_block
     m = small.info()
     assert m["preemptions"] > 0 and m["cow_copies"] > 0 and m["prefix_hit_blocks"] > 0
     assert all(r == 0 for r in pool.ref) and m["kv_blocks_free"] == m["kv_blocks_total"] == 24
+
+
+@pytest.mark.parametrize("columnar", [False, True])
+def test_cached_prompt_tokens_travel_in_the_answer_and_make_a_step_metric(columnar):
+    import numpy as np
+
+    from coordinator.training.remote import Problem, Sample
+    from coordinator.training.reporting import sample_metrics
+    from services.rollout.convert import results_from_pb, results_to_pb
+    from services.rollout.types import PromptResult, SampleResult
+
+    results = [PromptResult("p0", [1, 2, 3, 4], [SampleResult([5], [-0.5], "a", "stop", 0),
+                                                 SampleResult([6], [-0.7], "b", "stop", 0, cached_prompt_tokens=4)])]
+    back = results_from_pb(results_to_pb(results, columnar=columnar))
+    assert [s.cached_prompt_tokens for s in back[0].samples] == [0, 4]
+    problem = Problem(id="q", prompt="p", ground_truth="1", data_source="arith")
+    samples = [Sample(problem, 0, np.array([1, 2, 3, 4], dtype=np.int32), np.array([5], dtype=np.int32),
+                      np.array([-0.5], dtype=np.float32), "", "stop", 0, cached_prompt_tokens=c) for c in (0, 4)]
+    assert sample_metrics(samples)["rollout/prompt_tokens_cached_frac"] == 0.5
+    assert "rollout/prompt_tokens_cached_frac" not in sample_metrics(samples[:1])

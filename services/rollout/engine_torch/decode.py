@@ -36,6 +36,7 @@ class Row:
     start: int = 0                                # the decode step of its first token (a row that joined later)
     # (first token index, version) of each weight swap that landed while it decoded (partial rollouts)
     swaps: list[tuple[int, int]] = field(default_factory=list)
+    cached: int = 0                               # prompt tokens the paged cache did not prefill for it
 
     def weight_versions(self) -> list[int] | None:
         """Per token, the version whose forward produced it; None when no swap landed inside its tokens."""

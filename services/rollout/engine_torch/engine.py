@@ -357,7 +357,8 @@ class TorchEngine(LocalModelEngine):
                 samples.append(SampleResult(response_ids=row.tokens, logprobs=row.logprobs, text=text,
                                             finish_reason=row.finish_reason or "length",
                                             weight_version=row.version, top_logprobs=row.top,
-                                            weight_versions=row.weight_versions()))
+                                            weight_versions=row.weight_versions(),
+                                            cached_prompt_tokens=row.cached))
             results.append(PromptResult(prompt_id=prompt.id, prompt_ids=ids, samples=samples))
         return results
 

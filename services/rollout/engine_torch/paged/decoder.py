@@ -43,6 +43,7 @@ class _Seq:
     logits: tuple[torch.Tensor, int] | None = None
     done: bool = False
     preempted: bool = False                      # waits to resume (its history is fed again, mostly cached)
+    cached_prompt: int = -1                      # prompt tokens not prefilled at its first admission (-1: not yet)
 
     @property
     def response(self) -> list[int]:
@@ -109,6 +110,7 @@ class PagedDecoder:
         for r, s, lp, top in zip(rows, seqs, logps, tops):
             r.tokens, r.logprobs = s.response, lp
             r.top = top if r.sampling.top_logprobs else None
+            r.cached = max(s.cached_prompt, 0)
 
     # ---- admission and prefill
 
@@ -137,6 +139,8 @@ class PagedDecoder:
                     break
                 s.table = cached
                 self.pool.reserve(s.table, len(s.tokens))
+                if s.cached_prompt < 0:
+                    s.cached_prompt = cached.num_tokens
                 leaders[key] = s
             reserve += 1
             if s.preempted:
@@ -146,6 +150,8 @@ class PagedDecoder:
         self._prefill(list(leaders.values()), version)
         for s, lead in followers:
             s.table, s.logits = self.pool.fork(lead.table), lead.logits
+            if s.cached_prompt < 0:
+                s.cached_prompt = s.prompt_len
             self.stats["prefill_tokens_saved"] += len(s.tokens)
         return admitted
 
