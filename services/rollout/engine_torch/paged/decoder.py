@@ -50,6 +50,23 @@ class _Seq:
         return self.tokens[self.prompt_len:]
 
 
+class _HostTables:
+    """Every row's block table mirrored in one host tensor [rows, width], written where a table changed (admission,
+    a new block, a copy on write), so a decode step's [B, width] tables are one index_select, not B lists."""
+
+    def __init__(self, rows, block_size: int):
+        width = max(-(-(len(r.prompt) + r.budget) // block_size) for r in rows)
+        self.t = torch.zeros((len(rows), width), dtype=torch.long)
+
+    def write(self, s: _Seq, start: int = 0) -> None:
+        blocks = s.table.blocks
+        if start < len(blocks):
+            self.t[s.index, start:len(blocks)] = torch.tensor(blocks[start:], dtype=torch.long)
+
+    def of(self, running: list[_Seq]) -> torch.Tensor:
+        return self.t.index_select(0, torch.tensor([s.index for s in running], dtype=torch.long))
+
+
 class PagedDecoder:
     """Decodes rows over a paged KV cache shared by every call (the prefix cache lives across calls)."""
 
@@ -80,6 +97,7 @@ class PagedDecoder:
         self.pool.set_version(version)
         self.eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
         seqs = [_Seq(i, list(r.prompt), len(r.prompt)) for i, r in enumerate(rows)]
+        self._host = _HostTables(rows, self.pool.block_size)
         waiting, running = deque(seqs), []
         tops: list[list] = [[] for _ in rows]
         logps: list[list[float]] = [[] for _ in rows]
@@ -98,7 +116,7 @@ class PagedDecoder:
                 running = [s for s in running if not s.done]
                 running = self._grow(running, waiting, version)
                 if running:
-                    logits = paged_forward(self.model, self.kv, [s.table.blocks for s in running],
+                    logits = paged_forward(self.model, self.kv, self._host.of(running),
                                            [s.table.num_tokens for s in running], [s.tokens[-1:] for s in running])
                     for i, s in enumerate(running):
                         s.table.num_tokens += 1
@@ -148,8 +166,11 @@ class PagedDecoder:
                 self.stats["resumed_rows"] += 1
             admitted.append(waiting.popleft())
         self._prefill(list(leaders.values()), version)
+        for s in admitted:
+            self._host.write(s)
         for s, lead in followers:
             s.table, s.logits = self.pool.fork(lead.table), lead.logits
+            self._host.write(s)
             if s.cached_prompt < 0:
                 s.cached_prompt = s.prompt_len
             self.stats["prefill_tokens_saved"] += len(s.tokens)
@@ -214,6 +235,7 @@ class PagedDecoder:
         i = 0
         while i < len(kept):
             s = kept[i]
+            before = len(s.table.blocks)
             try:
                 copy = self.pool.reserve(s.table, s.table.num_tokens + 1)
             except NoFreeBlock:
@@ -225,6 +247,7 @@ class PagedDecoder:
                 continue
             if copy is not None:
                 self.kv.copy_block(*copy)
+            self._host.write(s, before - 1 if copy is not None else before)
             i += 1
         return kept
 

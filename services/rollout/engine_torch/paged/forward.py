@@ -26,17 +26,20 @@ def slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> 
 
 
 @torch.inference_mode()
-def paged_forward(model, kv: PagedKV, tables: list[list[int]], starts: list[int], new: list[list[int]], *,
-                  kernel: bool | None = None) -> torch.Tensor:
-    """Feeds row b's tokens new[b] at positions starts[b]..; its blocks tables[b] must cover them. Returns the fp32
+def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, starts: list[int],
+                  new: list[list[int]], *, kernel: bool | None = None) -> torch.Tensor:
+    """Feeds row b's tokens new[b] at positions starts[b]..; its blocks tables[b] (lists, or a host tensor
+    [B, width] padded with any block) must cover them. Returns the fp32
     logits after each row's last new token, [B, V]. kernel: decode steps (one token per row) attend with the
     Triton kernel of attention.py, reading the pool in place (None: where it runs, on CUDA)."""
     dev = kv.k[0].device
     B, Q = len(new), max(len(t) for t in new)
-    width = max(len(t) for t in tables)
     # One host tensor each (a decode step at batch 512 builds these every token), then one copy to the device.
     ids = torch.tensor([t + [0] * (Q - len(t)) for t in new], dtype=torch.long).to(dev, non_blocking=True)
-    tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).to(dev, non_blocking=True)
+    if not isinstance(tables, torch.Tensor):
+        width = max(len(t) for t in tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    tab = tables.to(dev, non_blocking=True)
     qlen = torch.tensor([len(t) for t in new], dtype=torch.long, device=dev)
     start = torch.tensor(starts, dtype=torch.long, device=dev)
     pos = start[:, None] + torch.arange(Q, device=dev)                              # [B, Q]
