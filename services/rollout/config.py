@@ -138,7 +138,8 @@ class RolloutConfig(PoolConfig):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     # KV cache size in GiB. engine "vllm": overrides gpu_memory_utilization's share for the cache (on CPU the
     # environment variable VLLM_CPU_KVCACHE_SPACE, in GiB, overrides both). engine "torch" with kv_cache paged: the
-    # block pool's size; None = half the CUDA memory free after the model loads, or 256 max_model_len rows on CPU.
+    # block pool's size; None = half the CUDA memory free after the model loads; on CPU 256 max_model_len rows, at
+    # most 10% of RAM.
     kv_cache_gib: float | None = Field(None, gt=0)
     # engine "torch": the KV cache. paged: fixed-size blocks, block tables, a prefix cache across calls (a GRPO
     # group's prompt prefilled once, an episode's next turn feeds only its new tokens), admission and preemption by

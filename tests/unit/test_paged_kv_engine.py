@@ -230,3 +230,19 @@ def test_cached_prompt_tokens_travel_in_the_answer_and_make_a_step_metric(column
                       np.array([-0.5], dtype=np.float32), "", "stop", 0, cached_prompt_tokens=c) for c in (0, 4)]
     assert sample_metrics(samples)["rollout/prompt_tokens_cached_frac"] == 0.5
     assert "rollout/prompt_tokens_cached_frac" not in sample_metrics(samples[:1])
+
+
+def test_the_budget_sets_the_pool_size_and_cpu_auto_stays_under_a_tenth_of_ram(model_dir, monkeypatch):
+    import os
+
+    from services.rollout.engine_torch.paged import kv
+
+    eng = paged(model_dir)
+    per = block_bytes(eng.model, 4)
+    assert kv.num_blocks_for(eng.model, block_size=4, budget_gib=10 * per / 2**30, max_model_len=64)[0] == 10
+    assert kv.num_blocks_for(eng.model, block_size=4, budget_gib=None, max_model_len=64)[0] == 256 * 16
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    n, why = kv.num_blocks_for(eng.model, block_size=4, budget_gib=None, max_model_len=1 << 40)
+    assert n * per <= 0.1 * ram and "RAM" in why
+    with pytest.raises(ValueError, match="rollout.kv_cache_gib"):
+        kv.num_blocks_for(eng.model, block_size=4, budget_gib=per / 2 / 2**30, max_model_len=64)

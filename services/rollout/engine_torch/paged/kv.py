@@ -4,15 +4,18 @@ memory budget (rollout.kv_cache_gib, or auto)."""
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 log = logging.getLogger("meshrl.rollout")
 
 # auto budget on CUDA: this share of the memory free once the model is loaded (the rest: prefill activations,
-# logits, the sampler's temporaries); on CPU, room for `CPU_AUTO_ROWS` full-length rows.
+# logits, the sampler's temporaries); on CPU, room for `CPU_AUTO_ROWS` full-length rows, at most CPU_AUTO_SHARE of
+# the host's RAM (a 32k-context model would otherwise ask for hundreds of GiB).
 CUDA_AUTO_SHARE = 0.5
 CPU_AUTO_ROWS = 256
+CPU_AUTO_SHARE = 0.1
 
 
 class PagedKV:
@@ -54,7 +57,9 @@ def num_blocks_for(model, *, block_size: int, budget_gib: float | None, max_mode
         free, _ = torch.cuda.mem_get_info(device)
         n, why = int(free * CUDA_AUTO_SHARE) // per, f"auto: {CUDA_AUTO_SHARE:.0%} of free CUDA memory"
     else:
-        n, why = CPU_AUTO_ROWS * -(-max_model_len // block_size), f"auto: {CPU_AUTO_ROWS} rows of max_model_len"
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        n = min(CPU_AUTO_ROWS * -(-max_model_len // block_size), int(ram * CPU_AUTO_SHARE) // per)
+        why = f"auto: {CPU_AUTO_ROWS} rows of max_model_len, at most {CPU_AUTO_SHARE:.0%} of RAM"
     if n < 1:
         raise ValueError(f"rollout.kv_cache_gib: {budget_gib} GiB holds no KV block ({per} bytes each); raise it")
     return n, why
