@@ -246,3 +246,40 @@ def test_the_budget_sets_the_pool_size_and_cpu_auto_stays_under_a_tenth_of_ram(m
     assert n * per <= 0.1 * ram and "RAM" in why
     with pytest.raises(ValueError, match="rollout.kv_cache_gib"):
         kv.num_blocks_for(eng.model, block_size=4, budget_gib=per / 2 / 2**30, max_model_len=64)
+
+
+async def _three_turns(ctx, prompt, sampling):
+    """Three model turns with a fixed observation between them (the episode loop, without a tool)."""
+    rec = ctx.recorder(ctx.prompt_ids(prompt))
+    for turn in range(3):
+        rec.add_sampled(await ctx.generate(rec.context_ids, max_tokens=6))
+        if turn < 2:
+            rec.add_observation([21, 22, 23])
+    return rec.finish("max_turns", ctx.tokenizer)
+
+
+def test_multi_turn_episodes_are_todays_and_each_turn_feeds_only_its_new_tokens(model_dir, monkeypatch):
+    from services.rollout.agents import episodes
+    from services.rollout.agents.episodes import EpisodeRunner
+    from services.rollout.config import AgentConfig
+    from services.rollout.types import EpisodePrompt
+
+    monkeypatch.setitem(episodes.AGENT_LOOPS, "paged_three_turns", _three_turns)
+    prompts = [EpisodePrompt(id=f"q{i}", prompt_ids=p, agent_name="paged_three_turns") for i, p in enumerate(PROMPTS)]
+
+    def play(engine):
+        runner = EpisodeRunner(engine, None, AgentConfig(name="single_turn"), max_tokens=6)
+        groups = asyncio.run(runner.run(prompts, SamplingParams(n=2, temperature=1.0, seed=8, max_tokens=6),
+                                        runner.defaults))
+        return [e for g in groups for e in g.episodes]
+
+    today = play(make_engine(model_dir))
+    eng = paged(model_dir)
+    got = play(eng)
+    assert [e.response_ids for e in got] == [e.response_ids for e in today]
+    for a, b in zip(got, today):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    m = eng.info()
+    # Every turn's context (prompt + history) would be prefilled in full without the cache.
+    contexts = sum(3 * len(p) for p in PROMPTS) * 2 + sum(len(e.response_ids) for e in got) * 2
+    assert m["prefill_tokens"] < contexts / 3 and m["prefill_tokens_saved"] > m["prefill_tokens"]
