@@ -64,3 +64,16 @@ def test_preemption_on_cuda_resumes_with_the_same_seeded_samples(model_dir):
     a, b = gen(full, **sampling), gen(small, **sampling)
     assert small.info()["preemptions"] > 0
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paged_cuda_graph_steps_sample_what_the_eager_paged_steps_sample(model_dir, dtype):
+    eager = make_engine(model_dir, dtype=dtype, kv_cache="paged", kv_block_size=16, kv_cache_gib=0.01)
+    graphs = make_engine(model_dir, dtype=dtype, kv_cache="paged", kv_block_size=16, kv_cache_gib=0.01,
+                         kv_cache_cuda_graphs=True)
+    for sampling in (dict(n=3, temperature=0.0, max_tokens=40), dict(n=4, temperature=1.0, seed=2, max_tokens=40)):
+        a, b = gen(eager, **sampling), gen(graphs, **sampling)
+        assert [s.response_ids for s in a] == [s.response_ids for s in b]
+        for x, y in zip(a, b):
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3, rtol=0)
+    assert graphs._paged.graphs.stats["graphs_captured"] >= 1 and graphs._paged.graphs.stats["replays"] > 0

@@ -283,3 +283,27 @@ def test_multi_turn_episodes_are_todays_and_each_turn_feeds_only_its_new_tokens(
     # Every turn's context (prompt + history) would be prefilled in full without the cache.
     contexts = sum(3 * len(p) for p in PROMPTS) * 2 + sum(len(e.response_ids) for e in got) * 2
     assert m["prefill_tokens"] < contexts / 3 and m["prefill_tokens_saved"] > m["prefill_tokens"]
+
+
+def test_the_static_padded_decode_step_of_the_graph_path_decodes_as_the_eager_one(model_dir):
+    """paged/graphs.py without capture (CPU): rows padded to the bucket with dummy rows on a scratch block, inputs
+    copied into static buffers; the samples are the eager paged step's and the scratch block never leaks."""
+    from services.rollout.engine_torch.paged.graphs import PagedGraphs
+
+    want = flat(gen(paged(model_dir), n=3, temperature=1.0, seed=6, max_tokens=20))
+    eng = paged(model_dir, kv_cache_gib=blocks_gib(paged(model_dir), 40))
+    dec = eng._paged
+    dec.graphs = PagedGraphs(eng.model, dec.kv, width=64 // 4, scratch_block=dec.pool.allocate(),
+                             max_batch_size=eng.max_batch_size, use_graphs=False, kernel=False)
+    got = flat(gen(eng, n=3, temperature=1.0, seed=6, max_tokens=20))
+    assert [s.response_ids for s in got] == [s.response_ids for s in want]
+    for a, b in zip(got, want):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert eng.info()["kv_blocks_used"] == 1 and dec.graphs.scratch not in dec.pool._free
+
+
+def test_paged_cuda_graphs_are_refused_without_paged_or_without_cuda(model_dir):
+    with pytest.raises(ValueError, match="kv_cache_cuda_graphs: true needs kv_cache: paged"):
+        RolloutSettings(model={"path": model_dir}, rollout={"kv_cache_cuda_graphs": True})
+    with pytest.raises(ValueError, match="rollout.kv_cache_cuda_graphs: true needs CUDA"):
+        paged(model_dir, kv_cache_cuda_graphs=True)

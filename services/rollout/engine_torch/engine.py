@@ -117,7 +117,8 @@ class TorchEngine(LocalModelEngine):
         if self.resolved.value("rollout.kv_cache") == "paged":
             from services.rollout.engine_torch.paged.decoder import PagedDecoder
             self._paged = PagedDecoder(self.model, block_size=r.kv_block_size, budget_gib=r.kv_cache_gib,
-                                       max_model_len=self.max_model_len, max_batch_size=self.max_batch_size)
+                                       max_model_len=self.max_model_len, max_batch_size=self.max_batch_size,
+                                       cuda_graphs=r.kv_cache_cuda_graphs)
         self.warmup_seconds = 0.0
         log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer=%s",
                  self.model_path, self.device, self.dtype, self.max_model_len, self.max_batch_size,

@@ -70,7 +70,8 @@ class _HostTables:
 class PagedDecoder:
     """Decodes rows over a paged KV cache shared by every call (the prefix cache lives across calls)."""
 
-    def __init__(self, model, *, block_size: int, budget_gib: float | None, max_model_len: int, max_batch_size: int):
+    def __init__(self, model, *, block_size: int, budget_gib: float | None, max_model_len: int, max_batch_size: int,
+                 cuda_graphs: bool = False):
         cfg = model.config
         p = next(model.parameters())
         attn = model.model.layers[0].self_attn
@@ -83,9 +84,22 @@ class PagedDecoder:
         self.max_batch_size = max_batch_size
         self.stats = {"preemptions": 0, "resumed_rows": 0, "prefill_tokens": 0, "prefill_tokens_saved": 0,
                       "max_running_rows": 0}
+        self.graphs = self._graphs(max_model_len) if cuda_graphs else None
         metrics.watch(self)
         log.info("rollout paged KV: %d blocks of %d tokens, %.2f GiB (%s)", num_blocks, block_size,
                  self.kv.num_bytes / 2**30, why)
+
+    def _graphs(self, max_model_len: int):
+        """The CUDA-graph decode forward (graphs.py) over one scratch block held for good by its dummy rows."""
+        from services.rollout.engine_torch.paged import attention
+        from services.rollout.engine_torch.paged.graphs import PagedGraphs
+
+        hd, bs = self.kv.k[0].size(-1), self.pool.block_size
+        if not (attention.available(self.device) and attention.supports(bs, hd)):
+            raise ValueError("rollout.kv_cache_cuda_graphs: true needs CUDA, Triton, and kv_block_size and head_dim "
+                             f"powers of two >= 16 (here {self.device}, block {bs}, head_dim {hd}); set it to false")
+        return PagedGraphs(self.model, self.kv, width=-(-max_model_len // bs), scratch_block=self.pool.allocate(),
+                           max_batch_size=self.max_batch_size)
 
     def metrics(self) -> dict:
         return {**self.pool.metrics(), **self.stats}
@@ -116,8 +130,7 @@ class PagedDecoder:
                 running = [s for s in running if not s.done]
                 running = self._grow(running, waiting, version)
                 if running:
-                    logits = paged_forward(self.model, self.kv, self._host.of(running),
-                                           [s.table.num_tokens for s in running], [s.tokens[-1:] for s in running])
+                    logits = self._step(running)
                     for i, s in enumerate(running):
                         s.table.num_tokens += 1
                         s.logits = (logits, i)
@@ -129,6 +142,13 @@ class PagedDecoder:
             r.tokens, r.logprobs = s.response, lp
             r.top = top if r.sampling.top_logprobs else None
             r.cached = max(s.cached_prompt, 0)
+
+    def _step(self, running: list[_Seq]) -> torch.Tensor:
+        """The running rows' last tokens through the model (a graph replay with kv_cache_cuda_graphs)."""
+        tables, starts = self._host.of(running), [s.table.num_tokens for s in running]
+        if self.graphs is not None:
+            return self.graphs.forward([s.tokens[-1] for s in running], starts, tables)
+        return paged_forward(self.model, self.kv, tables, starts, [s.tokens[-1:] for s in running])
 
     # ---- admission and prefill
 

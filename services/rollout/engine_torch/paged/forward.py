@@ -49,7 +49,7 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, st
     if kernel is None:
         kernel = attention.available(dev) and attention.supports(kv.block_size, hd)
     if Q == 1 and kernel:
-        return _decode(model, kv, ids, pos, tab, start + 1)
+        return decode_step(model, kv, ids, pos, tab, start + 1)
     C = int((start + qlen).max())
     keys = torch.arange(C, device=dev)
     write = slots_of(tab, pos, kv.block_size)[live]                                  # [N]
@@ -68,10 +68,18 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, st
     return model.lm_head(last).float()
 
 
-def _decode(model, kv: PagedKV, ids, pos, tab, ctx) -> torch.Tensor:
-    """One token per row, attention by the Triton kernel over the block tables (no gather of the cache)."""
+def decode_step(model, kv: PagedKV, ids, pos, tab, ctx, *, kernel: bool = True) -> torch.Tensor:
+    """One token per row from device tensors only (graph-safe: no host sync, static shapes): ids, pos [B, 1],
+    tab [B, width], ctx [B] (tokens with K/V once this one is written). Attention by the Triton kernel over the
+    block tables, or (kernel=False) torch ops over every slot the tables can name, masked by ctx."""
     m = model.model
     slot = slots_of(tab, pos, kv.block_size)[:, 0]                                   # [B]
+    read = mask = None
+    if not kernel:
+        keys = torch.arange(tab.size(1) * kv.block_size, device=tab.device)
+        read = slots_of(tab, keys.expand(tab.size(0), -1), kv.block_size)            # [B, C]
+        groups = model.config.num_attention_heads // model.config.num_key_value_heads
+        mask = (keys[None, :] < ctx[:, None])[:, None, None, :].expand(-1, 1, groups, -1)  # [B, 1, G, C]
     x = m.embed_tokens(ids)
     cos, sin = m.rotary_emb(x, pos)
     B = ids.size(0)
@@ -85,7 +93,12 @@ def _decode(model, kv: PagedKV, ids, pos, tab, ctx) -> torch.Tensor:
         q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(q, k, cos, sin)
         kv.k[i].index_copy_(0, slot, k[:, :, 0])
         kv.v[i].index_copy_(0, slot, v[:, 0])
-        o = attention.paged_decode_attention(q[:, :, 0], kv.k[i], kv.v[i], tab, ctx, kv.block_size, a.scaling)
+        if kernel:
+            o = attention.paged_decode_attention(q[:, :, 0], kv.k[i], kv.v[i], tab, ctx, kv.block_size, a.scaling)
+        else:
+            keys, values = kv.k[i][read].transpose(1, 2), kv.v[i][read].transpose(1, 2)   # [B, KV, C, hd]
+            qg = q.reshape(B, keys.size(1), -1, hd)                                    # [B, KV, G, hd]
+            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=a.scaling)
         x = x + a.o_proj(o.reshape(B, 1, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(m.norm(x)[:, 0]).float()
