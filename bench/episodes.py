@@ -100,7 +100,8 @@ def build(args):
 
 
 def engine_for(args, model, tokenizer, *, batch: int, eos: bool = True, kv_cache: str = "none"):
-    """kv_cache none: today's engine (CUDA graphs on a GPU); paged: rollout.kv_cache paged (eager steps)."""
+    """kv_cache none: today's engine (CUDA graphs on a GPU); paged: rollout.kv_cache paged (eager steps);
+    paged_graphs: paged with rollout.kv_cache_cuda_graphs."""
     from services.rollout.engine_torch.engine import TorchEngine
 
     cuda = args.device.startswith("cuda")
@@ -108,7 +109,8 @@ def engine_for(args, model, tokenizer, *, batch: int, eos: bool = True, kv_cache
     settings = RolloutSettings(model={"path": str(ARITH) if args.shape == "arith" else "random-init",
                                       "device": args.device, "dtype": dtype},
                                rollout={"max_batch_size": batch, "cuda_graphs": cuda and kv_cache == "none",
-                                        "kv_cache": kv_cache})
+                                        "kv_cache": "none" if kv_cache == "none" else "paged",
+                                        "kv_cache_cuda_graphs": kv_cache == "paged_graphs"})
     engine = TorchEngine(settings, model=model, tokenizer=tokenizer)
     if not eos:
         if engine._graph_decoder is not None:
@@ -338,7 +340,7 @@ async def measure(args, address: str) -> dict:
         for kv in args.kv_caches.split(","):
             engine = engine_for(args, model, tokenizer, batch=max(64, episodes_n), eos=not cpu, kv_cache=kv)
             runs[kv] = await run_tool_workload(args, engine, env)
-            if kv == "paged":
+            if engine._paged is not None:
                 runs[kv]["paged_kv_metrics"] = engine._paged.metrics()
     finally:
         await env.close()
@@ -373,7 +375,8 @@ def main(argv=None) -> dict:
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--no-loop-cases", dest="loop_cases", action="store_false",
                         help="CPU: leave out the loop-cost cases of the earlier episodes_cpu.py")
-    parser.add_argument("--kv-caches", default="none", help="rollout.kv_cache values to run in turn (none,paged)")
+    parser.add_argument("--kv-caches", default="none",
+                        help="caches to run in turn: none, paged, paged_graphs (paged + kv_cache_cuda_graphs)")
     parser.add_argument("--shared", action="store_true", help="the machine was shared with other jobs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
