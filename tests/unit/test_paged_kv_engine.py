@@ -184,8 +184,8 @@ def test_prometheus_reports_the_live_decoders_kv_metrics(model_dir):
     assert REGISTRY.get_sample_value("meshrl_rollout_prefill_tokens_saved_total") >= 3 * 10
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_mixes_under_a_tight_budget_match_todays_decode_and_leak_no_block(model_dir, seed):
+@pytest.mark.parametrize("seed,static", [(0, False), (1, False), (2, False), (3, True), (4, True)])
+def test_random_mixes_under_a_tight_budget_match_todays_decode_and_leak_no_block(model_dir, seed, static):
     """Prompts of random lengths (some repeated: groups across requests), several requests of different budgets
     decoded together, a pool of 24 blocks of 4 tokens: preemptions, forks, evictions all happen; every sample and
     log-prob is today's, and every block is back (free or cached, none held) afterwards."""
@@ -199,7 +199,12 @@ def test_random_mixes_under_a_tight_budget_match_todays_decode_and_leak_no_block
                                        SamplingParams(n=1 + k, temperature=1.0, seed=seed * 10 + k, max_tokens=4 + 9 * k)),
                          [list(p) for p in prompts[k::3]], None) for k in range(3)]
     probe = paged(model_dir)
-    small = paged(model_dir, kv_cache_gib=blocks_gib(probe, 24))
+    small = paged(model_dir, kv_cache_gib=blocks_gib(probe, 24 + static))
+    if static:           # the graph path's static padded step (uncaptured): buckets change as rows end and resume
+        from services.rollout.engine_torch.paged.graphs import PagedGraphs
+        small._paged.graphs = PagedGraphs(small.model, small._paged.kv, width=16,
+                                          scratch_block=small._paged.pool.allocate(), max_batch_size=64,
+                                          use_graphs=False, kernel=False)
     want = make_engine(model_dir)._generate_jobs(jobs())
     for _ in range(2):                       # the second time over a warm prefix cache
         got = small._generate_jobs(jobs())
@@ -209,7 +214,7 @@ def test_random_mixes_under_a_tight_budget_match_todays_decode_and_leak_no_block
     pool = small._paged.pool
     m = small.info()
     assert m["preemptions"] > 0 and m["cow_copies"] > 0 and m["prefix_hit_blocks"] > 0
-    assert all(r == 0 for r in pool.ref) and m["kv_blocks_free"] == m["kv_blocks_total"] == 24
+    assert sum(pool.ref) == static and m["kv_blocks_free"] == 24 and m["kv_blocks_total"] == 24 + static
 
 
 @pytest.mark.parametrize("columnar", [False, True])

@@ -61,14 +61,15 @@ class PagedGraphs:
         B = b.ids.size(0)
         ids_h = torch.zeros((B, 1), dtype=torch.long)
         pos_h = torch.zeros((B, 1), dtype=torch.long)
-        tab_h = torch.full((B, self.width), self.scratch, dtype=torch.long)
         ids_h[:R, 0] = torch.tensor(ids, dtype=torch.long)
         pos_h[:R, 0] = torch.tensor(pos, dtype=torch.long)
-        tab_h[:R, :tables.size(1)] = tables
         b.ids.copy_(ids_h)
         b.pos.copy_(pos_h)
-        b.tab.copy_(tab_h)
         b.ctx.copy_(pos_h[:, 0] + 1)
+        # Only the rows' own blocks are copied (a table entry past a row's context is never read); dummy rows
+        # (position 0) read their first entry, the scratch block.
+        b.tab[:R, :tables.size(1)].copy_(tables)
+        b.tab[R:, 0].fill_(self.scratch)
         if b.graph is None:
             b.out = self._step(b)
         else:
