@@ -97,7 +97,7 @@ for what in "$@"; do
               # (bench/paged_kv.py), then the tool episodes of bench/episodes.py with either cache
       part paged_kv 420 python3 bench/paged_kv.py --out "$OUT/paged_kv_gpu.json"
       stamp "$OUT/paged_kv_gpu.json" paged_kv_gpu
-      part paged_episodes 300 python3 bench/episodes.py --device cuda --shape qwen2.5-0.5b --prompts 32 --n 8 \
+      part paged_episodes 540 python3 bench/episodes.py --device cuda --shape qwen2.5-0.5b --prompts 32 --n 8 --rounds 3 \
         --kv-caches none,paged,paged_graphs --out "$OUT/paged_episodes_gpu.json" ;;
     decode) part decode 240 python3 bench/decode_step.py --variants "${DECODE_VARIANTS:-torch,fused,fused_bn64,fused_bn128}" \
               --out "$OUT/decode_step_gpu.json"
