@@ -99,14 +99,18 @@ def build(args):
     return model, tokenizer
 
 
-def engine_for(args, model, tokenizer, *, batch: int, eos: bool = True):
+def engine_for(args, model, tokenizer, *, batch: int, eos: bool = True, kv_cache: str = "none"):
+    """kv_cache none: today's engine (CUDA graphs on a GPU); paged: rollout.kv_cache paged (eager steps);
+    paged_graphs: paged with rollout.kv_cache_cuda_graphs."""
     from services.rollout.engine_torch.engine import TorchEngine
 
     cuda = args.device.startswith("cuda")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     settings = RolloutSettings(model={"path": str(ARITH) if args.shape == "arith" else "random-init",
                                       "device": args.device, "dtype": dtype},
-                               rollout={"max_batch_size": batch, "cuda_graphs": cuda})
+                               rollout={"max_batch_size": batch, "cuda_graphs": cuda and kv_cache == "none",
+                                        "kv_cache": "none" if kv_cache == "none" else "paged",
+                                        "kv_cache_cuda_graphs": kv_cache == "paged_graphs"})
     engine = TorchEngine(settings, model=model, tokenizer=tokenizer)
     if not eos:
         if engine._graph_decoder is not None:
@@ -330,12 +334,30 @@ async def measure(args, address: str) -> dict:
                     "torch": torch.__version__, "engine": "torch" + (", rollout.cuda_graphs" if not cpu else "")}
     if cpu and args.loop_cases:
         result |= await run_loop_cases(engine_for(args, model, tokenizer, batch=64), args.rounds)
-    engine = engine_for(args, model, tokenizer, batch=max(64, episodes_n), eos=not cpu)
     env = EnvClient.from_section(EnvConfig(servers=[address]))
+    runs, errors = {}, {}
     try:
-        tool = await run_tool_workload(args, engine, env)
+        for i, kv in enumerate(args.kv_caches.split(",")):
+            try:
+                engine = engine_for(args, model, tokenizer, batch=max(64, episodes_n), eos=not cpu, kv_cache=kv)
+                runs[kv] = await run_tool_workload(args, engine, env)
+            except Exception as e:     # a later cache failing (paged_graphs' first GPU run) keeps the others
+                if i == 0:
+                    raise
+                errors[kv] = f"{type(e).__name__}: {e}"[:500]
+                continue
+            if engine._paged is not None:
+                runs[kv]["paged_kv_metrics"] = engine._paged.metrics()
     finally:
         await env.close()
+    tool = runs[args.kv_caches.split(",")[0]]
+    if len(runs) + len(errors) > 1:      # issue 44: the same workload with each rollout.kv_cache, in this process
+        result["by_kv_cache"] = {kv: {"tool_episodes_s": t["cases"]["tool_episodes"]["median_s"],
+                                      "generate_same_tokens_s": t["cases"]["generate_same_tokens"]["median_s"],
+                                      "tool_episodes_over_generate_time": t["tool_episodes_over_generate_time"],
+                                      **({"paged_kv_metrics": t["paged_kv_metrics"]} if "paged_kv_metrics" in t
+                                         else {})} for kv, t in runs.items()}
+        result["by_kv_cache"].update({kv: {"error": e} for kv, e in errors.items()})
     result["tool_calling"] = {
         "workload": {"prompts": args.prompts, "n": args.n, "episodes": episodes_n, "turns": args.turns,
                      "tokens_per_turn": args.tokens_per_turn, "sampled_tokens_per_episode": args.turns
@@ -360,6 +382,8 @@ def main(argv=None) -> dict:
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--no-loop-cases", dest="loop_cases", action="store_false",
                         help="CPU: leave out the loop-cost cases of the earlier episodes_cpu.py")
+    parser.add_argument("--kv-caches", default="none",
+                        help="caches to run in turn: none, paged, paged_graphs (paged + kv_cache_cuda_graphs)")
     parser.add_argument("--shared", action="store_true", help="the machine was shared with other jobs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -387,6 +411,8 @@ def main(argv=None) -> dict:
     print(json.dumps({name: {k: c[k] for k in ("median_s", "rows_per_s", "sampled_tokens_per_s")}
                       for name, c in tool["cases"].items()}, indent=2))
     print(f"tool episodes / generate (time): x{tool['tool_episodes_over_generate_time']:.2f}; wrote {out}")
+    if "by_kv_cache" in result:
+        print(json.dumps(result["by_kv_cache"], indent=2))
     return result
 
 

@@ -3,7 +3,7 @@
 # transformers 5.17, CuPy); each named part writes its log and JSON under $OUT.
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
-#   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench spy loratrain
+#   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench paged_kv spy loratrain
 #          mfuautotune upgpu
 #          meshrl trl trl15 trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
@@ -92,6 +92,13 @@ for what in "$@"; do
       part episodes 240 python3 bench/episodes.py --device cuda --shape qwen2.5-0.5b ${EPISODES_ARGS:-} \
         --out "$OUT/episodes_gpu.json"
       stamp "$OUT/episodes_gpu.json" episodes_gpu ;;
+    paged_kv) # issue 44: the paged KV cache (rollout.kv_cache: paged) beside today's engine in the same process:
+              # GRPO 64 x 1,024-token prompts n=8, plain decode at batch 256, a long-tailed mix at the same KV bytes
+              # (bench/paged_kv.py), then the tool episodes of bench/episodes.py with either cache
+      part paged_kv 420 python3 bench/paged_kv.py --out "$OUT/paged_kv_gpu.json"
+      stamp "$OUT/paged_kv_gpu.json" paged_kv_gpu
+      part paged_episodes 540 python3 bench/episodes.py --device cuda --shape qwen2.5-0.5b --prompts 32 --n 8 --rounds 3 \
+        --kv-caches none,paged,paged_graphs --out "$OUT/paged_episodes_gpu.json" ;;
     decode) part decode 240 python3 bench/decode_step.py --variants "${DECODE_VARIANTS:-torch,fused,fused_bn64,fused_bn128}" \
               --out "$OUT/decode_step_gpu.json"
             stamp "$OUT/decode_step_gpu.json" decode_step_gpu ;;

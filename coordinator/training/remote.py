@@ -63,6 +63,8 @@ class Sample:
     # Per response token, the weight version that produced it, when a weight update landed while it decoded
     # (partial rollouts); None = every token is weight_version's (weight_version is always the oldest).
     weight_versions: np.ndarray | None = None
+    # Prompt tokens the replica did not prefill for it (prefix cache or its group's shared prefill).
+    cached_prompt_tokens: int = 0
 
     @property
     def id(self) -> str:
@@ -108,7 +110,8 @@ async def generate(stub, problems: Sequence[Problem], groups: Sequence[int], sam
             versions = token_versions(s, len(ids[k]), f"prompt {problem.id}")
             samples.append(Sample(problem, group, prompt_ids, ids[k], logprobs[k], s.text, s.finish_reason,
                                   s.weight_version,
-                                  weight_versions=None if versions is None else np.asarray(versions, dtype=np.int64)))
+                                  weight_versions=None if versions is None else np.asarray(versions, dtype=np.int64),
+                                  cached_prompt_tokens=s.cached_prompt_tokens))
     return samples
 
 

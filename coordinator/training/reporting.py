@@ -60,6 +60,9 @@ def sample_metrics(samples: list[remote.Sample]) -> dict[str, float]:
     out = {**reward_metrics(samples), **replica_metrics(samples), **episode_metrics(samples),
            "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
            "num_samples": float(len(samples)), "num_tokens": float(lengths.sum())}
+    cached = sum(s.cached_prompt_tokens for s in samples)
+    if cached:       # rollout.kv_cache paged: the share of the step's prompt tokens its replicas did not prefill
+        out["rollout/prompt_tokens_cached_frac"] = cached / max(sum(len(s.prompt_ids) for s in samples), 1)
     T = max(len(s.response_ids) for s in samples)
     mask = phases.token_mask(samples, T)
     ntok = mask.sum().clamp(min=1.0)

@@ -136,9 +136,22 @@ class RolloutConfig(PoolConfig):
     # the share of RAM given to the KV cache alone (None = 0.1), passed to vLLM as an explicit size: vLLM's own
     # CPU reading subtracts the worker's resident memory from the share, which fails on small hosts.
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    # engine "vllm": KV cache size in GiB; overrides gpu_memory_utilization's share for the cache (on CPU the
-    # environment variable VLLM_CPU_KVCACHE_SPACE, in GiB, overrides both).
+    # KV cache size in GiB. engine "vllm": overrides gpu_memory_utilization's share for the cache (on CPU the
+    # environment variable VLLM_CPU_KVCACHE_SPACE, in GiB, overrides both). engine "torch" with kv_cache paged: the
+    # block pool's size; None = half the CUDA memory free after the model loads; on CPU 256 max_model_len rows, at
+    # most 10% of RAM.
     kv_cache_gib: float | None = Field(None, gt=0)
+    # engine "torch": the KV cache. paged: fixed-size blocks, block tables, a prefix cache across calls (a GRPO
+    # group's prompt prefilled once, an episode's next turn feeds only its new tokens), admission and preemption by
+    # the kv_cache_gib budget (services/rollout/engine_torch/paged/; eager steps, no CUDA graphs). none: each decode
+    # builds its own left-padded cache. auto: none for now (docs/rollout.md says why).
+    kv_cache: Literal["paged", "none"] | Auto = AUTO
+    # kv_cache paged: tokens per KV block.
+    kv_block_size: int = Field(16, ge=1, le=1024)
+    # kv_cache paged on CUDA: each decode step's forward is a captured CUDA graph per batch bucket (sampling stays
+    # eager; services/rollout/engine_torch/paged/graphs.py). Off by default: not yet run on a GPU at the commit that
+    # added it (bench/gpu_session.sh paged_kv measures it; tests/gpu/test_paged_kv_gpu.py checks it).
+    kv_cache_cuda_graphs: bool = False
     # engine "vllm": more vllm.AsyncEngineArgs ({tensor_parallel_size: 2, enforce_eager: false, ...}); they
     # override the ones meshrl sets.
     vllm_engine_args: dict[str, Any] = Field(default_factory=dict)
@@ -180,6 +193,16 @@ class RolloutConfig(PoolConfig):
         if self.cuda_graphs is True and self.engine != "torch":
             raise ValueError(f"cuda_graphs: true needs engine 'torch' (the {self.engine} engine decodes its own way); "
                              "set it to auto or false")
+        return self
+
+    @model_validator(mode="after")
+    def _paged_needs_torch(self):
+        if self.kv_cache_cuda_graphs and self.kv_cache != "paged":
+            raise ValueError("kv_cache_cuda_graphs: true needs kv_cache: paged (today's cache has its own graphs: "
+                             "cuda_graphs)")
+        if self.kv_cache == "paged" and self.engine != "torch":
+            raise ValueError(f"kv_cache: paged needs engine 'torch' (the {self.engine} engine keeps its own cache); "
+                             "set it to auto or none")
         return self
 
     @model_validator(mode="after")

@@ -55,10 +55,10 @@ def sample_to_pb(s: SampleResult, *, packed: bool = False) -> rollout_pb2.Sample
     if packed:
         return rollout_pb2.Sample(response_ids_packed=pack_i32(s.response_ids), logprobs_packed=pack_f32(s.logprobs),
                                   text=s.text, finish_reason=s.finish_reason, weight_version=s.weight_version,
-                                  weight_versions=s.weight_versions or [])
+                                  weight_versions=s.weight_versions or [], cached_prompt_tokens=s.cached_prompt_tokens)
     return rollout_pb2.Sample(response_ids=s.response_ids, logprobs=s.logprobs, text=s.text,
                               finish_reason=s.finish_reason, weight_version=s.weight_version,
-                              weight_versions=s.weight_versions or [])
+                              weight_versions=s.weight_versions or [], cached_prompt_tokens=s.cached_prompt_tokens)
 
 
 def results_to_pb(results: list[PromptResult], *, packed: bool = False,
@@ -79,7 +79,7 @@ def _results_columns(results: list[PromptResult]) -> rollout_pb2.GenerateRespons
         rr = response.responses.add(prompt_id=r.prompt_id, prompt_ids=r.prompt_ids)
         for s in r.samples:
             rr.samples.add(text=s.text, finish_reason=s.finish_reason, weight_version=s.weight_version,
-                           weight_versions=s.weight_versions or [])
+                           weight_versions=s.weight_versions or [], cached_prompt_tokens=s.cached_prompt_tokens)
     set_rows(response.response_rows, [s.response_ids for r in results for s in r.samples], I32)
     set_rows(response.logprob_rows, [s.logprobs for r in results for s in r.samples], F32)
     return response
@@ -124,7 +124,8 @@ def results_from_pb(response: rollout_pb2.GenerateResponse) -> list[PromptResult
         for s in r.samples:
             samples.append(SampleResult(response_ids=as_list(ids[k]), logprobs=as_list(logprobs[k]), text=s.text,
                                         finish_reason=s.finish_reason, weight_version=s.weight_version,
-                                        weight_versions=token_versions(s, len(ids[k]), f"responses[{i}]")))
+                                        weight_versions=token_versions(s, len(ids[k]), f"responses[{i}]"),
+                                        cached_prompt_tokens=s.cached_prompt_tokens))
             k += 1
         out.append(PromptResult(prompt_id=r.prompt_id, prompt_ids=r.prompt_ids[:], samples=samples))
     return out

@@ -122,6 +122,8 @@ class SampleResult:
     # Per response token, the weight version whose forward produced it, when a weight update landed while the
     # sample was decoding (partial rollouts: GenerateBatch.partial_rollout); None = every token is weight_version's.
     weight_versions: list[int] | None = None
+    # Prompt tokens not prefilled for it: prefix-cache hits or its group's shared prefill (kv_cache paged).
+    cached_prompt_tokens: int = 0
 
 
 @dataclass

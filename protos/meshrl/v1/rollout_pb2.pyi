@@ -50,7 +50,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., packed: _Optional[bool] = ..., columnar: _Optional[bool] = ..., partial_rollout: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("response_ids", "logprobs", "text", "finish_reason", "weight_version", "response_ids_packed", "logprobs_packed", "weight_versions")
+    __slots__ = ("response_ids", "logprobs", "text", "finish_reason", "weight_version", "response_ids_packed", "logprobs_packed", "weight_versions", "cached_prompt_tokens")
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class Sample(_message.Message):
     RESPONSE_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_PACKED_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     response_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     text: str
@@ -67,7 +68,8 @@ class Sample(_message.Message):
     response_ids_packed: bytes
     logprobs_packed: bytes
     weight_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, response_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., weight_version: _Optional[int] = ..., response_ids_packed: _Optional[bytes] = ..., logprobs_packed: _Optional[bytes] = ..., weight_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, response_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., weight_version: _Optional[int] = ..., response_ids_packed: _Optional[bytes] = ..., logprobs_packed: _Optional[bytes] = ..., weight_versions: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class RolloutResponse(_message.Message):
     __slots__ = ("prompt_id", "prompt_ids", "samples")

@@ -36,6 +36,7 @@ class Row:
     start: int = 0                                # the decode step of its first token (a row that joined later)
     # (first token index, version) of each weight swap that landed while it decoded (partial rollouts)
     swaps: list[tuple[int, int]] = field(default_factory=list)
+    cached: int = 0                               # prompt tokens the paged cache did not prefill for it
 
     def weight_versions(self) -> list[int] | None:
         """Per token, the version whose forward produced it; None when no swap landed inside its tokens."""
@@ -98,6 +99,8 @@ def decode_rows(engine, rows: list[Row], *, partial: str = "off", flight: Flight
     it serves their sampling settings, else with the eager loop. partial (continue / pause): posted weight swaps
     land between two steps (engine._between_steps); pause recomputes the running rows' KV cache with the new
     weights (on the eager loop, not the graph one)."""
+    if engine._paged is not None and partial == "off":
+        return _paged_decode(engine, rows)
     dec = engine._graph_decoder
     if partial != "pause" and dec is not None and dec.serves(
             [r.generator is not None for r in rows], [r.sampling.temperature for r in rows],
@@ -185,6 +188,14 @@ def _mark_stop_strings(engine, hit: torch.Tensor, rows: list[Row], act: list[int
         stops = row.sampling.stop
         if stops and _hit_stop(engine, row, tokens[act[b], :step + 1].tolist(), stops):
             hit[b] = True
+
+
+def _paged_decode(engine, rows: list[Row]) -> None:
+    """The paged KV cache's decode (paged/decoder.py): the prefix cache, forks and preemption live there."""
+    def stop_check(r: int, tokens: list[int]) -> bool:
+        return _hit_stop(engine, rows[r], tokens, rows[r].sampling.stop)
+
+    engine._paged.decode(rows, engine.weight_version, eos_ids=sorted(engine.eos_ids), stop_check=stop_check)
 
 
 def _graph_decode(engine, rows: list[Row], *, partial: bool = False, flight: Flight | None = None) -> None:

@@ -113,6 +113,12 @@ class TorchEngine(LocalModelEngine):
                                                compile=self.resolved.value("rollout.cuda_graph_compile"),
                                                fused_sampler=r.cuda_graph_fused_sampler,
                                                triton_attention=r.cuda_graph_triton_attention)
+        self._paged = None
+        if self.resolved.value("rollout.kv_cache") == "paged":
+            from services.rollout.engine_torch.paged.decoder import PagedDecoder
+            self._paged = PagedDecoder(self.model, block_size=r.kv_block_size, budget_gib=r.kv_cache_gib,
+                                       max_model_len=self.max_model_len, max_batch_size=self.max_batch_size,
+                                       cuda_graphs=r.kv_cache_cuda_graphs)
         self.warmup_seconds = 0.0
         log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer=%s",
                  self.model_path, self.device, self.dtype, self.max_model_len, self.max_batch_size,
@@ -142,7 +148,8 @@ class TorchEngine(LocalModelEngine):
         return {"engine": "torch", "max_model_len": self.max_model_len, "max_batch_size": self.max_batch_size,
                 "resolved": self.resolved.json(), "warmup_seconds": round(self.warmup_seconds, 3),
                 "device": self.device, "dtype": self.dtype, "vocab_size": self.vocab_size,
-                "tokenizer": self.tokenizer is not None, **self.stats}
+                "tokenizer": self.tokenizer is not None, **self.stats,
+                **(self._paged.metrics() if self._paged is not None else {})}
 
     async def generate(self, batch: GenerateBatch) -> list[PromptResult]:
         prompt_ids = self.check_batch(batch)   # before queueing behind the lock
@@ -351,7 +358,8 @@ class TorchEngine(LocalModelEngine):
                 samples.append(SampleResult(response_ids=row.tokens, logprobs=row.logprobs, text=text,
                                             finish_reason=row.finish_reason or "length",
                                             weight_version=row.version, top_logprobs=row.top,
-                                            weight_versions=row.weight_versions()))
+                                            weight_versions=row.weight_versions(),
+                                            cached_prompt_tokens=row.cached))
             results.append(PromptResult(prompt_id=prompt.id, prompt_ids=ids, samples=samples))
         return results
 

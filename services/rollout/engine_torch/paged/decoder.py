@@ -1,0 +1,297 @@
+"""The paged decode of the torch engine: rows admitted while the KV budget has room, a GRPO group's prompt prefilled
+once and its samples forked from it, prefixes found in the prefix cache reused, rows preempted when the pool runs
+dry and resumed later (their history re-fed, mostly from the cache), and each finished row's blocks cached for the
+next call (an episode's next turn feeds only its new tokens).
+
+Sampling is the eager loop's (sampling.sample_tokens with each row's generator, one draw per token), so a seeded
+row samples the same tokens here as there, and each token's log-prob is the raw model's log-softmax.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from services.rollout.engine_torch.paged import metrics
+from services.rollout.engine_torch.paged.blocks import BlockPool, BlockTable, NoFreeBlock
+from services.rollout.engine_torch.paged.forward import paged_forward
+from services.rollout.engine_torch.paged.kv import PagedKV, num_blocks_for
+from services.rollout.engine_torch.sampling import sample_tokens
+
+log = logging.getLogger("meshrl.rollout")
+
+# Tokens fed per prefill forward (rows are grouped up to it; one longer row goes alone).
+PREFILL_TOKENS = 16384
+# (row index, its response tokens so far) -> whether they now hold one of its stop strings.
+StopCheck = Callable[[int, list], bool]
+
+
+@dataclass
+class _Seq:
+    """One row's paged state: its tokens (prompt + response so far) and its blocks."""
+
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    table: BlockTable = field(default_factory=BlockTable)
+    # what the next token is sampled from: row i of a [B, V] fp32 batch of logits (a forward's, kept whole)
+    logits: tuple[torch.Tensor, int] | None = None
+    done: bool = False
+    preempted: bool = False                      # waits to resume (its history is fed again, mostly cached)
+    cached_prompt: int = -1                      # prompt tokens not prefilled at its first admission (-1: not yet)
+
+    @property
+    def response(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+class _HostTables:
+    """Every row's block table mirrored in one host tensor [rows, width], written where a table changed (admission,
+    a new block, a copy on write), so a decode step's [B, width] tables are one index_select, not B lists."""
+
+    def __init__(self, rows, block_size: int):
+        width = max(-(-(len(r.prompt) + r.budget) // block_size) for r in rows)
+        self.t = torch.zeros((len(rows), width), dtype=torch.long)
+
+    def write(self, s: _Seq, start: int = 0) -> None:
+        blocks = s.table.blocks
+        if start < len(blocks):
+            self.t[s.index, start:len(blocks)] = torch.tensor(blocks[start:], dtype=torch.long)
+
+    def of(self, running: list[_Seq]) -> torch.Tensor:
+        return self.t.index_select(0, torch.tensor([s.index for s in running], dtype=torch.long))
+
+
+class PagedDecoder:
+    """Decodes rows over a paged KV cache shared by every call (the prefix cache lives across calls)."""
+
+    def __init__(self, model, *, block_size: int, budget_gib: float | None, max_model_len: int, max_batch_size: int,
+                 cuda_graphs: bool = False):
+        cfg = model.config
+        p = next(model.parameters())
+        attn = model.model.layers[0].self_attn
+        num_blocks, why = num_blocks_for(model, block_size=block_size, budget_gib=budget_gib,
+                                         max_model_len=max_model_len)
+        self.model, self.device = model, p.device
+        self.pool = BlockPool(num_blocks, block_size)
+        self.kv = PagedKV(num_layers=cfg.num_hidden_layers, num_kv=cfg.num_key_value_heads, head_dim=attn.head_dim,
+                          num_blocks=num_blocks, block_size=block_size, dtype=p.dtype, device=p.device)
+        self.max_batch_size = max_batch_size
+        self.stats = {"preemptions": 0, "resumed_rows": 0, "prefill_tokens": 0, "prefill_tokens_saved": 0,
+                      "max_running_rows": 0}
+        self.graphs = self._graphs(max_model_len) if cuda_graphs else None
+        metrics.watch(self)
+        log.info("rollout paged KV: %d blocks of %d tokens, %.2f GiB (%s)", num_blocks, block_size,
+                 self.kv.num_bytes / 2**30, why)
+
+    def _graphs(self, max_model_len: int):
+        """The CUDA-graph decode forward (graphs.py) over one scratch block held for good by its dummy rows."""
+        from services.rollout.engine_torch.paged import attention
+        from services.rollout.engine_torch.paged.graphs import PagedGraphs
+
+        hd, bs = self.kv.k[0].size(-1), self.pool.block_size
+        if not (attention.available(self.device) and attention.supports(bs, hd)):
+            raise ValueError("rollout.kv_cache_cuda_graphs: true needs CUDA, Triton, and kv_block_size and head_dim "
+                             f"powers of two >= 16 (here {self.device}, block {bs}, head_dim {hd}); set it to false")
+        return PagedGraphs(self.model, self.kv, width=-(-max_model_len // bs), scratch_block=self.pool.allocate(),
+                           max_batch_size=self.max_batch_size)
+
+    def metrics(self) -> dict:
+        return {**self.pool.metrics(), **self.stats}
+
+    @torch.inference_mode()
+    def decode(self, rows, version: int, *, eos_ids: Sequence[int], stop_check: StopCheck | None = None) -> None:
+        """Decodes engine rows (decode.Row: prompt, budget, sampling, generator) to their end, filling their tokens,
+        log-probs, top-logprobs and finish reasons. version: the weights' version (older cached blocks go)."""
+        self.pool.set_version(version)
+        self.eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
+        seqs = [_Seq(i, list(r.prompt), len(r.prompt)) for i, r in enumerate(rows)]
+        self._host = _HostTables(rows, self.pool.block_size)
+        waiting, running = deque(seqs), []
+        tops: list[list] = [[] for _ in rows]
+        logps: list[list[float]] = [[] for _ in rows]
+        try:
+            while waiting or running:
+                running += self._admit(waiting, len(running), version)
+                if not running:
+                    raise ValueError("rollout.kv_cache_gib: the paged KV cache cannot hold one row's prompt "
+                                     f"({len(waiting[0].tokens)} tokens in {self.pool.num_blocks} blocks of "
+                                     f"{self.pool.block_size}); raise it")
+                self.stats["max_running_rows"] = max(self.stats["max_running_rows"], len(running))
+                self._sample(rows, running, logps, tops, stop_check)
+                for s in running:
+                    if s.done:
+                        self._finish(s, version)
+                running = [s for s in running if not s.done]
+                running = self._grow(running, waiting, version)
+                if running:
+                    logits = self._step(running)
+                    for i, s in enumerate(running):
+                        s.table.num_tokens += 1
+                        s.logits = (logits, i)
+        finally:
+            for s in seqs:                      # an error mid-decode frees what its rows held
+                if s.table.blocks:
+                    self.pool.free(s.table)
+        for r, s, lp, top in zip(rows, seqs, logps, tops):
+            r.tokens, r.logprobs = s.response, lp
+            r.top = top if r.sampling.top_logprobs else None
+            r.cached = max(s.cached_prompt, 0)
+
+    def _step(self, running: list[_Seq]) -> torch.Tensor:
+        """The running rows' last tokens through the model (a graph replay with kv_cache_cuda_graphs)."""
+        tables, starts = self._host.of(running), [s.table.num_tokens for s in running]
+        if self.graphs is not None:
+            return self.graphs.forward([s.tokens[-1] for s in running], starts, tables)
+        return paged_forward(self.model, self.kv, tables, starts, [s.tokens[-1:] for s in running])
+
+    # ---- admission and prefill
+
+    def _admit(self, waiting: deque, num_running: int, version: int) -> list[_Seq]:
+        """Takes waiting rows (in order) while the batch and the pool have room, prefills them: each distinct
+        sequence once, from the end of its cached prefix; its copies fork its blocks."""
+        leaders: dict[tuple[int, ...], _Seq] = {}
+        followers: list[tuple[_Seq, _Seq]] = []
+        admitted: list[_Seq] = []
+        # One free block per running row stays in reserve, so admitting does not preempt at the next step.
+        reserve = num_running
+        while waiting and num_running + len(admitted) < self.max_batch_size:
+            s = waiting[0]
+            key = tuple(s.tokens)
+            if key in leaders:
+                followers.append((s, leaders[key]))
+            else:
+                # At least the last token is fed (its logits are the next token's distribution). A row that does
+                # not fit yet gives its cache hits back and is not counted (it looks again next step).
+                counted = dict(self.pool.stats)
+                cached = self.pool.lookup(s.tokens, version, limit=len(s.tokens) - 1)
+                need = -(-len(s.tokens) // self.pool.block_size) - len(cached.blocks)
+                if need + reserve + 1 > self.pool.num_free:
+                    self.pool.free(cached)
+                    self.pool.stats.update(counted)
+                    break
+                s.table = cached
+                self.pool.reserve(s.table, len(s.tokens))
+                if s.cached_prompt < 0:
+                    s.cached_prompt = cached.num_tokens
+                leaders[key] = s
+            reserve += 1
+            if s.preempted:
+                s.preempted = False
+                self.stats["resumed_rows"] += 1
+            admitted.append(waiting.popleft())
+        self._prefill(list(leaders.values()), version)
+        for s in admitted:
+            self._host.write(s)
+        for s, lead in followers:
+            s.table, s.logits = self.pool.fork(lead.table), lead.logits
+            self._host.write(s)
+            if s.cached_prompt < 0:
+                s.cached_prompt = s.prompt_len
+            self.stats["prefill_tokens_saved"] += len(s.tokens)
+        return admitted
+
+    def _prefill(self, seqs: list[_Seq], version: int) -> None:
+        """Feeds each sequence's tokens past its cached prefix (groups of up to PREFILL_TOKENS), then caches its
+        full blocks."""
+        i = 0
+        while i < len(seqs):
+            group, total = [], 0
+            while i < len(seqs) and (not group or total + len(seqs[i].tokens) <= PREFILL_TOKENS):
+                group.append(seqs[i])
+                total += len(seqs[i].tokens) - seqs[i].table.num_tokens
+                i += 1
+            logits = paged_forward(self.model, self.kv, [s.table.blocks for s in group],
+                                   [s.table.num_tokens for s in group],
+                                   [s.tokens[s.table.num_tokens:] for s in group])
+            for row, s in enumerate(group):
+                self.stats["prefill_tokens_saved"] += s.table.num_tokens
+                self.stats["prefill_tokens"] += len(s.tokens) - s.table.num_tokens
+                s.table.num_tokens = len(s.tokens)
+                s.logits = (logits, row)
+                self.pool.register(s.tokens, s.table, version)
+
+    # ---- one decode step
+
+    def _sample(self, rows, running: list[_Seq], logps, tops, stop_check: StopCheck | None) -> None:
+        """Samples each running row's next token, records its raw log-prob (and top-k); marks rows that ended."""
+        dev = self.device
+        logits = _batch_logits(running)                                              # [B, V] fp32
+        rs = [rows[s.index] for s in running]
+        tok = sample_tokens(logits, temperature=torch.tensor([r.sampling.temperature for r in rs], device=dev),
+                            top_p=torch.tensor([r.sampling.top_p for r in rs], device=dev),
+                            generators=[r.generator for r in rs])
+        logp = F.log_softmax(logits, dim=-1)
+        lp = logp.gather(-1, tok[:, None])[:, 0].tolist()
+        hit = torch.isin(tok, self.eos).tolist()
+        k = max(r.sampling.top_logprobs for r in rs)
+        top = logp.topk(min(k, logp.size(-1)), dim=-1) if k else None
+        top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
+        for b, (s, r, t) in enumerate(zip(running, rs, tok.tolist())):
+            s.tokens.append(t)
+            logps[s.index].append(lp[b])
+            if r.sampling.top_logprobs:
+                kk = r.sampling.top_logprobs
+                tops[s.index].append(list(zip(top_i[b][:kk], top_v[b][:kk])))
+            stopped = hit[b] or (stop_check is not None and r.sampling.stop and stop_check(s.index, s.response))
+            if stopped or len(s.response) >= r.budget:
+                s.done = True
+                r.finish_reason = "stop" if stopped else "length"
+
+    def _finish(self, s: _Seq, version: int) -> None:
+        """A row ended: its full blocks stay cached (the next turn of an episode starts with them), then it lets go."""
+        self.pool.register(s.tokens, s.table, version)
+        self.pool.free(s.table)
+
+    def _grow(self, running: list[_Seq], waiting: deque, version: int) -> list[_Seq]:
+        """Room for each running row's next token; when the pool is dry, the latest admitted rows are preempted
+        (their blocks cached, then let go) and wait to resume. Returns the rows still running."""
+        kept = list(running)
+        i = 0
+        while i < len(kept):
+            s = kept[i]
+            before = len(s.table.blocks)
+            try:
+                copy = self.pool.reserve(s.table, s.table.num_tokens + 1)
+            except NoFreeBlock:
+                victim = kept.pop()
+                if victim is s and not kept:
+                    raise ValueError("rollout.kv_cache_gib: the paged KV cache cannot hold one row "
+                                     f"({len(s.tokens)} tokens in {self.pool.num_blocks} blocks); raise it")
+                self._preempt(victim, waiting, version)
+                continue
+            if copy is not None:
+                self.kv.copy_block(*copy)
+            self._host.write(s, before - 1 if copy is not None else before)
+            i += 1
+        return kept
+
+    def _preempt(self, s: _Seq, waiting: deque, version: int) -> None:
+        self.pool.register(s.tokens, s.table, version)
+        self.pool.free(s.table)
+        s.logits = None
+        s.preempted = True
+        waiting.appendleft(s)
+        self.stats["preemptions"] += 1
+
+
+def _batch_logits(running: list[_Seq]) -> torch.Tensor:
+    """The running rows' logits as one [B, V] batch: the last decode forward's tensor itself when the rows are its
+    rows in order (most steps), else rows picked from each source (after admissions and ends)."""
+    src0 = running[0].logits[0]
+    if len(running) == src0.size(0) and all(s.logits[0] is src0 and s.logits[1] == i for i, s in enumerate(running)):
+        return src0
+    parts, i = [], 0
+    while i < len(running):
+        src, j = running[i].logits[0], i
+        while j < len(running) and running[j].logits[0] is src:
+            j += 1
+        idx = torch.tensor([s.logits[1] for s in running[i:j]], dtype=torch.long, device=src.device)
+        parts.append(src.index_select(0, idx))
+        i = j
+    return torch.cat(parts)

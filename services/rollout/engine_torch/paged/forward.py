@@ -1,0 +1,127 @@
+"""The model forward over block tables: each row feeds its new tokens (a prompt's uncached tail, a resumed row's
+history, a tool response, or one decode token) at its own positions, writes their K/V into its blocks and attends to
+every earlier token of its sequence through its block table.
+
+The model's own modules do everything but attention (embedding, RMSNorms, projections, rotary embedding, MLP),
+as in the CUDA-graph step (graph_step.py); attention gathers each row's K/V slots by block table and runs
+scaled_dot_product_attention with a causal mask over positions. Rows are right-padded to the longest new-token
+count; a padded query attends to the row's first key only, and its output is never read.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from services.rollout.engine_torch.paged import attention
+from services.rollout.engine_torch.paged.kv import PagedKV
+
+
+def slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool slot of each position: tables [B, nblk], positions [B, T] -> [B, T]."""
+    blk = tables.gather(1, (positions // block_size).clamp(max=tables.size(1) - 1))
+    return blk * block_size + positions % block_size
+
+
+@torch.inference_mode()
+def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, starts: list[int],
+                  new: list[list[int]], *, kernel: bool | None = None) -> torch.Tensor:
+    """Feeds row b's tokens new[b] at positions starts[b]..; its blocks tables[b] (lists, or a host tensor
+    [B, width] padded with any block) must cover them. Returns the fp32
+    logits after each row's last new token, [B, V]. kernel: decode steps (one token per row) attend with the
+    Triton kernel of attention.py, reading the pool in place (None: where it runs, on CUDA)."""
+    dev = kv.k[0].device
+    B, Q = len(new), max(len(t) for t in new)
+    # One host tensor each (a decode step at batch 512 builds these every token), then one copy to the device.
+    ids = torch.tensor([t + [0] * (Q - len(t)) for t in new], dtype=torch.long).to(dev, non_blocking=True)
+    if not isinstance(tables, torch.Tensor):
+        width = max(len(t) for t in tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    tab = tables.to(dev, non_blocking=True)
+    qlen = torch.tensor([len(t) for t in new], dtype=torch.long, device=dev)
+    start = torch.tensor(starts, dtype=torch.long, device=dev)
+    pos = start[:, None] + torch.arange(Q, device=dev)                              # [B, Q]
+    live = torch.arange(Q, device=dev)[None, :] < qlen[:, None]                      # [B, Q]
+    pos = torch.where(live, pos, start[:, None])                                     # padded queries: no new slot
+    hd = model.model.layers[0].self_attn.head_dim
+    if kernel is None:
+        kernel = attention.available(dev) and attention.supports(kv.block_size, hd)
+    if Q == 1 and kernel:
+        return decode_step(model, kv, ids, pos, tab, start + 1)
+    C = int((start + qlen).max())
+    keys = torch.arange(C, device=dev)
+    write = slots_of(tab, pos, kv.block_size)[live]                                  # [N]
+    read = slots_of(tab, keys.expand(B, C), kv.block_size)                           # [B, C]
+    mask = (keys[None, None, :] <= pos[:, :, None])[:, None]                         # [B, 1, Q, C] causal
+    # Grouped query attention without repeating K/V: each kv head's G query heads attend as G x Q queries.
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    mask = mask.repeat(1, 1, groups, 1)                                              # [B, 1, G * Q, C]
+    m = model.model
+    x = m.embed_tokens(ids)
+    cos, sin = m.rotary_emb(x, pos)
+    for i, layer in enumerate(m.layers):
+        x = _layer(layer, x, cos, sin, kv.k[i], kv.v[i], write, read, live, mask)
+    x = m.norm(x)
+    last = x[torch.arange(B, device=dev), qlen - 1]                                  # [B, d]
+    return model.lm_head(last).float()
+
+
+def decode_step(model, kv: PagedKV, ids, pos, tab, ctx, *, kernel: bool = True) -> torch.Tensor:
+    """One token per row from device tensors only (graph-safe: no host sync, static shapes): ids, pos [B, 1],
+    tab [B, width], ctx [B] (tokens with K/V once this one is written). Attention by the Triton kernel over the
+    block tables, or (kernel=False) torch ops over every slot the tables can name, masked by ctx."""
+    m = model.model
+    slot = slots_of(tab, pos, kv.block_size)[:, 0]                                   # [B]
+    read = mask = None
+    if not kernel:
+        keys = torch.arange(tab.size(1) * kv.block_size, device=tab.device)
+        read = slots_of(tab, keys.expand(tab.size(0), -1), kv.block_size)            # [B, C]
+        groups = model.config.num_attention_heads // model.config.num_key_value_heads
+        mask = (keys[None, :] < ctx[:, None])[:, None, None, :].expand(-1, 1, groups, -1)  # [B, 1, G, C]
+    x = m.embed_tokens(ids)
+    cos, sin = m.rotary_emb(x, pos)
+    B = ids.size(0)
+    for i, layer in enumerate(m.layers):
+        a = layer.self_attn
+        hd = a.head_dim
+        h = layer.input_layernorm(x)
+        q = a.q_proj(h).view(B, 1, -1, hd).transpose(1, 2)
+        k = a.k_proj(h).view(B, 1, -1, hd).transpose(1, 2)
+        v = a.v_proj(h).view(B, 1, -1, hd)
+        q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+        kv.k[i].index_copy_(0, slot, k[:, :, 0])
+        kv.v[i].index_copy_(0, slot, v[:, 0])
+        if kernel:
+            o = attention.paged_decode_attention(q[:, :, 0], kv.k[i], kv.v[i], tab, ctx, kv.block_size, a.scaling)
+        else:
+            keys, values = kv.k[i][read].transpose(1, 2), kv.v[i][read].transpose(1, 2)   # [B, KV, C, hd]
+            qg = q.reshape(B, keys.size(1), -1, hd)                                    # [B, KV, G, hd]
+            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=a.scaling)
+        x = x + a.o_proj(o.reshape(B, 1, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(m.norm(x)[:, 0]).float()
+
+
+def _layer(layer, x, cos, sin, kc: torch.Tensor, vc: torch.Tensor, write: torch.Tensor, read: torch.Tensor,
+           live: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One decoder layer: writes the live tokens' K/V at their slots, attends over each row's gathered slots."""
+    a = layer.self_attn
+    B, Q, _ = x.shape
+    hd = a.head_dim
+    h = layer.input_layernorm(x)
+    q = a.q_proj(h).view(B, Q, -1, hd).transpose(1, 2)                               # [B, H, Q, hd]
+    H = q.size(1)
+    k = a.k_proj(h).view(B, Q, -1, hd).transpose(1, 2)                               # [B, KV, Q, hd]
+    v = a.v_proj(h).view(B, Q, -1, hd).transpose(1, 2)
+    q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+    kc.index_copy_(0, write, k.transpose(1, 2)[live])                                 # [N, KV, hd]
+    vc.index_copy_(0, write, v.transpose(1, 2)[live])
+    keys = kc[read].transpose(1, 2)                                                   # [B, KV, C, hd]
+    values = vc[read].transpose(1, 2)
+    KV = keys.size(1)
+    q = q.reshape(B, KV, (H // KV) * Q, hd)                                           # head h = kv * G + g
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling).view(B, H, Q, hd)
+    x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))

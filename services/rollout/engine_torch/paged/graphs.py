@@ -1,0 +1,104 @@
+"""CUDA graphs of the paged decode step's forward (rollout.kv_cache_cuda_graphs): one captured graph per batch
+bucket runs the model on one token per row, attention by the Triton kernel over block tables, from static
+buffers; each step the host copies in the rows' tokens, positions, block tables and context lengths, then replays.
+Sampling stays eager (decoder.py), so tokens and log-probs are the eager paged step's.
+
+Rows are padded up to the bucket with dummy rows that read and write one scratch block the pool never hands out.
+Graphs read parameters by address: weights swapped by reference (not copied in place) drop them (captured again).
+use_graphs=False runs the same static step without capture (the CPU tests of the padding, with torch attention).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from services.rollout.engine_torch.paged.forward import decode_step
+from services.rollout.engine_torch.paged.kv import PagedKV
+from services.rollout.types import bucket_batch
+
+log = logging.getLogger("meshrl.rollout")
+
+
+@dataclass
+class _Bucket:
+    ids: torch.Tensor             # [B, 1]
+    pos: torch.Tensor             # [B, 1]
+    tab: torch.Tensor             # [B, width]
+    ctx: torch.Tensor             # [B]
+    out: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class PagedGraphs:
+    """The decode step's forward per batch bucket, captured once and replayed."""
+
+    def __init__(self, model, kv: PagedKV, *, width: int, scratch_block: int, max_batch_size: int,
+                 use_graphs: bool = True, kernel: bool = True):
+        self.model, self.kv, self.width, self.scratch = model, kv, width, scratch_block
+        self.max_batch_size, self.use_graphs, self.kernel = max_batch_size, use_graphs, kernel
+        self.device = kv.k[0].device
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self._signature = self._weights()
+        self.stats = {"graphs_captured": 0, "replays": 0}
+
+    def _weights(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], pos: list[int], tables: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [R, V] after feeding ids[r] at pos[r] of row r, whose blocks are tables[r] (host, [R, w])."""
+        if self.use_graphs and self._weights() != self._signature:
+            log.info("paged KV graphs: parameters moved; capturing again")
+            self._buckets.clear()
+            self._pool = torch.cuda.graph_pool_handle()
+            self._signature = self._weights()
+        R = len(ids)
+        b = self._bucket(bucket_batch(R, max(self.max_batch_size, R)))
+        B = b.ids.size(0)
+        ids_h = torch.zeros((B, 1), dtype=torch.long)
+        pos_h = torch.zeros((B, 1), dtype=torch.long)
+        ids_h[:R, 0] = torch.tensor(ids, dtype=torch.long)
+        pos_h[:R, 0] = torch.tensor(pos, dtype=torch.long)
+        b.ids.copy_(ids_h)
+        b.pos.copy_(pos_h)
+        b.ctx.copy_(pos_h[:, 0] + 1)
+        # Only the rows' own blocks are copied (a table entry past a row's context is never read); dummy rows
+        # (position 0) read their first entry, the scratch block.
+        b.tab[:R, :tables.size(1)].copy_(tables)
+        b.tab[R:, 0].fill_(self.scratch)
+        if b.graph is None:
+            b.out = self._step(b)
+        else:
+            b.graph.replay()
+            self.stats["replays"] += 1
+        return b.out[:R]
+
+    def _step(self, b: _Bucket) -> torch.Tensor:
+        return decode_step(self.model, self.kv, b.ids, b.pos, b.tab, b.ctx, kernel=self.kernel)
+
+    def _bucket(self, B: int) -> _Bucket:
+        b = self._buckets.get(B)
+        if b is not None:
+            return b
+        kw = dict(dtype=torch.long, device=self.device)
+        b = _Bucket(torch.zeros((B, 1), **kw), torch.zeros((B, 1), **kw),
+                    torch.full((B, self.width), self.scratch, **kw), torch.ones(B, **kw))
+        if self.use_graphs:
+            # Warm-up on a side stream (cuBLAS handles, Triton compile, allocator) before capture.
+            side = torch.cuda.Stream(device=self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step(b)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            b.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(b.graph, pool=self._pool):
+                b.out = self._step(b)
+            self.stats["graphs_captured"] += 1
+            log.info("paged KV graphs: captured the decode forward for batch=%d", B)
+        self._buckets[B] = b
+        return b

@@ -1,0 +1,79 @@
+"""GPU tests of the torch engine's paged KV cache (services/rollout/engine_torch/paged/); skipped without CUDA."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from services.common.tensors.modeling import response_logprobs
+from services.rollout.config import RolloutSettings
+from services.rollout.engine_torch.engine import TorchEngine
+from services.rollout.testing import make_tiny_model
+from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PROMPTS = [[4, 5, 13, 6, 15], [7, 3, 9, 12, 8, 10, 11, 14, 16, 4, 4, 5], [20]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("paged_gpu_model"), max_position_embeddings=512)
+
+
+def make_engine(path: str, *, dtype: str = "float32", **rollout) -> TorchEngine:
+    return TorchEngine(RolloutSettings(model={"path": path, "device": "cuda", "dtype": dtype},
+                                       rollout={"cuda_graph_compile": False, **rollout}))
+
+
+def gen(engine, prompts=PROMPTS, **sampling):
+    batch = GenerateBatch([PromptInput(id=f"p{i}", prompt_ids=list(p)) for i, p in enumerate(prompts)],
+                          SamplingParams(**sampling))
+    return [s for r in asyncio.run(engine.generate(batch)) for s in r.samples]
+
+
+@pytest.mark.parametrize("dtype,atol", [("float32", 1e-4), ("bfloat16", 0.1)])
+def test_paged_decode_on_cuda_matches_a_full_forward(model_dir, dtype, atol):
+    eng = make_engine(model_dir, dtype=dtype, kv_cache="paged", kv_block_size=16, kv_cache_gib=0.01)
+    samples = gen(eng, n=4, temperature=1.0, seed=3, max_tokens=40)
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    lp, _ = response_logprobs(eng.model, prompts, [s.response_ids for s in samples], pad_id=eng.pad_id)
+    for i, s in enumerate(samples):
+        assert torch.allclose(torch.tensor(s.logprobs), lp[i, :len(s.response_ids)].cpu(), atol=atol, rtol=0), i
+    m = eng.info()
+    assert m["prefill_tokens"] == sum(map(len, PROMPTS)) and m["kv_blocks_used"] == 0
+
+
+def test_paged_greedy_tokens_equal_the_cuda_graph_decodes(model_dir):
+    graph = make_engine(model_dir, cuda_graphs=True, max_batch_size=16)
+    paged = make_engine(model_dir, kv_cache="paged", kv_block_size=16)
+    a = gen(graph, n=2, temperature=0.0, max_tokens=48)
+    b = gen(paged, n=2, temperature=0.0, max_tokens=48)
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    for x, y in zip(a, b):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3, rtol=0)
+
+
+def test_preemption_on_cuda_resumes_with_the_same_seeded_samples(model_dir):
+    full = make_engine(model_dir, kv_cache="paged", kv_block_size=4)
+    per_block = 2 * 2 * 2 * 16 * 4 * 4                      # K+V, 2 layers, 2 kv heads, head_dim 16, 4 tokens, fp32
+    small = make_engine(model_dir, kv_cache="paged", kv_block_size=4, kv_cache_gib=20 * per_block / 2**30)
+    sampling = dict(n=4, temperature=1.0, seed=9, max_tokens=24)
+    a, b = gen(full, **sampling), gen(small, **sampling)
+    assert small.info()["preemptions"] > 0
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paged_cuda_graph_steps_sample_what_the_eager_paged_steps_sample(model_dir, dtype):
+    eager = make_engine(model_dir, dtype=dtype, kv_cache="paged", kv_block_size=16, kv_cache_gib=0.01)
+    graphs = make_engine(model_dir, dtype=dtype, kv_cache="paged", kv_block_size=16, kv_cache_gib=0.01,
+                         kv_cache_cuda_graphs=True)
+    for sampling in (dict(n=3, temperature=0.0, max_tokens=40), dict(n=4, temperature=1.0, seed=2, max_tokens=40)):
+        a, b = gen(eager, **sampling), gen(graphs, **sampling)
+        assert [s.response_ids for s in a] == [s.response_ids for s in b]
+        for x, y in zip(a, b):
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3, rtol=0)
+    assert graphs._paged.graphs.stats["graphs_captured"] >= 1 and graphs._paged.graphs.stats["replays"] > 0
