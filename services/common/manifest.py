@@ -28,8 +28,15 @@ class Manifest:
     version: int
     tensors: tuple[TensorMeta, ...]
     total_bytes: int
+    # "" = the whole model; else the LoRA adapter these tensors are (WeightManifest.adapter), with its config JSON.
+    adapter: str = ""
+    adapter_config: str = ""
+    # The frozen base model the update belongs to (WeightManifest.base_id); "" = not said.
+    base_id: str = ""
 
 
-def manifest_from_kwargs(version: int, total_bytes: int, tensors: Iterable) -> Manifest:
+def manifest_from_kwargs(version: int, total_bytes: int, tensors: Iterable, *, adapter: str = "",
+                         adapter_config: str = "", base_id: str = "") -> Manifest:
     return Manifest(int(version), tuple(TensorMeta(t.name, t.dtype, tuple(int(s) for s in t.shape), int(t.offset),
-                                                   int(t.nbytes)) for t in tensors), int(total_bytes))
+                                                   int(t.nbytes)) for t in tensors), int(total_bytes),
+                    adapter=adapter, adapter_config=adapter_config, base_id=base_id)

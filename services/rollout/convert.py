@@ -27,7 +27,8 @@ def sampling_from_pb(pb: rollout_pb2.SamplingParams | None, defaults: RolloutCon
         top_p=pb.top_p if pb.top_p != 0 else 1.0,
         max_tokens=pb.max_tokens if pb.max_tokens != 0 else defaults.max_tokens,
         stop=list(pb.stop) if pb.stop else list(defaults.stop),
-        seed=pb.seed if pb.seed != 0 else defaults.seed)
+        seed=pb.seed if pb.seed != 0 else defaults.seed,
+        adapter=pb.adapter)
 
 
 def request_from_pb(request: rollout_pb2.GenerateRequest, defaults: RolloutConfig) -> GenerateBatch:
@@ -41,7 +42,7 @@ def request_from_pb(request: rollout_pb2.GenerateRequest, defaults: RolloutConfi
 def sampling_to_pb(p: SamplingParams) -> rollout_pb2.SamplingParams:
     """The wire form of `p`; top_logprobs stays behind (the HTTP API's alone) and seed None travels as 0."""
     return rollout_pb2.SamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_tokens,
-                                      stop=p.stop, seed=p.seed or 0)
+                                      stop=p.stop, seed=p.seed or 0, adapter=p.adapter)
 
 
 def request_to_pb(batch: GenerateBatch) -> rollout_pb2.GenerateRequest:
@@ -130,12 +131,14 @@ def results_from_pb(response: rollout_pb2.GenerateResponse) -> list[PromptResult
 
 
 def manifest_from_pb(pb: common_pb2.WeightManifest) -> Manifest:
-    return manifest_from_kwargs(pb.version, pb.total_bytes, pb.tensors)
+    return manifest_from_kwargs(pb.version, pb.total_bytes, pb.tensors, adapter=pb.adapter,
+                                adapter_config=pb.adapter_config, base_id=pb.base_id)
 
 
 def manifest_to_pb(m: Manifest) -> common_pb2.WeightManifest:
     return common_pb2.WeightManifest(
-        version=m.version, total_bytes=m.total_bytes,
+        version=m.version, total_bytes=m.total_bytes, adapter=m.adapter, adapter_config=m.adapter_config,
+        base_id=m.base_id,
         tensors=[common_pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), offset=t.offset,
                                        nbytes=t.nbytes) for t in m.tensors])
 

@@ -36,12 +36,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.episodes = episode_runner(engine, settings)
 
     async def Generate(self, request, context):
-        results = await self.engine.generate(convert.request_from_pb(request, self.defaults))
+        batch = convert.request_from_pb(request, self.defaults)
+        check_adapter(self.engine, batch.sampling.adapter)
+        results = await self.engine.generate(batch)
         return convert.results_to_pb(results, packed=request.packed, columnar=request.columnar)
 
     async def GenerateEpisodes(self, request, context):
         agent = convert.agent_from_pb(request.agent, self.defaults.agent)
         sampling = convert.sampling_from_pb(request.sampling if request.HasField("sampling") else None, self.defaults)
+        check_adapter(self.engine, sampling.adapter)
         groups = await self.episodes.run(convert.episode_prompts_from_pb(request), sampling, agent,
                                          partial_rollout=request.partial_rollout or "off")
         return convert.episodes_to_pb(groups)
@@ -54,7 +57,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def GetInfo(self, request, context):
         await self.engine.refresh()
-        details = {**self.engine.info(), "weight_transports": ",".join(self.receivers.available()),
+        details = {**self.engine.info(), "supports_adapters": "true" if self.engine.supports_adapters else "false",
+                   "weight_transports": ",".join(self.receivers.available()),
                    **placement_of(self.receivers.device),
                    "settings": settings_json(self.settings)}
         return common_convert.info_to_pb("rollout", self.engine.model_path, self.engine.weight_version, details)
@@ -86,6 +90,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         uuid = await receiver.join(request.group_id, request.unique_id, request.rank, request.world_size,
                                    request.timeout_s)
         return common_pb2.WeightGroupResponse(group_id=request.group_id, device_uuid=uuid)
+
+
+def check_adapter(engine: RolloutEngine, adapter: str) -> None:
+    """A request naming an adapter is refused by an engine that serves none."""
+    if adapter and not engine.supports_adapters:
+        raise ValueError(f"sampling.adapter: {adapter!r}, but the {engine.info().get('engine', '?')} engine serves no "
+                         "LoRA adapters (it holds merged weights); leave it empty")
 
 
 def episode_runner(engine: RolloutEngine, settings: RolloutSettings) -> EpisodeRunner:

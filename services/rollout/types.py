@@ -48,6 +48,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None      # None = unseeded
     top_logprobs: int = 0        # also return the k most likely tokens per step (HTTP API only)
+    adapter: str = ""            # LoRA adapter to sample with (RolloutEngine.load_adapter's name); "" = base model
 
     def __post_init__(self):
         validate_sampling(self)
@@ -70,6 +71,8 @@ def validate_sampling(p: SamplingParams) -> None:
         raise ValueError("sampling.stop: stop strings must not be empty")
     if not 0 <= p.top_logprobs <= 20:
         raise ValueError(f"sampling.top_logprobs: must be in [0, 20], got {p.top_logprobs}")
+    if not isinstance(p.adapter, str):
+        raise ValueError(f"sampling.adapter: must be a string (\"\" = the base model), got {p.adapter!r}")
 
 
 def check_weight_version(version: int) -> None:
@@ -188,6 +191,9 @@ class RolloutEngine(abc.ABC):
     model_path: str
     weight_version: int = 0
     tokenizer = None
+    # Whether the engine serves LoRA adapters over its frozen base (load_adapter, SamplingParams.adapter); an engine
+    # that does not receives merged full weights instead.
+    supports_adapters: bool = False
 
     @abc.abstractmethod
     async def generate(self, batch: GenerateBatch) -> list[PromptResult]:
@@ -212,6 +218,14 @@ class RolloutEngine(abc.ABC):
         weights kept. Engines that take weights only as a gRPC stream keep this default."""
         raise FailedPrecondition(f"UpdateWeights: the {self.info().get('engine', '?')} engine takes weights over "
                                  "transport grpc only")
+
+    def load_adapter(self, name: str, version: int, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Replaces adapter `name` whole (or adds it) as `version`: `config` holds r, lora_alpha and target_modules;
+        `tensors` are PEFT's saved names without the adapter name (`base_model.model.<module>.lora_A.weight`,
+        `...lora_B.weight`). Raises with the old adapter kept when anything does not fit. Engines with
+        supports_adapters = False keep this default."""
+        raise FailedPrecondition(f"load_adapter: the {self.info().get('engine', '?')} engine does not serve LoRA "
+                                 "adapters (it takes merged full weights)")
 
     async def refresh(self) -> None:
         """Brings what info() reports up to date (an upstream's capabilities); GetInfo awaits it first."""

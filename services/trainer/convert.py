@@ -247,7 +247,8 @@ def checkpoint_to_pb(result: dict) -> trainer_pb2.CheckpointResponse:
 
 
 def manifest_to_pb(m: Manifest) -> common_pb2.WeightManifest:
-    return common_pb2.WeightManifest(version=m.version, total_bytes=m.total_bytes, tensors=[
+    return common_pb2.WeightManifest(version=m.version, total_bytes=m.total_bytes, adapter=m.adapter,
+                                     adapter_config=m.adapter_config, base_id=m.base_id, tensors=[
         common_pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), offset=t.offset, nbytes=t.nbytes)
         for t in m.tensors])
 

@@ -87,18 +87,24 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "transport", "group_id")
+    __slots__ = ("version", "tensors", "total_bytes", "transport", "group_id", "adapter", "adapter_config", "base_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    BASE_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
     transport: str
     group_id: str
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., group_id: _Optional[str] = ...) -> None: ...
+    adapter: str
+    adapter_config: str
+    base_id: str
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., group_id: _Optional[str] = ..., adapter: _Optional[str] = ..., adapter_config: _Optional[str] = ..., base_id: _Optional[str] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device_uuid", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "buffer_id")

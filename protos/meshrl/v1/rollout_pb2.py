@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/rollout.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"o\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x0c\n\x04seed\x18\x06 \x01(\x03\"6\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\"\x9d\x01\n\x0fGenerateRequest\x12\"\n\x07prompts\x18\x01 \x03(\x0b\x32\x11.meshrl.v1.Prompt\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\x12\x0e\n\x06packed\x18\x03 \x01(\x08\x12\x10\n\x08\x63olumnar\x18\x04 \x01(\x08\x12\x17\n\x0fpartial_rollout\x18\x05 \x01(\t\"\xbc\x01\n\x06Sample\x12\x14\n\x0cresponse_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x1b\n\x13response_ids_packed\x18\x06 \x01(\x0c\x12\x17\n\x0flogprobs_packed\x18\x07 \x01(\x0c\x12\x17\n\x0fweight_versions\x18\x08 \x03(\x03\"\\\n\x0fRolloutResponse\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\"\n\x07samples\x18\x03 \x03(\x0b\x32\x11.meshrl.v1.Sample\"\x94\x01\n\x10GenerateResponse\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.meshrl.v1.RolloutResponse\x12(\n\rresponse_rows\x18\x02 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12\'\n\x0clogprob_rows\x18\x03 \x01(\x0b\x32\x11.meshrl.v1.Ragged\"\x93\x02\n\tAgentSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tmax_turns\x18\x02 \x01(\x05\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\x05\x12\x1b\n\x13max_tokens_per_turn\x18\x04 \x01(\x05\x12\r\n\x05tools\x18\x05 \x03(\t\x12\x18\n\x10tool_call_parser\x18\x06 \x01(\t\x12\x19\n\x11tool_error_policy\x18\x07 \x01(\t\x12\x13\n\x0b\x65nvironment\x18\x08 \x01(\t\x12&\n\x19\x65nvironment_deterministic\x18\t \x01(\x08H\x00\x88\x01\x01\x12\x0f\n\x07program\x18\n \x01(\tB\x1c\n\x1a_environment_deterministic\"\x83\x01\n\rEpisodePrompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x15\n\rmessages_json\x18\x04 \x01(\t\x12\x12\n\nagent_name\x18\x05 \x01(\t\x12\x19\n\x11tools_kwargs_json\x18\x06 \x01(\t\"\xaf\x01\n\x17GenerateEpisodesRequest\x12)\n\x07prompts\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.EpisodePrompt\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\x12#\n\x05\x61gent\x18\x03 \x01(\x0b\x32\x14.meshrl.v1.AgentSpec\x12\x17\n\x0fpartial_rollout\x18\x04 \x01(\t\"\x9f\x02\n\x0b\x45pisodeInfo\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\nend_reason\x18\x02 \x01(\t\x12\x11\n\tnum_turns\x18\x03 \x01(\x05\x12\x16\n\x0enum_tool_calls\x18\x04 \x01(\x05\x12\x17\n\x0fnum_tool_errors\x18\x05 \x01(\x05\x12\x17\n\nenv_reward\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12;\n\x0b\x65nv_metrics\x18\x07 \x03(\x0b\x32&.meshrl.v1.EpisodeInfo.EnvMetricsEntry\x12\x12\n\nprompt_ids\x18\x08 \x03(\x05\x1a\x31\n\x0f\x45nvMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_env_reward\"_\n\x0c\x45pisodeGroup\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12(\n\x08\x65pisodes\x18\x03 \x03(\x0b\x32\x16.meshrl.v1.EpisodeInfo\"\xea\x01\n\x18GenerateEpisodesResponse\x12\'\n\x06groups\x18\x01 \x03(\x0b\x32\x17.meshrl.v1.EpisodeGroup\x12(\n\rresponse_rows\x18\x02 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12\'\n\x0clogprob_rows\x18\x03 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12)\n\x0eloss_mask_rows\x18\x04 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12\'\n\x0cversion_rows\x18\x05 \x01(\x0b\x32\x11.meshrl.v1.Ragged2\xd5\x03\n\x07Rollout\x12\x43\n\x08Generate\x12\x1a.meshrl.v1.GenerateRequest\x1a\x1b.meshrl.v1.GenerateResponse\x12J\n\x0f\x43omputeLogProbs\x12\x1a.meshrl.v1.LogProbsRequest\x1a\x1b.meshrl.v1.LogProbsResponse\x12<\n\x07GetInfo\x12\x19.meshrl.v1.GetInfoRequest\x1a\x16.meshrl.v1.ServiceInfo\x12L\n\rUpdateWeights\x12\x17.meshrl.v1.WeightBucket\x1a .meshrl.v1.UpdateWeightsResponse(\x01\x12P\n\x0fJoinWeightGroup\x12\x1d.meshrl.v1.WeightGroupRequest\x1a\x1e.meshrl.v1.WeightGroupResponse\x12[\n\x10GenerateEpisodes\x12\".meshrl.v1.GenerateEpisodesRequest\x1a#.meshrl.v1.GenerateEpisodesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/rollout.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"\x80\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x0f\n\x07\x61\x64\x61pter\x18\x07 \x01(\t\"6\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\"\x9d\x01\n\x0fGenerateRequest\x12\"\n\x07prompts\x18\x01 \x03(\x0b\x32\x11.meshrl.v1.Prompt\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\x12\x0e\n\x06packed\x18\x03 \x01(\x08\x12\x10\n\x08\x63olumnar\x18\x04 \x01(\x08\x12\x17\n\x0fpartial_rollout\x18\x05 \x01(\t\"\xbc\x01\n\x06Sample\x12\x14\n\x0cresponse_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x1b\n\x13response_ids_packed\x18\x06 \x01(\x0c\x12\x17\n\x0flogprobs_packed\x18\x07 \x01(\x0c\x12\x17\n\x0fweight_versions\x18\x08 \x03(\x03\"\\\n\x0fRolloutResponse\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\"\n\x07samples\x18\x03 \x03(\x0b\x32\x11.meshrl.v1.Sample\"\x94\x01\n\x10GenerateResponse\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.meshrl.v1.RolloutResponse\x12(\n\rresponse_rows\x18\x02 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12\'\n\x0clogprob_rows\x18\x03 \x01(\x0b\x32\x11.meshrl.v1.Ragged\"\x93\x02\n\tAgentSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tmax_turns\x18\x02 \x01(\x05\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\x05\x12\x1b\n\x13max_tokens_per_turn\x18\x04 \x01(\x05\x12\r\n\x05tools\x18\x05 \x03(\t\x12\x18\n\x10tool_call_parser\x18\x06 \x01(\t\x12\x19\n\x11tool_error_policy\x18\x07 \x01(\t\x12\x13\n\x0b\x65nvironment\x18\x08 \x01(\t\x12&\n\x19\x65nvironment_deterministic\x18\t \x01(\x08H\x00\x88\x01\x01\x12\x0f\n\x07program\x18\n \x01(\tB\x1c\n\x1a_environment_deterministic\"\x83\x01\n\rEpisodePrompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x15\n\rmessages_json\x18\x04 \x01(\t\x12\x12\n\nagent_name\x18\x05 \x01(\t\x12\x19\n\x11tools_kwargs_json\x18\x06 \x01(\t\"\xaf\x01\n\x17GenerateEpisodesRequest\x12)\n\x07prompts\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.EpisodePrompt\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\x12#\n\x05\x61gent\x18\x03 \x01(\x0b\x32\x14.meshrl.v1.AgentSpec\x12\x17\n\x0fpartial_rollout\x18\x04 \x01(\t\"\x9f\x02\n\x0b\x45pisodeInfo\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\nend_reason\x18\x02 \x01(\t\x12\x11\n\tnum_turns\x18\x03 \x01(\x05\x12\x16\n\x0enum_tool_calls\x18\x04 \x01(\x05\x12\x17\n\x0fnum_tool_errors\x18\x05 \x01(\x05\x12\x17\n\nenv_reward\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12;\n\x0b\x65nv_metrics\x18\x07 \x03(\x0b\x32&.meshrl.v1.EpisodeInfo.EnvMetricsEntry\x12\x12\n\nprompt_ids\x18\x08 \x03(\x05\x1a\x31\n\x0f\x45nvMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_env_reward\"_\n\x0c\x45pisodeGroup\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12(\n\x08\x65pisodes\x18\x03 \x03(\x0b\x32\x16.meshrl.v1.EpisodeInfo\"\xea\x01\n\x18GenerateEpisodesResponse\x12\'\n\x06groups\x18\x01 \x03(\x0b\x32\x17.meshrl.v1.EpisodeGroup\x12(\n\rresponse_rows\x18\x02 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12\'\n\x0clogprob_rows\x18\x03 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12)\n\x0eloss_mask_rows\x18\x04 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12\'\n\x0cversion_rows\x18\x05 \x01(\x0b\x32\x11.meshrl.v1.Ragged2\xd5\x03\n\x07Rollout\x12\x43\n\x08Generate\x12\x1a.meshrl.v1.GenerateRequest\x1a\x1b.meshrl.v1.GenerateResponse\x12J\n\x0f\x43omputeLogProbs\x12\x1a.meshrl.v1.LogProbsRequest\x1a\x1b.meshrl.v1.LogProbsResponse\x12<\n\x07GetInfo\x12\x19.meshrl.v1.GetInfoRequest\x1a\x16.meshrl.v1.ServiceInfo\x12L\n\rUpdateWeights\x12\x17.meshrl.v1.WeightBucket\x1a .meshrl.v1.UpdateWeightsResponse(\x01\x12P\n\x0fJoinWeightGroup\x12\x1d.meshrl.v1.WeightGroupRequest\x1a\x1e.meshrl.v1.WeightGroupResponse\x12[\n\x10GenerateEpisodes\x12\".meshrl.v1.GenerateEpisodesRequest\x1a#.meshrl.v1.GenerateEpisodesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,32 +34,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EPISODEINFO_ENVMETRICSENTRY']._loaded_options = None
   _globals['_EPISODEINFO_ENVMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_SAMPLINGPARAMS']._serialized_start=62
-  _globals['_SAMPLINGPARAMS']._serialized_end=173
-  _globals['_PROMPT']._serialized_start=175
-  _globals['_PROMPT']._serialized_end=229
-  _globals['_GENERATEREQUEST']._serialized_start=232
-  _globals['_GENERATEREQUEST']._serialized_end=389
-  _globals['_SAMPLE']._serialized_start=392
-  _globals['_SAMPLE']._serialized_end=580
-  _globals['_ROLLOUTRESPONSE']._serialized_start=582
-  _globals['_ROLLOUTRESPONSE']._serialized_end=674
-  _globals['_GENERATERESPONSE']._serialized_start=677
-  _globals['_GENERATERESPONSE']._serialized_end=825
-  _globals['_AGENTSPEC']._serialized_start=828
-  _globals['_AGENTSPEC']._serialized_end=1103
-  _globals['_EPISODEPROMPT']._serialized_start=1106
-  _globals['_EPISODEPROMPT']._serialized_end=1237
-  _globals['_GENERATEEPISODESREQUEST']._serialized_start=1240
-  _globals['_GENERATEEPISODESREQUEST']._serialized_end=1415
-  _globals['_EPISODEINFO']._serialized_start=1418
-  _globals['_EPISODEINFO']._serialized_end=1705
-  _globals['_EPISODEINFO_ENVMETRICSENTRY']._serialized_start=1641
-  _globals['_EPISODEINFO_ENVMETRICSENTRY']._serialized_end=1690
-  _globals['_EPISODEGROUP']._serialized_start=1707
-  _globals['_EPISODEGROUP']._serialized_end=1802
-  _globals['_GENERATEEPISODESRESPONSE']._serialized_start=1805
-  _globals['_GENERATEEPISODESRESPONSE']._serialized_end=2039
-  _globals['_ROLLOUT']._serialized_start=2042
-  _globals['_ROLLOUT']._serialized_end=2511
+  _globals['_SAMPLINGPARAMS']._serialized_start=63
+  _globals['_SAMPLINGPARAMS']._serialized_end=191
+  _globals['_PROMPT']._serialized_start=193
+  _globals['_PROMPT']._serialized_end=247
+  _globals['_GENERATEREQUEST']._serialized_start=250
+  _globals['_GENERATEREQUEST']._serialized_end=407
+  _globals['_SAMPLE']._serialized_start=410
+  _globals['_SAMPLE']._serialized_end=598
+  _globals['_ROLLOUTRESPONSE']._serialized_start=600
+  _globals['_ROLLOUTRESPONSE']._serialized_end=692
+  _globals['_GENERATERESPONSE']._serialized_start=695
+  _globals['_GENERATERESPONSE']._serialized_end=843
+  _globals['_AGENTSPEC']._serialized_start=846
+  _globals['_AGENTSPEC']._serialized_end=1121
+  _globals['_EPISODEPROMPT']._serialized_start=1124
+  _globals['_EPISODEPROMPT']._serialized_end=1255
+  _globals['_GENERATEEPISODESREQUEST']._serialized_start=1258
+  _globals['_GENERATEEPISODESREQUEST']._serialized_end=1433
+  _globals['_EPISODEINFO']._serialized_start=1436
+  _globals['_EPISODEINFO']._serialized_end=1723
+  _globals['_EPISODEINFO_ENVMETRICSENTRY']._serialized_start=1659
+  _globals['_EPISODEINFO_ENVMETRICSENTRY']._serialized_end=1708
+  _globals['_EPISODEGROUP']._serialized_start=1725
+  _globals['_EPISODEGROUP']._serialized_end=1820
+  _globals['_GENERATEEPISODESRESPONSE']._serialized_start=1823
+  _globals['_GENERATEEPISODESRESPONSE']._serialized_end=2057
+  _globals['_ROLLOUT']._serialized_start=2060
+  _globals['_ROLLOUT']._serialized_end=2529
 # @@protoc_insertion_point(module_scope)
