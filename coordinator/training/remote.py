@@ -217,12 +217,15 @@ class PushOutcome:
     num_bytes: int
     seconds: float
     failed: dict[str, str]
+    # target -> the adapter name it serves the run's weights under ("" = merged/full weights)
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 async def push_weights(stub, targets: Sequence[str]) -> PushOutcome:
     response = await stub.PushWeights(trainer_pb2.PushWeightsRequest(targets=list(targets)))
     return PushOutcome(response.weight_version, response.num_bytes, response.seconds,
-                       {r.target: r.error for r in response.results if not r.ok})
+                       {r.target: r.error for r in response.results if not r.ok},
+                       {r.target: r.adapter for r in response.results if r.ok})
 
 
 async def info(stub) -> common_pb2.ServiceInfo:
