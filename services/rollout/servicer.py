@@ -59,7 +59,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def ComputeLogProbs(self, request, context):
         batch = common_convert.sequences_from_pb(request, as_lists=True)
-        logprobs, version = await self.engine.logprobs(batch.prompts, batch.responses, batch.temperature)
+        check_adapter(self.engine, request.adapter)
+        # An engine serving adapters takes adapter= (its `logprobs` under that adapter; "" = the base).
+        extra = {"adapter": request.adapter} if request.adapter else {}
+        logprobs, version = await self.engine.logprobs(batch.prompts, batch.responses, batch.temperature, **extra)
         return common_convert.logprobs_to_pb(batch.ids, logprobs, weight_version=version, packed=request.packed,
                                              columnar=batch.columnar)
 

@@ -26,7 +26,7 @@ from services.common.tensors.weights import Manifest, apply_weights, check_again
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_torch.continuous import Flight, answer_of
 from services.rollout.engine_torch.decode import Row, decode_rows
-from services.rollout.engine_torch.lora import build_bank
+from services.rollout.engine_torch.lora import adapter_rows, build_bank
 from services.rollout.engine_torch.sampling import row_generator
 from services.rollout.engine_torch.speed import resolve_speed, warm_up_decoder
 from services.rollout.local_model import LocalModelEngine, find_eos_ids, model_len_limit, try_tokenizer
@@ -214,11 +214,13 @@ class TorchEngine(LocalModelEngine):
         """generate() for scripts and benchmarks: same checks and decode, in this thread, without the lock."""
         return self._generate_jobs([_Job(batch, self.check_batch(batch), None)])[0]
 
-    async def logprobs(self, prompts, responses, temperature: float = 1.0):
+    async def logprobs(self, prompts, responses, temperature: float = 1.0, *, adapter: str = ""):
         validate_sequences(prompts, responses, vocab_size=self.vocab_size, max_len=self.max_model_len)
+        slots = [self.slot_of(adapter)] * len(prompts)      # every micro-batch reads a prefix of these
         async with self._lock:
-            out = await self._run_locked(batched_logprobs, self.model, prompts, responses, pad_id=self.pad_id,
-                                         temperature=temperature, token_budget=self.config.logprobs_token_budget)
+            with adapter_rows(self.adapters, slots):
+                out = await self._run_locked(batched_logprobs, self.model, prompts, responses, pad_id=self.pad_id,
+                                             temperature=temperature, token_budget=self.config.logprobs_token_budget)
             return out, self.weight_version
 
     def slot_of(self, adapter: str) -> int:
