@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 
+import grpc
 import pytest
 
 from meshrl.v1 import common_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -109,3 +110,46 @@ def test_each_replica_gets_what_it_can_serve_and_ends_on_the_trainers_policy(mod
         f"weight_sync.payload[{targets[2]}]": "full"}
     # Bytes: the first push carried merged weights, the base and the adapter; the second merged + adapter only.
     assert rounds[1][0].num_bytes < rounds[0][0].num_bytes
+
+
+def test_an_adapter_update_lands_whole_on_its_own_base_or_not_at_all(model_dirs):
+    from services.rollout.config import RolloutSettings
+    from services.rollout.servicer import start as start_rollout
+    from services.rollout.weights_client import push_weights, weight_messages
+    from tests.unit.test_rollout_lora import trained_adapter
+
+    tensors, config, _ = trained_adapter(model_dirs[0], seed=4)
+
+    async def main():
+        server, port, replica = await start_rollout(RolloutSettings(model={"path": model_dirs[0]},
+                                                                    rollout={"enable_lora": True}), "127.0.0.1:0")
+        try:
+            async with create_channel(f"127.0.0.1:{port}") as ch:
+                stub = rollout_pb2_grpc.RolloutStub(ch)
+                base = (await stub.GetInfo(common_pb2.GetInfoRequest())).details["base_id"]
+                errors = []
+                for kw in ({"base_id": "sha256:another"}, {"base_id": base, "drop_commit": True}):
+                    messages = list(weight_messages(tensors, 2, 4096, adapter="default", adapter_config=config,
+                                                    base_id=kw["base_id"]))
+                    if kw.get("drop_commit"):
+                        messages = messages[:-1]       # a sender that stopped after its last bucket
+
+                    async def stream(ms=messages):
+                        for m in ms:
+                            yield m
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await stub.UpdateWeights(stream())
+                    errors.append(e.value.details())
+                untouched = json.loads((await stub.GetInfo(common_pb2.GetInfoRequest())).details["adapters"])
+                done = await push_weights(stub, tensors, 3, 4096, adapter="default", adapter_config=config,
+                                          base_id=base)
+                after = json.loads((await stub.GetInfo(common_pb2.GetInfoRequest())).details["adapters"])
+                return base, errors, untouched, done.weight_version, after
+        finally:
+            await server.stop(0)
+            await replica.close()
+
+    base, errors, untouched, version, after = asyncio.run(main())
+    assert base.startswith("sha256:")
+    assert "push the base first" in errors[0] and "commit" in errors[1]
+    assert untouched == {} and version == 3 and after == {"default": 3}
