@@ -113,6 +113,7 @@ SETTINGS: dict[str, Setting] = {
     "trainer.address": Setting(RUN, "coordinator", "the trainer the run calls"),
     "trainer.timeout_s": Setting(RUN, "coordinator", "deadline of the run's trainer calls"),
     "coordinator.*": Setting(LAUNCH, "meshrl up / meshrl run", "where the coordinator listens"),
+    "training_api.*": Setting(LAUNCH, "meshrl mesh", "the training API served beside the coordinator, read at its start"),
     "server.*": Setting(LAUNCH, "every service", "how each service's server listens, read at its start"),
     "server.auth_token": Setting(RUN, "coordinator", "the bearer token of the run's calls"),
 }
