@@ -4,6 +4,7 @@
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
 #   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench spy loratrain
+#          loratests lora
 #          mfuautotune upgpu
 #          meshrl trl trl15 trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
@@ -25,6 +26,8 @@
 #     UP_STEPS=8 bench/gpu_session.sh upgpu bundle        # -> $OUT/up_gpu.json, up-logs.tgz
 #   UP_STEPS (steps per run, default 8), UP_WARMUP (left out of the steady median, 2), UP_SHAPE (qwen2.5-1.5b),
 #   UP_RECIPE, UP_ORDER (defaults,tuned), UP_RUN_TIMEOUT (seconds one run may take, 300), UP_BUDGET (540)
+#   LoRA adapters (bench/lora_gpu.py -> $OUT/lora_gpu.json; ~6 min at 1.5B, rank 16):
+#     bench/gpu_session.sh versions loratests lora bundle
 #   multi-GPU hosts: OUT=/tmp/gpu bench/gpu_session.sh versions meshtests wstest multigpu bundle
 #
 # Python packages the image lacks travel as wheels: .whl/ (meshrl's: pydantic, pydantic-settings, tenacity,
@@ -146,6 +149,12 @@ for what in "$@"; do
     ipcbench) # CUDA IPC between two processes on one GPU vs a same-process copy (bench/weight_sync_ipc.py)
       part ipcbench 240 python3 bench/weight_sync_ipc.py --out "$OUT/weight_sync_ipc.json"
       stamp "$OUT/weight_sync_ipc.json" weight_sync_ipc ;;
+    loratests) part loratests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_lora_decode_gpu.py ;;
+    lora) # LoRA at 1.5B, rank 16 (bench/lora_gpu.py): weight sync per step of the adapter vs the full weights over
+      # grpc loopback and ipc, decode tokens/s with 4 adapters in a batch vs 1 vs the base. LORA_PARTS picks parts;
+      # the parts already in bench/results/lora_gpu.json are kept beside the new ones.
+      [ -f bench/results/lora_gpu.json ] && [ ! -f "$OUT/lora_gpu.json" ] && cp bench/results/lora_gpu.json "$OUT/"
+      part lora 560 python3 bench/lora_gpu.py --parts "${LORA_PARTS:-sync,decode}" --out "$OUT/lora_gpu.json" ;;
     wsipc) part wsipc 240 python3 bench/weight_sync.py --transport ipc --device cuda:0 --repeats 10 \
              --out "$OUT/weight_sync.json" ;;
     meshrl) TORCH_LOGS="${TORCH_LOGS:-recompiles}" part meshrl 560 python3 bench/e2e_grpo.py run --device cuda --shape qwen2.5-0.5b --steps "$STEPS" \

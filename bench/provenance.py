@@ -74,6 +74,10 @@ SOURCES: dict[str, list[str]] = {
                     "services/common/tensors/weight_transport.py",
                     "services/rollout/weight_receivers.py", "bench/weight_sync.py"],
     "weight_sync_ipc": ["services/common/tensors/weight_transport.py", "bench/weight_sync_ipc.py"],
+    # LoRA at the 1.5B shape: adapter vs full weight sync (every transport's code) and multi-adapter decode.
+    "lora_gpu": ["services/trainer/weights", "services/common/tensors/weight_transport.py",
+                 "services/common/base_identity.py", "services/rollout/weight_receivers.py",
+                 "services/rollout/servicer.py", "services/rollout/engine_torch", "bench/lora_gpu.py"],
     "payloads": ["services/common/tensors/packed.py", "protos/meshrl/v1/common.proto", "protos/meshrl/v1/rollout.proto",
                  "protos/meshrl/v1/reference.proto", "protos/meshrl/v1/trainer.proto", "bench/payloads.py"],
     "multi_gpu": [*_MESH, "bench/multi_gpu.py"],

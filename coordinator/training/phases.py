@@ -50,15 +50,16 @@ async def generate(ctx: RunContext, problems: Sequence[Problem], sampling: Sampl
         ps, gs = zip(*chunk)
 
         async def generate_on(stub):
+            # the replica that answers (the pool may have moved the chunk off `replica`) and the adapter it serves
+            rep = next((r for r in ctx.rollout.replicas.values() if r.stub is stub), None)
+            on = dataclasses.replace(sampling, adapter=rep.adapter) if rep is not None and rep.adapter else sampling
             if wants_episodes(ctx.cfg.rollout.agent, ps):   # multi-turn: played in the replica
-                samples = await remote.generate_episodes(stub, ps, gs, sampling, ctx.cfg.rollout.agent,
+                samples = await remote.generate_episodes(stub, ps, gs, on, ctx.cfg.rollout.agent,
                                                          partial_rollout=partial_rollout)
             else:
-                samples = await remote.generate(stub, ps, gs, sampling, partial_rollout=partial_rollout)
-            # the replica that answered (the pool may have moved the chunk off `replica`)
-            served_by = next((r.address for r in ctx.rollout.replicas.values() if r.stub is stub), "")
+                samples = await remote.generate(stub, ps, gs, on, partial_rollout=partial_rollout)
             for s in samples:
-                s.replica = served_by
+                s.replica = rep.address if rep is not None else ""
             return samples
 
         return await ctx.rollout.call(generate_on, prefer=replica)
@@ -101,6 +102,7 @@ async def push_to_replicas(ctx: RunContext, targets: list[str]) -> remote.PushOu
             rep.healthy = False
         else:
             rep.weight_version = outcome.version
+            rep.adapter = outcome.adapters.get(address, "")
     return outcome
 
 
@@ -366,5 +368,8 @@ async def sync_weights(ctx: RunContext) -> dict[str, float]:
         raise RuntimeError(f"weight sync failed on every rollout replica: {outcome.failed}")
     ctx.weight_version = outcome.version
     gbps = outcome.num_bytes / max(outcome.seconds, 1e-9) / 1e9
+    # bytes: the payload the trainer sent (under actor.lora, to replicas serving adapters: the adapter alone);
+    # seconds: the trainer's whole push, every replica's stream included.
     return {"weight_version": float(outcome.version), "weight_sync/gb_per_s": gbps,
+            "weight_sync/bytes": float(outcome.num_bytes), "weight_sync/seconds": float(outcome.seconds),
             "weight_sync/failed_replicas": float(len(outcome.failed))}

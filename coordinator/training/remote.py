@@ -176,9 +176,12 @@ def logprobs_request(samples: Sequence[Sample], temperature: float = 1.0, *, pac
                            packed=packed, columnar=columnar)
 
 
-async def logprobs(stub, samples: Sequence[Sample], temperature: float = 1.0):
-    """Each sample's log-probs as a float32 array (read-only, over the reply's bytes); asked in columns."""
-    response = await stub.ComputeLogProbs(logprobs_request(samples, temperature, columnar=True))
+async def logprobs(stub, samples: Sequence[Sample], temperature: float = 1.0, *, adapter: str = ""):
+    """Each sample's log-probs as a float32 array (read-only, over the reply's bytes); asked in columns. adapter: a
+    rollout replica's LoRA adapter to score under ("" = its model as held)."""
+    request = logprobs_request(samples, temperature, columnar=True)
+    request.adapter = adapter
+    response = await stub.ComputeLogProbs(request)
     out = logprobs_from_pb(response, as_arrays=True)
     if len(out) != len(samples) or any(len(lp) != len(s.response_ids) for lp, s in zip(out, samples)):
         raise RuntimeError(f"ComputeLogProbs answered {len(out)} rows of log-probs that do not match the "
@@ -217,12 +220,15 @@ class PushOutcome:
     num_bytes: int
     seconds: float
     failed: dict[str, str]
+    # target -> the adapter name it serves the run's weights under ("" = merged/full weights)
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 async def push_weights(stub, targets: Sequence[str]) -> PushOutcome:
     response = await stub.PushWeights(trainer_pb2.PushWeightsRequest(targets=list(targets)))
     return PushOutcome(response.weight_version, response.num_bytes, response.seconds,
-                       {r.target: r.error for r in response.results if not r.ok})
+                       {r.target: r.error for r in response.results if not r.ok},
+                       {r.target: r.adapter for r in response.results if r.ok})
 
 
 async def info(stub) -> common_pb2.ServiceInfo:

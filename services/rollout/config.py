@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from services.common.auto import AUTO, Auto
 from services.common.config import MeshSettings, ModelConfig, PoolConfig, Section, ServerConfig, bool_choice
@@ -174,6 +174,24 @@ class RolloutConfig(PoolConfig):
     _partial_off = field_validator("partial_rollouts", mode="before")(bool_choice(None, "off"))
     # Multi-turn episodes (GenerateEpisodes): the agent loop and its limits.
     agent: AgentConfig = AgentConfig()
+    # engine "torch": serve LoRA adapters over the frozen base, unmerged (services/rollout/engine_torch/lora.py):
+    # weight pushes of a LoRA run then carry the adapter alone, and one batch holds rows of several adapters
+    # (sampling.adapter). auto: on when the recipe trains adapters (actor.lora), off elsewhere. vLLM's names.
+    enable_lora: bool | Auto = AUTO
+    # Adapters served at once, and their largest rank (auto: actor.lora.rank, else 16): the stacked adapter
+    # buffers are sized by both when the replica starts (CUDA graphs read them by address).
+    max_loras: int = Field(4, ge=1, le=64)
+    max_lora_rank: Annotated[int, Field(ge=1, le=512)] | Auto = AUTO
+    # Linear layers (last part of the module path) adapters may target; None = actor.lora.target_modules, else
+    # every projection of a decoder layer.
+    lora_target_modules: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _lora_needs_an_adapter_engine(self):
+        if self.enable_lora is True and self.engine == "openai":
+            raise ValueError("enable_lora: true, but the openai engine proxies a server whose adapters meshrl does not "
+                             "load; set it to auto or false (the replica then takes merged weights)")
+        return self
 
     @model_validator(mode="after")
     def _graphs_need_torch(self):
@@ -211,6 +229,15 @@ class RolloutConfig(PoolConfig):
         return SamplingParams(**{**defaults, **overrides})
 
 
+class ActorLoraHint(BaseModel):
+    """What a replica reads of the recipe's `actor:` section: whether (and how) the run trains adapters, so
+    rollout.enable_lora auto follows it. Every other actor key is the trainer's."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora: dict[str, Any] | None = None
+
+
 class RolloutSettings(MeshSettings):
     """A replica's settings file: the model it serves, its `rollout:` section and its gRPC server."""
 
@@ -222,3 +249,5 @@ class RolloutSettings(MeshSettings):
     env: EnvConfig = EnvConfig()
     # run.redis_prefix: the registry keys env replicas register under (with env.registry).
     run: RegistryRunSection = RegistryRunSection()
+    # The recipe's actor.lora, read for rollout.enable_lora / max_lora_rank / lora_target_modules auto.
+    actor: ActorLoraHint = ActorLoraHint()

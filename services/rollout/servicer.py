@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -14,7 +15,9 @@ from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common import convert as common_convert
 from services.common.config import settings_json
 from services.common.rpc.server import MeshServer, create_server
-from services.common.tensors.weight_transport import decode_bucket, placement_of
+from services.common.base_identity import base_id
+from services.common.errors import FailedPrecondition
+from services.common.tensors.weight_transport import decode_bucket, placement_of, receive_host
 from services.rollout import convert
 from services.rollout.agents.env_client import EnvClient
 from services.rollout.agents.episodes import EpisodeRunner
@@ -34,6 +37,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         # ipc / nccl receivers, made on first use on the engine's device.
         self.receivers = DeviceReceivers(getattr(engine, "device", "cpu"))
         self.episodes = episode_runner(engine, settings)
+        # The frozen base this replica holds (a LoRA trainer pushes adapters only onto its own base): the model
+        # folder's digest, then whatever base a full update names ("" after merged weights: no base any more).
+        self.base_id = base_id(engine.model_path) if engine.supports_adapters else ""
+        log.info("rollout: %s", "serves LoRA adapters (a LoRA run pushes the adapter alone)" if engine.supports_adapters
+                 else "serves no LoRA adapters (a LoRA run pushes merged weights)")
 
     async def Generate(self, request, context):
         batch = convert.request_from_pb(request, self.defaults)
@@ -51,13 +59,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def ComputeLogProbs(self, request, context):
         batch = common_convert.sequences_from_pb(request, as_lists=True)
-        logprobs, version = await self.engine.logprobs(batch.prompts, batch.responses, batch.temperature)
+        check_adapter(self.engine, request.adapter)
+        # An engine serving adapters takes adapter= (its `logprobs` under that adapter; "" = the base).
+        extra = {"adapter": request.adapter} if request.adapter else {}
+        logprobs, version = await self.engine.logprobs(batch.prompts, batch.responses, batch.temperature, **extra)
         return common_convert.logprobs_to_pb(batch.ids, logprobs, weight_version=version, packed=request.packed,
                                              columnar=batch.columnar)
 
     async def GetInfo(self, request, context):
         await self.engine.refresh()
         details = {**self.engine.info(), "supports_adapters": "true" if self.engine.supports_adapters else "false",
+                   "base_id": self.base_id,
                    "weight_transports": ",".join(self.receivers.available()),
                    **placement_of(self.receivers.device),
                    "settings": settings_json(self.settings)}
@@ -71,19 +83,44 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             raise ValueError("UpdateWeights: the first message must carry the manifest")
         manifest = convert.manifest_from_pb(first.manifest)
         transport = first.manifest.transport or "grpc"
-        if transport == "grpc":
+        if manifest.adapter:
+            self._check_adapter_update(manifest)
+        elif transport == "grpc":
             done = await self.engine.update_weights(manifest, _buckets(request_iterator))
+            self.base_id = manifest.base_id
             return common_pb2.UpdateWeightsResponse(**done)
         start = time.perf_counter()
-        receiver = self.receivers.get(transport)
-        tensors, num_bytes = await receiver.receive(manifest, _device_buckets(request_iterator),
-                                                    group_id=first.manifest.group_id)
-        await self.engine.apply_update(manifest.version, tensors)
+        if transport == "grpc":       # an adapter: small, received whole on the host
+            received = await receive_host(manifest, _buckets(request_iterator))
+            tensors, num_bytes = received.tensors, received.num_bytes
+        else:
+            tensors, num_bytes = await self.receivers.get(transport).receive(
+                manifest, _device_buckets(request_iterator), group_id=first.manifest.group_id)
+        if manifest.adapter:
+            await self.engine.apply_adapter(manifest.adapter, manifest.version, json.loads(manifest.adapter_config),
+                                            dict(tensors))
+        else:
+            await self.engine.apply_update(manifest.version, tensors)
+            self.base_id = manifest.base_id
         seconds = time.perf_counter() - start
-        log.info("weights version %d applied over %s: %d tensors, %.1f MiB in %.3fs", manifest.version, transport,
+        log.info("%s version %d applied over %s: %d tensors, %.1f MiB in %.3fs", f"adapter {manifest.adapter!r}" if manifest.adapter else "weights", manifest.version, transport,
                  len(tensors), num_bytes / 2**20, seconds)
         return common_pb2.UpdateWeightsResponse(weight_version=self.engine.weight_version, num_bytes=num_bytes,
                                                 seconds=seconds)
+
+    def _check_adapter_update(self, manifest) -> None:
+        """An adapter update is applied over the base it was trained on, or refused before its bytes move."""
+        if not self.engine.supports_adapters:
+            raise FailedPrecondition(f"manifest.adapter: {manifest.adapter!r}, but the "
+                                     f"{self.engine.info().get('engine', '?')} engine serves no LoRA adapters; push "
+                                     "merged full weights")
+        if manifest.base_id != self.base_id:
+            raise FailedPrecondition(f"manifest.base_id: the adapter belongs to base {manifest.base_id or '?'}, this "
+                                     f"replica holds {self.base_id or 'no known base'}; push the base first")
+        try:
+            json.loads(manifest.adapter_config)
+        except ValueError:
+            raise ValueError("manifest.adapter_config: not JSON") from None
 
     async def JoinWeightGroup(self, request, context):
         receiver = self.receivers.get("nccl")

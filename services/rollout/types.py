@@ -227,6 +227,13 @@ class RolloutEngine(abc.ABC):
         raise FailedPrecondition(f"load_adapter: the {self.info().get('engine', '?')} engine does not serve LoRA "
                                  "adapters (it takes merged full weights)")
 
+    async def apply_adapter(self, name: str, version: int, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """load_adapter where the engine lets a weight swap land (the torch engine: between decodes); this default
+        runs it in a worker thread."""
+        import asyncio
+
+        await asyncio.to_thread(self.load_adapter, name, version, config, tensors)
+
     async def refresh(self) -> None:
         """Brings what info() reports up to date (an upstream's capabilities); GetInfo awaits it first."""
         return None

@@ -199,13 +199,14 @@ class TrainerEngine:
 
     # ---- weights out: sync, checkpoints, export -----------------------------------------------------
 
-    def state_for_sync(self, on_device: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+    def state_for_sync(self, on_device: bool = False, kind: str = "full") -> tuple[dict[str, torch.Tensor], int]:
         """Full copies of the actor's weights (HF names, no tied duplicates) and their version: on CPU, or on
-        rank 0's device for the device transports (ipc, nccl)."""
+        rank 0's device for the device transports (ipc, nccl). kind (under actor.lora): "full" merged, "base" the
+        frozen base alone, "adapter" the adapter alone (services/trainer/weights/full.py SYNC_KINDS)."""
         if on_device and self.rank.device.type != "cuda":
             raise FailedPrecondition(f"weight_sync.transport: ipc and nccl need the trainer on a CUDA device, "
                                      f"it runs on {self.rank.device}")
-        return self.commands.run("state_for_sync", on_device), self.rank.weight_version
+        return self.commands.run("state_for_sync", on_device, kind), self.rank.weight_version
 
     def save_checkpoint(self, path: str) -> dict:
         checkpoint.check_target(path, "save checkpoint")

@@ -14,6 +14,7 @@ from services.common.tensors.weight_transport import placement_of
 from services.trainer import convert
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
+from services.trainer.weights.adapter import AdapterSync
 from services.trainer.weights.choice import AutoSender, available_senders, build_sender, check_transport
 from services.trainer.weights.senders import WeightSender
 
@@ -22,6 +23,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, engine: TrainerEngine, sender: WeightSender):
         self.engine = engine
         self.sender = sender
+        # actor.lora: pushes carry the adapter alone to replicas that serve adapters (weights/adapter.py).
+        self.adapters = AdapterSync(engine, sender, token=getattr(sender, "token", None),
+                                    timeout=getattr(sender, "timeout", None)) if engine.rank.cfg.lora else None
 
     async def ComputeLogProbs(self, request, context):
         batch = common_convert.sequences_from_pb(request)
@@ -62,21 +66,28 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if request.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes: must be >= 0, got {request.bucket_bytes}")
         t0 = time.perf_counter()
-        if isinstance(self.sender, AutoSender):
-            await self.sender.prepare(targets)      # each replica's transport, before the state is fetched
-        state, version = await asyncio.to_thread(self.engine.state_for_sync, self.sender.on_device)
         rank = self.engine.rank
         if isinstance(self.sender, AutoSender):
             default = 0                             # each transport's own
         else:
             default = rank.cfg.weight_bucket_bytes if self.sender.transport == "grpc" else \
                 rank.settings.weight_sync.device_bucket_bytes
-        outcomes = await self.sender.push(state, version, targets, bucket_bytes=request.bucket_bytes or default)
+        if self.adapters is not None:               # actor.lora: the adapter alone where the replica serves it
+            version = rank.weight_version
+            out = await self.adapters.push(targets, request.bucket_bytes or default)
+            outcomes, num_bytes = out.outcomes, out.num_bytes
+        else:
+            if isinstance(self.sender, AutoSender):
+                await self.sender.prepare(targets)  # each replica's transport, before the state is fetched
+            state, version = await asyncio.to_thread(self.engine.state_for_sync, self.sender.on_device)
+            outcomes = await self.sender.push(state, version, targets, bucket_bytes=request.bucket_bytes or default)
+            num_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        payload, adapter = (out.payload, out.adapter) if self.adapters is not None else ({}, {})
         return trainer_pb2.PushWeightsResponse(
-            weight_version=version, num_bytes=sum(t.numel() * t.element_size() for t in state.values()),
-            seconds=time.perf_counter() - t0,
-            results=[trainer_pb2.PushResult(target=o.target, ok=o.ok, error=o.error, seconds=o.seconds)
-                     for o in outcomes])
+            weight_version=version, num_bytes=num_bytes, seconds=time.perf_counter() - t0,
+            results=[trainer_pb2.PushResult(target=o.target, ok=o.ok, error=o.error, seconds=o.seconds,
+                                            adapter=adapter.get(o.target, ""),
+                                            payload=payload.get(o.target, "full")) for o in outcomes])
 
     async def SaveCheckpoint(self, request, context):
         return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.save_checkpoint, request.path))

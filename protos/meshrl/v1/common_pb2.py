@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshrl/v1/common.proto\x12\tmeshrl.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\")\n\x06Ragged\x12\x0f\n\x07lengths\x18\x01 \x01(\x0c\x12\x0e\n\x06values\x18\x02 \x01(\x0c\"}\n\rTokenSequence\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x03 \x03(\x05\x12\x19\n\x11prompt_ids_packed\x18\x04 \x01(\x0c\x12\x1b\n\x13response_ids_packed\x18\x05 \x01(\x0c\"F\n\rTokenLogProbs\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0flogprobs_packed\x18\x03 \x01(\x0c\"\xb5\x01\n\x0fLogProbsRequest\x12+\n\tsequences\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.TokenSequence\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x0e\n\x06packed\x18\x03 \x01(\x08\x12&\n\x0bprompt_rows\x18\x04 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12(\n\rresponse_rows\x18\x05 \x01(\x0b\x32\x11.meshrl.v1.Ragged\"~\n\x10LogProbsResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.TokenLogProbs\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\'\n\x0clogprob_rows\x18\x03 \x01(\x0b\x32\x11.meshrl.v1.Ragged\"X\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\xbd\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.meshrl.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_config\x18\x07 \x01(\t\x12\x0f\n\x07\x62\x61se_id\x18\x08 \x01(\t\"\xe1\x01\n\rCudaIpcHandle\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x03 \x01(\x03\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x11\n\tbuffer_id\x18\t \x01(\t\"g\n\x0c\x44\x65viceBucket\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x03\x12%\n\x03ipc\x18\x04 \x01(\x0b\x32\x18.meshrl.v1.CudaIpcHandle\"\x91\x01\n\x0cWeightBucket\x12+\n\x08manifest\x18\x01 \x01(\x0b\x32\x19.meshrl.v1.WeightManifest\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\x12\'\n\x06\x64\x65vice\x18\x04 \x01(\x0b\x32\x17.meshrl.v1.DeviceBucket\x12\x0e\n\x06\x63ommit\x18\x05 \x01(\x08\"S\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"n\n\x12WeightGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tunique_id\x18\x02 \x01(\x0c\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"<\n\x13WeightGroupResponse\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\"\x10\n\x0eGetInfoRequest\"\xa8\x01\n\x0bServiceInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x34\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32#.meshrl.v1.ServiceInfo.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshrl/v1/common.proto\x12\tmeshrl.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\")\n\x06Ragged\x12\x0f\n\x07lengths\x18\x01 \x01(\x0c\x12\x0e\n\x06values\x18\x02 \x01(\x0c\"}\n\rTokenSequence\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x03 \x03(\x05\x12\x19\n\x11prompt_ids_packed\x18\x04 \x01(\x0c\x12\x1b\n\x13response_ids_packed\x18\x05 \x01(\x0c\"F\n\rTokenLogProbs\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0flogprobs_packed\x18\x03 \x01(\x0c\"\xc6\x01\n\x0fLogProbsRequest\x12+\n\tsequences\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.TokenSequence\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x0e\n\x06packed\x18\x03 \x01(\x08\x12&\n\x0bprompt_rows\x18\x04 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12(\n\rresponse_rows\x18\x05 \x01(\x0b\x32\x11.meshrl.v1.Ragged\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\"~\n\x10LogProbsResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.TokenLogProbs\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\'\n\x0clogprob_rows\x18\x03 \x01(\x0b\x32\x11.meshrl.v1.Ragged\"X\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\xbd\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.meshrl.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_config\x18\x07 \x01(\t\x12\x0f\n\x07\x62\x61se_id\x18\x08 \x01(\t\"\xe1\x01\n\rCudaIpcHandle\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x03 \x01(\x03\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x11\n\tbuffer_id\x18\t \x01(\t\"g\n\x0c\x44\x65viceBucket\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x03\x12%\n\x03ipc\x18\x04 \x01(\x0b\x32\x18.meshrl.v1.CudaIpcHandle\"\x91\x01\n\x0cWeightBucket\x12+\n\x08manifest\x18\x01 \x01(\x0b\x32\x19.meshrl.v1.WeightManifest\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\x12\'\n\x06\x64\x65vice\x18\x04 \x01(\x0b\x32\x17.meshrl.v1.DeviceBucket\x12\x0e\n\x06\x63ommit\x18\x05 \x01(\x08\"S\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"n\n\x12WeightGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tunique_id\x18\x02 \x01(\x0c\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"<\n\x13WeightGroupResponse\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\"\x10\n\x0eGetInfoRequest\"\xa8\x01\n\x0bServiceInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x34\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32#.meshrl.v1.ServiceInfo.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,29 +42,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROBS']._serialized_start=261
   _globals['_TOKENLOGPROBS']._serialized_end=331
   _globals['_LOGPROBSREQUEST']._serialized_start=334
-  _globals['_LOGPROBSREQUEST']._serialized_end=515
-  _globals['_LOGPROBSRESPONSE']._serialized_start=517
-  _globals['_LOGPROBSRESPONSE']._serialized_end=643
-  _globals['_TENSORSPEC']._serialized_start=645
-  _globals['_TENSORSPEC']._serialized_end=733
-  _globals['_WEIGHTMANIFEST']._serialized_start=736
-  _globals['_WEIGHTMANIFEST']._serialized_end=925
-  _globals['_CUDAIPCHANDLE']._serialized_start=928
-  _globals['_CUDAIPCHANDLE']._serialized_end=1153
-  _globals['_DEVICEBUCKET']._serialized_start=1155
-  _globals['_DEVICEBUCKET']._serialized_end=1258
-  _globals['_WEIGHTBUCKET']._serialized_start=1261
-  _globals['_WEIGHTBUCKET']._serialized_end=1406
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1408
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1491
-  _globals['_WEIGHTGROUPREQUEST']._serialized_start=1493
-  _globals['_WEIGHTGROUPREQUEST']._serialized_end=1603
-  _globals['_WEIGHTGROUPRESPONSE']._serialized_start=1605
-  _globals['_WEIGHTGROUPRESPONSE']._serialized_end=1665
-  _globals['_GETINFOREQUEST']._serialized_start=1667
-  _globals['_GETINFOREQUEST']._serialized_end=1683
-  _globals['_SERVICEINFO']._serialized_start=1686
-  _globals['_SERVICEINFO']._serialized_end=1854
-  _globals['_SERVICEINFO_DETAILSENTRY']._serialized_start=1808
-  _globals['_SERVICEINFO_DETAILSENTRY']._serialized_end=1854
+  _globals['_LOGPROBSREQUEST']._serialized_end=532
+  _globals['_LOGPROBSRESPONSE']._serialized_start=534
+  _globals['_LOGPROBSRESPONSE']._serialized_end=660
+  _globals['_TENSORSPEC']._serialized_start=662
+  _globals['_TENSORSPEC']._serialized_end=750
+  _globals['_WEIGHTMANIFEST']._serialized_start=753
+  _globals['_WEIGHTMANIFEST']._serialized_end=942
+  _globals['_CUDAIPCHANDLE']._serialized_start=945
+  _globals['_CUDAIPCHANDLE']._serialized_end=1170
+  _globals['_DEVICEBUCKET']._serialized_start=1172
+  _globals['_DEVICEBUCKET']._serialized_end=1275
+  _globals['_WEIGHTBUCKET']._serialized_start=1278
+  _globals['_WEIGHTBUCKET']._serialized_end=1423
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1425
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1508
+  _globals['_WEIGHTGROUPREQUEST']._serialized_start=1510
+  _globals['_WEIGHTGROUPREQUEST']._serialized_end=1620
+  _globals['_WEIGHTGROUPRESPONSE']._serialized_start=1622
+  _globals['_WEIGHTGROUPRESPONSE']._serialized_end=1682
+  _globals['_GETINFOREQUEST']._serialized_start=1684
+  _globals['_GETINFOREQUEST']._serialized_end=1700
+  _globals['_SERVICEINFO']._serialized_start=1703
+  _globals['_SERVICEINFO']._serialized_end=1871
+  _globals['_SERVICEINFO_DETAILSENTRY']._serialized_start=1825
+  _globals['_SERVICEINFO_DETAILSENTRY']._serialized_end=1871
 # @@protoc_insertion_point(module_scope)

@@ -49,18 +49,20 @@ class TokenLogProbs(_message.Message):
     def __init__(self, id: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., logprobs_packed: _Optional[bytes] = ...) -> None: ...
 
 class LogProbsRequest(_message.Message):
-    __slots__ = ("sequences", "temperature", "packed", "prompt_rows", "response_rows")
+    __slots__ = ("sequences", "temperature", "packed", "prompt_rows", "response_rows", "adapter")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ROWS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
     temperature: float
     packed: bool
     prompt_rows: Ragged
     response_rows: Ragged
-    def __init__(self, sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., temperature: _Optional[float] = ..., packed: _Optional[bool] = ..., prompt_rows: _Optional[_Union[Ragged, _Mapping]] = ..., response_rows: _Optional[_Union[Ragged, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., temperature: _Optional[float] = ..., packed: _Optional[bool] = ..., prompt_rows: _Optional[_Union[Ragged, _Mapping]] = ..., response_rows: _Optional[_Union[Ragged, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class LogProbsResponse(_message.Message):
     __slots__ = ("results", "weight_version", "logprob_rows")

@@ -230,16 +230,20 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, targets: _Optional[_Iterable[str]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
 class PushResult(_message.Message):
-    __slots__ = ("target", "ok", "error", "seconds")
+    __slots__ = ("target", "ok", "error", "seconds", "adapter", "payload")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     target: str
     ok: bool
     error: str
     seconds: float
-    def __init__(self, target: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    adapter: str
+    payload: str
+    def __init__(self, target: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., adapter: _Optional[str] = ..., payload: _Optional[str] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
     __slots__ = ("weight_version", "results", "num_bytes", "seconds")

@@ -44,6 +44,9 @@ class Replica:
     load: int = 0
     weight_version: int = -1
     failures: int = 0
+    # The LoRA adapter this replica serves the run's weights under (the trainer's last push said so; Generate's
+    # sampling.adapter); "" = the model's own weights (full or merged).
+    adapter: str = ""
 
 
 def configured(section: PoolConfig) -> bool:

@@ -101,7 +101,7 @@ class Joining:
             self.live[id(row)] = row
         self.ids += take
         e.stats["joined_rows"] += len(take)
-        return [Joiner(r.prompt, r.budget, r.sampling.temperature, r.sampling.top_p) for r in take]
+        return [Joiner(r.prompt, r.budget, r.sampling.temperature, r.sampling.top_p, r.slot) for r in take]
 
     def _take_request(self, room: Room) -> bool:
         """Moves the oldest pending request's rows to the queue when they may join this decode."""
@@ -141,6 +141,7 @@ def graph_decode(engine, rows: list, flight: Flight) -> None:
         engine._graph_decoder.decode(
             [r.prompt for r in rows], [r.budget for r in rows], [r.sampling.temperature for r in rows],
             [r.sampling.top_p for r in rows], seeds=seeds, top_logprobs=max(r.sampling.top_logprobs for r in rows),
+            slots=[r.slot for r in rows],
             between_steps=(lambda i: engine._between_steps(list(joining.live.values()), i + 2)) if partial else None,
             join=joining, ended=joining.ended)
         rows = joining.next_rows(engine.max_batch_size)

@@ -41,6 +41,7 @@ import torch
 from services.rollout.engine_torch import decode_join
 from services.rollout.engine_torch.decode_join import Joiner, Room
 from services.rollout.engine_torch.graph_step import GraphStep, State, unsupported_reason
+from services.rollout.engine_torch.lora import adapter_rows
 from services.rollout.engine_torch.sampling import left_padded
 from services.rollout.types import bucket_batch, bucket_len
 
@@ -142,7 +143,8 @@ class GraphDecoder(GraphStep):
                top_ps: Sequence[float], *, seeds: Sequence[int | None] | None = None, top_logprobs: int = 0,
                stop_check: StopCheck | None = None, between_steps: Callable[[int], None] | None = None,
                join: Callable[[Room], Sequence[Joiner]] | None = None,
-               ended: Callable[[dict[int, tuple]], None] | None = None) -> Decoded:
+               ended: Callable[[dict[int, tuple]], None] | None = None,
+               slots: Sequence[int] | None = None) -> Decoded:
         """Tokens, raw log-probs, ended-by-eos-or-stop flags and (top_logprobs > 0) each step's top
         (id, log-prob) pairs of each row. seeds: a row's Philox key (None: drawn); stop_check(row, tokens, since):
         whether that row's response now holds a stop string. between_steps(i): called at each sync after step i
@@ -150,15 +152,27 @@ class GraphDecoder(GraphStep):
         join(room): at each sync, unseeded rows to add (at most room.free; room.takes and fits them); they get ids
         after the ones before, and the decode runs until no row runs and none joins. ended({id: (tokens,
         logprobs, stopped, top)}): rows as they end (with join; top then holds every recorded pair, TOP_K). Not
-        with stop_check (its scans start at step 0)."""
+        with stop_check (its scans start at step 0). slots: each row's LoRA adapter slot (lora.py; None = base)."""
+        slots = list(slots) if slots is not None else [0] * len(prompts)
+        if self.adapters is None and any(slots):
+            raise ValueError("sampling.adapter: this decoder serves no adapters")
+        try:
+            return self._decode(prompts, budgets, temperatures, top_ps, seeds, top_logprobs, stop_check,
+                                between_steps, join, ended, slots)
+        finally:
+            if self.adapters is not None:
+                self.adapters.rows.zero_()      # eager forwards after this one see base rows unless told
+
+    def _decode(self, prompts, budgets, temperatures, top_ps, seeds, top_logprobs, stop_check, between_steps, join,
+                ended, slots: list[int]) -> Decoded:
         R = len(prompts)
         assert 0 < R <= self.max_batch_size
         self._follow_weights()
         if stop_check is not None:
             join = None
-        uniq: dict[tuple[int, ...], int] = {}
-        fan = [uniq.setdefault(tuple(q), len(uniq)) for q in prompts]
-        L = max(len(q) for q in uniq)
+        uniq: dict[tuple[int, tuple[int, ...]], int] = {}
+        fan = [uniq.setdefault((s, tuple(q)), len(uniq)) for s, q in zip(slots, prompts)]
+        L = max(len(q) for _, q in uniq)
         T = max(budgets)
         st = self._state(bucket_batch(R, self.max_batch_size), bucket_len(L + (2 * T if join else T)))
         k = min(top_logprobs, TOP_K, self.vocab_size)
@@ -168,6 +182,8 @@ class GraphDecoder(GraphStep):
         mode = (self._mode(temperatures, top_ps), bool(k))
         graph = self._graph(st, mode) if self.use_graphs else None
         self._prefill(st, list(uniq), fan, L, budgets, temperatures, top_ps, seeds)
+        if self.adapters is not None:
+            self.adapters.set_decode_rows(slots)          # read by the captured step, batch row by batch row
         if join is not None:
             return Decoded(*decode_join.decode(self, st, mode, graph, L, R, budgets, between_steps, join, ended))
         scan = _StopScan(st, R, stop_check) if stop_check is not None else None
@@ -262,17 +278,20 @@ class GraphDecoder(GraphStep):
 
     # ---- prefill
 
-    def _prefill(self, st: State, prompts: list[tuple[int, ...]], fan: list[int], L: int, budgets, temperatures,
-                 top_ps, seeds: Sequence[int | None] | None = None) -> None:
-        """The engine's prefill (left padding, one forward per distinct prompt), copied into the static cache."""
+    def _prefill(self, st: State, uniq: list[tuple[int, tuple[int, ...]]], fan: list[int], L: int, budgets,
+                 temperatures, top_ps, seeds: Sequence[int | None] | None = None) -> None:
+        """The engine's prefill (left padding, one forward per distinct (adapter slot, prompt)), copied into the
+        static cache."""
         from transformers import DynamicCache
 
         dev, R = self.device, len(fan)
+        prompts = [q for _, q in uniq]
         lens = [len(q) for q in prompts]
         ids, mask, pos = left_padded(prompts, self.pad_id, L)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with adapter_rows(self.adapters, [s for s, _ in uniq]):
+            out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
         fan_t = torch.tensor(fan, dtype=torch.long, device=dev)
         st.logits[:R].copy_(out.logits[:, -1, :].index_select(0, fan_t))
         st.logits[R:].zero_()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from services.rollout.engine_torch.continuous import Flight, fill_row, graph_decode
+from services.rollout.engine_torch.lora import adapter_rows
 from services.rollout.engine_torch.sampling import left_padded, sample_tokens
 from services.rollout.types import SamplingParams
 
@@ -36,6 +37,7 @@ class Row:
     start: int = 0                                # the decode step of its first token (a row that joined later)
     # (first token index, version) of each weight swap that landed while it decoded (partial rollouts)
     swaps: list[tuple[int, int]] = field(default_factory=list)
+    slot: int = 0                                 # its LoRA adapter's slot (lora.py); 0 = the base model
 
     def weight_versions(self) -> list[int] | None:
         """Per token, the version whose forward produced it; None when no swap landed inside its tokens."""
@@ -111,8 +113,10 @@ def _eager_decode(engine, rows: list[Row], partial: str) -> None:
 
     Rows that finish are dropped from the batch (and the KV cache), so long tails do not pay for finished rows.
     """
-    dev, model = engine.device, engine.model
-    cache, logits, mask, next_pos = _prefill(model, [r.prompt for r in rows], engine.pad_id, dev)
+    dev, model, bank = engine.device, engine.model, engine.adapters
+    slots = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)
+    cache, logits, mask, next_pos = _prefill(model, [r.prompt for r in rows], engine.pad_id, dev, bank,
+                                             slots.tolist())
     out = _Outputs.empty(rows, engine.vocab_size, dev)
     budget = torch.tensor([r.budget for r in rows], dtype=torch.long, device=dev)
     eos = torch.tensor(sorted(engine.eos_ids) or [-1], dtype=torch.long, device=dev)
@@ -143,32 +147,36 @@ def _eager_decode(engine, rows: list[Row], partial: str) -> None:
         if partial != "off" and engine._between_steps(rows, step + 1) and partial == "pause":
             # The running rows' prompt and tokens so far through the new weights: a fresh KV cache.
             running = [rows[a].prompt + out.tokens[a, :step + 1].tolist() for a in active.tolist()]
-            cache, logits, mask, next_pos = _prefill(model, running, engine.pad_id, dev)
+            cache, logits, mask, next_pos = _prefill(model, running, engine.pad_id, dev, bank, slots[active].tolist())
         else:
             mask = torch.cat([mask, mask.new_ones((mask.size(0), 1))], dim=1)
-            logits = model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
-                           past_key_values=cache, use_cache=True).logits[:, -1, :].float()
+            with adapter_rows(bank, slots[active]):
+                logits = model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
+                               past_key_values=cache, use_cache=True).logits[:, -1, :].float()
             next_pos = next_pos + 1
         step += 1
     out.write_to(rows)
 
 
-def _prefill(model, sequences: list[list[int]], pad_id: int, device):
-    """Runs each distinct sequence once (left-padded), then fans its KV cache out to the rows that share it.
+def _prefill(model, sequences: list[list[int]], pad_id: int, device, bank=None, slots: Sequence[int] | None = None):
+    """Runs each distinct (adapter slot, sequence) once (left-padded), then fans its KV cache out to the rows that
+    share it.
 
     Returns the cache, the last logits [R, V] (fp32), the attention mask [R, L] and the next positions [R, 1].
     """
     from transformers import DynamicCache
 
-    uniq: dict[tuple[int, ...], int] = {}
-    fan = [uniq.setdefault(tuple(q), len(uniq)) for q in sequences]
-    prompts = list(uniq)
+    slots = list(slots) if slots is not None else [0] * len(sequences)
+    uniq: dict[tuple[int, tuple[int, ...]], int] = {}
+    fan = [uniq.setdefault((s, tuple(q)), len(uniq)) for s, q in zip(slots, sequences)]
+    prompts = [q for _, q in uniq]
     L = max(len(q) for q in prompts)
     ids, mask, pos = left_padded(prompts, pad_id, L)
     ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
+    with adapter_rows(bank, [s for s, _ in uniq]):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
     logits = out.logits[:, -1, :].float()
     fan_t = torch.tensor(fan, dtype=torch.long, device=device)
     if len(prompts) != len(sequences) or fan != list(range(len(sequences))):
@@ -206,7 +214,8 @@ def _graph_decode(engine, rows: list[Row], *, partial: bool = False, flight: Fli
              for r in rows]
     out = engine._graph_decoder.decode(
         [r.prompt for r in rows], [r.budget for r in rows], [r.sampling.temperature for r in rows],
-        [r.sampling.top_p for r in rows], seeds=seeds, top_logprobs=max(r.sampling.top_logprobs for r in rows),
+        [r.sampling.top_p for r in rows], seeds=seeds, slots=[r.slot for r in rows],
+        top_logprobs=max(r.sampling.top_logprobs for r in rows),
         stop_check=stop_check if any(r.sampling.stop for r in rows) else None,
         # the logits of token i + 1 were computed before the boundary after step i: the swap shows from i + 2
         between_steps=(lambda i: engine._between_steps(rows, i + 2)) if partial else None)

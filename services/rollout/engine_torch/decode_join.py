@@ -15,6 +15,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from services.rollout.engine_torch.lora import adapter_rows
 from services.rollout.engine_torch.sampling import left_padded
 
 
@@ -45,6 +46,7 @@ class Joiner(NamedTuple):
     budget: int
     temperature: float
     top_p: float
+    slot: int = 0             # its LoRA adapter's slot (lora.py); 0 = the base model
 
 
 def decode(dec, st, mode: tuple[str, bool], graph, L: int, R: int, budgets, between_steps, join, ended) -> tuple:
@@ -117,14 +119,17 @@ def _admit(dec, st, rows: Sequence[Joiner], batch_rows: list[int], room: Room) -
     from transformers import DynamicCache
 
     dev, c = dec.device, room.slot
-    uniq: dict[tuple[int, ...], int] = {}
-    fan = [uniq.setdefault(tuple(j.prompt), len(uniq)) for j in rows]
-    Lj = max(len(q) for q in uniq)
-    ids, mask, pos = left_padded(list(uniq), dec.pad_id, Lj)
+    uniq: dict[tuple[int, tuple[int, ...]], int] = {}
+    fan = [uniq.setdefault((j.slot, tuple(j.prompt)), len(uniq)) for j in rows]
+    Lj = max(len(q) for _, q in uniq)
+    ids, mask, pos = left_padded([q for _, q in uniq], dec.pad_id, Lj)
     cache = DynamicCache(config=dec.model.config)
-    out = dec.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                     past_key_values=cache, use_cache=True, logits_to_keep=1)
+    with adapter_rows(dec.adapters, [s for s, _ in uniq]):
+        out = dec.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
     fan_t, at = torch.tensor(fan, dtype=torch.long, device=dev), torch.tensor(batch_rows, device=dev)
+    if dec.adapters is not None:          # the joiners' adapters in their batch rows, read by the captured step
+        dec.adapters.set_decode_rows([j.slot for j in rows], at)
     st.logits.index_copy_(0, at, out.logits[:, -1, :].index_select(0, fan_t).to(st.logits.dtype))
     for layer, (k, v) in enumerate(zip(st.k, st.v)):
         # Left-padded to Lj: the pad part lands in slots [c - Lj, c - len), outside the row's [pad, slot].

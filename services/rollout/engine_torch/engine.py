@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import threading
 import time
@@ -25,6 +26,7 @@ from services.common.tensors.weights import Manifest, apply_weights, check_again
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_torch.continuous import Flight, answer_of
 from services.rollout.engine_torch.decode import Row, decode_rows
+from services.rollout.engine_torch.lora import adapter_rows, build_bank
 from services.rollout.engine_torch.sampling import row_generator
 from services.rollout.engine_torch.speed import resolve_speed, warm_up_decoder
 from services.rollout.local_model import LocalModelEngine, find_eos_ids, model_len_limit, try_tokenizer
@@ -105,6 +107,9 @@ class TorchEngine(LocalModelEngine):
                       "swaps_mid_generation": 0, "joined_rows": 0}
         self.resolved = resolve_speed(r, self.device, self.model)
         self.max_batch_size = self.resolved.value("rollout.max_batch_size")
+        # LoRA adapters over the frozen base (rollout.enable_lora), before the graph decoder reads the layers.
+        self.adapters = build_bank(settings, self.model, self.resolved, self.max_batch_size)
+        self.supports_adapters = self.adapters is not None
         self._graph_decoder = None
         if self.resolved.value("rollout.cuda_graphs"):
             from services.rollout.engine_torch.cuda_decode import GraphDecoder
@@ -142,10 +147,12 @@ class TorchEngine(LocalModelEngine):
         return {"engine": "torch", "max_model_len": self.max_model_len, "max_batch_size": self.max_batch_size,
                 "resolved": self.resolved.json(), "warmup_seconds": round(self.warmup_seconds, 3),
                 "device": self.device, "dtype": self.dtype, "vocab_size": self.vocab_size,
-                "tokenizer": self.tokenizer is not None, **self.stats}
+                "tokenizer": self.tokenizer is not None, **self.stats,
+                **({"adapters": json.dumps(self.adapters.versions, sort_keys=True)} if self.adapters else {})}
 
     async def generate(self, batch: GenerateBatch) -> list[PromptResult]:
         prompt_ids = self.check_batch(batch)   # before queueing behind the lock
+        self.slot_of(batch.sampling.adapter)
         job = _Job(batch, prompt_ids, asyncio.get_running_loop().create_future())
         with self._pending_mutex:
             self._pending.append(job)
@@ -207,12 +214,37 @@ class TorchEngine(LocalModelEngine):
         """generate() for scripts and benchmarks: same checks and decode, in this thread, without the lock."""
         return self._generate_jobs([_Job(batch, self.check_batch(batch), None)])[0]
 
-    async def logprobs(self, prompts, responses, temperature: float = 1.0):
+    async def logprobs(self, prompts, responses, temperature: float = 1.0, *, adapter: str = ""):
         validate_sequences(prompts, responses, vocab_size=self.vocab_size, max_len=self.max_model_len)
+        slots = [self.slot_of(adapter)] * len(prompts)      # every micro-batch reads a prefix of these
         async with self._lock:
-            out = await self._run_locked(batched_logprobs, self.model, prompts, responses, pad_id=self.pad_id,
-                                         temperature=temperature, token_budget=self.config.logprobs_token_budget)
+            with adapter_rows(self.adapters, slots):
+                out = await self._run_locked(batched_logprobs, self.model, prompts, responses, pad_id=self.pad_id,
+                                             temperature=temperature, token_budget=self.config.logprobs_token_budget)
             return out, self.weight_version
+
+    def slot_of(self, adapter: str) -> int:
+        """The adapter slot of a request's sampling.adapter ("" = the base model)."""
+        if self.adapters is None:
+            if adapter:
+                raise ValueError(f"sampling.adapter: {adapter!r}, but this replica serves no adapters "
+                                 "(rollout.enable_lora is off)")
+            return 0
+        return self.adapters.slot_of(adapter)
+
+    def load_adapter(self, name: str, version: int, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Adapter `name` replaced whole (call with no decode running: apply_adapter does it between decodes)."""
+        check_weight_version(version)
+        if self.adapters is None:
+            raise ValueError("manifest.adapter: this replica serves no adapters (rollout.enable_lora is off)")
+        self.adapters.load(name, config, tensors)
+        self.adapters.versions[name] = version
+        # One run's replica: its version is the newest update applied, base or adapter (samples are tagged by it).
+        self.weight_version = version
+
+    async def apply_adapter(self, name: str, version: int, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """load_adapter where a weight swap lands: between decodes, or between two steps of a partial rollout."""
+        await self._swap(_Swap(lambda: self.load_adapter(name, version, config, tensors)))
 
     async def update_weights(self, manifest: Manifest, buckets: AsyncIterable[tuple[bytes, int]]) -> dict:
         start = time.perf_counter()
@@ -337,8 +369,9 @@ class TorchEngine(LocalModelEngine):
 
     def _rows_of(self, job: _Job) -> list[Row]:
         p = job.batch.sampling
+        slot = self.slot_of(p.adapter)
         return [Row(prompt=ids, budget=min(p.max_tokens, self.max_model_len - len(ids)), sampling=p,
-                    generator=row_generator(p.seed, ids, j) if p.seed is not None else None)
+                    generator=row_generator(p.seed, ids, j) if p.seed is not None else None, slot=slot)
                 for ids in job.prompt_ids for j in range(p.n)]       # prompt-major: row = prompt * n + sample
 
     def _results_of(self, job: _Job, rows: list[Row]) -> list[PromptResult]:

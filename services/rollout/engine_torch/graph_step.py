@@ -18,6 +18,7 @@ import torch
 
 from services.rollout.engine_torch import decode_attention, fused_sample
 from services.rollout.engine_torch.sampling import top_p_filter
+from services.rollout.engine_torch.lora import add_lora, bank_of
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
@@ -104,6 +105,8 @@ class GraphStep:
         # concatenated copies of the weights, refreshed from the model at every decode call (~50 MB at 0.5B),
         # so weight updates of any kind are seen. Only where all three have a bias or none has.
         self._qkv = self._qkv_buffers()
+        # LoRA adapters served on this model (rollout.enable_lora): each row's slot is in adapters.rows.
+        self.adapters = bank_of(model)
 
     def _new_state(self, B: int, S: int) -> State:
         """The static buffers of a (batch, length) bucket."""
@@ -227,6 +230,8 @@ class GraphStep:
         h = layer.input_layernorm(x)
         if wqkv is not None:
             q, k, v = torch.nn.functional.linear(h, wqkv, bqkv).split([H * hd, KV * hd, KV * hd], dim=-1)
+            # The fused GEMM holds the base weights only: each projection's adapter delta on top.
+            q, k, v = add_lora(q, a.q_proj, h), add_lora(k, a.k_proj, h), add_lora(v, a.v_proj, h)
         else:
             q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
         q = q.reshape(B, 1, H, hd).transpose(1, 2)                               # [B, H, 1, hd]

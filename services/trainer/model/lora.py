@@ -130,3 +130,14 @@ def adapter_config(cfg: LoraSection, base_path: str) -> dict:
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
             "lora_dropout": cfg.dropout, "target_modules": list(cfg.target_modules), "bias": "none",
             "base_model_name_or_path": base_path, "inference_mode": True}
+
+
+def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The frozen base under the model's own names, adapters left out (not merged): what a rollout replica that
+    serves adapters needs under them (services/trainer/weights/adapter.py)."""
+    return {hf_name(name): t for name, t in named_weights(model).items() if ".lora_" not in name}
+
+
+def adapter_sync_config(cfg: LoraSection) -> dict:
+    """The adapter config a weight push carries (WeightManifest.adapter_config): what a replica needs to serve it."""
+    return {"r": cfg.rank, "lora_alpha": cfg.alpha, "target_modules": list(cfg.target_modules)}

@@ -17,7 +17,8 @@ from services.common.placement import Placement, pick_transport, placement_from
 from services.trainer.weights.grpc_sender import GrpcSender
 from services.trainer.weights.ipc_sender import IpcSender
 from services.trainer.weights.nccl_sender import NcclSender, nccl_importable
-from services.trainer.weights.senders import DEVICE_BUCKET_BYTES, PushOutcome, RpcSender, WeightSender, error_text
+from services.trainer.weights.senders import (DEVICE_BUCKET_BYTES, NO_TAGS, ManifestTags, PushOutcome, RpcSender,
+                                              WeightSender, error_text)
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -83,7 +84,8 @@ class AutoSender(RpcSender):
         self.on_device = any(transport != "grpc" for transport in plan.values())
         return plan
 
-    async def push(self, state, version, targets, *, bucket_bytes: int = 0) -> list[PushOutcome]:
+    async def push(self, state, version, targets, *, bucket_bytes: int = 0,
+                   tags: ManifestTags = NO_TAGS) -> list[PushOutcome]:
         """bucket_bytes: every transport's bucket size (0: each transport's own default). Follows the plan of the
         prepare() call for these targets (made here when there was none)."""
         if self._planned is None or self._planned[0] != tuple(targets):
@@ -100,7 +102,7 @@ class AutoSender(RpcSender):
             sender = self._sender(transport)
             size = bucket_bytes or self.bucket_defaults[transport]
             return await sender.push(host_state if transport == "grpc" and host_state is not None else state,
-                                     version, group, bucket_bytes=size)
+                                     version, group, bucket_bytes=size, tags=tags)
 
         results = {o.target: o for outs in await asyncio.gather(*(one(tr, g) for tr, g in by.items())) for o in outs}
         for t, o in results.items():

@@ -11,7 +11,7 @@ import torch
 
 from services.common.tensors.codec import DTYPES
 from services.common.tensors.weights import named_weights
-from services.trainer.model.lora import merged_weights
+from services.trainer.model.lora import adapter_state, base_weights, merged_weights
 from services.trainer.parallel.mesh import gather_to_rank0
 from services.trainer.rank import Rank
 from services.trainer.weights.gather import stage_gatherers
@@ -19,10 +19,30 @@ from services.trainer.weights.gather import stage_gatherers
 log = logging.getLogger("meshrl.trainer")
 
 
+# What a push may carry (state_for_sync's kind): the model whole (merged under LoRA), the frozen base alone (a
+# replica serving adapters over another base gets it once), or the adapter alone (services/trainer/weights/adapter.py).
+SYNC_KINDS = ("full", "base", "adapter")
+
+
+def sync_source(rank: Rank, kind: str) -> dict[str, torch.Tensor]:
+    """The local (possibly sharded) tensors a push of `kind` carries."""
+    if kind not in SYNC_KINDS:
+        raise ValueError(f"state_for_sync: kind must be one of {SYNC_KINDS}, got {kind!r}")
+    if kind != "full" and not rank.cfg.lora:
+        raise ValueError(f"state_for_sync: kind {kind!r} needs actor.lora")
+    module = rank.actor.module
+    if kind == "adapter":
+        return adapter_state(module)         # PEFT's saved names: base_model.model.<layer>.lora_A.weight
+    if kind == "base":
+        return base_weights(module)
+    # Under LoRA: the base weights with the adapters merged in, under the model's own names.
+    return merged_weights(module) if rank.cfg.lora else named_weights(module)
+
+
 @torch.no_grad()
-def full_weights(rank: Rank, on_device: bool = False) -> dict[str, torch.Tensor] | None:
-    """Every actor weight, full and on CPU (on_device: on rank 0's device), on rank 0 (None elsewhere):
-    HF names, tied weights once.
+def full_weights(rank: Rank, on_device: bool = False, kind: str = "full") -> dict[str, torch.Tensor] | None:
+    """Every actor weight of a push of `kind` (SYNC_KINDS), full and on CPU (on_device: on rank 0's device), on
+    rank 0 (None elsewhere): HF names, tied weights once.
 
     Each pipeline stage's TP/FSDP shards are gathered to the stage's sender (its rank at dp = tp = 0) in
     buckets of weight_sync.device_bucket_bytes, one gather per bucket (services/trainer/weights/gather.py); the
@@ -32,8 +52,7 @@ def full_weights(rank: Rank, on_device: bool = False) -> dict[str, torch.Tensor]
     dtype = DTYPES[rank.cfg.weight_sync_dtype or rank.settings.model.dtype]
     # Pipeline stages meet on rank 0 through a CPU gather, so only a one-stage mesh stays on the device.
     where = rank.device if on_device and rank.dims.pp == 1 else "cpu"
-    # Under LoRA: the base weights with the adapters merged in, under the model's own names.
-    weights = merged_weights(rank.actor.module) if rank.cfg.lora else named_weights(rank.actor.module)
+    weights = sync_source(rank, kind)
     if rank.dims.world_size == 1:
         return {name: t.detach().to(where, dtype=dtype, copy=True) for name, t in weights.items()}
     if rank.gatherer is None:

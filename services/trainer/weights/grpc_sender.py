@@ -10,7 +10,7 @@ from meshrl.v1 import common_pb2
 from services.common.tensors.weight_transport import HostPayload
 from services.common.tensors.weights import DEFAULT_BUCKET_BYTES
 from services.trainer.convert import manifest_to_pb
-from services.trainer.weights.senders import PushOutcome, RpcSender, error_text
+from services.trainer.weights.senders import NO_TAGS, ManifestTags, PushOutcome, RpcSender, error_text
 
 UPDATE_WEIGHTS = "/meshrl.v1.Rollout/UpdateWeights"
 
@@ -35,9 +35,11 @@ class GrpcSender(RpcSender):
         except Exception as e:  # noqa: BLE001 - reported per target, never raised over the others
             return PushOutcome(target, False, error_text(e), time.perf_counter() - t0)
 
-    async def push(self, state, version, targets, *, bucket_bytes=DEFAULT_BUCKET_BYTES) -> list[PushOutcome]:
+    async def push(self, state, version, targets, *, bucket_bytes=DEFAULT_BUCKET_BYTES,
+                   tags: ManifestTags = NO_TAGS) -> list[PushOutcome]:
         payload = HostPayload(state, version, bucket_bytes)
-        manifest_message = common_pb2.WeightBucket(manifest=manifest_to_pb(payload.manifest)).SerializeToString()
+        manifest_message = common_pb2.WeightBucket(manifest=tags.apply(manifest_to_pb(payload.manifest))
+                                                   ).SerializeToString()
         payload.start()
         try:
             outcomes = await asyncio.gather(*(self._push_one(t, payload, manifest_message) for t in targets))

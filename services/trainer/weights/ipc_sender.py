@@ -11,8 +11,8 @@ import torch
 
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
 from services.common.tensors.weight_transport import DevicePlan, device_checksum, device_uuid, flat_bytes
-from services.trainer.weights.senders import (COMMIT, DEVICE_BUCKET_BYTES, PushOutcome, RpcSender, device_bucket_bytes,
-                                              device_manifest, device_of, error_text)
+from services.trainer.weights.senders import (COMMIT, DEVICE_BUCKET_BYTES, NO_TAGS, ManifestTags, PushOutcome,
+                                              RpcSender, device_bucket_bytes, device_manifest, device_of, error_text)
 
 
 class IpcSender(RpcSender):
@@ -59,29 +59,30 @@ class IpcSender(RpcSender):
             storage_offset=storage_offset, ref_counter_handle=rc_handle or b"", ref_counter_offset=rc_offset or 0,
             event_handle=ev_handle or b"", event_sync_required=bool(ev_sync), buffer_id=uuid.uuid4().hex)
 
-    def _messages(self, plan: DevicePlan, sums: list[int]):
-        yield common_pb2.WeightBucket(manifest=device_manifest(plan, "ipc"))
+    def _messages(self, plan: DevicePlan, sums: list[int], tags: ManifestTags):
+        yield common_pb2.WeightBucket(manifest=device_manifest(plan, "ipc", tags=tags))
         for (offset, nbytes, _), checksum, handle in zip(plan.buckets, sums, self._handles):
             yield common_pb2.WeightBucket(device=common_pb2.DeviceBucket(offset=offset, nbytes=nbytes,
                                                                          checksum=checksum, ipc=handle))
         yield COMMIT
 
-    async def _push_one(self, target: str, plan: DevicePlan, sums: list[int]) -> PushOutcome:
+    async def _push_one(self, target: str, plan: DevicePlan, sums: list[int], tags: ManifestTags) -> PushOutcome:
         t0 = time.perf_counter()
         try:
             async with self.channel(target) as channel:
                 reply = await rollout_pb2_grpc.RolloutStub(channel).UpdateWeights(
-                    _aiter(self._messages(plan, sums)), metadata=self.metadata, timeout=self.timeout)
+                    _aiter(self._messages(plan, sums, tags)), metadata=self.metadata, timeout=self.timeout)
             return self._check(target, reply, plan.manifest.version, t0)
         except Exception as e:  # noqa: BLE001
             return PushOutcome(target, False, error_text(e), time.perf_counter() - t0)
 
-    async def push(self, state, version, targets, *, bucket_bytes=DEVICE_BUCKET_BYTES) -> list[PushOutcome]:
+    async def push(self, state, version, targets, *, bucket_bytes=DEVICE_BUCKET_BYTES,
+                   tags: ManifestTags = NO_TAGS) -> list[PushOutcome]:
         try:
             plan, sums = await asyncio.to_thread(self._stage, state, version, device_bucket_bytes(bucket_bytes))
         except Exception as e:  # noqa: BLE001
             return self._report(version, [PushOutcome(t, False, f"ipc staging failed: {error_text(e)}") for t in targets])
-        outcomes = await asyncio.gather(*(self._push_one(t, plan, sums) for t in targets))
+        outcomes = await asyncio.gather(*(self._push_one(t, plan, sums, tags) for t in targets))
         return self._report(version, outcomes)
 
     def close(self) -> None:

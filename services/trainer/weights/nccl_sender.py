@@ -16,8 +16,8 @@ import torch
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
 from services.common.tensors.weight_transport import (DevicePlan, abort_communicator, device_checksum, flat_bytes,
                                               init_communicator, nccl_unique_id_bytes, wait_stream_done)
-from services.trainer.weights.senders import (COMMIT, DEVICE_BUCKET_BYTES, PushOutcome, RpcSender, device_bucket_bytes,
-                                              device_manifest, device_of, error_text)
+from services.trainer.weights.senders import (COMMIT, DEVICE_BUCKET_BYTES, NO_TAGS, ManifestTags, PushOutcome,
+                                              RpcSender, device_bucket_bytes, device_manifest, device_of, error_text)
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -138,11 +138,11 @@ class NcclSender(RpcSender):
                 if ev is not None:
                     wait_stream_done(ev, deadline, "the last broadcast")
 
-    async def _push_group(self, state, plan: DevicePlan) -> list[PushOutcome]:
+    async def _push_group(self, state, plan: DevicePlan, tags: ManifestTags) -> list[PushOutcome]:
         group = self.group
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in group.members]
-        manifest = common_pb2.WeightBucket(manifest=device_manifest(plan, "nccl", group.group_id))
+        manifest = common_pb2.WeightBucket(manifest=device_manifest(plan, "nccl", group.group_id, tags))
 
         async def stream(q):
             yield manifest
@@ -177,7 +177,8 @@ class NcclSender(RpcSender):
             q.put_nowait(COMMIT)
         return list(await asyncio.gather(*calls))
 
-    async def push(self, state, version, targets, *, bucket_bytes=DEVICE_BUCKET_BYTES) -> list[PushOutcome]:
+    async def push(self, state, version, targets, *, bucket_bytes=DEVICE_BUCKET_BYTES,
+                   tags: ManifestTags = NO_TAGS) -> list[PushOutcome]:
         t0 = time.perf_counter()
         try:
             device = device_of(state)
@@ -199,7 +200,7 @@ class NcclSender(RpcSender):
                     for t, err in errors.items():
                         results[t] = PushOutcome(t, False, err, time.perf_counter() - t0)
                     break
-            outcomes = await self._push_group(state, plan)
+            outcomes = await self._push_group(state, plan, tags)
             results.update({o.target: o for o in outcomes})
             if all(o.ok for o in outcomes):
                 break

@@ -41,6 +41,23 @@ log = logging.getLogger("meshrl.trainer")
 DEVICE_BUCKET_BYTES = 128 * 1024 * 1024
 
 
+@dataclass(frozen=True)
+class ManifestTags:
+    """What a push says about its tensors besides their layout (WeightManifest.adapter / adapter_config / base_id):
+    empty for full weights of no known base."""
+
+    adapter: str = ""
+    adapter_config: str = ""
+    base_id: str = ""
+
+    def apply(self, pb: common_pb2.WeightManifest) -> common_pb2.WeightManifest:
+        pb.adapter, pb.adapter_config, pb.base_id = self.adapter, self.adapter_config, self.base_id
+        return pb
+
+
+NO_TAGS = ManifestTags()
+
+
 @dataclass
 class PushOutcome:
     """Result of pushing one update to one replica."""
@@ -57,8 +74,9 @@ class WeightSender(Protocol):
     on_device: bool
 
     async def push(self, state: Mapping[str, torch.Tensor], version: int, targets: Sequence[str], *,
-                   bucket_bytes: int) -> list[PushOutcome]:
-        """Sends `state` as `version` to every target; a failing target never blocks the others."""
+                   bucket_bytes: int, tags: ManifestTags = NO_TAGS) -> list[PushOutcome]:
+        """Sends `state` as `version` to every target; a failing target never blocks the others. tags: an adapter's
+        name and config, the base the weights belong to."""
         ...
 
     def close(self) -> None:
@@ -143,8 +161,9 @@ def device_of(state: Mapping[str, torch.Tensor]) -> torch.device:
     return next(iter(devices))
 
 
-def device_manifest(plan: DevicePlan, transport: str, group_id: str = "") -> common_pb2.WeightManifest:
-    pb = manifest_to_pb(plan.manifest)
+def device_manifest(plan: DevicePlan, transport: str, group_id: str = "",
+                    tags: ManifestTags = NO_TAGS) -> common_pb2.WeightManifest:
+    pb = tags.apply(manifest_to_pb(plan.manifest))
     pb.transport = transport
     pb.group_id = group_id
     return pb

@@ -1,0 +1,226 @@
+"""Batched LoRA for the torch engine: adapters served unmerged over the frozen base, rows of several adapters (and of
+the base model) in one batch.
+
+Each target nn.Linear becomes a LoraLinear in place (its class swapped: same parameters under the same names, so
+full-weight updates, named_weights and the graph decoder's weight reads are unchanged). It holds every adapter slot
+stacked: A_cat [S * r, in] and B_cat [out, S * r], slot s in columns s*r .. (s+1)*r, the scale alpha / rank folded
+into B, smaller ranks zero-padded, slot 0 all zeros (the base model's rows). A forward reads each batch row's slot
+from the bank and adds ((x @ A_cat^T) * onehot(slot of row)) @ B_cat^T: two GEMMs over S * r columns (a few dozen),
+no per-row weight gathers, static shapes. CUDA graphs capture it as it is; a load copies into the same buffers, so
+captured graphs stay valid.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import contextmanager
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("meshrl.rollout")
+
+PREFIX = "base_model.model."
+# The linear layers an adapter may target when the recipe names none (every projection of a decoder layer).
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraLinear(nn.Linear):
+    """An nn.Linear plus the bank's stacked adapters (set by AdapterBank; plain attributes, not parameters)."""
+
+    _lora_bank: "AdapterBank"
+    lora_A_cat: torch.Tensor       # [S * r, in]
+    lora_B_cat: torch.Tensor       # [out, S * r], scale folded in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y if self._lora_bank.base_only(x) else y + self.lora_delta(x)
+
+    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """scale * B_s A_s x for each row's slot s (zero for slot 0), x [N, ..., in]."""
+        rows = self._lora_bank.current
+        n = x.shape[0]
+        h = F.linear(x, self.lora_A_cat)                                          # [N, ..., S*r]
+        mask = (rows[:n, None] == self._lora_bank.column_slot).to(h.dtype)      # [N, S*r]
+        h = h * mask.view(n, *([1] * (x.dim() - 2)), -1)
+        return F.linear(h, self.lora_B_cat)
+
+
+def add_lora(y: torch.Tensor, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """y (module's base output computed elsewhere, e.g. a fused q/k/v GEMM) plus module's adapter delta."""
+    if not isinstance(module, LoraLinear) or module._lora_bank.base_only(x):
+        return y
+    return y + module.lora_delta(x)
+
+
+def adapter_targets(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Linear]:
+    """The decoder layers' linear layers named by `targets` (last part of the module path, as peft matches)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets and ".layers." in f".{name}":
+            out[name] = m
+    return out
+
+
+class AdapterBank:
+    """The adapters one engine serves: up to max_loras named slots over the model's target layers."""
+
+    def __init__(self, model: nn.Module, *, max_loras: int, max_rank: int, targets: Sequence[str],
+                 max_rows: int):
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.layers = adapter_targets(model, targets)
+        if not self.layers:
+            raise ValueError(f"rollout.enable_lora: no linear layer of the model matches {list(targets)}")
+        width = (max_loras + 1) * max_rank
+        self.column_slot = torch.arange(width, device=self.device) // max_rank       # slot of each column
+        # The decode rows' slots: static, so a captured graph reads them by address; zero = base rows.
+        self.rows = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.current = self.rows                                                    # what forwards read
+        self.slots: dict[str, int] = {}
+        self.versions: dict[str, int] = {}
+        self.configs: dict[str, dict] = {}
+        for m in self.layers.values():
+            m.__class__ = LoraLinear
+            m._lora_bank = self
+            m.lora_A_cat = torch.zeros((width, m.in_features), dtype=self.dtype, device=self.device)
+            m.lora_B_cat = torch.zeros((m.out_features, width), dtype=self.dtype, device=self.device)
+        mib = sum(m.lora_A_cat.numel() + m.lora_B_cat.numel() for m in self.layers.values()) * p.element_size()
+        log.info("rollout: LoRA serving on %d layers (%s), %d adapter slots of rank <= %d (%.1f MiB)",
+                 len(self.layers), ",".join(sorted({n.rsplit(".", 1)[-1] for n in self.layers})), max_loras, max_rank,
+                 mib / 2**20)
+
+    # ---- rows
+
+    def base_only(self, x: torch.Tensor) -> bool:
+        """Whether a forward of x is base rows only, known without looking at the rows: wider than the rows set
+        (a forward outside rows_for and the graph decode, e.g. ComputeLogProbs: the rows are zero between decodes),
+        or no adapter loaded on a CPU model (a CUDA one always runs the adapter GEMMs, so captured graphs hold
+        them when an adapter arrives later)."""
+        return x.shape[0] > self.current.numel() or (not self.slots and x.device.type == "cpu")
+
+    def slot_of(self, name: str) -> int:
+        """The slot of adapter `name` ("" = the base model, slot 0); ValueError for one not loaded."""
+        if not name:
+            return 0
+        if name not in self.slots:
+            raise ValueError(f"sampling.adapter: {name!r} is not loaded on this replica (loaded: "
+                             f"{', '.join(sorted(self.slots)) or 'none'})")
+        return self.slots[name]
+
+    @contextmanager
+    def rows_for(self, slots: Sequence[int] | torch.Tensor):
+        """Forwards inside read these per-row slots (eager forwards: prefill, the eager decode loop)."""
+        prev = self.current
+        self.current = torch.as_tensor(slots, dtype=torch.long).to(self.device)
+        try:
+            yield
+        finally:
+            self.current = prev
+
+    def set_decode_rows(self, slots: Sequence[int], at: torch.Tensor | None = None) -> None:
+        """The graph decode's rows: slots of batch rows `at` (default: rows 0.., the rest base)."""
+        t = torch.as_tensor(list(slots), dtype=torch.long).to(self.device)
+        if at is None:
+            self.rows.zero_()
+            self.rows[:t.numel()].copy_(t)
+        else:
+            self.rows.index_copy_(0, at, t)
+
+    # ---- loading
+
+    def load(self, name: str, config: Mapping, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Adapter `name` into its slot (a free one when new), whole: everything is checked and built before the
+        first buffer is written. Returns the slot. Call with no forward running (the engine's swap)."""
+        if not name:
+            raise ValueError("manifest.adapter: empty (\"\" is the base model)")
+        rank, scale = _rank_and_scale(config, self.max_rank)
+        pairs = self._pairs(tensors, rank)
+        slot = self.slots.get(name)
+        if slot is None:
+            free = sorted(set(range(1, self.max_loras + 1)) - set(self.slots.values()))
+            if not free:
+                raise ValueError(f"manifest.adapter: {name!r} would be adapter {len(self.slots) + 1}, but this replica "
+                                 f"serves rollout.max_loras = {self.max_loras} ({', '.join(sorted(self.slots))})")
+            slot = free[0]
+        lo, hi = slot * self.max_rank, slot * self.max_rank + rank
+        with torch.no_grad():
+            for path, m in self.layers.items():
+                m.lora_A_cat[slot * self.max_rank:(slot + 1) * self.max_rank].zero_()
+                m.lora_B_cat[:, slot * self.max_rank:(slot + 1) * self.max_rank].zero_()
+                if path in pairs:
+                    a, b = pairs[path]
+                    m.lora_A_cat[lo:hi].copy_(a)
+                    m.lora_B_cat[:, lo:hi].copy_(b.to(torch.float32).mul(scale))
+        self.slots[name] = slot
+        self.configs[name] = dict(config)
+        return slot
+
+    def _pairs(self, tensors: Mapping[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{module path: (A [r, in], B [out, r])} from PEFT's saved names, each shape checked."""
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            if not key.startswith(PREFIX) or not (key.endswith(".lora_A.weight") or key.endswith(".lora_B.weight")):
+                raise ValueError(f"manifest.tensors: {key!r} is not a LoRA weight under PEFT's saved names "
+                                 f"({PREFIX}<module>.lora_A.weight / .lora_B.weight)")
+            path, which = key[len(PREFIX):-len(".lora_A.weight")], key[-len("lora_A.weight"):-len(".weight")]
+            if path not in self.layers:
+                raise ValueError(f"manifest.tensors: {key!r} targets {path!r}, which is not a LoRA layer of this "
+                                 f"replica (rollout.lora_target_modules)")
+            parts.setdefault(path, {})[which] = t
+        out = {}
+        for path, d in parts.items():
+            m = self.layers[path]
+            a, b = d.get("lora_A"), d.get("lora_B")
+            if a is None or b is None:
+                raise ValueError(f"manifest.tensors: {path} has lora_A or lora_B alone")
+            if tuple(a.shape) != (rank, m.in_features) or tuple(b.shape) != (m.out_features, rank):
+                raise ValueError(f"manifest.tensors: {path} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
+                                 f"fit rank {rank} on a {m.in_features} -> {m.out_features} layer")
+            out[path] = (a.to(self.device, self.dtype), b.to(self.device))
+        return out
+
+
+def _rank_and_scale(config: Mapping, max_rank: int) -> tuple[int, float]:
+    """The adapter's rank and output scale (peft's: alpha / r, or alpha / sqrt(r) with use_rslora)."""
+    try:
+        rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"manifest.adapter_config: needs numbers r and lora_alpha ({e})") from None
+    if not 1 <= rank <= max_rank:
+        raise ValueError(f"manifest.adapter_config: r = {rank}, but this replica serves ranks 1..{max_rank} "
+                         "(rollout.max_lora_rank)")
+    return rank, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def build_bank(settings, model, resolved, max_rows: int) -> AdapterBank | None:
+    """rollout.enable_lora (auto: on when the recipe's actor.lora is set) and the bank's sizes, resolved once and
+    said out loud; None when off."""
+    r, hint = settings.rollout, settings.actor.lora
+    on = resolved.pick("rollout.enable_lora", r.enable_lora, hint is not None,
+                       "the recipe trains adapters (actor.lora)" if hint is not None else "no actor.lora in the recipe")
+    if not on:
+        return None
+    rank = resolved.pick("rollout.max_lora_rank", r.max_lora_rank, int((hint or {}).get("rank", 16)),
+                         "actor.lora.rank" if hint and "rank" in hint else "vLLM's default")
+    targets = r.lora_target_modules or list((hint or {}).get("target_modules") or DEFAULT_TARGETS)
+    return AdapterBank(model, max_loras=r.max_loras, max_rank=rank, targets=targets, max_rows=max_rows)
+
+
+@contextmanager
+def adapter_rows(bank: AdapterBank | None, slots):
+    """bank.rows_for(slots), or nothing without a bank (an engine serving no adapters)."""
+    if bank is None:
+        yield
+        return
+    with bank.rows_for(slots):
+        yield
+
+
+def bank_of(model: nn.Module) -> AdapterBank | None:
+    """The bank serving adapters on `model`, if one was built on it."""
+    return next((m._lora_bank for m in model.modules() if isinstance(m, LoraLinear)), None)
