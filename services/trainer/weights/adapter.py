@@ -78,10 +78,10 @@ class AdapterSync:
         return view
 
     async def _push(self, targets: list[str], kind: str, tags: ManifestTags, bucket_bytes: int,
-                    result: SyncResult) -> list[PushOutcome]:
+                    result: SyncResult, named: str = "") -> list[PushOutcome]:
         if isinstance(self.sender, AutoSender):
             await self.sender.prepare(targets)
-        state, version = await asyncio.to_thread(self.engine.state_for_sync, self.sender.on_device, kind)
+        state, version = await asyncio.to_thread(self.engine.state_for_sync, self.sender.on_device, kind, named)
         result.num_bytes += sum(t.numel() * t.element_size() for t in state.values())
         outcomes = await self.sender.push(state, version, targets, bucket_bytes=bucket_bytes, tags=tags)
         for o in outcomes:
@@ -89,16 +89,21 @@ class AdapterSync:
                 self.views.pop(o.target, None)          # asked again at the next push
         return outcomes
 
-    async def push(self, targets: Sequence[str], bucket_bytes: int) -> SyncResult:
+    async def push(self, targets: Sequence[str], bucket_bytes: int, named: str = "") -> SyncResult:
         """Merged weights to replicas that serve no adapters, the base once to those on another base, then the
-        adapter to every replica that serves adapters."""
+        adapter to every replica that serves adapters. `named` (a named adapter, model/adapter_set.py): that
+        adapter alone, under its name; a replica that serves no adapters cannot take it and is refused by name."""
         views = dict(zip(targets, await asyncio.gather(*(self._view(t) for t in targets))))
         full = [t for t in targets if views[t] is None or not views[t].supports_adapters]
         lora = [t for t in targets if t not in full]
         needs_base = [t for t in lora if views[t].base_id != self.base_id]
         result = SyncResult([])
         done: dict[str, PushOutcome] = {}
-        if full:
+        if full and named:
+            done.update({t: PushOutcome(t, False, f"adapter {named!r}: this replica's engine serves no LoRA "
+                                                  "adapters, and merged weights would replace the run's")
+                         for t in full})
+        elif full:
             done.update({o.target: o for o in await self._push(full, "full", ManifestTags(base_id=""), bucket_bytes,
                                                                 result)})
             result.payload.update({t: "full" for t in full})
@@ -113,11 +118,12 @@ class AdapterSync:
         adapters = [t for t in lora if t not in done]
         if adapters:
             t0 = time.perf_counter()
-            tags = ManifestTags(adapter=self.name, adapter_config=self.config, base_id=self.base_id)
-            for o in await self._push(adapters, "adapter", tags, bucket_bytes, result):
+            name = named or self.name
+            tags = ManifestTags(adapter=name, adapter_config=self.config, base_id=self.base_id)
+            for o in await self._push(adapters, "adapter", tags, bucket_bytes, result, named):
                 done[o.target] = o
                 result.payload[o.target] = "base+adapter" if o.target in needs_base else "adapter"
-                result.adapter[o.target] = self.name
+                result.adapter[o.target] = name
             log.debug("weight_sync: adapter %r to %d replicas in %.3fs", self.name, len(adapters),
                       time.perf_counter() - t0)
         result.outcomes = [done[t] for t in targets]
