@@ -16,6 +16,7 @@ it had then) and no actor.compile (its graphs are specialised on the active adap
 from __future__ import annotations
 
 import re
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,9 +97,11 @@ def create(rank, name: str) -> None:
     from peft import LoraConfig, inject_adapter_in_model
 
     cfg, module = rank.cfg.lora, rank.actor.module
-    inject_adapter_in_model(LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                                       target_modules=list(cfg.target_modules), bias="none"),
-                            module, adapter_name=name)
+    with warnings.catch_warnings():             # "multiple adapters in the model": what this module is for
+        warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+        inject_adapter_in_model(LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                                           target_modules=list(cfg.target_modules), bias="none"),
+                                module, adapter_name=name)
     _activate(module, name)
     try:
         params = [p for n, p in module.named_parameters() if f".lora_A.{name}." in n or f".lora_B.{name}." in n]
@@ -124,6 +127,7 @@ def delete(rank, name: str) -> None:
     del named(rank)[name]
     for layer in lora_layers(rank.actor.module).values():
         layer.delete_adapter(name)
+    getattr(rank.actor.module, "peft_config", {}).pop(name, None)
     _activate(rank.actor.module, ADAPTER)
 
 
