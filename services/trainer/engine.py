@@ -235,8 +235,8 @@ class TrainerEngine:
         if on_device and self.rank.device.type != "cuda":
             raise FailedPrecondition(f"weight_sync.transport: ipc and nccl need the trainer on a CUDA device, "
                                      f"it runs on {self.rank.device}")
-        if adapter and kind == "adapter":       # a named adapter alone, under its own version
-            return self.commands.run("adapter_for_sync", adapter, on_device), adapter_set.get(
+        if adapter and kind != "base":          # a named adapter (alone or merged), under its own version
+            return self.commands.run("adapter_for_sync", adapter, on_device, kind), adapter_set.get(
                 self.rank, adapter).weight_version
         return self.commands.run("state_for_sync", on_device, kind), self.rank.weight_version
 

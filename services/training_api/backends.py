@@ -82,31 +82,26 @@ class Mesh:
         return await self.trainer.LoadCheckpoint(trainer_pb2.CheckpointRequest(path=path, adapter=adapter))
 
     @_upstream
-    async def push_weights(self, adapter: str = "") -> int:
-        """The trainer's weights (or named adapter `adapter` alone) onto every rollout replica; -> the version they
-        now hold."""
+    async def push_weights(self, adapter: str = "") -> tuple[int, dict[str, str]]:
+        """The trainer's weights (or named adapter `adapter`) onto every rollout replica; -> (the version they now
+        hold, the adapter each serves it under: "" where it holds them merged, its engine serving no adapters)."""
         response = await self.trainer.PushWeights(trainer_pb2.PushWeightsRequest(targets=self.rollout_addresses,
                                                                                  adapter=adapter))
         failed = [f"{r.target}: {r.error}" for r in response.results if not r.ok]
         if failed:
-            # A replica that serves no adapters will not take one on retry: the caller must change the mesh.
-            status = "FAILED_PRECONDITION" if adapter and any("serves no LoRA adapters" in f for f in failed) \
-                else "UNAVAILABLE"
-            raise Upstream(status, f"push_weights: {'; '.join(failed)}")
-        return response.weight_version
+            raise Upstream("UNAVAILABLE", f"push_weights: {'; '.join(failed)}")
+        return response.weight_version, {r.target: r.adapter for r in response.results}
 
     @_upstream
     async def generate(self, prompts: list[list[int]], sampling: rollout_pb2.SamplingParams,
-                       adapter: str = "") -> list[SampleResponse]:
+                       serves: dict[str, str] | None = None) -> list[SampleResponse]:
         """Every prompt's samples, the prompts split in contiguous shares over the replicas, in request order."""
         k = len(self.rollout)
-        ours = rollout_pb2.SamplingParams()
-        ours.CopyFrom(sampling)
-        ours.adapter, sampling = adapter, ours
         shares = [prompts[i * len(prompts) // k:(i + 1) * len(prompts) // k] for i in range(k)]
         calls = [stub.Generate(rollout_pb2.GenerateRequest(
-            prompts=[rollout_pb2.Prompt(id=str(j), prompt_ids=p) for j, p in enumerate(share)], sampling=sampling))
-            for stub, share in zip(self.rollout, shares) if share]
+            prompts=[rollout_pb2.Prompt(id=str(j), prompt_ids=p) for j, p in enumerate(share)],
+            sampling=_under(sampling, (serves or {}).get(address, ""))))
+            for stub, address, share in zip(self.rollout, self.rollout_addresses, shares) if share]
         out = []
         for response in await asyncio.gather(*calls):
             out += [SampleResponse([SampledSequence(list(s.response_ids), list(s.logprobs), s.finish_reason)
@@ -116,3 +111,11 @@ class Mesh:
     async def close(self) -> None:
         for c in self._channels:
             await c.close()
+
+
+def _under(sampling: rollout_pb2.SamplingParams, adapter: str) -> rollout_pb2.SamplingParams:
+    """`sampling` under `adapter` on one replica ("" = the weights it holds)."""
+    ours = rollout_pb2.SamplingParams()
+    ours.CopyFrom(sampling)
+    ours.adapter = adapter
+    return ours

@@ -43,6 +43,10 @@ class TrainingEngine:
         self.clients: dict[str, OpenClient] = {}
         # The version the last push put on the replicas (GetInfo's synced_version).
         self.synced: int | None = None
+        # The adapter each replica serves the last pushed client under ("" = merged in: its engine serves no
+        # adapters), and the client whose merged weights those replicas hold: one client at a time samples there.
+        self.serves: dict[str, str] = {}
+        self.merged_owner: str | None = None
         self._lock = asyncio.Lock()
         self._tokenizer = None
         self.model_path = ""
@@ -99,6 +103,8 @@ class TrainingEngine:
     async def _drop(self, client_id: str) -> None:
         """Forgets the client and deletes its adapter on the trainer (its weights and optimizer state)."""
         client = self.clients.pop(client_id).info
+        if self.merged_owner == client_id:
+            self.merged_owner = None
         if client.adapter:
             await self.mesh.delete_adapter(client.adapter)
 
@@ -147,10 +153,20 @@ class TrainingEngine:
             if not prompts or any(not p for p in prompts):
                 raise ValueError("prompts: at least one prompt, each with at least one token")
             open_client = self.clients[client_id]
-            if open_client.synced != client.weight_version:
-                self.synced = open_client.synced = await self.mesh.push_weights(client.adapter)
-                client.weight_version = open_client.synced
-            return await self.mesh.generate(prompts, sampling, client.adapter), client.weight_version
+            # Only a LoRA client's merged push can displace another's (a full-parameter client holds the trainer alone).
+            merged = sorted(t for t, name in self.serves.items() if not name) if client.adapter else []
+            if merged and self.merged_owner not in (None, client_id):
+                raise FailedPrecondition(
+                    f"sample: rollout replica {', '.join(merged)} serves no LoRA adapters and holds training client "
+                    f"{self.merged_owner}'s weights merged; one client at a time samples there (close that client, "
+                    f"or serve adapters: a torch replica with rollout.enable_lora)")
+            if open_client.synced != client.weight_version or (merged and self.merged_owner != client_id):
+                version, serves = await self.mesh.push_weights(client.adapter)
+                self.synced = open_client.synced = client.weight_version = version
+                self.serves.update(serves)
+                if client.adapter and any(not name for name in serves.values()):
+                    self.merged_owner = client_id
+            return await self.mesh.generate(prompts, sampling, self.serves), client.weight_version
 
     async def save_state(self, client_id: str, name: str) -> StateInfo:
         async with self._lock:

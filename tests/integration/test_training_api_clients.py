@@ -1,17 +1,25 @@
 """Several training clients at once on one trainer (docs/training_api.md "Several clients"), on real servers: each
 trains its own adapter over the one frozen base, their calls interleave from two threads without mixing
 gradients (one's interleaved course equals the same course run alone, from the same saved start), and each
-client's Sample pushes its adapter alone and samples under it (the sampler's log-probs are that client's)."""
+client's Sample pushes its adapter alone and samples under it (the sampler's log-probs are that client's). On a
+replica whose engine serves no adapters, one client at a time samples, from its adapter merged into the base."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import threading
 
+import grpc
 import pytest
 
+from services.common.config import load_config
+from services.local import start_local_mesh
 from services.training_api.client import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
-from tests.integration.test_training_api import training_mesh
+from services.training_api.config import TrainingSettings
+from services.training_api.servicer import start as start_training
+from tests.integration.test_training_api import RECIPE, training_mesh
 
 BASE = "examples/arith/model"
 ADAM = AdamParams(learning_rate=1e-2, eps=1e-6)
@@ -92,5 +100,48 @@ def test_two_clients_train_their_own_adapters_concurrently_and_sample_under_them
     async def main():
         async with training_mesh(tmp_path) as served:
             await asyncio.to_thread(_clients, *served)
+
+    asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def merged_mesh(tmp_path):
+    """The training mesh with a torch replica that serves no adapters (rollout.enable_lora: false)."""
+    recipe = copy.deepcopy(RECIPE)
+    recipe["training_api"] = {"state_dir": str(tmp_path / "states")}
+    recipe["rollout"]["enable_lora"] = False
+    mesh = await start_local_mesh(recipe, num_rollout=1, num_reward=0, num_reference=0)
+    server, port, engine = await start_training(load_config(TrainingSettings, data=mesh.config), "127.0.0.1:0")
+    try:
+        yield f"127.0.0.1:{port}", engine
+    finally:
+        await server.stop(0)
+        await engine.close()
+        await mesh.stop()
+
+
+def _merged(address: str, engine) -> None:
+    service = ServiceClient(address)
+    a = service.create_lora_training_client(base_model=BASE, rank=8)
+    b = service.create_lora_training_client(base_model=BASE, rank=8)
+    tok = a.get_tokenizer()
+    _course(a, _datums(tok, ["12+30=42", "7+8=15"]), 2)
+    _sampler_matches_trainer(a, tok, "12+30=")              # a's adapter merged into the replica's base
+    assert set(engine.serves.values()) == {""}
+    _course(b, _datums(tok, ["99+1=100", "3+3=6"]), 2)
+    with pytest.raises(grpc.RpcError) as err:
+        b.sample(ModelInput.from_ints(tok.encode("1+1=")), 1, SamplingParams(max_tokens=2)).result()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "serves no LoRA adapters" in err.value.details() and a.client_id in err.value.details()
+    a.close()
+    _sampler_matches_trainer(b, b.get_tokenizer(), "12+30=")  # the replica is b's now: its adapter merged
+    b.close()
+    service.close()
+
+
+def test_a_replica_without_adapters_serves_one_client_at_a_time_merged(tmp_path):
+    async def main():
+        async with merged_mesh(tmp_path) as served:
+            await asyncio.to_thread(_merged, *served)
 
     asyncio.run(main())

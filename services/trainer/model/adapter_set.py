@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from services.common.errors import FailedPrecondition, NotFound
-from services.trainer.model.lora import ADAPTER, adapter_state, lora_layers
+from services.common.tensors.codec import DTYPES
+from services.trainer.model.lora import ADAPTER, adapter_state, lora_layers, merged_weights
 from services.trainer.model.optim import DynamicLossScaler, build_adamw, lr_lambda
 from services.trainer.model.trained import Trained
 
@@ -132,11 +133,16 @@ def delete(rank, name: str) -> None:
 
 
 @torch.no_grad()
-def for_sync(rank, name: str, on_device: bool) -> dict[str, torch.Tensor]:
-    """The adapter's weights under peft's saved names, copied (on rank 0's device for ipc and nccl) for a push."""
+def for_sync(rank, name: str, on_device: bool, kind: str = "adapter") -> dict[str, torch.Tensor]:
+    """A push of adapter `name`, copied in the replicas' dtype (on rank 0's device for ipc and nccl), as
+    weights/full.full_weights copies the run's: kind "adapter" its weights alone under peft's saved names, "full"
+    the base with it merged in (for a replica whose engine serves no adapters)."""
     get(rank, name)
-    state = adapter_state(rank.actor.module, name)
-    return {k: (v.clone() if on_device else v.to("cpu", copy=True)) for k, v in state.items()}
+    module = rank.actor.module
+    state = adapter_state(module, name) if kind == "adapter" else merged_weights(module, name)
+    dtype = DTYPES[rank.cfg.weight_sync_dtype or rank.settings.model.dtype]
+    where = rank.device if on_device else "cpu"
+    return {k: v.detach().to(where, dtype=dtype, copy=True) for k, v in state.items()}
 
 
 def save(rank, name: str, path: str, base: dict) -> None:

@@ -108,8 +108,9 @@ def hf_name(name: str) -> str:
 
 
 @torch.no_grad()
-def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights under its own names with every adapter merged in (nothing is changed in place)."""
+def merged_weights(model: nn.Module, adapter: str = ADAPTER) -> dict[str, torch.Tensor]:
+    """The model's weights under its own names with `adapter` (the run's by default) merged in (nothing is changed
+    in place)."""
     layers = lora_layers(model)
     out: dict[str, torch.Tensor] = {}
     for name, t in named_weights(model).items():
@@ -117,7 +118,7 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         layer, _, leaf = name.rpartition(".base_layer.")
         if leaf == "weight" and layer in layers:
-            delta = layers[layer].get_delta_weight(ADAPTER)
+            delta = layers[layer].get_delta_weight(adapter)
             t = t + delta.to(t.dtype)
         out[hf_name(name)] = t
     return out

@@ -92,20 +92,16 @@ class AdapterSync:
     async def push(self, targets: Sequence[str], bucket_bytes: int, named: str = "") -> SyncResult:
         """Merged weights to replicas that serve no adapters, the base once to those on another base, then the
         adapter to every replica that serves adapters. `named` (a named adapter, model/adapter_set.py): that
-        adapter alone, under its name; a replica that serves no adapters cannot take it and is refused by name."""
+        adapter alone, under its name; a replica that serves no adapters gets the base with that adapter merged in."""
         views = dict(zip(targets, await asyncio.gather(*(self._view(t) for t in targets))))
         full = [t for t in targets if views[t] is None or not views[t].supports_adapters]
         lora = [t for t in targets if t not in full]
         needs_base = [t for t in lora if views[t].base_id != self.base_id]
         result = SyncResult([])
         done: dict[str, PushOutcome] = {}
-        if full and named:
-            done.update({t: PushOutcome(t, False, f"adapter {named!r}: this replica's engine serves no LoRA "
-                                                  "adapters, and merged weights would replace the run's")
-                         for t in full})
-        elif full:
+        if full:
             done.update({o.target: o for o in await self._push(full, "full", ManifestTags(base_id=""), bucket_bytes,
-                                                                result)})
+                                                                result, named)})
             result.payload.update({t: "full" for t in full})
         if needs_base:
             log.info("weight_sync: %s hold another base than %s: pushing the frozen base once", needs_base,
