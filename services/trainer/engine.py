@@ -294,7 +294,7 @@ class TrainerEngine:
                 "micro_batch_token_budget": cfg.micro_batch_token_budget, "max_model_len": r.max_len,
                 "activation_checkpointing": cfg.activation_checkpointing,
                 "fused_logprobs": r.fused_logprobs, "use_remove_padding": r.layout.packed,
-                "lora_rank": cfg.lora.rank if cfg.lora else 0,
+                "lora_rank": cfg.lora.rank if cfg.lora else 0, "named_adapters": ",".join(self.adapter_names()),
                 "compile": r.compiled, "warmup_seconds": round(self.warmup_seconds, 3),
                 **self.steps.details(), "run_step_metrics": self._run_step_metrics()}
 

@@ -60,6 +60,7 @@ def test_a_step_of_one_adapter_leaves_the_others_weights_and_moments_and_the_run
     run_logprobs = engine.compute_logprobs([[1]], [[5, 6, 7]])
     engine.create_adapter("a")
     engine.create_adapter("b")
+    assert engine.info()["named_adapters"] == "a,b"
     # A new adapter is inactive: the run's forward is the same.
     assert engine.compute_logprobs([[1]], [[5, 6, 7]]) == run_logprobs
     engine.forward_backward(DATA_A[0], CE, "a")
@@ -159,6 +160,9 @@ def test_refusals_name_the_cause(tmp_path):
         engine.optim_step(ADAM, "a")
     with pytest.raises(NotFound, match="no adapter 'zz'"):
         engine.optim_step(ADAM, "zz")
+    engine.rank.compiled = True                     # as a CUDA trainer with actor.compile resolves
+    with pytest.raises(FailedPrecondition, match="actor.compile: false"):
+        engine.create_adapter("c")
     full = _engine(tmp_path / "full", lora=None)
     with pytest.raises(FailedPrecondition, match="need a LoRA trainer"):
         full.create_adapter("a")
