@@ -3,8 +3,9 @@ primitives need. Under LoRA each client trains its own adapter over the one froz
 adapters, CreateAdapter), several at once; a full-parameter client holds the trainer alone. ForwardBackward and
 OptimStep run on the trainer on the client's adapter (its commands accumulate gradients and step); Sample first
 brings the rollout replicas to the client's current adapter (the trainer's PushWeights of it alone) when it changed
-since that client's last sample, then samples under it; SaveState / LoadState are its adapter's saved state. Calls run one at a time, in
-the order they arrive (Tinker's ordering guarantee). No gRPC here: the calls go through `backends.Mesh`.
+since that client's last sample, then samples under it; SaveState / LoadState are its adapter's saved state. Calls
+run one at a time, in the order they arrive (Tinker's ordering guarantee). No gRPC here: the calls go through
+`backends.Mesh`.
 """
 
 from __future__ import annotations

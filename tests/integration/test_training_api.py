@@ -1,7 +1,7 @@
 """The training API (docs/training_api.md) on real servers: a trainer with LoRA, a rollout replica and the API
-between them. Each client trains its own adapter; the sampler's log-probs are the trainer's after a step (the weights were
-pushed); save_state / load_state restore weights and optimizer state; the tokenizer round-trips; and the GRPO loop
-of examples/training_api/grpo_loop.py lifts held-out accuracy on the arithmetic task (slow)."""
+between them. Each client trains its own adapter; the sampler's log-probs are the trainer's after a step (the
+weights were pushed); save_state / load_state restore weights and optimizer state; the tokenizer round-trips; and
+the GRPO loop of examples/training_api/grpo_loop.py lifts held-out accuracy on the arithmetic task (slow)."""
 
 from __future__ import annotations
 
