@@ -19,7 +19,7 @@ import torch.distributed as dist
 from services.common.errors import FailedPrecondition, passes_through
 from services.trainer import forward
 from services.trainer.config import ActorConfig, CriticConfig
-from services.trainer.model import adapters, checkpoint, fresh
+from services.trainer.model import adapter_set, adapters, checkpoint, fresh
 from services.trainer.model.optim import apply_hyperparams
 from services.trainer.nvtx import phase
 from services.trainer.rank import Rank
@@ -109,7 +109,10 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "export_adapter": adapters.export_adapter,
     "start_from_model": start_from_model, "start_from_checkpoint": start_from_checkpoint,
     # The training API's primitives (docs/training_api.md): gradients accumulate over calls, a step applies them.
-    "forward_backward": primitive.forward_backward, "optim_step": primitive.optim_step}
+    "forward_backward": primitive.forward_backward, "optim_step": primitive.optim_step,
+    # Named adapters beside the run's (several training-API clients; services/trainer/model/adapter_set.py).
+    "create_adapter": adapter_set.create, "delete_adapter": adapter_set.delete,
+    "adapter_for_sync": adapter_set.for_sync, "save_adapter": adapter_set.save, "load_adapter": adapter_set.load}
 
 # Commands that are one profiling phase as a whole (nvtx.PHASES); training commands mark forward_backward and
 # optimizer inside.

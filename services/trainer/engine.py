@@ -21,7 +21,7 @@ from services.common.tensors.modeling import validate_sequences
 from services.trainer.batch import validate_actor_batch, validate_critic_batch, validate_dpo_batch
 from services.trainer.commands import Commands
 from services.trainer.config import OptimSection, RunOptim, TrainerSettings
-from services.trainer.model import adapters, checkpoint
+from services.trainer.model import adapter_set, adapters, checkpoint
 from services.trainer.model.optim import settings_in_effect
 from services.trainer.rank import Rank
 from services.trainer.steps import StepRecord
@@ -170,22 +170,25 @@ class TrainerEngine:
 
     # ---- the training API's primitives (docs/training_api.md) ------------------------------------------
 
-    def forward_backward(self, data: Sequence[Datum],
-                         loss: PrimitiveLoss) -> tuple[dict[str, float], list[list[float]]]:
-        """Adds the batch's gradient (summed loss) to the actor's; the weights stay. -> (metrics, each Datum's
-        log-probs of its targets)."""
+    def forward_backward(self, data: Sequence[Datum], loss: PrimitiveLoss,
+                         adapter: str = "") -> tuple[dict[str, float], list[list[float]]]:
+        """Adds the batch's gradient (summed loss) to the actor's, or to named adapter `adapter`'s alone; the
+        weights stay. -> (metrics, each Datum's log-probs of its targets)."""
         r = self.rank
         if r.dims.pp > 1:
             raise FailedPrecondition("forward_backward: the training API runs without pipeline parallel (pp_size 1)")
+        if adapter:
+            adapter_set.get(r, adapter)
         self._check_batch_size("data", len(data))
         validate_datums(list(data), loss, vocab_size=r.vocab_size, max_len=r.max_len)
-        out = self.commands.run("forward_backward", list(data), loss)
-        self.pending_gradients += 1
+        out = self.commands.run("forward_backward", list(data), loss, adapter)
+        self.pending_gradients += not adapter
         return out
 
-    def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        """One AdamW step with `adam` over the gradients of the ForwardBackward calls since the last step."""
-        if not self.pending_gradients:
+    def optim_step(self, adam: AdamParams, adapter: str = "") -> dict[str, float]:
+        """One AdamW step with `adam` over the gradients of the ForwardBackward calls since the last step (of
+        named adapter `adapter` alone when given)."""
+        if not (adapter_set.get(self.rank, adapter).pending if adapter else self.pending_gradients):
             raise FailedPrecondition("optim_step: no gradients to apply (call forward_backward first)")
         try:
             actor = self.rank.cfg.with_run(_as_section(adam), "adam_params")
@@ -193,29 +196,70 @@ class TrainerEngine:
             raise ValueError(str(e).replace("adam_params.lr", "adam_params.learning_rate").replace(
                 "adam_params.betas", "adam_params.beta1/beta2").replace("adam_params.grad_clip",
                                                                         "adam_params.grad_clip_norm")) from None
-        metrics = self.commands.run("optim_step", actor)
-        self.pending_gradients = 0
+        metrics = self.commands.run("optim_step", actor, adapter)
+        if not adapter:
+            self.pending_gradients = 0
         return metrics
+
+    # ---- named adapters beside the run's (services/trainer/model/adapter_set.py) -------------------------
+
+    def create_adapter(self, name: str) -> adapter_set.NamedAdapter:
+        adapter_set.check_new(self.rank, name)
+        self.commands.run("create_adapter", name)
+        return adapter_set.get(self.rank, name)
+
+    def delete_adapter(self, name: str) -> None:
+        adapter_set.get(self.rank, name)
+        self.commands.run("delete_adapter", name)
+
+    def adapter_names(self) -> list[str]:
+        return sorted(adapter_set.named(self.rank))
+
+    def adapter_version(self, adapter: str = "") -> int:
+        return adapter_set.get(self.rank, adapter).weight_version if adapter else self.rank.weight_version
+
+    def adapter_progress(self, adapter: str = "") -> tuple[int, int]:
+        """(optimizer steps, weight version) of the actor, or of a named adapter."""
+        if not adapter:
+            return self.rank.actor.step, self.rank.weight_version
+        named = adapter_set.get(self.rank, adapter)
+        return named.trained.step, named.weight_version
 
     # ---- weights out: sync, checkpoints, export -----------------------------------------------------
 
-    def state_for_sync(self, on_device: bool = False, kind: str = "full") -> tuple[dict[str, torch.Tensor], int]:
+    def state_for_sync(self, on_device: bool = False, kind: str = "full",
+                       adapter: str = "") -> tuple[dict[str, torch.Tensor], int]:
         """Full copies of the actor's weights (HF names, no tied duplicates) and their version: on CPU, or on
         rank 0's device for the device transports (ipc, nccl). kind (under actor.lora): "full" merged, "base" the
         frozen base alone, "adapter" the adapter alone (services/trainer/weights/full.py SYNC_KINDS)."""
         if on_device and self.rank.device.type != "cuda":
             raise FailedPrecondition(f"weight_sync.transport: ipc and nccl need the trainer on a CUDA device, "
                                      f"it runs on {self.rank.device}")
+        if adapter and kind != "base":          # a named adapter (alone or merged), under its own version
+            return self.commands.run("adapter_for_sync", adapter, on_device, kind), adapter_set.get(
+                self.rank, adapter).weight_version
         return self.commands.run("state_for_sync", on_device, kind), self.rank.weight_version
 
-    def save_checkpoint(self, path: str) -> dict:
+    def save_checkpoint(self, path: str, adapter: str = "") -> dict:
         checkpoint.check_target(path, "save checkpoint")
+        if adapter:
+            named = adapter_set.get(self.rank, adapter)
+            with checkpoint.file_errors(f"save checkpoint to {path!r}"):
+                self.commands.run("save_adapter", adapter, path, adapters.base_identity(self.rank.model_path))
+            return {"path": path, "step": named.trained.step, "weight_version": named.weight_version,
+                    "run_step": None}
         # Held so no update lands between the save and the run step it reports.
         with self.steps.hold():
             self.commands.run("save_checkpoint", path, self.rank.weight_version)
             return self._checkpoint_result(path)
 
-    def load_checkpoint(self, path: str, run_step: RunStep | None = None) -> dict:
+    def load_checkpoint(self, path: str, run_step: RunStep | None = None, adapter: str = "") -> dict:
+        if adapter:
+            named = adapter_set.get(self.rank, adapter)
+            state = adapter_set.read(path, base=adapters.base_identity(self.rank.model_path), lora=self.rank.cfg.lora)
+            self.commands.run("load_adapter", adapter, state)
+            return {"path": path, "step": named.trained.step, "weight_version": named.weight_version,
+                    "run_step": None}
         self._check_checkpoint(path)
         with self.steps.hold():
             self.commands.run("load_checkpoint", path)
@@ -250,7 +294,7 @@ class TrainerEngine:
                 "micro_batch_token_budget": cfg.micro_batch_token_budget, "max_model_len": r.max_len,
                 "activation_checkpointing": cfg.activation_checkpointing,
                 "fused_logprobs": r.fused_logprobs, "use_remove_padding": r.layout.packed,
-                "lora_rank": cfg.lora.rank if cfg.lora else 0,
+                "lora_rank": cfg.lora.rank if cfg.lora else 0, "named_adapters": ",".join(self.adapter_names()),
                 "compile": r.compiled, "warmup_seconds": round(self.warmup_seconds, 3),
                 **self.steps.details(), "run_step_metrics": self._run_step_metrics()}
 

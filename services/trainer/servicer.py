@@ -8,6 +8,7 @@ import time
 from meshrl.v1 import reference_pb2, reference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common import convert as common_convert
 from services.common.config import settings_json
+from services.common.errors import FailedPrecondition
 from services.common.placement import Placement
 from services.common.rpc.server import MeshServer, create_server
 from services.common.tensors.weight_transport import placement_of
@@ -72,9 +73,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         else:
             default = rank.cfg.weight_bucket_bytes if self.sender.transport == "grpc" else \
                 rank.settings.weight_sync.device_bucket_bytes
+        if request.adapter and self.adapters is None:
+            raise FailedPrecondition(f"adapter: {request.adapter!r}, but this trainer holds no LoRA adapters "
+                                     "(no actor.lora)")
         if self.adapters is not None:               # actor.lora: the adapter alone where the replica serves it
-            version = rank.weight_version
-            out = await self.adapters.push(targets, request.bucket_bytes or default)
+            version = self.engine.adapter_version(request.adapter)
+            out = await self.adapters.push(targets, request.bucket_bytes or default, request.adapter)
             outcomes, num_bytes = out.outcomes, out.num_bytes
         else:
             if isinstance(self.sender, AutoSender):
@@ -90,11 +94,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                                             payload=payload.get(o.target, "full")) for o in outcomes])
 
     async def SaveCheckpoint(self, request, context):
-        return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.save_checkpoint, request.path))
+        return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.save_checkpoint, request.path,
+                                                                request.adapter))
 
     async def LoadCheckpoint(self, request, context):
         run_step = convert.run_step_from_pb(request)
-        return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.load_checkpoint, request.path, run_step))
+        return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.load_checkpoint, request.path, run_step,
+                                                                request.adapter))
 
     async def ExportHF(self, request, context):
         return convert.checkpoint_to_pb(await asyncio.to_thread(self.engine.export_hf, request.path,
@@ -110,14 +116,23 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def ForwardBackward(self, request, context):
         data, loss = convert.forward_backward_from_pb(request)
-        metrics, logprobs = await asyncio.to_thread(self.engine.forward_backward, data, loss)
+        metrics, logprobs = await asyncio.to_thread(self.engine.forward_backward, data, loss, request.adapter)
         return convert.forward_backward_result_to_pb(metrics, logprobs)
 
     async def OptimStep(self, request, context):
-        metrics = await asyncio.to_thread(self.engine.optim_step, convert.adam_from_pb(request.adam_params))
-        rank = self.engine.rank
-        return trainer_pb2.OptimStepResponse(step=rank.actor.step, weight_version=rank.weight_version,
-                                             metrics=metrics)
+        metrics = await asyncio.to_thread(self.engine.optim_step, convert.adam_from_pb(request.adam_params),
+                                          request.adapter)
+        step, version = self.engine.adapter_progress(request.adapter)
+        return trainer_pb2.OptimStepResponse(step=step, weight_version=version, metrics=metrics)
+
+    async def CreateAdapter(self, request, context):
+        named = await asyncio.to_thread(self.engine.create_adapter, request.name)
+        return trainer_pb2.AdapterResponse(name=request.name, rank=self.engine.rank.cfg.lora.rank,
+                                           weight_version=named.weight_version, adapters=self.engine.adapter_names())
+
+    async def DeleteAdapter(self, request, context):
+        await asyncio.to_thread(self.engine.delete_adapter, request.name)
+        return trainer_pb2.AdapterResponse(name=request.name, adapters=self.engine.adapter_names())
 
     async def ConfigureRun(self, request, context):
         applied = await asyncio.to_thread(self.engine.configure_run, convert.run_optim_from_pb(request))

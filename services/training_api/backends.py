@@ -53,39 +53,55 @@ class Mesh:
             reset_schedule=True, start=trainer_pb2.RunStart()))
 
     @_upstream
-    async def forward_backward(self, request: trainer_pb2.ForwardBackwardRequest
+    async def create_adapter(self, name: str) -> trainer_pb2.AdapterResponse:
+        return await self.trainer.CreateAdapter(trainer_pb2.AdapterRequest(name=name))
+
+    @_upstream
+    async def delete_adapter(self, name: str) -> trainer_pb2.AdapterResponse:
+        return await self.trainer.DeleteAdapter(trainer_pb2.AdapterRequest(name=name))
+
+    @_upstream
+    async def forward_backward(self, request: trainer_pb2.ForwardBackwardRequest, adapter: str = ""
                                ) -> trainer_pb2.ForwardBackwardResponse:
-        return await self.trainer.ForwardBackward(request)
+        """`request` as the client sent it, on `adapter` ("" = the trainer's weights) whatever it named."""
+        ours = trainer_pb2.ForwardBackwardRequest()
+        ours.CopyFrom(request)
+        ours.adapter = adapter
+        return await self.trainer.ForwardBackward(ours)
 
     @_upstream
-    async def optim_step(self, adam: trainer_pb2.AdamParams) -> trainer_pb2.OptimStepResponse:
-        return await self.trainer.OptimStep(trainer_pb2.OptimStepRequest(adam_params=adam))
+    async def optim_step(self, adam: trainer_pb2.AdamParams, adapter: str = "") -> trainer_pb2.OptimStepResponse:
+        return await self.trainer.OptimStep(trainer_pb2.OptimStepRequest(adam_params=adam, adapter=adapter))
 
     @_upstream
-    async def save(self, path: str) -> trainer_pb2.CheckpointResponse:
-        return await self.trainer.SaveCheckpoint(trainer_pb2.CheckpointRequest(path=path))
+    async def save(self, path: str, adapter: str = "") -> trainer_pb2.CheckpointResponse:
+        return await self.trainer.SaveCheckpoint(trainer_pb2.CheckpointRequest(path=path, adapter=adapter))
 
     @_upstream
-    async def load(self, path: str) -> trainer_pb2.CheckpointResponse:
-        return await self.trainer.LoadCheckpoint(trainer_pb2.CheckpointRequest(path=path))
+    async def load(self, path: str, adapter: str = "") -> trainer_pb2.CheckpointResponse:
+        return await self.trainer.LoadCheckpoint(trainer_pb2.CheckpointRequest(path=path, adapter=adapter))
 
     @_upstream
-    async def push_weights(self) -> int:
-        """The trainer's weights onto every rollout replica; -> the version they now hold."""
-        response = await self.trainer.PushWeights(trainer_pb2.PushWeightsRequest(targets=self.rollout_addresses))
+    async def push_weights(self, adapter: str = "") -> tuple[int, dict[str, str]]:
+        """The trainer's weights (or named adapter `adapter`) onto every rollout replica; -> (the version they now
+        hold, the adapter each serves it under: "" where it holds them merged, its engine serving no adapters)."""
+        response = await self.trainer.PushWeights(trainer_pb2.PushWeightsRequest(targets=self.rollout_addresses,
+                                                                                 adapter=adapter))
         failed = [f"{r.target}: {r.error}" for r in response.results if not r.ok]
         if failed:
             raise Upstream("UNAVAILABLE", f"push_weights: {'; '.join(failed)}")
-        return response.weight_version
+        return response.weight_version, {r.target: r.adapter for r in response.results}
 
     @_upstream
-    async def generate(self, prompts: list[list[int]], sampling: rollout_pb2.SamplingParams) -> list[SampleResponse]:
+    async def generate(self, prompts: list[list[int]], sampling: rollout_pb2.SamplingParams,
+                       serves: dict[str, str] | None = None) -> list[SampleResponse]:
         """Every prompt's samples, the prompts split in contiguous shares over the replicas, in request order."""
         k = len(self.rollout)
         shares = [prompts[i * len(prompts) // k:(i + 1) * len(prompts) // k] for i in range(k)]
         calls = [stub.Generate(rollout_pb2.GenerateRequest(
-            prompts=[rollout_pb2.Prompt(id=str(j), prompt_ids=p) for j, p in enumerate(share)], sampling=sampling))
-            for stub, share in zip(self.rollout, shares) if share]
+            prompts=[rollout_pb2.Prompt(id=str(j), prompt_ids=p) for j, p in enumerate(share)],
+            sampling=_under(sampling, (serves or {}).get(address, ""))))
+            for stub, address, share in zip(self.rollout, self.rollout_addresses, shares) if share]
         out = []
         for response in await asyncio.gather(*calls):
             out += [SampleResponse([SampledSequence(list(s.response_ids), list(s.logprobs), s.finish_reason)
@@ -95,3 +111,11 @@ class Mesh:
     async def close(self) -> None:
         for c in self._channels:
             await c.close()
+
+
+def _under(sampling: rollout_pb2.SamplingParams, adapter: str) -> rollout_pb2.SamplingParams:
+    """`sampling` under `adapter` on one replica ("" = the weights it holds)."""
+    ours = rollout_pb2.SamplingParams()
+    ours.CopyFrom(sampling)
+    ours.adapter = adapter
+    return ours

@@ -10,11 +10,11 @@ from services.training_api.types import ClientInfo, SampledSequence, SampleRespo
 
 def client_to_pb(c: ClientInfo) -> training_pb2.TrainingClientInfo:
     return training_pb2.TrainingClientInfo(client_id=c.client_id, base_model=c.base_model, rank=c.rank,
-                                           weight_version=c.weight_version, step=c.step)
+                                           weight_version=c.weight_version, step=c.step, adapter=c.adapter)
 
 
 def client_from_pb(pb: training_pb2.TrainingClientInfo) -> ClientInfo:
-    return ClientInfo(pb.client_id, pb.base_model, pb.rank, pb.weight_version, pb.step)
+    return ClientInfo(pb.client_id, pb.base_model, pb.rank, pb.weight_version, pb.step, pb.adapter)
 
 
 def sample_request_to_pb(client_id: str, prompts: list[list[int]], num_samples: int, *, max_tokens: int = 0,

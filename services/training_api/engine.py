@@ -1,8 +1,11 @@
-"""The training API's engine: one training client at a time on the mesh's trainer, and the bookkeeping its
-primitives need. ForwardBackward and OptimStep run on the trainer (its commands accumulate gradients and step);
-Sample first brings the rollout replicas to the client's current weights (the trainer's PushWeights) when they
-changed since the last sample; SaveState / LoadState are the trainer's checkpoints. Calls run one at a time, in
-the order they arrive (Tinker's ordering guarantee). No gRPC here: the calls go through `backends.Mesh`.
+"""The training API's engine: the training clients open on the mesh's trainer, and the bookkeeping their
+primitives need. Under LoRA each client trains its own adapter over the one frozen base (the trainer's named
+adapters, CreateAdapter), several at once; a full-parameter client holds the trainer alone. ForwardBackward and
+OptimStep run on the trainer on the client's adapter (its commands accumulate gradients and step); Sample first
+brings the rollout replicas to the client's current adapter (the trainer's PushWeights of it alone) when it changed
+since that client's last sample, then samples under it; SaveState / LoadState are its adapter's saved state. Calls
+run one at a time, in the order they arrive (Tinker's ordering guarantee). No gRPC here: the calls go through
+`backends.Mesh`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.errors import FailedPrecondition, NotFound
@@ -24,28 +28,37 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "chat_template.jinja", "added_tokens.json")
 
 
+@dataclass
+class OpenClient:
+    info: ClientInfo
+    # The weight version the rollout replicas hold for this client (None: unknown, pushed before a sample).
+    synced: int | None = None
+    # When it last made a call (monotonic seconds).
+    last_call: float = field(default_factory=time.monotonic)
+
+
 class TrainingEngine:
     def __init__(self, settings: TrainingSettings, mesh):
         self.settings = settings
         self.mesh = mesh
-        self.client: ClientInfo | None = None
-        # The weight version the rollout replicas hold for this client (None: unknown, pushed before a sample).
+        self.clients: dict[str, OpenClient] = {}
+        # The version the last push put on the replicas (GetInfo's synced_version).
         self.synced: int | None = None
+        # The adapter each replica serves the last pushed client under ("" = merged in: its engine serves no
+        # adapters), and the client whose merged weights those replicas hold: one client at a time samples there.
+        self.serves: dict[str, str] = {}
+        self.merged_owner: str | None = None
         self._lock = asyncio.Lock()
         self._tokenizer = None
         self.model_path = ""
-        # When the open client last made a call (monotonic seconds).
-        self.last_call = 0.0
 
     # ---- clients ----------------------------------------------------------------------------------
 
     async def create(self, base_model: str, rank: int) -> ClientInfo:
-        """A training client on the trainer's model with fresh adapters of `rank`; refused while one is open."""
+        """A training client on the trainer's model: under LoRA its own fresh adapter beside the open clients'
+        (CreateAdapter on the trainer), else the trainer's weights, alone (refused while any client is open)."""
         async with self._lock:
-            self._release_idle()
-            if self.client is not None:
-                raise FailedPrecondition(f"training client {self.client.client_id} is open on this trainer; one "
-                                         f"client at a time (close it first)")
+            await self._release_idle()
             info = await self.mesh.trainer_info()
             held = int(info.details.get("lora_rank", "0") or 0)
             if not _same_model(base_model, info.model):
@@ -57,53 +70,82 @@ class TrainingEngine:
                 raise FailedPrecondition(f"rank: this mesh's trainer trains " + (
                     f"LoRA rank {held} (actor.lora.rank, set at its start)" if held else
                     "every weight (no actor.lora; rank 0)") + f", not rank {rank}")
-            started = await self.mesh.start_fresh()
-            self.model_path, self.synced = info.model, None
-            self.client = ClientInfo(uuid.uuid4().hex[:12], info.model, rank, started.weight_version, 0)
-            self.last_call = time.monotonic()
-            log.info("training API: client %s opened on %s (rank %d)", self.client.client_id, info.model, rank)
-            return self.client
+            if not held and self.clients:
+                raise FailedPrecondition(f"training client {next(iter(self.clients))} is open on this trainer; a "
+                                         f"full-parameter client trains the trainer's weights alone (close it first)")
+            client_id = uuid.uuid4().hex[:12]
+            if held:
+                adapter = self._free_adapter_name()
+                created = await self.mesh.create_adapter(adapter)
+                version = created.weight_version
+            else:
+                adapter, version = "", (await self.mesh.start_fresh()).weight_version
+            self.model_path = info.model
+            client = ClientInfo(client_id, info.model, rank, version, 0, adapter)
+            self.clients[client_id] = OpenClient(client)
+            log.info("training API: client %s opened on %s (%s)", client_id, info.model,
+                     f"LoRA rank {rank}, adapter {adapter!r}" if held else "every weight")
+            return client
+
+    def _free_adapter_name(self) -> str:
+        """The lowest `client-<k>` no open client uses. Reused after a client closes: a rollout replica keeps an
+        adapter's slot (rollout.max_loras) until it is replaced, so reuse bounds the slots to the clients open at
+        once; a reused name is pushed again before its first Sample."""
+        taken = {c.info.adapter for c in self.clients.values()}
+        return next(f"client-{k}" for k in range(len(taken) + 1) if f"client-{k}" not in taken)
 
     async def close_client(self, client_id: str) -> ClientInfo:
         async with self._lock:
             client = self._check(client_id)
-            self.client = None
+            await self._drop(client_id)
             log.info("training API: client %s closed", client_id)
             return client
 
-    def _check(self, client_id: str) -> ClientInfo:
-        if self.client is None or self.client.client_id != client_id:
-            raise NotFound(f"client_id: no open training client {client_id!r}"
-                           + (f" (the open one is {self.client.client_id})" if self.client else ""))
-        self.last_call = time.monotonic()
-        return self.client
+    async def _drop(self, client_id: str) -> None:
+        """Forgets the client and deletes its adapter on the trainer (its weights and optimizer state)."""
+        client = self.clients.pop(client_id).info
+        if self.merged_owner == client_id:
+            self.merged_owner = None
+        if client.adapter:
+            await self.mesh.delete_adapter(client.adapter)
 
-    def _release_idle(self) -> None:
-        """Closes an open client idle past training_api.release_idle_s (a script that died without close())."""
+    def _check(self, client_id: str) -> ClientInfo:
+        open_client = self.clients.get(client_id)
+        if open_client is None:
+            raise NotFound(f"client_id: no open training client {client_id!r}"
+                           + (f" (open: {', '.join(self.clients)})" if self.clients else ""))
+        open_client.last_call = time.monotonic()
+        return open_client.info
+
+    async def _release_idle(self) -> None:
+        """Closes clients idle past training_api.release_idle_s (a script that died without close())."""
         limit = self.settings.training_api.release_idle_s
-        idle = time.monotonic() - self.last_call
-        if self.client is not None and limit and idle > limit:
-            log.warning("training API: client %s made no call for %.0f s (training_api.release_idle_s=%g): closed "
-                        "for the next client", self.client.client_id, idle, limit)
-            self.client = None
+        now = time.monotonic()
+        for client_id, c in list(self.clients.items()):
+            if limit and now - c.last_call > limit:
+                log.warning("training API: client %s made no call for %.0f s (training_api.release_idle_s=%g): "
+                            "closed", client_id, now - c.last_call, limit)
+                await self._drop(client_id)
 
     # ---- primitives -------------------------------------------------------------------------------
 
     async def forward_backward(self, client_id: str, request):
-        """`request`: the trainer's ForwardBackwardRequest as it came (the trainer checks it)."""
+        """`request`: the trainer's ForwardBackwardRequest as it came (the trainer checks it), on the client's
+        adapter."""
         async with self._lock:
-            self._check(client_id)
-            return await self.mesh.forward_backward(request)
+            client = self._check(client_id)
+            return await self.mesh.forward_backward(request, client.adapter)
 
     async def optim_step(self, client_id: str, adam):
         async with self._lock:
             client = self._check(client_id)
-            response = await self.mesh.optim_step(adam)
+            response = await self.mesh.optim_step(adam, client.adapter)
             client.weight_version, client.step = response.weight_version, response.step
             return response
 
     async def sample(self, client_id: str, prompts: list[list[int]], sampling) -> tuple[list[SampleResponse], int]:
-        """n samples of each prompt from the client's current weights; -> (one response per prompt, version)."""
+        """n samples of each prompt from the client's current weights (its adapter, pushed alone when it changed
+        since its last sample); -> (one response per prompt, version)."""
         async with self._lock:
             client = self._check(client_id)
             if not self.mesh.rollout_addresses:
@@ -111,18 +153,29 @@ class TrainingEngine:
                                          "with rollout.replicas >= 1)")
             if not prompts or any(not p for p in prompts):
                 raise ValueError("prompts: at least one prompt, each with at least one token")
-            if self.synced != client.weight_version:
-                self.synced = await self.mesh.push_weights()
-                client.weight_version = self.synced
-            return await self.mesh.generate(prompts, sampling), client.weight_version
+            open_client = self.clients[client_id]
+            # Only a LoRA client's merged push can displace another's (a full-parameter client holds the trainer alone).
+            merged = sorted(t for t, name in self.serves.items() if not name) if client.adapter else []
+            if merged and self.merged_owner not in (None, client_id):
+                raise FailedPrecondition(
+                    f"sample: rollout replica {', '.join(merged)} serves no LoRA adapters and holds training client "
+                    f"{self.merged_owner}'s weights merged; one client at a time samples there (close that client, "
+                    f"or serve adapters: a torch replica with rollout.enable_lora)")
+            if open_client.synced != client.weight_version or (merged and self.merged_owner != client_id):
+                version, serves = await self.mesh.push_weights(client.adapter)
+                self.synced = open_client.synced = client.weight_version = version
+                self.serves.update(serves)
+                if client.adapter and any(not name for name in serves.values()):
+                    self.merged_owner = client_id
+            return await self.mesh.generate(prompts, sampling, self.serves), client.weight_version
 
     async def save_state(self, client_id: str, name: str) -> StateInfo:
         async with self._lock:
-            self._check(client_id)
+            client = self._check(client_id)
             if not name:
                 raise ValueError("path: a name (under training_api.state_dir) or an absolute path")
             path = name if os.path.isabs(name) else str(Path(self.settings.training_api.state_dir, name).resolve())
-            saved = await self.mesh.save(path)
+            saved = await self.mesh.save(path, client.adapter)
             return StateInfo(saved.path, saved.step, saved.weight_version)
 
     async def load_state(self, client_id: str, path: str) -> StateInfo:
@@ -130,10 +183,10 @@ class TrainingEngine:
             client = self._check(client_id)
             if not path:
                 raise ValueError("path: the path SaveState answered")
-            loaded = await self.mesh.load(path)
+            loaded = await self.mesh.load(path, client.adapter)
             client.weight_version, client.step = loaded.weight_version, loaded.step
             # The replicas may hold a version of that number from before the save: push whatever they hold.
-            self.synced = None
+            self.clients[client_id].synced = None
             return StateInfo(loaded.path, loaded.step, loaded.weight_version)
 
     # ---- the tokenizer ----------------------------------------------------------------------------
@@ -158,7 +211,7 @@ class TrainingEngine:
 
     def info(self) -> dict:
         return {"trainer": self.mesh.trainer_address, "rollout": ",".join(self.mesh.rollout_addresses),
-                "client": self.client.client_id if self.client else "", "synced_version": self.synced}
+                "clients": ",".join(self.clients), "synced_version": self.synced}
 
     async def close(self) -> None:
         """The service stops: its channels close (an open client's trainer state stays where it is)."""

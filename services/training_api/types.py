@@ -16,6 +16,8 @@ class ClientInfo:
     rank: int
     weight_version: int = 0
     step: int = 0
+    # The trainer adapter it trains and samples under ("" = the trainer's weights: a full-parameter client).
+    adapter: str = ""
 
 
 @dataclass

@@ -222,12 +222,14 @@ class TrainResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., repeated: _Optional[bool] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
-    __slots__ = ("targets", "bucket_bytes")
+    __slots__ = ("targets", "bucket_bytes", "adapter")
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     targets: _containers.RepeatedScalarFieldContainer[str]
     bucket_bytes: int
-    def __init__(self, targets: _Optional[_Iterable[str]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, targets: _Optional[_Iterable[str]] = ..., bucket_bytes: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class PushResult(_message.Message):
     __slots__ = ("target", "ok", "error", "seconds", "adapter", "payload")
@@ -258,14 +260,16 @@ class PushWeightsResponse(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ..., results: _Optional[_Iterable[_Union[PushResult, _Mapping]]] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("path", "run_step", "merged")
+    __slots__ = ("path", "run_step", "merged", "adapter")
     PATH_FIELD_NUMBER: _ClassVar[int]
     RUN_STEP_FIELD_NUMBER: _ClassVar[int]
     MERGED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     path: str
     run_step: RunStep
     merged: bool
-    def __init__(self, path: _Optional[str] = ..., run_step: _Optional[_Union[RunStep, _Mapping]] = ..., merged: _Optional[bool] = ...) -> None: ...
+    adapter: str
+    def __init__(self, path: _Optional[str] = ..., run_step: _Optional[_Union[RunStep, _Mapping]] = ..., merged: _Optional[bool] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
     __slots__ = ("path", "step", "weight_version", "run_step")
@@ -330,7 +334,7 @@ class Datum(_message.Message):
     def __init__(self, model_input: _Optional[_Iterable[int]] = ..., target_tokens: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
-    __slots__ = ("data", "loss_fn", "loss_fn_config")
+    __slots__ = ("data", "loss_fn", "loss_fn_config", "adapter")
     class LossFnConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -341,10 +345,12 @@ class ForwardBackwardRequest(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     LOSS_FN_FIELD_NUMBER: _ClassVar[int]
     LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     data: _containers.RepeatedCompositeFieldContainer[Datum]
     loss_fn: str
     loss_fn_config: _containers.ScalarMap[str, float]
-    def __init__(self, data: _Optional[_Iterable[_Union[Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, data: _Optional[_Iterable[_Union[Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class DatumOutput(_message.Message):
     __slots__ = ("logprobs",)
@@ -384,10 +390,30 @@ class AdamParams(_message.Message):
     def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
-    __slots__ = ("adam_params",)
+    __slots__ = ("adam_params", "adapter")
     ADAM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     adam_params: AdamParams
-    def __init__(self, adam_params: _Optional[_Union[AdamParams, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, adam_params: _Optional[_Union[AdamParams, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class AdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class AdapterResponse(_message.Message):
+    __slots__ = ("name", "rank", "weight_version", "adapters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rank: int
+    weight_version: int
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., weight_version: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
     __slots__ = ("step", "weight_version", "metrics")

@@ -100,6 +100,16 @@ class TrainerStub:
                 request_serializer=meshrl_dot_v1_dot_trainer__pb2.OptimStepRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_trainer__pb2.OptimStepResponse.FromString,
                 _registered_method=True)
+        self.CreateAdapter = channel.unary_unary(
+                '/meshrl.v1.Trainer/CreateAdapter',
+                request_serializer=meshrl_dot_v1_dot_trainer__pb2.AdapterRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_trainer__pb2.AdapterResponse.FromString,
+                _registered_method=True)
+        self.DeleteAdapter = channel.unary_unary(
+                '/meshrl.v1.Trainer/DeleteAdapter',
+                request_serializer=meshrl_dot_v1_dot_trainer__pb2.AdapterRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_trainer__pb2.AdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -199,6 +209,21 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateAdapter(self, request, context):
+        """A named LoRA adapter beside the run's own over the one frozen base (its own AdamW state and weight version;
+        services/trainer/model/adapter_set.py); the training API gives each client one. No restart.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteAdapter(self, request, context):
+        """Deletes a named adapter and frees its weights and optimizer state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -266,6 +291,16 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.OptimStep,
                     request_deserializer=meshrl_dot_v1_dot_trainer__pb2.OptimStepRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_trainer__pb2.OptimStepResponse.SerializeToString,
+            ),
+            'CreateAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateAdapter,
+                    request_deserializer=meshrl_dot_v1_dot_trainer__pb2.AdapterRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_trainer__pb2.AdapterResponse.SerializeToString,
+            ),
+            'DeleteAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteAdapter,
+                    request_deserializer=meshrl_dot_v1_dot_trainer__pb2.AdapterRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_trainer__pb2.AdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -619,6 +654,60 @@ class Trainer:
             '/meshrl.v1.Trainer/OptimStep',
             meshrl_dot_v1_dot_trainer__pb2.OptimStepRequest.SerializeToString,
             meshrl_dot_v1_dot_trainer__pb2.OptimStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Trainer/CreateAdapter',
+            meshrl_dot_v1_dot_trainer__pb2.AdapterRequest.SerializeToString,
+            meshrl_dot_v1_dot_trainer__pb2.AdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Trainer/DeleteAdapter',
+            meshrl_dot_v1_dot_trainer__pb2.AdapterRequest.SerializeToString,
+            meshrl_dot_v1_dot_trainer__pb2.AdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,7 +27,7 @@ from meshrl.v1 import rollout_pb2 as meshrl_dot_v1_dot_rollout__pb2
 from meshrl.v1 import trainer_pb2 as meshrl_dot_v1_dot_trainer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18meshrl/v1/training.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\x1a\x17meshrl/v1/rollout.proto\x1a\x17meshrl/v1/trainer.proto\"?\n\x1b\x43reateTrainingClientRequest\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"o\n\x12TrainingClientInfo\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x0c\n\x04step\x18\x05 \x01(\x03\"\x1e\n\tClientRef\x12\x11\n\tclient_id\x18\x01 \x01(\t\"e\n\x1c\x43lientForwardBackwardRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x32\n\x07request\x18\x02 \x01(\x0b\x32!.meshrl.v1.ForwardBackwardRequest\"W\n\x16\x43lientOptimStepRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12*\n\x0b\x61\x64\x61m_params\x18\x02 \x01(\x0b\x32\x15.meshrl.v1.AdamParams\"\x1c\n\nModelInput\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"\x93\x01\n\rSampleRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12&\n\x07prompts\x18\x02 \x03(\x0b\x32\x15.meshrl.v1.ModelInput\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\"H\n\x0fSampledSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x13\n\x0bstop_reason\x18\x03 \x01(\t\">\n\rPromptSamples\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.meshrl.v1.SampledSequence\"S\n\x0eSampleResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.PromptSamples\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"/\n\x0cStateRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"C\n\rStateResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"\xcf\x01\n\x11TokenizerResponse\x12\x36\n\x05\x66iles\x18\x01 \x03(\x0b\x32\'.meshrl.v1.TokenizerResponse.FilesEntry\x12\x14\n\x0c\x65os_token_id\x18\x02 \x01(\x05\x12\x14\n\x0c\x62os_token_id\x18\x03 \x01(\x05\x12\x14\n\x0cpad_token_id\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"M\n\rEncodeRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"6\n\x0e\x45ncodeResponse\x12$\n\x07results\x18\x01 \x03(\x0b\x32\x13.meshrl.v1.TokenIds\"a\n\rDecodeRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12 \n\x03ids\x18\x02 \x03(\x0b\x32\x13.meshrl.v1.TokenIds\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\x1f\n\x0e\x44\x65\x63odeResponse\x12\r\n\x05texts\x18\x01 \x03(\t2\xa2\x06\n\x08Training\x12]\n\x14\x43reateTrainingClient\x12&.meshrl.v1.CreateTrainingClientRequest\x1a\x1d.meshrl.v1.TrainingClientInfo\x12J\n\x13\x43loseTrainingClient\x12\x14.meshrl.v1.ClientRef\x1a\x1d.meshrl.v1.TrainingClientInfo\x12^\n\x0f\x46orwardBackward\x12\'.meshrl.v1.ClientForwardBackwardRequest\x1a\".meshrl.v1.ForwardBackwardResponse\x12L\n\tOptimStep\x12!.meshrl.v1.ClientOptimStepRequest\x1a\x1c.meshrl.v1.OptimStepResponse\x12=\n\x06Sample\x12\x18.meshrl.v1.SampleRequest\x1a\x19.meshrl.v1.SampleResponse\x12>\n\tSaveState\x12\x17.meshrl.v1.StateRequest\x1a\x18.meshrl.v1.StateResponse\x12>\n\tLoadState\x12\x17.meshrl.v1.StateRequest\x1a\x18.meshrl.v1.StateResponse\x12\x42\n\x0cGetTokenizer\x12\x14.meshrl.v1.ClientRef\x1a\x1c.meshrl.v1.TokenizerResponse\x12=\n\x06\x45ncode\x12\x18.meshrl.v1.EncodeRequest\x1a\x19.meshrl.v1.EncodeResponse\x12=\n\x06\x44\x65\x63ode\x12\x18.meshrl.v1.DecodeRequest\x1a\x19.meshrl.v1.DecodeResponse\x12<\n\x07GetInfo\x12\x19.meshrl.v1.GetInfoRequest\x1a\x16.meshrl.v1.ServiceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18meshrl/v1/training.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\x1a\x17meshrl/v1/rollout.proto\x1a\x17meshrl/v1/trainer.proto\"?\n\x1b\x43reateTrainingClientRequest\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"\x80\x01\n\x12TrainingClientInfo\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\"\x1e\n\tClientRef\x12\x11\n\tclient_id\x18\x01 \x01(\t\"e\n\x1c\x43lientForwardBackwardRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x32\n\x07request\x18\x02 \x01(\x0b\x32!.meshrl.v1.ForwardBackwardRequest\"W\n\x16\x43lientOptimStepRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12*\n\x0b\x61\x64\x61m_params\x18\x02 \x01(\x0b\x32\x15.meshrl.v1.AdamParams\"\x1c\n\nModelInput\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"\x93\x01\n\rSampleRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12&\n\x07prompts\x18\x02 \x03(\x0b\x32\x15.meshrl.v1.ModelInput\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\"H\n\x0fSampledSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x13\n\x0bstop_reason\x18\x03 \x01(\t\">\n\rPromptSamples\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.meshrl.v1.SampledSequence\"S\n\x0eSampleResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.PromptSamples\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"/\n\x0cStateRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"C\n\rStateResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"\xcf\x01\n\x11TokenizerResponse\x12\x36\n\x05\x66iles\x18\x01 \x03(\x0b\x32\'.meshrl.v1.TokenizerResponse.FilesEntry\x12\x14\n\x0c\x65os_token_id\x18\x02 \x01(\x05\x12\x14\n\x0c\x62os_token_id\x18\x03 \x01(\x05\x12\x14\n\x0cpad_token_id\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"M\n\rEncodeRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"6\n\x0e\x45ncodeResponse\x12$\n\x07results\x18\x01 \x03(\x0b\x32\x13.meshrl.v1.TokenIds\"a\n\rDecodeRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12 \n\x03ids\x18\x02 \x03(\x0b\x32\x13.meshrl.v1.TokenIds\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\x1f\n\x0e\x44\x65\x63odeResponse\x12\r\n\x05texts\x18\x01 \x03(\t2\xa2\x06\n\x08Training\x12]\n\x14\x43reateTrainingClient\x12&.meshrl.v1.CreateTrainingClientRequest\x1a\x1d.meshrl.v1.TrainingClientInfo\x12J\n\x13\x43loseTrainingClient\x12\x14.meshrl.v1.ClientRef\x1a\x1d.meshrl.v1.TrainingClientInfo\x12^\n\x0f\x46orwardBackward\x12\'.meshrl.v1.ClientForwardBackwardRequest\x1a\".meshrl.v1.ForwardBackwardResponse\x12L\n\tOptimStep\x12!.meshrl.v1.ClientOptimStepRequest\x1a\x1c.meshrl.v1.OptimStepResponse\x12=\n\x06Sample\x12\x18.meshrl.v1.SampleRequest\x1a\x19.meshrl.v1.SampleResponse\x12>\n\tSaveState\x12\x17.meshrl.v1.StateRequest\x1a\x18.meshrl.v1.StateResponse\x12>\n\tLoadState\x12\x17.meshrl.v1.StateRequest\x1a\x18.meshrl.v1.StateResponse\x12\x42\n\x0cGetTokenizer\x12\x14.meshrl.v1.ClientRef\x1a\x1c.meshrl.v1.TokenizerResponse\x12=\n\x06\x45ncode\x12\x18.meshrl.v1.EncodeRequest\x1a\x19.meshrl.v1.EncodeResponse\x12=\n\x06\x44\x65\x63ode\x12\x18.meshrl.v1.DecodeRequest\x1a\x19.meshrl.v1.DecodeResponse\x12<\n\x07GetInfo\x12\x19.meshrl.v1.GetInfoRequest\x1a\x16.meshrl.v1.ServiceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,42 +38,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZERRESPONSE_FILESENTRY']._serialized_options = b'8\001'
   _globals['_CREATETRAININGCLIENTREQUEST']._serialized_start=113
   _globals['_CREATETRAININGCLIENTREQUEST']._serialized_end=176
-  _globals['_TRAININGCLIENTINFO']._serialized_start=178
-  _globals['_TRAININGCLIENTINFO']._serialized_end=289
-  _globals['_CLIENTREF']._serialized_start=291
-  _globals['_CLIENTREF']._serialized_end=321
-  _globals['_CLIENTFORWARDBACKWARDREQUEST']._serialized_start=323
-  _globals['_CLIENTFORWARDBACKWARDREQUEST']._serialized_end=424
-  _globals['_CLIENTOPTIMSTEPREQUEST']._serialized_start=426
-  _globals['_CLIENTOPTIMSTEPREQUEST']._serialized_end=513
-  _globals['_MODELINPUT']._serialized_start=515
-  _globals['_MODELINPUT']._serialized_end=543
-  _globals['_SAMPLEREQUEST']._serialized_start=546
-  _globals['_SAMPLEREQUEST']._serialized_end=693
-  _globals['_SAMPLEDSEQUENCE']._serialized_start=695
-  _globals['_SAMPLEDSEQUENCE']._serialized_end=767
-  _globals['_PROMPTSAMPLES']._serialized_start=769
-  _globals['_PROMPTSAMPLES']._serialized_end=831
-  _globals['_SAMPLERESPONSE']._serialized_start=833
-  _globals['_SAMPLERESPONSE']._serialized_end=916
-  _globals['_STATEREQUEST']._serialized_start=918
-  _globals['_STATEREQUEST']._serialized_end=965
-  _globals['_STATERESPONSE']._serialized_start=967
-  _globals['_STATERESPONSE']._serialized_end=1034
-  _globals['_TOKENIZERRESPONSE']._serialized_start=1037
-  _globals['_TOKENIZERRESPONSE']._serialized_end=1244
-  _globals['_TOKENIZERRESPONSE_FILESENTRY']._serialized_start=1200
-  _globals['_TOKENIZERRESPONSE_FILESENTRY']._serialized_end=1244
-  _globals['_ENCODEREQUEST']._serialized_start=1246
-  _globals['_ENCODEREQUEST']._serialized_end=1323
-  _globals['_TOKENIDS']._serialized_start=1325
-  _globals['_TOKENIDS']._serialized_end=1348
-  _globals['_ENCODERESPONSE']._serialized_start=1350
-  _globals['_ENCODERESPONSE']._serialized_end=1404
-  _globals['_DECODEREQUEST']._serialized_start=1406
-  _globals['_DECODEREQUEST']._serialized_end=1503
-  _globals['_DECODERESPONSE']._serialized_start=1505
-  _globals['_DECODERESPONSE']._serialized_end=1536
-  _globals['_TRAINING']._serialized_start=1539
-  _globals['_TRAINING']._serialized_end=2341
+  _globals['_TRAININGCLIENTINFO']._serialized_start=179
+  _globals['_TRAININGCLIENTINFO']._serialized_end=307
+  _globals['_CLIENTREF']._serialized_start=309
+  _globals['_CLIENTREF']._serialized_end=339
+  _globals['_CLIENTFORWARDBACKWARDREQUEST']._serialized_start=341
+  _globals['_CLIENTFORWARDBACKWARDREQUEST']._serialized_end=442
+  _globals['_CLIENTOPTIMSTEPREQUEST']._serialized_start=444
+  _globals['_CLIENTOPTIMSTEPREQUEST']._serialized_end=531
+  _globals['_MODELINPUT']._serialized_start=533
+  _globals['_MODELINPUT']._serialized_end=561
+  _globals['_SAMPLEREQUEST']._serialized_start=564
+  _globals['_SAMPLEREQUEST']._serialized_end=711
+  _globals['_SAMPLEDSEQUENCE']._serialized_start=713
+  _globals['_SAMPLEDSEQUENCE']._serialized_end=785
+  _globals['_PROMPTSAMPLES']._serialized_start=787
+  _globals['_PROMPTSAMPLES']._serialized_end=849
+  _globals['_SAMPLERESPONSE']._serialized_start=851
+  _globals['_SAMPLERESPONSE']._serialized_end=934
+  _globals['_STATEREQUEST']._serialized_start=936
+  _globals['_STATEREQUEST']._serialized_end=983
+  _globals['_STATERESPONSE']._serialized_start=985
+  _globals['_STATERESPONSE']._serialized_end=1052
+  _globals['_TOKENIZERRESPONSE']._serialized_start=1055
+  _globals['_TOKENIZERRESPONSE']._serialized_end=1262
+  _globals['_TOKENIZERRESPONSE_FILESENTRY']._serialized_start=1218
+  _globals['_TOKENIZERRESPONSE_FILESENTRY']._serialized_end=1262
+  _globals['_ENCODEREQUEST']._serialized_start=1264
+  _globals['_ENCODEREQUEST']._serialized_end=1341
+  _globals['_TOKENIDS']._serialized_start=1343
+  _globals['_TOKENIDS']._serialized_end=1366
+  _globals['_ENCODERESPONSE']._serialized_start=1368
+  _globals['_ENCODERESPONSE']._serialized_end=1422
+  _globals['_DECODEREQUEST']._serialized_start=1424
+  _globals['_DECODEREQUEST']._serialized_end=1521
+  _globals['_DECODERESPONSE']._serialized_start=1523
+  _globals['_DECODERESPONSE']._serialized_end=1554
+  _globals['_TRAINING']._serialized_start=1557
+  _globals['_TRAINING']._serialized_end=2359
 # @@protoc_insertion_point(module_scope)

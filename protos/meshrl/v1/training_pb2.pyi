@@ -18,18 +18,20 @@ class CreateTrainingClientRequest(_message.Message):
     def __init__(self, base_model: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class TrainingClientInfo(_message.Message):
-    __slots__ = ("client_id", "base_model", "rank", "weight_version", "step")
+    __slots__ = ("client_id", "base_model", "rank", "weight_version", "step", "adapter")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     base_model: str
     rank: int
     weight_version: int
     step: int
-    def __init__(self, client_id: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., weight_version: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, client_id: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., weight_version: _Optional[int] = ..., step: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class ClientRef(_message.Message):
     __slots__ = ("client_id",)

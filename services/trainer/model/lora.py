@@ -53,15 +53,19 @@ def lean_forward(layer: nn.Module):
     addmm (base output as its C: read once, written once; scale as alpha). Installed on the instance: module names,
     state dicts and peft's other methods (merge, get_delta_weight, enable_adapters) stay.
     """
-    base, lora_a, lora_b = layer.base_layer, layer.lora_A[ADAPTER], layer.lora_B[ADAPTER]
-    dropout, scaling = layer.lora_dropout[ADAPTER], float(layer.scaling[ADAPTER])
-    if lora_b.bias is not None:                     # peft's lora_bias: not what this path computes
+    base = layer.base_layer
+    if layer.lora_B[ADAPTER].bias is not None:      # peft's lora_bias: not what this path computes
         return type(layer).forward.__get__(layer)
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         result = base(x, *args, **kwargs)
         if layer.disable_adapters:
             return result
+        # The layer's active adapter, read per call: a trainer holding several named adapters
+        # (services/trainer/model/adapter_set.py) switches it with peft's set_adapter.
+        name = layer.active_adapters[0]
+        lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+        dropout, scaling = layer.lora_dropout[name], float(layer.scaling[name])
         h = x
         # Without autocast the adapters' dtype decides A's matmul (an fp32 adapter over a bf16 base); under
         # autocast (or FSDP's mixed precision) the matmuls already run in the compute dtype.
@@ -104,8 +108,9 @@ def hf_name(name: str) -> str:
 
 
 @torch.no_grad()
-def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights under its own names with every adapter merged in (nothing is changed in place)."""
+def merged_weights(model: nn.Module, adapter: str = ADAPTER) -> dict[str, torch.Tensor]:
+    """The model's weights under its own names with `adapter` (the run's by default) merged in (nothing is changed
+    in place)."""
     layers = lora_layers(model)
     out: dict[str, torch.Tensor] = {}
     for name, t in named_weights(model).items():
@@ -113,16 +118,16 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         layer, _, leaf = name.rpartition(".base_layer.")
         if leaf == "weight" and layer in layers:
-            delta = layers[layer].get_delta_weight(ADAPTER)
+            delta = layers[layer].get_delta_weight(adapter)
             t = t + delta.to(t.dtype)
         out[hf_name(name)] = t
     return out
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' weights under peft's saved names (`base_model.model.<layer>.lora_A.weight`)."""
-    return {"base_model.model." + name.replace(f".{ADAPTER}.", "."): p.detach()
-            for name, p in model.named_parameters() if ".lora_" in name}
+def adapter_state(model: nn.Module, adapter: str = ADAPTER) -> dict[str, torch.Tensor]:
+    """One adapter's weights under peft's saved names (`base_model.model.<layer>.lora_A.weight`)."""
+    return {"base_model.model." + name.replace(f".{adapter}.", "."): p.detach()
+            for name, p in model.named_parameters() if f".lora_A.{adapter}." in name or f".lora_B.{adapter}." in name}
 
 
 def adapter_config(cfg: LoraSection, base_path: str) -> dict:

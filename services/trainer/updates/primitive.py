@@ -15,6 +15,7 @@ import time
 import torch
 
 from services.common.tensors.fused import sequence_logprobs
+from services.trainer.model import adapter_set
 from services.trainer.model.optim import apply_hyperparams
 from services.trainer.model.trained import Trained, optimizer_step
 from services.trainer.parallel.mesh import all_reduce_sum, gather_to_rank0
@@ -112,12 +113,16 @@ class DatumUpdate(Update):
                 "seconds": seconds}
 
 
-def forward_backward(rank: Rank, data: list[Datum], loss: PrimitiveLoss) -> tuple[dict[str, float], list[list[float]]]:
-    """Adds the batch's gradient to the actor's (every rank); -> (metrics, each Datum's target log-probs) on rank
-    0, the same metrics and an empty list elsewhere."""
+def forward_backward(rank: Rank, data: list[Datum], loss: PrimitiveLoss,
+                     adapter: str = "") -> tuple[dict[str, float], list[list[float]]]:
+    """Adds the batch's gradient to the actor's, or to named adapter `adapter`'s alone (every rank); -> (metrics,
+    each Datum's target log-probs) on rank 0, the same metrics and an empty list elsewhere."""
     t0 = time.perf_counter()
-    update = DatumUpdate(rank.layout, rank.actor, data, loss, fused=rank.fused_logprobs)
-    local = accumulate_gradients(update, list(range(len(data))))
+    with adapter_set.using(rank, adapter) as trained:
+        update = DatumUpdate(rank.layout, trained, data, loss, fused=rank.fused_logprobs)
+        local = accumulate_gradients(update, list(range(len(data))))
+    if adapter:
+        adapter_set.get(rank, adapter).pending += 1
     layout = rank.layout
     totals = all_reduce_sum(all_reduce_sum(local.tolist(), group=layout.pp_group), group=layout.dp_group)
     metrics = update.metrics(dict(zip(STAT_KEYS, totals)), 1, time.perf_counter() - t0)
@@ -128,16 +133,21 @@ def forward_backward(rank: Rank, data: list[Datum], loss: PrimitiveLoss) -> tupl
     return metrics, [merged.get(i, []) for i in range(len(data))]
 
 
-def optim_step(rank: Rank, actor_cfg) -> dict[str, float]:
-    """One AdamW step over the accumulated gradients with `actor_cfg`'s hyperparameters (checked on rank 0); a
-    non-finite gradient norm skips it (the weights stay, the gradients are dropped)."""
+def optim_step(rank: Rank, actor_cfg, adapter: str = "") -> dict[str, float]:
+    """One AdamW step over the accumulated gradients with `actor_cfg`'s hyperparameters (checked on rank 0), of
+    the actor or of named adapter `adapter` alone (its gradients, its optimizer); a non-finite gradient norm skips
+    it (the weights stay, the gradients are dropped)."""
     t0 = time.perf_counter()
-    trained = rank.actor
-    if trained.cfg != actor_cfg:
-        trained.cfg = actor_cfg
-        apply_hyperparams(trained.optimizer, trained.scheduler, actor_cfg, reset_schedule=False)
-    norm, lr, ok = optimizer_step(trained, rank.layout)
-    if ok:
+    with adapter_set.using(rank, adapter) as trained:
+        if trained.cfg != actor_cfg:
+            trained.cfg = actor_cfg
+            apply_hyperparams(trained.optimizer, trained.scheduler, actor_cfg, reset_schedule=False)
+        norm, lr, ok = optimizer_step(trained, rank.layout)
+    if adapter:
+        named = adapter_set.get(rank, adapter)
+        named.pending = 0
+        named.weight_version += int(ok)
+    elif ok:
         rank.weight_version += 1
         rank.pristine = False
     return {"grad_norm": float(norm), "lr": lr, "skipped": 0.0 if ok else 1.0, "seconds": time.perf_counter() - t0}

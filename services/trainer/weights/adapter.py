@@ -78,10 +78,10 @@ class AdapterSync:
         return view
 
     async def _push(self, targets: list[str], kind: str, tags: ManifestTags, bucket_bytes: int,
-                    result: SyncResult) -> list[PushOutcome]:
+                    result: SyncResult, named: str = "") -> list[PushOutcome]:
         if isinstance(self.sender, AutoSender):
             await self.sender.prepare(targets)
-        state, version = await asyncio.to_thread(self.engine.state_for_sync, self.sender.on_device, kind)
+        state, version = await asyncio.to_thread(self.engine.state_for_sync, self.sender.on_device, kind, named)
         result.num_bytes += sum(t.numel() * t.element_size() for t in state.values())
         outcomes = await self.sender.push(state, version, targets, bucket_bytes=bucket_bytes, tags=tags)
         for o in outcomes:
@@ -89,9 +89,10 @@ class AdapterSync:
                 self.views.pop(o.target, None)          # asked again at the next push
         return outcomes
 
-    async def push(self, targets: Sequence[str], bucket_bytes: int) -> SyncResult:
+    async def push(self, targets: Sequence[str], bucket_bytes: int, named: str = "") -> SyncResult:
         """Merged weights to replicas that serve no adapters, the base once to those on another base, then the
-        adapter to every replica that serves adapters."""
+        adapter to every replica that serves adapters. `named` (a named adapter, model/adapter_set.py): that
+        adapter alone, under its name; a replica that serves no adapters gets the base with that adapter merged in."""
         views = dict(zip(targets, await asyncio.gather(*(self._view(t) for t in targets))))
         full = [t for t in targets if views[t] is None or not views[t].supports_adapters]
         lora = [t for t in targets if t not in full]
@@ -100,7 +101,7 @@ class AdapterSync:
         done: dict[str, PushOutcome] = {}
         if full:
             done.update({o.target: o for o in await self._push(full, "full", ManifestTags(base_id=""), bucket_bytes,
-                                                                result)})
+                                                                result, named)})
             result.payload.update({t: "full" for t in full})
         if needs_base:
             log.info("weight_sync: %s hold another base than %s: pushing the frozen base once", needs_base,
@@ -113,11 +114,12 @@ class AdapterSync:
         adapters = [t for t in lora if t not in done]
         if adapters:
             t0 = time.perf_counter()
-            tags = ManifestTags(adapter=self.name, adapter_config=self.config, base_id=self.base_id)
-            for o in await self._push(adapters, "adapter", tags, bucket_bytes, result):
+            name = named or self.name
+            tags = ManifestTags(adapter=name, adapter_config=self.config, base_id=self.base_id)
+            for o in await self._push(adapters, "adapter", tags, bucket_bytes, result, named):
                 done[o.target] = o
                 result.payload[o.target] = "base+adapter" if o.target in needs_base else "adapter"
-                result.adapter[o.target] = self.name
+                result.adapter[o.target] = name
             log.debug("weight_sync: adapter %r to %d replicas in %.3fs", self.name, len(adapters),
                       time.perf_counter() - t0)
         result.outcomes = [done[t] for t in targets]
