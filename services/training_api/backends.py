@@ -11,6 +11,7 @@ import grpc
 from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common.errors import MeshError
 from services.common.rpc.channel import create_channel
+from services.common.rpc.pools import resolve_dns
 from services.training_api.types import SampledSequence, SampleResponse
 
 
@@ -35,11 +36,37 @@ def _upstream(fn):
 class Mesh:
     """Stubs of the trainer and of every rollout replica (Sample spreads its prompts over them)."""
 
-    def __init__(self, trainer: str, rollout: list[str], *, token: str | None, timeout: float):
-        self.trainer_address, self.rollout_addresses = trainer, list(rollout)
-        self._channels = [create_channel(a, token=token, timeout=timeout) for a in [trainer, *rollout]]
+    def __init__(self, trainer: str, rollout: list[str], *, token: str | None, timeout: float,
+                 rollout_dns: str | None = None):
+        self.trainer_address, self.rollout_dns = trainer, rollout_dns
+        self._token, self._timeout = token, timeout
+        self._channels = [create_channel(trainer, token=token, timeout=timeout)]
         self.trainer = trainer_pb2_grpc.TrainerStub(self._channels[0])
+        self.rollout_addresses: list[str] = []
+        self.rollout: list[rollout_pb2_grpc.RolloutStub] = []
+        self._set_rollout(list(rollout))
+
+    def _set_rollout(self, addresses: list[str]) -> None:
+        self.rollout_addresses = addresses
+        self._channels[1:] = [create_channel(a, token=self._token, timeout=self._timeout) for a in addresses]
         self.rollout = [rollout_pb2_grpc.RolloutStub(c) for c in self._channels[1:]]
+
+    async def refresh_rollout(self) -> bool:
+        """Re-resolves `rollout.dns` into one address per replica; -> whether the replica set changed. One name
+        dialled as is would reach one replica per channel, so the trainer could push to one replica while Sample
+        generates on another: each replica is addressed by its own address instead."""
+        if not self.rollout_dns:
+            return False
+        try:
+            found = await asyncio.to_thread(resolve_dns, self.rollout_dns)
+        except OSError as e:
+            raise Upstream("UNAVAILABLE", f"rollout.dns: {self.rollout_dns!r} does not resolve ({e})") from None
+        if found == self.rollout_addresses:
+            return False
+        for channel in self._channels[1:]:
+            await channel.close()
+        self._set_rollout(found)
+        return True
 
     @_upstream
     async def trainer_info(self) -> common_pb2.ServiceInfo:

@@ -22,9 +22,12 @@ class TrainerAddress(_Reads):
 
 
 class RolloutServers(_Reads):
-    """`rollout:` the replicas Sample generates on (the trainer pushes its weights to them)."""
+    """`rollout:` the replicas Sample generates on (the trainer pushes its weights to them): a list, or a DNS name
+    that resolves to one address per replica (a compose service, a Kubernetes headless Service), re-resolved at
+    every Sample so that replicas scaled in or out are pushed to and sampled on alike."""
 
     servers: list[str] = Field(default_factory=list)
+    dns: str | None = None
 
 
 class TrainingApiSection(Section):

@@ -148,9 +148,14 @@ class TrainingEngine:
         since its last sample); -> (one response per prompt, version)."""
         async with self._lock:
             client = self._check(client_id)
+            if await self.mesh.refresh_rollout():
+                # Replicas came or went: none is known to hold any client's weights; each sample pushes first.
+                self.serves, self.merged_owner = {}, None
+                for other in self.clients.values():
+                    other.synced = None
             if not self.mesh.rollout_addresses:
                 raise FailedPrecondition("rollout.servers: this mesh has no rollout replica to sample on (a recipe "
-                                         "with rollout.replicas >= 1)")
+                                         "with rollout.replicas >= 1, or rollout.dns naming them)")
             if not prompts or any(not p for p in prompts):
                 raise ValueError("prompts: at least one prompt, each with at least one token")
             open_client = self.clients[client_id]

@@ -83,7 +83,7 @@ async def start(settings: TrainingSettings, address: str | None = None) -> tuple
                          "(`meshrl mesh RECIPE` fills it in)")
     token = settings.server.auth_token.get_secret_value() if settings.server.auth_token else None
     mesh = Mesh(settings.trainer.address, settings.rollout.servers, token=token,
-                timeout=settings.training_api.call_timeout_s)
+                timeout=settings.training_api.call_timeout_s, rollout_dns=settings.rollout.dns)
     engine = TrainingEngine(settings, mesh)
     try:
         server, port = await create_server([(training_pb2_grpc.add_TrainingServicer_to_server,

