@@ -225,6 +225,26 @@ def test_every_meshrl_variable_in_compose_sets_a_real_config_key(files, monkeypa
             assert_meshrl_env_sets_real_keys(role, services[role]["environment"], m)
 
 
+def test_the_training_api_drives_the_composed_trainer_and_every_rollout_replica_and_is_published():
+    services = compose_model(COMPOSE)["services"]
+    training = services["training"]
+    env = training["environment"]
+    for role in ("trainer", "rollout"):
+        assert training["depends_on"][role]["condition"] == "service_healthy"
+    host, port = env["MESHRL_TRAINER__ADDRESS"].split(":")
+    assert host == "trainer" and port == services["trainer"]["environment"]["MESHRL_SERVER__PORT"]
+    # a DNS name, resolved to one address per replica: a plain server address would reach one replica per channel
+    host, port = env["MESHRL_ROLLOUT__DNS"].split(":")
+    assert host == "rollout" and port == services["rollout"]["environment"]["MESHRL_SERVER__PORT"]
+    assert "MESHRL_ROLLOUT__SERVERS" not in env
+    [published] = training["ports"]
+    assert published["host_ip"] == "127.0.0.1" and published["target"] == int(env["MESHRL_SERVER__PORT"])
+    assert published["published"] != services["coordinator"]["ports"][0]["published"]
+    # save_state's files, which the trainer writes, under the same volume
+    assert {v["source"] for v in training["volumes"] if v["target"] == "/app/runs"} == \
+        {v["source"] for v in services["trainer"]["volumes"] if v["target"] == "/app/runs"}
+
+
 def test_the_run_service_starts_the_mounted_recipe_once_after_the_coordinator_is_healthy():
     run = compose_model(COMPOSE)["services"]["run"]
     assert run["command"][:3] == ["python", "deploy/compose_run.py", "/etc/meshrl/run.yaml"]
@@ -441,6 +461,19 @@ def test_k8s_configmap_recipe_validates_as_a_run_and_names_files_the_image_ships
     for path in [*cfg.data.train_files, *cfg.data.heldout_files]:
         assert (REPO / path).is_file(), path
     assert cfg.model.path.startswith("examples/")
+
+
+def test_k8s_training_api_resolves_the_trainer_and_the_rollout_headless_service():
+    objects = render_k8s()
+    namespace = kustomization()["namespace"]
+    templates = pod_specs(objects)
+    env = {e["name"]: e.get("value") for e in templates["training"]["spec"]["containers"][0]["env"]}
+    coordinator = {e["name"]: e.get("value") for e in templates["coordinator"]["spec"]["containers"][0]["env"]}
+    assert env["MESHRL_TRAINER__ADDRESS"] == coordinator["MESHRL_TRAINER__ADDRESS"]
+    assert env["MESHRL_ROLLOUT__DNS"] == coordinator["MESHRL_ROLLOUT__DNS"] == \
+        f"rollout.{namespace}.svc.cluster.local:50051"
+    volumes = {v["name"]: v for v in templates["training"]["spec"]["volumes"]}
+    assert volumes["runs"]["persistentVolumeClaim"]["claimName"] == "meshrl-runs"
 
 
 def test_k8s_env_pods_run_non_root_with_no_privileges_and_a_writable_tmp_only():
