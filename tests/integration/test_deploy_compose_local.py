@@ -3,7 +3,8 @@ resolves them, started as a local process (container hostnames -> 127.0.0.1, con
 service's address the one it announces; compose starts a service after its dependencies, the only services it
 addresses, so every address it is given is known by then;
 Redis -> a spare DB of the local server); each must pass the compose file's own health check, and three
-rollout replicas started that way must all be in the Redis registry, where the coordinator's pools look."""
+rollout replicas started that way must all be in the Redis registry, where the coordinator's pools look; the training
+API must sample through the compose wiring."""
 
 from __future__ import annotations
 
@@ -193,6 +194,22 @@ def start_in_dependency_order(services: list[Service], model: dict, loc: Localiz
         time.sleep(0.2)
 
 
+def sample_through_training_api(address: str):
+    """One full-parameter client of the composed training API (the recipe trains every weight): two samples."""
+    from services.training_api.client import ModelInput, SamplingParams, ServiceClient
+
+    service = ServiceClient(address)
+    try:
+        tc = service.create_lora_training_client(base_model="examples/arith/model", rank=0)
+        try:
+            prompt = tc.get_tokenizer().encode("12+7=")
+            return tc.sample(ModelInput.from_ints(prompt), 2, SamplingParams(max_tokens=4, temperature=1.0)).result()
+        finally:
+            tc.close()
+    finally:
+        service.close()
+
+
 def test_every_compose_command_runs_locally_becomes_healthy_and_rollout_replicas_register(
         arith_model_path, redis_url, tmp_path):
     model = compose_model(COMPOSE)
@@ -228,6 +245,11 @@ def test_every_compose_command_runs_locally_becomes_healthy_and_rollout_replicas
         for r in ("rollout", "reward", "reference"):
             pool = {rep.address for rep in replicas if rep.pool == r and rep.healthy}
             assert pool == {f"127.0.0.1:{s.port}" for s in services if role(s) == r}, (r, replicas)
+        # The training API reaches the trainer and a rollout replica through its compose environment alone
+        # (MESHRL_TRAINER__ADDRESS, MESHRL_ROLLOUT__DNS): a client opens, and samples after the weights' push.
+        training = next(s for s in services if role(s) == "training")
+        sampled = sample_through_training_api(f"127.0.0.1:{training.port}")
+        assert len(sampled.sequences) == 2 and all(seq.tokens for seq in sampled.sequences), sampled
     finally:
         stop(services)
     # a replica that stops leaves the registry at once, so the coordinator stops routing to it
