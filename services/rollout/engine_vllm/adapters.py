@@ -123,6 +123,26 @@ class AdapterServing:
             if old is not None:
                 await self.llm.remove_lora(old.request.lora_int_id)
 
+    def loaded_adapters(self) -> dict[str, int]:
+        return {n: a.version for n, a in self.adapters.items()} if self.supports_adapters else {}
+
+    def unload_adapter(self, name: str) -> bool:
+        """vLLM drops adapter `name` (its slot and cache entry) once no generation runs; False when not loaded."""
+        if not self.supports_adapters:
+            raise FailedPrecondition("unload_adapter: this vllm replica serves no adapters (enable_lora is off)")
+        old = self.adapters.get(name)
+        if old is None:
+            return False
+        self._loop.call(self._drop_adapter(name, old))
+        shutil.rmtree(old.folder, ignore_errors=True)
+        return True
+
+    async def _drop_adapter(self, name: str, old: LoadedAdapter) -> None:
+        async with self._gate.exclusive():
+            if self.adapters.get(name) is old:
+                del self.adapters[name]
+                await self.llm.remove_lora(old.request.lora_int_id)
+
     def lora_request(self, adapter: str):
         """The LoRARequest of a request's adapter (None for the base model); an unknown name is refused by name."""
         if not adapter:
