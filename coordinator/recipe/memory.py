@@ -201,8 +201,23 @@ def rollout_estimate(cfg, index: int, devices: str, num_replicas: int, gpu_bytes
         # Prefill: one forward over the distinct prompts, the last position's logits only.
         prompts = min(batch, -(-cfg.data.rollout_batch_size // num_replicas))
         parts["prefill"] = prompts * prompt * (2 * s.hidden + 2 * s.intermediate) * b
+        if r.engine == "torch":
+            parts.update(_adapter_slots(cfg, s, b))
     parts["CUDA context"] = CUDA_CONTEXT_BYTES
     return Estimate(f"rollout {index}", gpu, parts)
+
+
+def _adapter_slots(cfg, s: ModelShape, b: int) -> dict[str, int]:
+    """The torch engine's stacked adapter buffers when rollout.enable_lora resolves on (auto: with actor.lora), as
+    engine_torch/lora.py build_bank resolves them: per target layer A_cat [(max_loras + 1) * max_rank, in] and
+    B_cat [out, (max_loras + 1) * max_rank] in the model's dtype (slot 0 is the base's zeros), allocated at start."""
+    r, lora = cfg.rollout, cfg.actor.lora
+    if not ((lora is not None) if is_auto(r.enable_lora) else r.enable_lora):
+        return {}
+    rank = (lora.rank if lora is not None else 16) if is_auto(r.max_lora_rank) else r.max_lora_rank
+    targets = r.lora_target_modules or (lora.target_modules if lora is not None else LORA_TARGETS)
+    per_layer = sum(i + o for name, (i, o) in s.linear_shapes().items() if name in targets)
+    return {f"LoRA adapter slots ({r.max_loras} x rank <= {rank})": s.layers * per_layer * (r.max_loras + 1) * rank * b}
 
 
 def reference_estimate(cfg, index: int, devices: str) -> Estimate | None:

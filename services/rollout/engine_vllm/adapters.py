@@ -120,6 +120,9 @@ class AdapterServing:
             if not await self.llm.add_lora(new.request):
                 raise ValueError(f"load_adapter: vLLM did not load adapter {name!r} version {new.version}")
             self.adapters[name] = new
+            # As the torch engine: a replica's version is the newest update applied, base or adapter (the trainer's
+            # push checks the version UpdateWeights answers with; an adapter's samples carry its own version).
+            self.weight_version = new.version
             if old is not None:
                 await self.llm.remove_lora(old.request.lora_int_id)
 
