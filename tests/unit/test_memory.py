@@ -222,6 +222,7 @@ def test_lora_counts_the_trainers_adapters_and_the_replicas_adapter_slots_by_han
     assert trainer["float32 frozen base"] == 80704 * 4
     assert trainer["LoRA rank 4 adapters + AdamW"] == 4 * (2 * 4 * 224) * 4     # A+B, grads, 2 AdamW moments
     assert "gradients" not in trainer and "AdamW state" not in trainer
+    assert trainer["ipc weight staging"] == 2 * 4 * 224 * 4     # the replica serves adapters: a push is the adapter
     # enable_lora auto -> on (actor.lora); max_lora_rank auto -> 4; slots 2 + the base's: 3 x 4 columns, fp32.
     assert parts["rollout 0"]["LoRA adapter slots (2 x rank <= 4)"] == 2 * 224 * (3 * 4) * 4
 
@@ -237,6 +238,9 @@ def test_the_adapter_slots_at_1_5b_rank_16_four_slots_are_176_mib_and_only_where
     assert slots == 28 * per_block * (5 * 16) * 2 == 184_647_680           # 176.1 MiB of bf16
     off = _lora_estimates(tmp_path, path, "bfloat16", {"enable_lora": False}, {"lora": {"rank": 16}})
     assert not any(k.startswith("LoRA adapter slots") for k in off["rollout 0"])
+    # Pushes stage the rank-16 adapter (16 x 41216 per block) where the replica serves adapters, else merged weights.
+    assert on["trainer"]["ipc weight staging"] == 28 * 16 * per_block * 2
+    assert off["trainer"]["ipc weight staging"] == 1_543_714_304 * 2
     full = _lora_estimates(tmp_path, path, "bfloat16", {}, {})          # auto without actor.lora: off
     assert not any(k.startswith("LoRA adapter slots") for k in full["rollout 0"])
     assert on["rollout 0"]["bfloat16 weights"] == full["rollout 0"]["bfloat16 weights"]
