@@ -43,6 +43,22 @@ async def _sampled_gap(trainer, rollout, adapter: str) -> tuple[float, list[int]
     return gap, [s.weight_version for _, s in seqs]
 
 
+def _check_round(pushed, want, got, base, sampled) -> None:
+    """One push: the adapter alone reached the replica, which scores and samples under it at the trainer's
+    log-probs (and not at the base's)."""
+    sampled_gap, versions = sampled
+    r = pushed.results[0]
+    assert r.ok, r.error
+    assert (r.payload, r.adapter) == ("adapter", "default")      # the adapter alone, over the same base
+    assert set(versions) == {pushed.weight_version}
+    gap_to_base = 0.0
+    for g, w, b in zip(got.results, want.results, base.results, strict=True):
+        assert list(g.logprobs) == pytest.approx(list(w.logprobs), abs=ATOL)
+        gap_to_base = max(gap_to_base, max(abs(x - y) for x, y in zip(b.logprobs, w.logprobs)))
+    assert gap_to_base > 10 * ATOL       # the adapter changes the policy: the base would fail the above
+    assert sampled_gap < ATOL
+
+
 async def _adapters(rollout) -> dict:
     return json.loads((await rollout.GetInfo(common_pb2.GetInfoRequest())).details["adapters"])
 
@@ -94,17 +110,7 @@ def test_a_vllm_replica_takes_adapter_pushes_samples_at_the_trainers_logprobs_an
 
     target, out = asyncio.run(main())
     for step in (1, 2):
-        pushed, want, got, base, (sampled_gap, versions) = out[step]
-        r = pushed.results[0]
-        assert r.ok, r.error
-        assert (r.payload, r.adapter) == ("adapter", "default")      # the adapter alone, over the same base
-        assert set(versions) == {pushed.weight_version}
-        gap_to_base = 0.0
-        for g, w, b in zip(got.results, want.results, base.results, strict=True):
-            assert list(g.logprobs) == pytest.approx(list(w.logprobs), abs=ATOL)
-            gap_to_base = max(gap_to_base, max(abs(x - y) for x, y in zip(b.logprobs, w.logprobs)))
-        assert gap_to_base > 10 * ATOL       # the adapter changes the policy: the base would fail the above
-        assert sampled_gap < ATOL
+        _check_round(*out[step])
     assert out[2][0].results[0].ok and out[2][0].weight_version > out[1][0].weight_version
     assert out["named"].results[0].ok, out["named"].results[0].error
     assert set(out["both"]) == {"default", "client-0"}
