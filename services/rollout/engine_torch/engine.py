@@ -235,9 +235,10 @@ class TorchEngine(TorchAdapters, LocalModelEngine):
         await self._swap(_Swap(lambda: self.load_adapter(name, version, config, tensors)))
 
     async def remove_adapter(self, name: str) -> bool:
-        freed: list[bool] = []
-        await self._swap(_Swap(lambda: freed.append(self.unload_adapter(name))))
-        return freed[0]
+        # Under the lock, never at a partial rollout's step boundary: a running row of that adapter would go on
+        # under the base's weights. Once the decodes using it end, no request can name it again.
+        async with self._lock:
+            return await self._run_locked(self.unload_adapter, name)
 
     async def update_weights(self, manifest: Manifest, buckets: AsyncIterable[tuple[bytes, int]]) -> dict:
         start = time.perf_counter()
