@@ -1,6 +1,6 @@
 """Deleting a named adapter on the trainer frees its slot on the rollout replicas it was pushed to (rollout
 UnloadAdapter, services/trainer/weights/adapter.py unload): with rollout.max_loras = 1, a second adapter is refused
-until the first one is deleted, then lands and samples; real servers on port 0."""
+until the first one is deleted (directly, or by closing its training client), then lands; real servers on port 0."""
 
 from __future__ import annotations
 
@@ -93,3 +93,54 @@ def test_a_replica_serving_no_adapters_refuses_unload_by_name(tmp_path):
             await replica.close()
 
     asyncio.run(main())
+
+
+def _two_clients_one_slot(address: str) -> list[float]:
+    from services.training_api.client import ModelInput, SamplingParams, ServiceClient
+    from tests.integration.test_training_api_clients import BASE, _course, _datums
+
+    service = ServiceClient(address)
+    a = service.create_lora_training_client(base_model=BASE, rank=8)
+    b = service.create_lora_training_client(base_model=BASE, rank=8)
+    assert (a.info.adapter, b.info.adapter) == ("client-0", "client-1")
+    tok = a.get_tokenizer()
+    prompt = ModelInput.from_ints(tok.encode("1+1="))
+    _course(a, _datums(tok, ["12+30=42", "7+8=15"]), 1)
+    _course(b, _datums(tok, ["99+1=100", "3+3=6"]), 1)
+    a.sample(prompt, 1, SamplingParams(max_tokens=2)).result()        # client-0 takes the replica's one slot
+    a.close()                                                        # ... and gives it back
+    out = b.sample(prompt, 1, SamplingParams(max_tokens=2, seed=1)).result()
+    b.close()
+    service.close()
+    return out.sequences[0].logprobs
+
+
+def test_a_closed_training_clients_adapter_leaves_the_replica_so_the_next_client_fits(tmp_path):
+    """rollout.max_loras 1, two training clients: the second samples once the first closed (its adapter unloaded);
+    without UnloadAdapter the replica would refuse client-1 as adapter 2 of 1."""
+    import copy
+
+    from services.local import start_local_mesh
+    from services.training_api.config import TrainingSettings
+    from services.training_api.servicer import start as start_training
+    from tests.integration.test_training_api import RECIPE
+
+    async def main():
+        recipe = copy.deepcopy(RECIPE)
+        recipe["training_api"] = {"state_dir": str(tmp_path / "states")}
+        recipe["rollout"]["max_loras"] = 1
+        mesh = await start_local_mesh(recipe, num_rollout=1, num_reward=0, num_reference=0)
+        server, port, engine = await start_training(load_config(TrainingSettings, data=mesh.config), "127.0.0.1:0")
+        try:
+            logprobs = await asyncio.to_thread(_two_clients_one_slot, f"127.0.0.1:{port}")
+            async with create_channel(mesh.addresses["rollout"][0]) as ch:
+                left = await _adapters(rollout_pb2_grpc.RolloutStub(ch))
+        finally:
+            await server.stop(0)
+            await engine.close()
+            await mesh.stop()
+        return logprobs, left
+
+    logprobs, left = asyncio.run(main())
+    assert len(logprobs) >= 1
+    assert left == {}              # both clients closed: no adapter left on the replica
