@@ -1,7 +1,7 @@
 """A vLLM replica started with enable_lora takes the trainer's adapter-only weight sync over the real gRPC path
 (services/trainer/weights/adapter.py -> rollout UpdateWeights -> VLLMEngine.load_adapter), then samples and scores
 under the pushed adapter at the trainer's log-probs; a named adapter pushed beside it is unloaded when the trainer
-deletes it (UnloadAdapter -> vLLM's remove_lora).
+deletes it (UnloadAdapter -> vLLM's remove_lora); the OpenAI-compatible API serves the adapter as a model.
 
 Slow: vLLM starts in 30-150 s on a shared 2-core machine. Skipped when vLLM cannot be imported."""
 
@@ -59,6 +59,24 @@ def _check_round(pushed, want, got, base, sampled) -> None:
     assert sampled_gap < ATOL
 
 
+async def _over_http(port: int, trainer) -> tuple:
+    """The adapter as a model over the replica's OpenAI-compatible API (official client): /v1/models, and a
+    completion under it whose log-probs are the trainer's."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                                  timeout=120) as client:
+        models = await client.models.list()
+        resp = await client.completions.create(model="default", prompt=PROMPTS[0], n=2, max_tokens=6, logprobs=0,
+                                               seed=4, extra_body={"return_token_ids": True})
+    want = await trainer.ComputeLogProbs(common_pb2.LogProbsRequest(sequences=[
+        common_pb2.TokenSequence(id=str(i), prompt_ids=PROMPTS[0], response_ids=c.model_extra["token_ids"])
+        for i, c in enumerate(resp.choices)], temperature=1.0))
+    gap = max(max(abs(a - b) for a, b in zip(c.logprobs.token_logprobs, w.logprobs, strict=True))
+              for c, w in zip(resp.choices, want.results, strict=True))
+    return [(m.id, m.model_extra.get("weight_version")) for m in models.data], resp.model, gap
+
+
 async def _adapters(rollout) -> dict:
     return json.loads((await rollout.GetInfo(common_pb2.GetInfoRequest())).details["adapters"])
 
@@ -79,7 +97,8 @@ def test_a_vllm_replica_takes_adapter_pushes_samples_at_the_trainers_logprobs_an
             "lr": 5e-2, "lora": {"rank": 4, "alpha": 8}}})
         server, port, engine = await start_trainer(settings, "127.0.0.1:0")
         rs = RolloutSettings(model={"path": model}, rollout={
-            "engine": "vllm", "gpu_memory_utilization": 0.05, "max_batch_size": 16,
+            "engine": "vllm", "gpu_memory_utilization": 0.05, "max_batch_size": 16, "http_port": 0,
+            "served_model_name": "tiny",
             "vllm_engine_args": {"enable_lora": True, "max_lora_rank": 8}})
         r_server, r_port, replica = await start_rollout(rs, "127.0.0.1:0")
         target = f"127.0.0.1:{r_port}"
@@ -94,6 +113,7 @@ def test_a_vllm_replica_takes_adapter_pushes_samples_at_the_trainers_logprobs_an
                     got = await rollout.ComputeLogProbs(logprobs_request(samples, "default"))
                     base = await rollout.ComputeLogProbs(logprobs_request(samples))
                     out[step] = (pushed, want, got, base, await _sampled_gap(trainer, rollout, "default"))
+                out["http"] = await _over_http(replica.http_port, trainer)
                 await trainer.CreateAdapter(trainer_pb2.AdapterRequest(name="client-0"))
                 named = await trainer.PushWeights(trainer_pb2.PushWeightsRequest(targets=[target], adapter="client-0"))
                 out["both"] = await _adapters(rollout)
@@ -112,6 +132,9 @@ def test_a_vllm_replica_takes_adapter_pushes_samples_at_the_trainers_logprobs_an
     for step in (1, 2):
         _check_round(*out[step])
     assert out[2][0].results[0].ok and out[2][0].weight_version > out[1][0].weight_version
+    models, answered_as, http_gap = out["http"]
+    assert models == [("tiny", out[2][0].weight_version), ("default", out[2][0].weight_version)]
+    assert answered_as == "default" and http_gap < ATOL
     assert out["named"].results[0].ok, out["named"].results[0].error
     assert set(out["both"]) == {"default", "client-0"}
     assert dict(out["deleted"].unloaded) == {target: "unloaded"}
