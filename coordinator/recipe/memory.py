@@ -136,6 +136,7 @@ def trainer_estimates(cfg, trainer_devices: str, rollout_gpus: list[str | None])
     fsdp = a.dp_mode == "fsdp" and a.dp_size > 1
     shard = a.tp_size * a.pp_size * (a.dp_size if fsdp else 1)
     n = s.num_params
+    synced = n                   # parameters one push stages: the adapter alone where the replicas serve adapters
     parts: dict[str, int] = {}
     if a.lora is None:
         parts[f"{param_dtype} weights"] = n * p // shard
@@ -150,6 +151,8 @@ def trainer_estimates(cfg, trainer_devices: str, rollout_gpus: list[str | None])
                                  if name in a.lora.target_modules)
         parts[f"{m.dtype} frozen base"] = n * base // shard
         parts[f"LoRA rank {a.lora.rank} adapters + AdamW"] = 4 * adapter * p // shard
+        if _serves_adapters(cfg):
+            synced = adapter
     residual = 4 if (p != c and a.lora is None) or c == 4 else c
     acts, how = _activations(cfg, s, _micro_batch_tokens(cfg, _prompt_tokens(cfg)), c, residual)
     parts[how] = acts
@@ -159,7 +162,7 @@ def trainer_estimates(cfg, trainer_devices: str, rollout_gpus: list[str | None])
     for rank, gpu in enumerate(gpus):
         own = dict(parts)
         if rank == 0 and transport == "ipc":
-            own["ipc weight staging"] = n * sync  # the whole payload, shared with the replicas on this GPU
+            own["ipc weight staging"] = synced * sync  # the whole payload, shared with the replicas on this GPU
         elif rank == 0 and transport == "nccl":
             own["nccl staging"] = 2 * cfg.weight_sync.device_bucket_bytes
         own["CUDA context"] = CUDA_CONTEXT_BYTES
@@ -201,8 +204,38 @@ def rollout_estimate(cfg, index: int, devices: str, num_replicas: int, gpu_bytes
         # Prefill: one forward over the distinct prompts, the last position's logits only.
         prompts = min(batch, -(-cfg.data.rollout_batch_size // num_replicas))
         parts["prefill"] = prompts * prompt * (2 * s.hidden + 2 * s.intermediate) * b
+        if r.engine == "torch":
+            parts.update(_adapter_slots(cfg, s, b))
     parts["CUDA context"] = CUDA_CONTEXT_BYTES
     return Estimate(f"rollout {index}", gpu, parts)
+
+
+def _enable_lora(cfg) -> bool:
+    """rollout.enable_lora as the torch engine resolves it (auto: on with actor.lora)."""
+    r = cfg.rollout
+    return (cfg.actor.lora is not None) if is_auto(r.enable_lora) else bool(r.enable_lora)
+
+
+def _serves_adapters(cfg) -> bool:
+    """Whether the rollout replicas serve LoRA adapters, so a LoRA run's pushes carry the adapter alone
+    (services/trainer/weights/adapter.py): torch with enable_lora, vllm with vllm_engine_args.enable_lora."""
+    r = cfg.rollout
+    if r.engine == "vllm":
+        return bool((r.vllm_engine_args or {}).get("enable_lora"))
+    return r.engine == "torch" and _enable_lora(cfg)
+
+
+def _adapter_slots(cfg, s: ModelShape, b: int) -> dict[str, int]:
+    """The torch engine's stacked adapter buffers when rollout.enable_lora resolves on (auto: with actor.lora), as
+    engine_torch/lora.py build_bank resolves them: per target layer A_cat [(max_loras + 1) * max_rank, in] and
+    B_cat [out, (max_loras + 1) * max_rank] in the model's dtype (slot 0 is the base's zeros), allocated at start."""
+    r, lora = cfg.rollout, cfg.actor.lora
+    if not _enable_lora(cfg):
+        return {}
+    rank = (lora.rank if lora is not None else 16) if is_auto(r.max_lora_rank) else r.max_lora_rank
+    targets = r.lora_target_modules or (lora.target_modules if lora is not None else LORA_TARGETS)
+    per_layer = sum(i + o for name, (i, o) in s.linear_shapes().items() if name in targets)
+    return {f"LoRA adapter slots ({r.max_loras} x rank <= {rank})": s.layers * per_layer * (r.max_loras + 1) * rank * b}
 
 
 def reference_estimate(cfg, index: int, devices: str) -> Estimate | None:

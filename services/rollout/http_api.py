@@ -6,6 +6,8 @@ also understands `return_token_ids` (adds `token_ids` / `prompt_token_ids` to ea
 `return_tokens_as_token_ids` (tokens spelled "token_id:N"), which the openai proxy engine relies on.
 `stream: true` is answered as server-sent events with one chunk per choice once generation ends. Chat takes
 OpenAI's `tools` and `tool_choice` and answers with `tool_calls` (services/rollout/agents/function_calling.py).
+LoRA adapters are served as models, as vLLM serves them: `model` = an adapter's name samples under it, `/v1/models`
+lists the base and every loaded adapter with its weight version, and an unknown name is a 404 naming it.
 Proxy mode: the same chat route under `/sessions/<session_id>/v1` records each session's calls as a token-exact
 trajectory, which `GET /sessions/<session_id>` returns (services/rollout/agents/sessions.py).
 """
@@ -35,6 +37,10 @@ HTTP_STATUS = {"FAILED_PRECONDITION": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED
                "DEADLINE_EXCEEDED": 504}
 
 
+class ModelNotFound(NotFound):
+    """A request's `model` names nothing served here: OpenAI's 404 (code model_not_found)."""
+
+
 class OpenAIApi:
     """Request handlers; everything model-related is delegated to the engine."""
 
@@ -48,20 +54,26 @@ class OpenAIApi:
     # ---- routes
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "meshrl",
-             "root": self.engine.model_path, "max_model_len": getattr(self.engine, "max_model_len", None)}]})
+        """The base model, then each loaded adapter (vLLM's shape: its parent is the base) with its version."""
+        max_len = getattr(self.engine, "max_model_len", None)
+        base = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "meshrl",
+                "root": self.engine.model_path, "parent": None, "max_model_len": max_len,
+                "weight_version": self.engine.weight_version}
+        adapters = [{"id": name, "object": "model", "created": self.created, "owned_by": "meshrl",
+                     "root": name, "parent": self.model_name, "max_model_len": max_len, "weight_version": version}
+                    for name, version in sorted(self.engine.loaded_adapters().items())]
+        return web.json_response({"object": "list", "data": [base, *adapters]})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "weight_version": self.engine.weight_version})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
-        self._check_model(body)
+        adapter = self._adapter_of(body)
         _reject_unsupported(body, ("echo", "suffix", "best_of"))
         prompts = _prompts(body.get("prompt"))
         k = _opt_int(body, "logprobs")
-        sampling = self._sampling(body, default_max_tokens=16, top_logprobs=k or 0)
+        sampling = self._sampling(body, default_max_tokens=16, top_logprobs=k or 0, adapter=adapter)
         results = await self.engine.generate(GenerateBatch(prompts, sampling))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         choices = []
@@ -84,8 +96,8 @@ class OpenAIApi:
                 self._add_ids(body, choice, r, s)
                 choices.append(choice)
         payload = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                   "model": self.model_name, "choices": choices, "usage": _usage(results),
-                   "system_fingerprint": f"meshrl-v{self.engine.weight_version}"}
+                   "model": adapter or self.model_name, "choices": choices, "usage": _usage(results),
+                   "system_fingerprint": self._fingerprint(results)}
         if body.get("stream"):
             return await self._stream(request, payload, "text_completion")
         return web.json_response(payload)
@@ -96,7 +108,7 @@ class OpenAIApi:
         text = self._render_chat(body.get("messages"), calling.tools) + calling.prefix
         prompt = PromptInput(id="chat", text=text, add_special_tokens=False)   # the template holds the bos
         results = await self.engine.generate(GenerateBatch([prompt], sampling))
-        return await self._chat_answer(request, body, calling, results)
+        return await self._chat_answer(request, body, calling, results, sampling.adapter)
 
     async def session_chat(self, request: web.Request) -> web.StreamResponse:
         """Chat in proxy mode: the answer is recorded in the session's token-exact trajectory."""
@@ -110,7 +122,7 @@ class OpenAIApi:
         session: Session = self.sessions.open(check_session_id(request.match_info["session_id"]))
         async with session.lock:
             results = await session.play_turn(self.engine, messages, calling, sampling)
-        return await self._chat_answer(request, body, calling, results)
+        return await self._chat_answer(request, body, calling, results, sampling.adapter)
 
     async def session_completions(self, request: web.Request) -> web.Response:
         raise ValueError("prompt: a session records chat requests only (its turns are messages); send this "
@@ -124,8 +136,7 @@ class OpenAIApi:
         return web.json_response(self.sessions.get(session_id).to_json())
 
     def _chat_request(self, body: dict, *, any_model: bool = False) -> tuple[FunctionCalling, SamplingParams]:
-        if not any_model:
-            self._check_model(body)
+        adapter = self._adapter_of(body, any_model=any_model)
         _reject_unsupported(body, ("response_format",))
         calling = FunctionCalling.from_body(body)
         k = _opt_int(body, "top_logprobs") or 0
@@ -134,11 +145,11 @@ class OpenAIApi:
         if "max_completion_tokens" in body and body.get("max_tokens") is None:
             body["max_tokens"] = body["max_completion_tokens"]
         sampling = self._sampling(body, default_max_tokens=getattr(self.engine, "max_model_len", None)
-                                  or self.defaults.max_tokens, top_logprobs=k)
+                                  or self.defaults.max_tokens, top_logprobs=k, adapter=adapter)
         return calling, sampling
 
     async def _chat_answer(self, request: web.Request, body: dict, calling: FunctionCalling,
-                           results: list[PromptResult]) -> web.StreamResponse:
+                           results: list[PromptResult], adapter: str) -> web.StreamResponse:
         want_lp = bool(body.get("logprobs"))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         choices = []
@@ -161,8 +172,8 @@ class OpenAIApi:
             self._add_ids(body, choice, results[0], s)
             choices.append(choice)
         payload = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                   "model": self.model_name, "choices": choices, "usage": _usage(results),
-                   "system_fingerprint": f"meshrl-v{self.engine.weight_version}"}
+                   "model": adapter or self.model_name, "choices": choices,
+                   "usage": _usage(results), "system_fingerprint": self._fingerprint(results)}
         if body.get("return_token_ids"):     # where vLLM puts it on a chat answer
             payload["prompt_token_ids"] = results[0].prompt_ids
         if body.get("stream"):
@@ -204,12 +215,27 @@ class OpenAIApi:
 
     # ---- helpers
 
-    def _check_model(self, body: dict) -> None:
+    def _adapter_of(self, body: dict, *, any_model: bool = False) -> str:
+        """The adapter a request's `model` selects ("" = the base model). any_model (proxy mode, where an agent
+        program knows a base_url, not this replica's names): a name that is no adapter is the base model."""
         model = body.get("model")
-        if model not in (None, "", self.model_name, self.engine.model_path):
-            raise NotFound(f"model: {model!r} is not served here (this replica serves {self.model_name!r})")
+        if model in (None, "", self.model_name, self.engine.model_path):
+            return ""
+        loaded = self.engine.loaded_adapters()
+        if isinstance(model, str) and model in loaded:
+            return model
+        if any_model:
+            return ""
+        served = ", ".join(repr(m) for m in [self.model_name, *sorted(loaded)])
+        raise ModelNotFound(f"model: the model {model!r} does not exist on this replica (it serves {served})")
 
-    def _sampling(self, body: dict, *, default_max_tokens: int, top_logprobs: int) -> SamplingParams:
+    def _fingerprint(self, results: list[PromptResult]) -> str:
+        """The weight version that sampled the answer (an adapter's own version under an adapter)."""
+        versions = {s.weight_version for r in results for s in r.samples}
+        return f"meshrl-v{max(versions) if versions else self.engine.weight_version}"
+
+    def _sampling(self, body: dict, *, default_max_tokens: int, top_logprobs: int, adapter: str = ""
+                  ) -> SamplingParams:
         stop = body.get("stop")
         if stop is None:
             stop = []
@@ -224,7 +250,8 @@ class OpenAIApi:
             max_tokens=_num(body, "max_tokens", int, default_max_tokens),
             stop=stop,
             seed=_opt_int(body, "seed"),
-            top_logprobs=top_logprobs)
+            top_logprobs=top_logprobs,
+            adapter=adapter)
 
     def _render_chat(self, messages, tools: list[dict]) -> str:
         if not isinstance(messages, list) or not messages:
@@ -330,9 +357,9 @@ async def _json_body(request: web.Request) -> dict:
     return body
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
+def _error(status: int, message: str, kind: str, code: str | int | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": message.split(":", 1)[0],
-                                        "code": status}}, status=status)
+                                        "code": status if code is None else code}}, status=status)
 
 
 def _middlewares(auth_token: str | None):
@@ -350,6 +377,8 @@ def _middlewares(auth_token: str | None):
             raise
         except ValueError as e:
             return _error(400, str(e), "invalid_request_error")
+        except ModelNotFound as e:    # OpenAI's answer to an unknown model
+            return _error(404, str(e), "invalid_request_error", code="model_not_found")
         except MeshError as e:
             return _error(HTTP_STATUS.get(e.status, 500), str(e), e.status.lower())
         except Exception as e:  # noqa: BLE001 - reported as a 500, logged with its traceback

@@ -66,6 +66,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return common_convert.logprobs_to_pb(batch.ids, logprobs, weight_version=version, packed=request.packed,
                                              columnar=batch.columnar)
 
+    async def UnloadAdapter(self, request, context):
+        if not self.engine.supports_adapters:
+            raise FailedPrecondition(f"UnloadAdapter: the {self.engine.info().get('engine', '?')} engine serves no "
+                                     "LoRA adapters")
+        unloaded = await self.engine.remove_adapter(request.name)
+        log.info("adapter %r %s", request.name, "unloaded: its slot is free" if unloaded else "was not loaded")
+        return rollout_pb2.UnloadAdapterResponse(name=request.name, unloaded=unloaded,
+                                                 adapters=sorted(self.engine.loaded_adapters()))
+
     async def GetInfo(self, request, context):
         await self.engine.refresh()
         details = {**self.engine.info(), "supports_adapters": "true" if self.engine.supports_adapters else "false",

@@ -236,6 +236,21 @@ class RolloutEngine(abc.ABC):
 
         await asyncio.to_thread(self.load_adapter, name, version, config, tensors)
 
+    def loaded_adapters(self) -> dict[str, int]:
+        """{adapter name: its weight version} of the adapters this replica serves now (none by default)."""
+        return {}
+
+    def unload_adapter(self, name: str) -> bool:
+        """Frees adapter `name`'s slot; False when it was not loaded. Engines that serve no adapters keep this."""
+        raise FailedPrecondition(f"unload_adapter: the {self.info().get('engine', '?')} engine serves no LoRA "
+                                 "adapters")
+
+    async def remove_adapter(self, name: str) -> bool:
+        """unload_adapter where a weight swap lands (like apply_adapter); this default runs it in a thread."""
+        import asyncio
+
+        return await asyncio.to_thread(self.unload_adapter, name)
+
     async def refresh(self) -> None:
         """Brings what info() reports up to date (an upstream's capabilities); GetInfo awaits it first."""
         return None

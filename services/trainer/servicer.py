@@ -132,7 +132,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def DeleteAdapter(self, request, context):
         await asyncio.to_thread(self.engine.delete_adapter, request.name)
-        return trainer_pb2.AdapterResponse(name=request.name, adapters=self.engine.adapter_names())
+        # The replicas that serve it free its slot (weights/adapter.py).
+        unloaded = await self.adapters.unload(request.name) if self.adapters else {}
+        return trainer_pb2.AdapterResponse(name=request.name, adapters=self.engine.adapter_names(), unloaded=unloaded)
 
     async def ConfigureRun(self, request, context):
         applied = await asyncio.to_thread(self.engine.configure_run, convert.run_optim_from_pb(request))

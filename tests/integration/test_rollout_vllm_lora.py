@@ -99,6 +99,6 @@ def test_vllm_serves_the_trainers_exported_adapter_at_its_merged_models_logprobs
             engine.load_adapter("policy", 2, config, tensors)
         with pytest.raises(ValueError, match=r"rank 16 is not in 1\.\.8"):
             engine.load_adapter("policy", 3, {**config, "r": 16}, tensors)
-        assert engine.adapters["policy"].version == 2 and engine.info()["adapters"] == {"policy": 2}
+        assert engine.adapters["policy"].version == 2 and json.loads(engine.info()["adapters"]) == {"policy": 2}
     finally:
         engine.close_sync()

@@ -201,3 +201,60 @@ def test_the_one_gpu_recipe_loads_and_sets_no_speed_switch():
     assert (cfg.rollout.engine, cfg.rollout.replicas, cfg.rollout.n, cfg.rollout.max_tokens) == ("torch", 1, 8, 512)
     assert cfg.data.rollout_batch_size == 32 and cfg.algorithm.use_kl_loss and cfg.algorithm.kl_loss_type == "k3"
     assert all(Path(REPO / f).is_file() for f in cfg.data.train_files + cfg.data.heldout_files)
+
+
+def _lora_estimates(tmp_path: Path, model: str, dtype: str, rollout: dict, actor: dict) -> dict:
+    recipe = tmp_path / "lora.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"path": model, "device": "cuda", "dtype": dtype}, "actor": actor,
+        "rollout": {"engine": "torch", "replicas": 1, "n": 2, "max_tokens": 16, **rollout},
+        "reference": {"replicas": 0}, "data": {"rollout_batch_size": 2, "max_prompt_length": 16}}))
+    cfg, placement, trainer_devices = _recipe(recipe, {})
+    return {e.service: e.parts for e in memory.estimate(cfg, placement, trainer_devices)}
+
+
+def test_lora_counts_the_trainers_adapters_and_the_replicas_adapter_slots_by_hand(tmp_path):
+    path = _folder(tmp_path, "tiny", TINY)
+    parts = _lora_estimates(tmp_path, path, "float32", {"max_loras": 2},
+                            {"lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}})
+    # q_proj 64 -> 64 and v_proj 64 -> 32 (2 kv heads x 16): 128 + 96 = 224 in + out features per block, 2 blocks.
+    trainer = parts["trainer"]
+    assert trainer["float32 frozen base"] == 80704 * 4
+    assert trainer["LoRA rank 4 adapters + AdamW"] == 4 * (2 * 4 * 224) * 4     # A+B, grads, 2 AdamW moments
+    assert "gradients" not in trainer and "AdamW state" not in trainer
+    assert trainer["ipc weight staging"] == 2 * 4 * 224 * 4     # the replica serves adapters: a push is the adapter
+    # enable_lora auto -> on (actor.lora); max_lora_rank auto -> 4; slots 2 + the base's: 3 x 4 columns, fp32.
+    assert parts["rollout 0"]["LoRA adapter slots (2 x rank <= 4)"] == 2 * 224 * (3 * 4) * 4
+
+
+def test_the_adapter_slots_at_1_5b_rank_16_four_slots_are_176_mib_and_only_where_enable_lora_is_on(tmp_path):
+    path = _qwen(tmp_path, "1.5b")
+    on = _lora_estimates(tmp_path, path, "bfloat16", {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16},
+                         {"lora": {"rank": 16}})
+    # Every projection: q 1536+1536, k and v 1536+256, o 1536+1536, gate and up 1536+8960, down 8960+1536.
+    per_block = 2 * 3072 + 2 * 1792 + 3 * 10496
+    assert per_block == 41216
+    slots = on["rollout 0"]["LoRA adapter slots (4 x rank <= 16)"]
+    assert slots == 28 * per_block * (5 * 16) * 2 == 184_647_680           # 176.1 MiB of bf16
+    off = _lora_estimates(tmp_path, path, "bfloat16", {"enable_lora": False}, {"lora": {"rank": 16}})
+    assert not any(k.startswith("LoRA adapter slots") for k in off["rollout 0"])
+    # Pushes stage the rank-16 adapter (16 x 41216 per block) where the replica serves adapters, else merged weights.
+    assert on["trainer"]["ipc weight staging"] == 28 * 16 * per_block * 2
+    assert off["trainer"]["ipc weight staging"] == 1_543_714_304 * 2
+    full = _lora_estimates(tmp_path, path, "bfloat16", {}, {})          # auto without actor.lora: off
+    assert not any(k.startswith("LoRA adapter slots") for k in full["rollout 0"])
+    assert on["rollout 0"]["bfloat16 weights"] == full["rollout 0"]["bfloat16 weights"]
+
+
+def test_the_adapter_slot_estimate_equals_what_the_torch_engine_allocates(tmp_path):
+    from services.rollout.config import RolloutSettings
+    from services.rollout.engine_torch.engine import TorchEngine
+    from services.rollout.testing import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "model")
+    rollout = {"max_loras": 3, "max_lora_rank": 8, "lora_target_modules": ["q_proj", "o_proj", "down_proj"]}
+    parts = _lora_estimates(tmp_path, path, "float32", {"enable_lora": True, **rollout}, {})
+    engine = TorchEngine(RolloutSettings(model={"path": path}, rollout={"enable_lora": True, **rollout}))
+    allocated = sum(t.numel() * t.element_size() for m in engine.adapters.layers.values()
+                    for t in (m.lora_A_cat, m.lora_B_cat))
+    assert parts["rollout 0"]["LoRA adapter slots (3 x rank <= 8)"] == allocated > 0

@@ -193,3 +193,19 @@ class GenerateEpisodesResponse(_message.Message):
     loss_mask_rows: _common_pb2.Ragged
     version_rows: _common_pb2.Ragged
     def __init__(self, groups: _Optional[_Iterable[_Union[EpisodeGroup, _Mapping]]] = ..., response_rows: _Optional[_Union[_common_pb2.Ragged, _Mapping]] = ..., logprob_rows: _Optional[_Union[_common_pb2.Ragged, _Mapping]] = ..., loss_mask_rows: _Optional[_Union[_common_pb2.Ragged, _Mapping]] = ..., version_rows: _Optional[_Union[_common_pb2.Ragged, _Mapping]] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("name", "unloaded", "adapters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    unloaded: bool
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., unloaded: _Optional[bool] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -65,6 +65,11 @@ class RolloutStub:
                 request_serializer=meshrl_dot_v1_dot_rollout__pb2.GenerateEpisodesRequest.SerializeToString,
                 response_deserializer=meshrl_dot_v1_dot_rollout__pb2.GenerateEpisodesResponse.FromString,
                 _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/meshrl.v1.Rollout/UnloadAdapter',
+                request_serializer=meshrl_dot_v1_dot_rollout__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=meshrl_dot_v1_dot_rollout__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -113,6 +118,14 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UnloadAdapter(self, request, context):
+        """Drops a LoRA adapter and frees its slot (the trainer deleted it); answers unloaded = false when it was not
+        loaded, so a repeated call is harmless.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +158,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.GenerateEpisodes,
                     request_deserializer=meshrl_dot_v1_dot_rollout__pb2.GenerateEpisodesRequest.FromString,
                     response_serializer=meshrl_dot_v1_dot_rollout__pb2.GenerateEpisodesResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=meshrl_dot_v1_dot_rollout__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=meshrl_dot_v1_dot_rollout__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +327,33 @@ class Rollout:
             '/meshrl.v1.Rollout/GenerateEpisodes',
             meshrl_dot_v1_dot_rollout__pb2.GenerateEpisodesRequest.SerializeToString,
             meshrl_dot_v1_dot_rollout__pb2.GenerateEpisodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshrl.v1.Rollout/UnloadAdapter',
+            meshrl_dot_v1_dot_rollout__pb2.UnloadAdapterRequest.SerializeToString,
+            meshrl_dot_v1_dot_rollout__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

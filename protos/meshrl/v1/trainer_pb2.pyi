@@ -404,16 +404,25 @@ class AdapterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class AdapterResponse(_message.Message):
-    __slots__ = ("name", "rank", "weight_version", "adapters")
+    __slots__ = ("name", "rank", "weight_version", "adapters", "unloaded")
+    class UnloadedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
     name: str
     rank: int
     weight_version: int
     adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., weight_version: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    unloaded: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., weight_version: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., unloaded: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
     __slots__ = ("step", "weight_version", "metrics")

@@ -26,7 +26,7 @@ from services.common.tensors.weights import Manifest, apply_weights, check_again
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_torch.continuous import Flight, answer_of
 from services.rollout.engine_torch.decode import Row, decode_rows
-from services.rollout.engine_torch.lora import adapter_rows, build_bank
+from services.rollout.engine_torch.lora import TorchAdapters, adapter_rows, build_bank
 from services.rollout.engine_torch.sampling import row_generator
 from services.rollout.engine_torch.speed import resolve_speed, warm_up_decoder
 from services.rollout.local_model import LocalModelEngine, find_eos_ids, model_len_limit, try_tokenizer
@@ -72,7 +72,7 @@ class _Job:
     future: asyncio.Future | None
 
 
-class TorchEngine(LocalModelEngine):
+class TorchEngine(TorchAdapters, LocalModelEngine):
     """Generates with a transformers model and a batched KV-cache decode loop; no gRPC here."""
 
     def __init__(self, settings: RolloutSettings, *, model=None, tokenizer=None):
@@ -230,28 +230,15 @@ class TorchEngine(LocalModelEngine):
                                              temperature=temperature, token_budget=self.config.logprobs_token_budget)
             return out, self.weight_version
 
-    def slot_of(self, adapter: str) -> int:
-        """The adapter slot of a request's sampling.adapter ("" = the base model)."""
-        if self.adapters is None:
-            if adapter:
-                raise ValueError(f"sampling.adapter: {adapter!r}, but this replica serves no adapters "
-                                 "(rollout.enable_lora is off)")
-            return 0
-        return self.adapters.slot_of(adapter)
-
-    def load_adapter(self, name: str, version: int, config: dict, tensors: dict[str, torch.Tensor]) -> None:
-        """Adapter `name` replaced whole (call with no decode running: apply_adapter does it between decodes)."""
-        check_weight_version(version)
-        if self.adapters is None:
-            raise ValueError("manifest.adapter: this replica serves no adapters (rollout.enable_lora is off)")
-        self.adapters.load(name, config, tensors)
-        self.adapters.versions[name] = version
-        # One run's replica: its version is the newest update applied, base or adapter (samples are tagged by it).
-        self.weight_version = version
-
     async def apply_adapter(self, name: str, version: int, config: dict, tensors: dict[str, torch.Tensor]) -> None:
         """load_adapter where a weight swap lands: between decodes, or between two steps of a partial rollout."""
         await self._swap(_Swap(lambda: self.load_adapter(name, version, config, tensors)))
+
+    async def remove_adapter(self, name: str) -> bool:
+        # Under the lock, never at a partial rollout's step boundary: a running row of that adapter would go on
+        # under the base's weights. Once the decodes using it end, no request can name it again.
+        async with self._lock:
+            return await self._run_locked(self.unload_adapter, name)
 
     async def update_weights(self, manifest: Manifest, buckets: AsyncIterable[tuple[bytes, int]]) -> dict:
         start = time.perf_counter()

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.rollout.types import check_weight_version
+
 log = logging.getLogger("meshrl.rollout")
 
 PREFIX = "base_model.model."
@@ -160,6 +162,20 @@ class AdapterBank:
         self.configs[name] = dict(config)
         return slot
 
+    def unload(self, name: str) -> bool:
+        """Frees adapter `name`'s slot (its columns zeroed, so a row still pointing there reads the base); False when
+        it was not loaded. Call with no forward running (the engine's swap)."""
+        slot = self.slots.pop(name, None)
+        self.versions.pop(name, None)
+        self.configs.pop(name, None)
+        if slot is None:
+            return False
+        with torch.no_grad():
+            for m in self.layers.values():
+                m.lora_A_cat[slot * self.max_rank:(slot + 1) * self.max_rank].zero_()
+                m.lora_B_cat[:, slot * self.max_rank:(slot + 1) * self.max_rank].zero_()
+        return True
+
     def _pairs(self, tensors: Mapping[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """{module path: (A [r, in], B [out, r])} from PEFT's saved names, each shape checked."""
         parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -183,6 +199,43 @@ class AdapterBank:
                                  f"fit rank {rank} on a {m.in_features} -> {m.out_features} layer")
             out[path] = (a.to(self.device, self.dtype), b.to(self.device))
         return out
+
+
+class TorchAdapters:
+    """The torch engine's side of RolloutEngine's adapter methods, over its AdapterBank (`self.adapters`, None when
+    rollout.enable_lora is off). Call the mutating ones with no decode running: the engine's apply_adapter and
+    remove_adapter run them where a weight swap lands."""
+
+    adapters: AdapterBank | None
+    weight_version: int
+
+    def slot_of(self, adapter: str) -> int:
+        """The adapter slot of a request's sampling.adapter ("" = the base model)."""
+        if self.adapters is None:
+            if adapter:
+                raise ValueError(f"sampling.adapter: {adapter!r}, but this replica serves no adapters "
+                                 "(rollout.enable_lora is off)")
+            return 0
+        return self.adapters.slot_of(adapter)
+
+    def load_adapter(self, name: str, version: int, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Adapter `name` replaced whole."""
+        check_weight_version(version)
+        if self.adapters is None:
+            raise ValueError("manifest.adapter: this replica serves no adapters (rollout.enable_lora is off)")
+        self.adapters.load(name, config, tensors)
+        self.adapters.versions[name] = version
+        # One run's replica: its version is the newest update applied, base or adapter (samples are tagged by it).
+        self.weight_version = version
+
+    def loaded_adapters(self) -> dict[str, int]:
+        return dict(self.adapters.versions) if self.adapters else {}
+
+    def unload_adapter(self, name: str) -> bool:
+        """Adapter `name`'s slot freed for another adapter; False when it was not loaded."""
+        if self.adapters is None:
+            raise ValueError("unload_adapter: this replica serves no adapters (rollout.enable_lora is off)")
+        return self.adapters.unload(name)
 
 
 def _rank_and_scale(config: Mapping, max_rank: int) -> tuple[int, float]:

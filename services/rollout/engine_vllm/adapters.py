@@ -120,7 +120,30 @@ class AdapterServing:
             if not await self.llm.add_lora(new.request):
                 raise ValueError(f"load_adapter: vLLM did not load adapter {name!r} version {new.version}")
             self.adapters[name] = new
+            # As the torch engine: a replica's version is the newest update applied, base or adapter (the trainer's
+            # push checks the version UpdateWeights answers with; an adapter's samples carry its own version).
+            self.weight_version = new.version
             if old is not None:
+                await self.llm.remove_lora(old.request.lora_int_id)
+
+    def loaded_adapters(self) -> dict[str, int]:
+        return {n: a.version for n, a in self.adapters.items()} if self.supports_adapters else {}
+
+    def unload_adapter(self, name: str) -> bool:
+        """vLLM drops adapter `name` (its slot and cache entry) once no generation runs; False when not loaded."""
+        if not self.supports_adapters:
+            raise FailedPrecondition("unload_adapter: this vllm replica serves no adapters (enable_lora is off)")
+        old = self.adapters.get(name)
+        if old is None:
+            return False
+        self._loop.call(self._drop_adapter(name, old))
+        shutil.rmtree(old.folder, ignore_errors=True)
+        return True
+
+    async def _drop_adapter(self, name: str, old: LoadedAdapter) -> None:
+        async with self._gate.exclusive():
+            if self.adapters.get(name) is old:
+                del self.adapters[name]
                 await self.llm.remove_lora(old.request.lora_int_id)
 
     def lora_request(self, adapter: str):

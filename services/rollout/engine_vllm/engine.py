@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import struct
@@ -238,7 +239,7 @@ class VLLMEngine(AdapterServing, LocalModelEngine):
                 "vocab_size": self.vocab_size, "tokenizer": self.tokenizer is not None,
                 "logprobs_mode": "raw_logprobs", "prefix_caching": True,
                 "weight_updates": self.update_problem or "in place", **self.stats,
-                **({"adapters": {n: a.version for n, a in self.adapters.items()}} if self.supports_adapters else {})}
+                **({"adapters": json.dumps(self.loaded_adapters(), sort_keys=True)} if self.supports_adapters else {})}
 
     async def generate(self, batch: GenerateBatch) -> list[PromptResult]:
         return await self._loop.run(self._generate(batch, self.check_batch(batch)))
@@ -247,12 +248,12 @@ class VLLMEngine(AdapterServing, LocalModelEngine):
         """generate() for scripts and benchmarks (not from inside the engine's own loop)."""
         return self._loop.call(self._generate(batch, self.check_batch(batch)))
 
-    async def logprobs(self, prompts, responses, temperature: float = 1.0):
+    async def logprobs(self, prompts, responses, temperature: float = 1.0, *, adapter: str = ""):
         validate_sequences(prompts, responses, vocab_size=self.vocab_size, max_len=self.max_model_len - 1)
         if temperature and temperature != 1.0:
             # vLLM's prompt log-probs are the raw distribution only; rescaling needs every logit.
             raise ValueError(f"temperature: the vllm engine scores at temperature 1 only, got {temperature}")
-        return await self._loop.run(self._score(prompts, responses))
+        return await self._loop.run(self._score(prompts, responses, adapter))
 
     async def update_weights(self, manifest: Manifest, buckets: AsyncIterable[tuple[bytes, int]]) -> dict:
         start = time.perf_counter()
@@ -368,15 +369,18 @@ class VLLMEngine(AdapterServing, LocalModelEngine):
         return SampleResult(response_ids=ids, logprobs=logprobs, text=c.text or "", finish_reason=c.finish_reason,
                             weight_version=version, top_logprobs=top)
 
-    async def _score(self, prompts, responses) -> tuple[list[list[float]], int]:
+    async def _score(self, prompts, responses, adapter: str = "") -> tuple[list[list[float]], int]:
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         sp = VSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False,
                              output_kind=RequestOutputKind.FINAL_ONLY)
         async with self._gate.shared():
-            version = self.weight_version
-            outs = await asyncio.gather(*(self._request(list(p) + list(r), sp) for p, r in zip(prompts, responses)))
+            # Under an adapter: its LoRARequest and its version, as its samples carry (no adapter swap runs here).
+            loaded = self.lora_request(adapter)
+            version, lora = (loaded.version, loaded.request) if loaded else (self.weight_version, None)
+            outs = await asyncio.gather(*(self._request(list(p) + list(r), sp, lora)
+                                          for p, r in zip(prompts, responses)))
         result = []
         for p, r, out in zip(prompts, responses, outs):
             steps = out.prompt_logprobs[len(p):]

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from meshrl.v1 import common_pb2, rollout_pb2_grpc
+from meshrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.base_identity import base_id
 from services.trainer.model.lora import ADAPTER, adapter_sync_config
 from services.trainer.weights.choice import AutoSender
@@ -57,6 +57,8 @@ class AdapterSync:
         self.base_id = base_id(rank.model_path) or f"trainer:{uuid.uuid4().hex}"
         self.config = json.dumps(adapter_sync_config(rank.cfg.lora), sort_keys=True)
         self.views: dict[str, ReplicaView] = {}
+        # adapter name -> replicas that took it (UnloadAdapter goes to these when the trainer deletes it)
+        self.served: dict[str, set[str]] = {}
         self._rpc = RpcSender(token=token, timeout=timeout)
 
     async def _view(self, target: str) -> ReplicaView | None:
@@ -120,7 +122,27 @@ class AdapterSync:
                 done[o.target] = o
                 result.payload[o.target] = "base+adapter" if o.target in needs_base else "adapter"
                 result.adapter[o.target] = name
+                if o.ok:
+                    self.served.setdefault(name, set()).add(o.target)
             log.debug("weight_sync: adapter %r to %d replicas in %.3fs", self.name, len(adapters),
                       time.perf_counter() - t0)
         result.outcomes = [done[t] for t in targets]
         return result
+
+    async def unload(self, name: str) -> dict[str, str]:
+        """UnloadAdapter of `name` on every replica a push gave it to, so their adapter slots free up (the trainer
+        deleted it): {target: "unloaded" | "not loaded" | the error}. A replica that fails keeps the adapter until it
+        restarts; the delete itself is not undone for it."""
+        targets = sorted(self.served.pop(name, set()))
+
+        async def one(target: str) -> str:
+            try:
+                async with self._rpc.channel(target) as ch:
+                    r = await rollout_pb2_grpc.RolloutStub(ch).UnloadAdapter(
+                        rollout_pb2.UnloadAdapterRequest(name=name), metadata=self._rpc.metadata, timeout=30.0)
+                return "unloaded" if r.unloaded else "not loaded"
+            except Exception as e:  # noqa: BLE001 - reported per replica; the others still unload
+                log.warning("weight_sync: UnloadAdapter %r on %s failed (%s)", name, target, error_text(e))
+                return error_text(e)
+
+        return dict(zip(targets, await asyncio.gather(*(one(t) for t in targets))))
