@@ -176,7 +176,8 @@ class Session:
             raise ValueError(f"session {self.session_id!r}: max_total_tokens ({self.limits.max_total_tokens}) "
                              f"reached")
         s = self.sampling
-        return dataclasses.replace(asked, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+        # The run's adapter too: the agent's own requests name none (proxy mode), the run's episode samples under it.
+        return dataclasses.replace(asked, temperature=s.temperature, top_p=s.top_p, seed=s.seed, adapter=s.adapter,
                                    max_tokens=min(asked.max_tokens, self.limits.max_tokens_per_turn, left))
 
     def record(self, plan: Plan, sample: SampleResult, messages: list, answer: dict, tools: list[dict],
