@@ -39,6 +39,7 @@ class Row:
     swaps: list[tuple[int, int]] = field(default_factory=list)
     cached: int = 0                               # prompt tokens the paged cache did not prefill for it
     slot: int = 0                                 # its LoRA adapter's slot (lora.py); 0 = the base model
+    episode: str = ""                             # its episode's id (paged KV pins the episode's blocks)
 
     def weight_versions(self) -> list[int] | None:
         """Per token, the version whose forward produced it; None when no swap landed inside its tokens."""

@@ -20,6 +20,10 @@ METRICS = {
     "prefill_tokens_saved": ("counter", "Prompt tokens not fed: found in the prefix cache or forked from a group's prefill"),
     "evicted_blocks": ("counter", "Cached KV blocks evicted (least recently used) for new rows"),
     "invalidated_blocks": ("counter", "Cached KV blocks dropped because the weights changed"),
+    "kv_blocks_pinned": ("gauge", "KV blocks pinned by live episodes for their next turn"),
+    "pinned_episodes": ("gauge", "Episodes whose KV is pinned between turns"),
+    "episode_pin_hits": ("counter", "Episode turns that started from their pinned KV"),
+    "episode_unpins": ("counter", "Episodes unpinned before they ended (pin budget or a full pool)"),
 }
 
 
