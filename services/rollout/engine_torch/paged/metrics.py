@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 # metric name (meshrl_rollout_ + key) -> (kind, help) for each key of PagedDecoder.metrics()
 METRICS = {
     "kv_blocks_total": ("gauge", "Blocks of the paged KV cache"),
-    "kv_blocks_used": ("gauge", "KV blocks held by running rows"),
+    "kv_blocks_used": ("gauge", "KV blocks held by running rows and pinned episodes"),
     "kv_blocks_free": ("gauge", "KV blocks an allocation can take (free, or cached and held by no row)"),
     "kv_blocks_cached": ("gauge", "KV blocks in the prefix cache"),
     "prefix_cache_hit_rate": ("gauge", "Share of looked-up full prompt blocks found in the prefix cache"),
