@@ -18,7 +18,7 @@ from services.rollout.config import AgentConfig, RolloutSettings
 from services.rollout.engine_torch.engine import TorchEngine
 from services.rollout.engine_torch.paged.kv import block_bytes
 from services.rollout.engine_torch.paged.pins import PIN_SHARE
-from services.rollout.testing import make_tiny_model, random_state_like
+from services.rollout.testing import Gate, make_tiny_model, random_state_like
 from services.rollout.types import EpisodePrompt, GenerateBatch, PromptInput, SamplingParams
 
 BS = 4                                              # tokens per block
@@ -147,6 +147,47 @@ def test_an_episode_that_ends_while_a_decode_runs_is_let_go_after_it(model_dir):
     t.join()
     turn(eng, [5, 6, 7])                             # the next decode lets it go first
     assert eng.info()["pinned_episodes"] == 0
+
+
+async def _turn_with_update(eng, ids, mode: str):
+    """A turn of episode "ep" (8 greedy tokens, partial rollouts `mode`) with a weight update posted during its
+    third model call."""
+    gate = Gate(eng.model.model.embed_tokens, (3,))
+    try:
+        batch = GenerateBatch([PromptInput(prompt_ids=list(ids), episode_id="ep")],
+                              SamplingParams(temperature=0.0, max_tokens=8), partial_rollout=mode)
+        gen = asyncio.ensure_future(eng.generate(batch))
+        await gate.wait(3)
+        update = asyncio.ensure_future(eng.apply_update(1, random_state_like(eng.model, seed=4)))
+        await asyncio.sleep(0)                       # the update posts its swap
+        gate.open(3)
+        await update
+        return (await gen)[0].samples[0]
+    finally:
+        gate.handle.remove()
+
+
+@pytest.mark.parametrize("mode", ["continue", "pause"])
+def test_a_partial_rollout_turn_keeps_its_pin_only_when_its_kv_is_the_new_weights(model_dir, mode):
+    eng = engine_of(model_dir)
+    first = turn(eng, PROMPT, "ep")
+    history = PROMPT + first.response_ids + TOOL
+    s = asyncio.run(_turn_with_update(eng, history, mode))
+    # Call 3 computed token 2's logits with the old weights; the swap landed before the next step.
+    assert s.weight_versions == [0] * 3 + [1] * 5 and eng.stats["swaps_mid_generation"] == 1
+    m = eng.info()
+    assert m["episode_pin_hits"] == 1                # the turn started from its pin (version 0 then)
+    if mode == "continue":
+        # Its KV mixes both versions: neither cached nor pinned as version 1's; the next turn recomputes it all.
+        assert m["pinned_episodes"] == 0 and m["kv_blocks_used"] == 0
+        expect = len(history) + len(s.response_ids) + len(TOOL)
+    else:
+        # pause recomputed its KV with the new weights: pinned, and the next turn feeds only its new tokens.
+        assert m["pinned_episodes"] == 1 and m["swap_recomputed_rows"] == 1
+        expect = 1 + len(TOOL)
+    before = eng.info()["prefill_tokens"]
+    turn(eng, history + s.response_ids + TOOL, "ep")
+    assert eng.info()["prefill_tokens"] - before == expect
 
 
 async def _four_turns(ctx, prompt, sampling):

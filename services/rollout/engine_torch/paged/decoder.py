@@ -48,6 +48,7 @@ class _Seq:
     preempted: bool = False                      # waits to resume (its history is fed again, mostly cached)
     cached_prompt: int = -1                      # prompt tokens not prefilled at its first admission (-1: not yet)
     episode: str = ""                            # its episode's id: the table is pinned when it ends
+    kv_version: int = 0                          # the weights its KV was computed under (since its admission)
 
     @property
     def response(self) -> list[int]:
@@ -86,8 +87,8 @@ class PagedDecoder:
         self.kv = PagedKV(num_layers=cfg.num_hidden_layers, num_kv=cfg.num_key_value_heads, head_dim=attn.head_dim,
                           num_blocks=num_blocks, block_size=block_size, dtype=p.dtype, device=p.device)
         self.max_batch_size = max_batch_size
-        self.stats = {"preemptions": 0, "resumed_rows": 0, "prefill_tokens": 0, "prefill_tokens_saved": 0,
-                      "max_running_rows": 0}
+        self.stats = {"preemptions": 0, "resumed_rows": 0, "swap_recomputed_rows": 0, "prefill_tokens": 0,
+                      "prefill_tokens_saved": 0, "max_running_rows": 0}
         self.graphs = self._graphs(max_model_len) if cuda_graphs else None
         self.pins = EpisodePins(self.pool)
         # Held by decode(); episodes that end while a decode runs queue here and are let go at its next step.
@@ -132,15 +133,19 @@ class PagedDecoder:
             self.pins.release(self._ending.popleft())
 
     @torch.inference_mode()
-    def decode(self, rows, version: int, *, eos_ids: Sequence[int], stop_check: StopCheck | None = None) -> None:
+    def decode(self, rows, version: int, *, eos_ids: Sequence[int], stop_check: StopCheck | None = None,
+               swap_point: Callable[[], int] | None = None, pause: bool = False) -> None:
         """Decodes engine rows (decode.Row: prompt, budget, sampling, generator) to their end, filling their tokens,
-        log-probs, top-logprobs and finish reasons. version: the weights' version (older cached blocks go)."""
+        log-probs, top-logprobs and finish reasons. version: the weights' version (older cached blocks go).
+        swap_point (partial rollouts): lands posted weight swaps between two steps and returns the version; after a
+        swap the rows go on over their old KV, or (pause) have it recomputed by the new weights."""
         with self._busy:
-            self._decode(rows, version, eos_ids, stop_check)
+            self._decode(rows, version, eos_ids, stop_check, swap_point, pause)
         if self._ending:                                 # ended while this ran, after its last step
             self.end_episode(self._ending.popleft())
 
-    def _decode(self, rows, version: int, eos_ids: Sequence[int], stop_check: StopCheck | None) -> None:
+    def _decode(self, rows, version: int, eos_ids: Sequence[int], stop_check: StopCheck | None,
+                swap_point: Callable[[], int] | None, pause: bool) -> None:
         self.set_version(version)
         self.eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
         seqs = [_Seq(i, list(r.prompt), len(r.prompt), episode=r.episode) for i, r in enumerate(rows)]
@@ -165,6 +170,9 @@ class PagedDecoder:
                         self._finish(s, version)
                 running = [s for s in running if not s.done]
                 running = self._grow(running, waiting, version)
+                now = swap_point() if swap_point is not None else version
+                if now != version:
+                    running, version = self._swapped(rows, seqs, running, waiting, now, pause)
                 if running:
                     logits = self._step(running)
                     for i, s in enumerate(running):
@@ -224,6 +232,7 @@ class PagedDecoder:
                     s.cached_prompt = cached.num_tokens
                 leaders[key] = s
             reserve += 1
+            s.kv_version = version
             if s.preempted:
                 s.preempted = False
                 self.stats["resumed_rows"] += 1
@@ -289,8 +298,10 @@ class PagedDecoder:
     def _finish(self, s: _Seq, version: int) -> None:
         """A row ended: its full blocks stay cached, then it lets go; an episode's turn pins its whole table for the
         episode's next turn instead (pins.py)."""
-        self.pool.register(s.tokens, s.table, version)
-        if s.episode:
+        fresh = s.kv_version == version              # not a partial rollout's row over an older version's KV
+        if fresh:
+            self.pool.register(s.tokens, s.table, version)
+        if s.episode and fresh:
             self.pins.pin(s.episode, s.table, s.tokens, version)
             s.table = BlockTable()
         else:
@@ -321,13 +332,29 @@ class PagedDecoder:
             i += 1
         return kept
 
-    def _preempt(self, s: _Seq, waiting: deque, version: int) -> None:
-        self.pool.register(s.tokens, s.table, version)
+    def _preempt(self, s: _Seq, waiting: deque, version: int, *, count: bool = True) -> None:
+        if s.kv_version == version:
+            self.pool.register(s.tokens, s.table, version)
         self.pool.free(s.table)
         s.logits = None
         s.preempted = True
         waiting.appendleft(s)
-        self.stats["preemptions"] += 1
+        self.stats["preemptions" if count else "swap_recomputed_rows"] += 1
+
+    def _swapped(self, rows, seqs: list[_Seq], running: list[_Seq], waiting: deque, version: int, pause: bool):
+        """Partial rollouts: a weight swap landed between two steps (the engine's swap already dropped the cache's
+        and the pins' older blocks). Each unfinished row's tokens from the next one on are the new version's; with
+        pause the running rows let go of their KV and resume at once, prefilled by the new weights (as a preempted
+        row), while continue rows keep the old weights' KV (never cached or pinned as the new version's: their
+        blocks keep their admission's kv_version). Returns the rows still running and the version."""
+        for r, s in zip(rows, seqs):
+            if not s.done:
+                r.swaps.append((len(s.response), version))
+        if not pause:
+            return running, version
+        for s in reversed(running):
+            self._preempt(s, waiting, version, count=False)
+        return [], version
 
 
 def _batch_logits(running: list[_Seq]) -> torch.Tensor:
