@@ -77,6 +77,12 @@ class PagedDecoder:
 
     def __init__(self, model, *, block_size: int, budget_gib: float | None, max_model_len: int, max_batch_size: int,
                  cuda_graphs: bool = False):
+        from services.rollout.engine_torch.lora import bank_of
+        if bank_of(model) is not None:
+            # Its forwards read no adapter rows and its prefix cache and forks are not keyed by adapter: an adapter's
+            # row would sample from the base model (or another adapter's KV). Refused rather than wrong.
+            raise ValueError("rollout.kv_cache: paged does not serve LoRA adapters yet (rollout.enable_lora is on); "
+                             "set rollout.kv_cache: none, or rollout.enable_lora: false")
         cfg = model.config
         p = next(model.parameters())
         attn = model.model.layers[0].self_attn
