@@ -402,7 +402,9 @@ class EpisodeRunner:
         try:
             return await loop(ctx, prompt, turn)
         finally:
-            self.engine.end_episode(ctx.episode_id)
+            end = getattr(self.engine, "end_episode", None)     # RolloutEngine's; a duck-typed engine may lack it
+            if end is not None:
+                end(ctx.episode_id)
 
     async def _tools(self, agent: AgentConfig) -> list[dict]:
         """The schemas of the tools offered: `rollout.agent.tools` by name, or every tool the env replicas host."""
