@@ -91,6 +91,9 @@ class PromptInput:
     # Text is tokenized with the tokenizer's special tokens (its bos), as vLLM does for completions;
     # a rendered chat template already holds them, so the HTTP chat route turns this off.
     add_special_tokens: bool = True
+    # The multi-turn episode (or proxy session) this prompt is a turn of: an engine that keeps KV between turns
+    # (the torch engine's paged cache) keeps the episode's until end_episode. "" = none; ignored when n > 1.
+    episode_id: str = ""
 
 
 @dataclass
@@ -250,6 +253,10 @@ class RolloutEngine(abc.ABC):
         import asyncio
 
         return await asyncio.to_thread(self.unload_adapter, name)
+
+    def end_episode(self, episode_id: str) -> None:
+        """The episode's turns are over: KV an engine kept for its next turn may go. This default keeps none."""
+        return None
 
     async def refresh(self) -> None:
         """Brings what info() reports up to date (an upstream's capabilities); GetInfo awaits it first."""

@@ -1,6 +1,6 @@
 """Partial rollouts in the torch engine: a weight update lands between two decode steps of a running generation,
 the rows go on with the new weights (over the old KV cache, or a recomputed one: pause), and each token carries
-the version that produced it."""
+the version that produced it; on today's decode loop and on the paged KV cache (rollout.kv_cache: paged)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ async def generate_with_update_at(engine: TorchEngine, mode: str, new_weights) -
     """Generates, posting a weight update during model call SWAP_AT_CALL; returns the samples and whether the
     update returned while the generation was still held at HOLD_AT_CALL."""
     partial = mode != "off"
-    gate = Gate(engine.model, (SWAP_AT_CALL, HOLD_AT_CALL) if partial else (SWAP_AT_CALL,))
+    # The embedding runs once per model call on both paths (the paged one calls the model's modules, not forward).
+    gate = Gate(engine.model.model.embed_tokens, (SWAP_AT_CALL, HOLD_AT_CALL) if partial else (SWAP_AT_CALL,))
     try:
         gen = asyncio.ensure_future(engine.generate(batch(mode)))
         await gate.wait(SWAP_AT_CALL)
@@ -61,9 +62,10 @@ async def generate_with_update_at(engine: TorchEngine, mode: str, new_weights) -
         gate.handle.remove()
 
 
+@pytest.mark.parametrize("kv_cache", ["none", "paged"])
 @pytest.mark.parametrize("mode", ["continue", "pause"])
-def test_a_weight_update_lands_mid_generation_and_versions_switch_once_at_the_swap(model_dir, mode):
-    engine = TorchEngine(RolloutSettings(model={"path": model_dir}))
+def test_a_weight_update_lands_mid_generation_and_versions_switch_once_at_the_swap(model_dir, mode, kv_cache):
+    engine = TorchEngine(RolloutSettings(model={"path": model_dir}, rollout={"kv_cache": kv_cache}))
     reference = samples_of(asyncio.run(engine.generate(batch(mode))))      # no update: all version 0
     assert all(s.weight_versions is None and s.weight_version == 0 for s in reference)
     old = {k: v.clone() for k, v in engine.model.state_dict().items()}
@@ -105,8 +107,9 @@ def teacher_forced(engine: TorchEngine, samples: list[SampleResult]) -> list[lis
     return lp.tolist()
 
 
-def test_without_partial_rollouts_the_update_waits_for_the_generation(model_dir):
-    engine = TorchEngine(RolloutSettings(model={"path": model_dir}))
+@pytest.mark.parametrize("kv_cache", ["none", "paged"])
+def test_without_partial_rollouts_the_update_waits_for_the_generation(model_dir, kv_cache):
+    engine = TorchEngine(RolloutSettings(model={"path": model_dir}, rollout={"kv_cache": kv_cache}))
     samples, _ = asyncio.run(generate_with_update_at(engine, "off", random_state_like(engine.model, seed=2)))
     assert all(s.weight_versions is None and s.weight_version == 0 for s in samples)
     assert engine.weight_version == 1 and engine.stats["swaps_mid_generation"] == 0

@@ -29,7 +29,8 @@ async def episodes_with_update(engine: TorchEngine, mode: str):
     """Two single-turn episodes (one engine call: unseeded, same sampling), a weight update posted during model call
     SWAP_AT_CALL; the episodes and whether the update returned while the turn was still held."""
     runner = EpisodeRunner(engine, None, AgentConfig(name="single_turn"), max_tokens=MAX_TOKENS)
-    gate = Gate(engine.model, (SWAP_AT_CALL, HOLD_AT_CALL))
+    # The embedding runs once per model call on today's loop and on the paged KV cache (which never calls forward).
+    gate = Gate(engine.model.model.embed_tokens, (SWAP_AT_CALL, HOLD_AT_CALL))
     try:
         play = asyncio.ensure_future(runner.run([EpisodePrompt(id="q", text="12+7=")],
                                                 SamplingParams(n=2, temperature=1.0, max_tokens=MAX_TOKENS),

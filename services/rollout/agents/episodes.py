@@ -158,7 +158,7 @@ class TurnBatcher:
 
     def __init__(self, engine: RolloutEngine, *, gather_window_s: float = 0.02):
         self.engine = engine
-        self._queue: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._queue: list[tuple[tuple[list[int], str], SamplingParams, str, asyncio.Future]] = []
         self._task: asyncio.Task | None = None
         self.num_calls = 0          # engine generate calls made (tests, metrics)
         self.num_ticks = 0
@@ -202,9 +202,11 @@ class TurnBatcher:
             await asyncio.sleep(0)   # the episode that came back queues its turn
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
-                       partial_rollout: str = "off") -> SampleResult:
+                       partial_rollout: str = "off", episode_id: str = "") -> SampleResult:
+        """One turn; `episode_id` tells the engine which episode it continues (the paged KV cache keeps the
+        episode's blocks between its turns until engine.end_episode)."""
         future = asyncio.get_running_loop().create_future()
-        self._queue.append((list(prompt_ids), sampling, partial_rollout, future))
+        self._queue.append(((list(prompt_ids), episode_id), sampling, partial_rollout, future))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
         return await future
@@ -225,8 +227,8 @@ class TurnBatcher:
         self.num_calls += 1
         start = time.perf_counter()
         try:
-            results = await self.engine.generate(GenerateBatch([PromptInput(prompt_ids=ids) for ids, _ in turns],
-                                                               sampling, partial_rollout=partial_rollout))
+            prompts = [PromptInput(prompt_ids=ids, episode_id=ep) for (ids, ep), _ in turns]
+            results = await self.engine.generate(GenerateBatch(prompts, sampling, partial_rollout=partial_rollout))
             self._last_call_s = time.perf_counter() - start
         except Exception as e:  # noqa: BLE001 - handed to every episode of the call
             for _, future in turns:
@@ -274,7 +276,7 @@ class EpisodeContext:
         sampling = self.sampling
         if max_tokens is not None and max_tokens != sampling.max_tokens:
             sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
-        return await self.batcher.generate(list(ids), sampling, self.partial_rollout)
+        return await self.batcher.generate(list(ids), sampling, self.partial_rollout, self.episode_id)
 
     def recorder(self, prompt_ids: Sequence[int]) -> EpisodeRecorder:
         """The record of an episode starting at `prompt_ids`; a prompt leaving the model no room is a ValueError."""
@@ -386,7 +388,7 @@ class EpisodeRunner:
                 turn = dataclasses.replace(sampling, n=1, seed=episode_seed(sampling.seed, j))
                 ctx = EpisodeContext(sampling=turn, episode_id=f"{run_id}-{i}-{j}",
                                      tools_kwargs=dict(prompt.tools_kwargs), **base)
-                tasks.append(asyncio.create_task(loop(ctx, prompt, turn)))
+                tasks.append(asyncio.create_task(self._play(loop, ctx, prompt, turn)))
         try:
             episodes = await asyncio.gather(*tasks)
         finally:
@@ -394,6 +396,15 @@ class EpisodeRunner:
                 t.cancel()
         n = sampling.n
         return [EpisodeGroup(p.id, list(episodes[i * n:(i + 1) * n])) for i, p in enumerate(prompts)]
+
+    async def _play(self, loop: AgentLoop, ctx: EpisodeContext, prompt: PromptInput, turn: SamplingParams) -> Episode:
+        """One episode; whatever way it ends, the engine may let go of the KV it kept for its next turn."""
+        try:
+            return await loop(ctx, prompt, turn)
+        finally:
+            end = getattr(self.engine, "end_episode", None)     # RolloutEngine's; a duck-typed engine may lack it
+            if end is not None:
+                end(ctx.episode_id)
 
     async def _tools(self, agent: AgentConfig) -> list[dict]:
         """The schemas of the tools offered: `rollout.agent.tools` by name, or every tool the env replicas host."""

@@ -19,7 +19,7 @@ import re
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from services.common.chat_delta import observation_ids
 from services.common.errors import NotFound
@@ -111,6 +111,11 @@ class Session:
     def num_turns(self) -> int:
         return sum(s.num_turns for s in self.segments)
 
+    @property
+    def kv_id(self) -> str:
+        """The episode id the engine keeps this session's KV under (PromptInput.episode_id)."""
+        return f"session:{self.session_id}"
+
     def plan(self, messages: list, tools: list[dict], prefix: str, tokenizer) -> Plan:
         """The prompt of a chat request in this session: the last segment continued when the messages repeat its
         history and add to it, else a new segment with the whole chat rendered."""
@@ -155,7 +160,7 @@ class Session:
                 self.ended = "length"
             raise ValueError(f"messages: the session's prompt is {len(plan.prompt_ids)} tokens; the model takes "
                              f"{limit} at most")
-        prompt = PromptInput(id=self.session_id, prompt_ids=plan.prompt_ids)
+        prompt = PromptInput(id=self.session_id, prompt_ids=plan.prompt_ids, episode_id=self.kv_id)
         results = await engine.generate(GenerateBatch([prompt], self._sampling(sampling, plan),
                                                       partial_rollout=self.partial_rollout))
         sample = results[0].samples[0]
@@ -206,9 +211,12 @@ class Session:
 class SessionStore:
     """The sessions of one replica, by id; the least recently used goes past MAX_SESSIONS, idle ones after the TTL."""
 
-    def __init__(self, *, max_sessions: int = MAX_SESSIONS, ttl_s: float = SESSION_TTL_S):
+    def __init__(self, *, max_sessions: int = MAX_SESSIONS, ttl_s: float = SESSION_TTL_S,
+                 on_end: Callable[[str], None] | None = None):
         self.max_sessions, self.ttl_s = max_sessions, ttl_s
         self._sessions: dict[str, Session] = {}
+        # Told each session's kv_id when it goes (dropped, forgotten, expired, pushed out): engine.end_episode.
+        self.on_end = on_end
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -222,7 +230,7 @@ class SessionStore:
         if session is None:
             session = Session(session_id, sampling=sampling, limits=limits, partial_rollout=partial_rollout)
             while len(self._sessions) >= self.max_sessions:
-                self._sessions.pop(next(iter(self._sessions)))
+                self._ended(self._sessions.pop(next(iter(self._sessions))))
         session.touched = time.monotonic()
         self._sessions[session_id] = session     # most recently used last
         return session
@@ -238,16 +246,23 @@ class SessionStore:
     def drop(self, session_id: str) -> Session:
         session = self.get(session_id)
         del self._sessions[session_id]
+        self._ended(session)
         return session
 
     def forget(self, session_id: str) -> None:
         """Drops a session if it is still here (its episode is over)."""
-        self._sessions.pop(session_id, None)
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self._ended(session)
 
     def _expire(self) -> None:
         cutoff = time.monotonic() - self.ttl_s
         for key in [k for k, s in self._sessions.items() if s.touched < cutoff]:
-            del self._sessions[key]
+            self._ended(self._sessions.pop(key))
+
+    def _ended(self, session: Session) -> None:
+        if self.on_end is not None:
+            self.on_end(session.kv_id)
 
 
 def check_session_id(session_id: str) -> str:
@@ -288,8 +303,21 @@ def endpoint_for(engine) -> ProxyEndpoint:
     """The session store and API address of an engine's HTTP API (made when the API starts)."""
     endpoint = _ENDPOINTS.get(engine)
     if endpoint is None:
-        endpoint = _ENDPOINTS[engine] = ProxyEndpoint(SessionStore())
+        endpoint = _ENDPOINTS[engine] = ProxyEndpoint(SessionStore(on_end=_episode_ender(engine)))
     return endpoint
+
+
+def _episode_ender(engine) -> Callable[[str], None] | None:
+    """engine.end_episode, held weakly (the endpoints are keyed weakly by their engine)."""
+    if not hasattr(engine, "end_episode"):
+        return None
+    method = weakref.WeakMethod(engine.end_episode)
+
+    def end(kv_id: str) -> None:
+        fn = method()
+        if fn is not None:
+            fn(kv_id)
+    return end
 
 
 def serving_endpoint(engine) -> ProxyEndpoint:

@@ -39,6 +39,7 @@ class Row:
     swaps: list[tuple[int, int]] = field(default_factory=list)
     cached: int = 0                               # prompt tokens the paged cache did not prefill for it
     slot: int = 0                                 # its LoRA adapter's slot (lora.py); 0 = the base model
+    episode: str = ""                             # its episode's id (paged KV pins the episode's blocks)
 
     def weight_versions(self) -> list[int] | None:
         """Per token, the version whose forward produced it; None when no swap landed inside its tokens."""
@@ -101,8 +102,8 @@ def decode_rows(engine, rows: list[Row], *, partial: str = "off", flight: Flight
     it serves their sampling settings, else with the eager loop. partial (continue / pause): posted weight swaps
     land between two steps (engine._between_steps); pause recomputes the running rows' KV cache with the new
     weights (on the eager loop, not the graph one)."""
-    if engine._paged is not None and partial == "off":
-        return _paged_decode(engine, rows)
+    if engine._paged is not None:
+        return _paged_decode(engine, rows, partial)
     dec = engine._graph_decoder
     if partial != "pause" and dec is not None and dec.serves(
             [r.generator is not None for r in rows], [r.sampling.temperature for r in rows],
@@ -198,12 +199,14 @@ def _mark_stop_strings(engine, hit: torch.Tensor, rows: list[Row], act: list[int
             hit[b] = True
 
 
-def _paged_decode(engine, rows: list[Row]) -> None:
-    """The paged KV cache's decode (paged/decoder.py): the prefix cache, forks and preemption live there."""
+def _paged_decode(engine, rows: list[Row], partial: str = "off") -> None:
+    """The paged KV cache's decode (paged/decoder.py): the prefix cache, forks and preemption live there; partial
+    rollouts land swaps between its steps (engine._swap_point) and tag each row's tokens there."""
     def stop_check(r: int, tokens: list[int]) -> bool:
         return _hit_stop(engine, rows[r], tokens, rows[r].sampling.stop)
 
-    engine._paged.decode(rows, engine.weight_version, eos_ids=sorted(engine.eos_ids), stop_check=stop_check)
+    engine._paged.decode(rows, engine.weight_version, eos_ids=sorted(engine.eos_ids), stop_check=stop_check,
+                         swap_point=engine._swap_point if partial != "off" else None, pause=partial == "pause")
 
 
 def _graph_decode(engine, rows: list[Row], *, partial: bool = False, flight: Flight | None = None) -> None:

@@ -94,8 +94,8 @@ class TorchEngine(TorchAdapters, LocalModelEngine):
         # CPU models: the buffer the served weights are views of (after a grpc update), and the one before it.
         self._weights_buffer: torch.Tensor | None = None
         self._spare_buffer: torch.Tensor | None = None
-        # One torch job at a time (generation, scoring, weight swap): a swap lands mid-generation only in the
-        # decode thread itself, between two steps of a partial-rollout batch (_swap, _between_steps).
+        # One torch job at a time (generation, scoring, weight swap); a swap lands mid-generation only in the decode
+        # thread, between two steps of a partial-rollout batch (_swap, _between_steps).
         self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
         self._pending: list[_Job] = []            # a running decode's thread takes joiners from it too
         self._pending_mutex = threading.Lock()
@@ -125,9 +125,8 @@ class TorchEngine(TorchAdapters, LocalModelEngine):
                                        max_model_len=self.max_model_len, max_batch_size=self.max_batch_size,
                                        cuda_graphs=r.kv_cache_cuda_graphs)
         self.warmup_seconds = 0.0
-        log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer=%s",
-                 self.model_path, self.device, self.dtype, self.max_model_len, self.max_batch_size,
-                 "yes" if self.tokenizer is not None else "none")
+        log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer: %s",
+                 self.model_path, self.device, self.dtype, self.max_model_len, self.max_batch_size, self.tokenizer is not None)
 
     def warm_up(self) -> float:
         """Compiles the graph decoder's step and captures graphs before the replica serves (seconds; 0 without
@@ -230,6 +229,10 @@ class TorchEngine(TorchAdapters, LocalModelEngine):
                                              temperature=temperature, token_budget=self.config.logprobs_token_budget)
             return out, self.weight_version
 
+    def end_episode(self, episode_id: str) -> None:
+        if self._paged is not None:
+            self._paged.end_episode(episode_id)
+
     async def apply_adapter(self, name: str, version: int, config: dict, tensors: dict[str, torch.Tensor]) -> None:
         """load_adapter where a weight swap lands: between decodes, or between two steps of a partial rollout."""
         await self._swap(_Swap(lambda: self.load_adapter(name, version, config, tensors)))
@@ -243,9 +246,8 @@ class TorchEngine(TorchAdapters, LocalModelEngine):
     async def update_weights(self, manifest: Manifest, buckets: AsyncIterable[tuple[bytes, int]]) -> dict:
         start = time.perf_counter()
         check_weight_version(manifest.version)
-        # Every bucket lands CRC-checked in one preallocated buffer (off the event loop) before any weight moves;
-        # the buffer the weights lived in before the last swap is that buffer when its size fits. Taken, not
-        # shared: an update that runs alongside gets its own.
+        # Every bucket lands CRC-checked in one preallocated buffer (off the event loop) before any weight moves: the
+        # spare (the weights' buffer before the last swap) when it fits; taken, so a concurrent update gets its own.
         spare, self._spare_buffer = self._spare_buffer, None
         try:
             received = await receive_host(manifest, buckets, buffer=spare)
@@ -276,6 +278,8 @@ class TorchEngine(TorchAdapters, LocalModelEngine):
             if self._graph_decoder is not None:
                 self._graph_decoder.refresh_weights()
             self.weight_version = version
+            if self._paged is not None:
+                self._paged.set_version(version)    # pinned episodes' KV is the old weights': let go now
 
         await self._swap(_Swap(swap_and_tag))
 
@@ -338,8 +342,7 @@ class TorchEngine(TorchAdapters, LocalModelEngine):
     def _generate_jobs(self, jobs: list[_Job]) -> list[list[PromptResult]]:
         """Decodes the rows of several requests together (chunks of max_batch_size rows); each request is answered
         once its rows ended, and with continuous batching, requests pending meanwhile join the graph decode."""
-        # Partial rollouts: updates land between decode steps when every request of the batch allows it (pause
-        # when one asks for it: the recomputed KV cache serves continue rows as well).
+        # Partial rollouts: updates land between steps when every request allows it (pause if one asks for it).
         modes = {job.batch.partial_rollout for job in jobs}
         partial = "off" if "off" in modes else "pause" if "pause" in modes else "continue"
         flight = Flight(partial, self._results_of)
@@ -365,8 +368,9 @@ class TorchEngine(TorchAdapters, LocalModelEngine):
         p = job.batch.sampling
         slot = self.slot_of(p.adapter)
         return [Row(prompt=ids, budget=min(p.max_tokens, self.max_model_len - len(ids)), sampling=p,
-                    generator=row_generator(p.seed, ids, j) if p.seed is not None else None, slot=slot)
-                for ids in job.prompt_ids for j in range(p.n)]       # prompt-major: row = prompt * n + sample
+                    generator=row_generator(p.seed, ids, j) if p.seed is not None else None, slot=slot,
+                    episode=prompt.episode_id if p.n == 1 else "")       # prompt-major: row = prompt * n + sample
+                for prompt, ids in zip(job.batch.prompts, job.prompt_ids) for j in range(p.n)]
 
     def _results_of(self, job: _Job, rows: list[Row]) -> list[PromptResult]:
         results, it = [], iter(rows)

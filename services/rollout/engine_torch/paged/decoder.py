@@ -1,7 +1,8 @@
 """The paged decode of the torch engine: rows admitted while the KV budget has room, a GRPO group's prompt prefilled
 once and its samples forked from it, prefixes found in the prefix cache reused, rows preempted when the pool runs
 dry and resumed later (their history re-fed, mostly from the cache), and each finished row's blocks cached for the
-next call (an episode's next turn feeds only its new tokens).
+next call; an episode's turn (a row with an episode id) keeps its whole table pinned for the episode's next turn
+(pins.py), which then feeds only its new tokens.
 
 Sampling is the eager loop's (sampling.sample_tokens with each row's generator, one draw per token), so a seeded
 row samples the same tokens here as there, and each token's log-prob is the raw model's log-softmax.
@@ -10,6 +11,7 @@ row samples the same tokens here as there, and each token's log-prob is the raw 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -21,6 +23,7 @@ from services.rollout.engine_torch.paged import metrics
 from services.rollout.engine_torch.paged.blocks import BlockPool, BlockTable, NoFreeBlock
 from services.rollout.engine_torch.paged.forward import paged_forward
 from services.rollout.engine_torch.paged.kv import PagedKV, num_blocks_for
+from services.rollout.engine_torch.paged.pins import EpisodePins
 from services.rollout.engine_torch.sampling import sample_tokens
 
 log = logging.getLogger("meshrl.rollout")
@@ -44,6 +47,8 @@ class _Seq:
     done: bool = False
     preempted: bool = False                      # waits to resume (its history is fed again, mostly cached)
     cached_prompt: int = -1                      # prompt tokens not prefilled at its first admission (-1: not yet)
+    episode: str = ""                            # its episode's id: the table is pinned when it ends
+    kv_version: int = 0                          # the weights its KV was computed under (since its admission)
 
     @property
     def response(self) -> list[int]:
@@ -72,6 +77,12 @@ class PagedDecoder:
 
     def __init__(self, model, *, block_size: int, budget_gib: float | None, max_model_len: int, max_batch_size: int,
                  cuda_graphs: bool = False):
+        from services.rollout.engine_torch.lora import bank_of
+        if bank_of(model) is not None:
+            # Its forwards read no adapter rows and its prefix cache and forks are not keyed by adapter: an adapter's
+            # row would sample from the base model (or another adapter's KV). Refused rather than wrong.
+            raise ValueError("rollout.kv_cache: paged does not serve LoRA adapters yet (rollout.enable_lora is on); "
+                             "set rollout.kv_cache: none, or rollout.enable_lora: false")
         cfg = model.config
         p = next(model.parameters())
         attn = model.model.layers[0].self_attn
@@ -82,9 +93,13 @@ class PagedDecoder:
         self.kv = PagedKV(num_layers=cfg.num_hidden_layers, num_kv=cfg.num_key_value_heads, head_dim=attn.head_dim,
                           num_blocks=num_blocks, block_size=block_size, dtype=p.dtype, device=p.device)
         self.max_batch_size = max_batch_size
-        self.stats = {"preemptions": 0, "resumed_rows": 0, "prefill_tokens": 0, "prefill_tokens_saved": 0,
-                      "max_running_rows": 0}
+        self.stats = {"preemptions": 0, "resumed_rows": 0, "swap_recomputed_rows": 0, "prefill_tokens": 0,
+                      "prefill_tokens_saved": 0, "max_running_rows": 0}
         self.graphs = self._graphs(max_model_len) if cuda_graphs else None
+        self.pins = EpisodePins(self.pool)
+        # Held by decode(); episodes that end while a decode runs queue here and are let go at its next step.
+        self._busy = threading.RLock()
+        self._ending: deque[str] = deque()
         metrics.watch(self)
         log.info("rollout paged KV: %d blocks of %d tokens, %.2f GiB (%s)", num_blocks, block_size,
                  self.kv.num_bytes / 2**30, why)
@@ -102,22 +117,54 @@ class PagedDecoder:
                            max_batch_size=self.max_batch_size)
 
     def metrics(self) -> dict:
-        return {**self.pool.metrics(), **self.stats}
+        return {**self.pool.metrics(), **self.stats, **self.pins.metrics()}
+
+    def end_episode(self, episode: str) -> None:
+        """Lets go of an episode's pinned blocks (any thread): now, or at the running decode's next step."""
+        self._ending.append(episode)
+        if self._busy.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._busy.release()
+
+    def set_version(self, version: int) -> None:
+        """The weights are now `version`: cached blocks and pins of another one go (KV is never reused across)."""
+        with self._busy:
+            self.pool.set_version(version)
+            self.pins.set_version(version)
+
+    def _drain(self) -> None:
+        while self._ending:
+            self.pins.release(self._ending.popleft())
 
     @torch.inference_mode()
-    def decode(self, rows, version: int, *, eos_ids: Sequence[int], stop_check: StopCheck | None = None) -> None:
+    def decode(self, rows, version: int, *, eos_ids: Sequence[int], stop_check: StopCheck | None = None,
+               swap_point: Callable[[], int] | None = None, pause: bool = False) -> None:
         """Decodes engine rows (decode.Row: prompt, budget, sampling, generator) to their end, filling their tokens,
-        log-probs, top-logprobs and finish reasons. version: the weights' version (older cached blocks go)."""
-        self.pool.set_version(version)
+        log-probs, top-logprobs and finish reasons. version: the weights' version (older cached blocks go).
+        swap_point (partial rollouts): lands posted weight swaps between two steps and returns the version; after a
+        swap the rows go on over their old KV, or (pause) have it recomputed by the new weights."""
+        with self._busy:
+            self._decode(rows, version, eos_ids, stop_check, swap_point, pause)
+        if self._ending:                                 # ended while this ran, after its last step
+            self.end_episode(self._ending.popleft())
+
+    def _decode(self, rows, version: int, eos_ids: Sequence[int], stop_check: StopCheck | None,
+                swap_point: Callable[[], int] | None, pause: bool) -> None:
+        self.set_version(version)
         self.eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
-        seqs = [_Seq(i, list(r.prompt), len(r.prompt)) for i, r in enumerate(rows)]
+        seqs = [_Seq(i, list(r.prompt), len(r.prompt), episode=r.episode) for i, r in enumerate(rows)]
         self._host = _HostTables(rows, self.pool.block_size)
         waiting, running = deque(seqs), []
         tops: list[list] = [[] for _ in rows]
         logps: list[list[float]] = [[] for _ in rows]
         try:
             while waiting or running:
+                self._drain()
                 running += self._admit(waiting, len(running), version)
+                if not running and self.pins.evict_one():     # the pins hold what one row needs
+                    continue
                 if not running:
                     raise ValueError("rollout.kv_cache_gib: the paged KV cache cannot hold one row's prompt "
                                      f"({len(waiting[0].tokens)} tokens in {self.pool.num_blocks} blocks of "
@@ -129,6 +176,9 @@ class PagedDecoder:
                         self._finish(s, version)
                 running = [s for s in running if not s.done]
                 running = self._grow(running, waiting, version)
+                now = swap_point() if swap_point is not None else version
+                if now != version:
+                    running, version = self._swapped(rows, seqs, running, waiting, now, pause)
                 if running:
                     logits = self._step(running)
                     for i, s in enumerate(running):
@@ -168,19 +218,27 @@ class PagedDecoder:
             else:
                 # At least the last token is fed (its logits are the next token's distribution). A row that does
                 # not fit yet gives its cache hits back and is not counted (it looks again next step).
+                # An episode's turn starts from its pinned table (partial last block included), else the cache.
                 counted = dict(self.pool.stats)
-                cached = self.pool.lookup(s.tokens, version, limit=len(s.tokens) - 1)
+                pin = self.pins.take(s.episode, s.tokens, version) if s.episode else None
+                cached = pin.table if pin else self.pool.lookup(s.tokens, version, limit=len(s.tokens) - 1)
                 need = -(-len(s.tokens) // self.pool.block_size) - len(cached.blocks)
                 if need + reserve + 1 > self.pool.num_free:
-                    self.pool.free(cached)
-                    self.pool.stats.update(counted)
+                    if pin:
+                        self.pins.give_back(s.episode, pin)
+                    else:
+                        self.pool.free(cached)
+                        self.pool.stats.update(counted)
                     break
                 s.table = cached
-                self.pool.reserve(s.table, len(s.tokens))
+                copy = self.pool.reserve(s.table, len(s.tokens))
+                if copy is not None:                    # a pinned partial block another row shares
+                    self.kv.copy_block(*copy)
                 if s.cached_prompt < 0:
                     s.cached_prompt = cached.num_tokens
                 leaders[key] = s
             reserve += 1
+            s.kv_version = version
             if s.preempted:
                 s.preempted = False
                 self.stats["resumed_rows"] += 1
@@ -244,9 +302,16 @@ class PagedDecoder:
                 r.finish_reason = "stop" if stopped else "length"
 
     def _finish(self, s: _Seq, version: int) -> None:
-        """A row ended: its full blocks stay cached (the next turn of an episode starts with them), then it lets go."""
-        self.pool.register(s.tokens, s.table, version)
-        self.pool.free(s.table)
+        """A row ended: its full blocks stay cached, then it lets go; an episode's turn pins its whole table for the
+        episode's next turn instead (pins.py)."""
+        fresh = s.kv_version == version              # not a partial rollout's row over an older version's KV
+        if fresh:
+            self.pool.register(s.tokens, s.table, version)
+        if s.episode and fresh:
+            self.pins.pin(s.episode, s.table, s.tokens, version)
+            s.table = BlockTable()
+        else:
+            self.pool.free(s.table)
 
     def _grow(self, running: list[_Seq], waiting: deque, version: int) -> list[_Seq]:
         """Room for each running row's next token; when the pool is dry, the latest admitted rows are preempted
@@ -259,6 +324,8 @@ class PagedDecoder:
             try:
                 copy = self.pool.reserve(s.table, s.table.num_tokens + 1)
             except NoFreeBlock:
+                if len(kept) == 1 and self.pins.evict_one():     # running rows first: unpin before the last goes
+                    continue
                 victim = kept.pop()
                 if victim is s and not kept:
                     raise ValueError("rollout.kv_cache_gib: the paged KV cache cannot hold one row "
@@ -271,13 +338,29 @@ class PagedDecoder:
             i += 1
         return kept
 
-    def _preempt(self, s: _Seq, waiting: deque, version: int) -> None:
-        self.pool.register(s.tokens, s.table, version)
+    def _preempt(self, s: _Seq, waiting: deque, version: int, *, count: bool = True) -> None:
+        if s.kv_version == version:
+            self.pool.register(s.tokens, s.table, version)
         self.pool.free(s.table)
         s.logits = None
         s.preempted = True
         waiting.appendleft(s)
-        self.stats["preemptions"] += 1
+        self.stats["preemptions" if count else "swap_recomputed_rows"] += 1
+
+    def _swapped(self, rows, seqs: list[_Seq], running: list[_Seq], waiting: deque, version: int, pause: bool):
+        """Partial rollouts: a weight swap landed between two steps (the engine's swap already dropped the cache's
+        and the pins' older blocks). Each unfinished row's tokens from the next one on are the new version's; with
+        pause the running rows let go of their KV and resume at once, prefilled by the new weights (as a preempted
+        row), while continue rows keep the old weights' KV (never cached or pinned as the new version's: their
+        blocks keep their admission's kv_version). Returns the rows still running and the version."""
+        for r, s in zip(rows, seqs):
+            if not s.done:
+                r.swaps.append((len(s.response), version))
+        if not pause:
+            return running, version
+        for s in reversed(running):
+            self._preempt(s, waiting, version, count=False)
+        return [], version
 
 
 def _batch_logits(running: list[_Seq]) -> torch.Tensor:

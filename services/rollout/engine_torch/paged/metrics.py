@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 # metric name (meshrl_rollout_ + key) -> (kind, help) for each key of PagedDecoder.metrics()
 METRICS = {
     "kv_blocks_total": ("gauge", "Blocks of the paged KV cache"),
-    "kv_blocks_used": ("gauge", "KV blocks held by running rows"),
+    "kv_blocks_used": ("gauge", "KV blocks held by running rows and pinned episodes"),
     "kv_blocks_free": ("gauge", "KV blocks an allocation can take (free, or cached and held by no row)"),
     "kv_blocks_cached": ("gauge", "KV blocks in the prefix cache"),
     "prefix_cache_hit_rate": ("gauge", "Share of looked-up full prompt blocks found in the prefix cache"),
@@ -20,6 +20,10 @@ METRICS = {
     "prefill_tokens_saved": ("counter", "Prompt tokens not fed: found in the prefix cache or forked from a group's prefill"),
     "evicted_blocks": ("counter", "Cached KV blocks evicted (least recently used) for new rows"),
     "invalidated_blocks": ("counter", "Cached KV blocks dropped because the weights changed"),
+    "kv_blocks_pinned": ("gauge", "KV blocks pinned by live episodes for their next turn"),
+    "pinned_episodes": ("gauge", "Episodes whose KV is pinned between turns"),
+    "episode_pin_hits": ("counter", "Episode turns that started from their pinned KV"),
+    "episode_unpins": ("counter", "Episodes unpinned before they ended (pin budget or a full pool)"),
 }
 
 
