@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
+from meshrl.v1 import trainer_pb2
 from coordinator.recipe.config import RunConfig, TrainerLosses
 from coordinator.recipe.data import Problem, PromptStream
 from coordinator.training import advantages as adv_fns
@@ -204,8 +205,6 @@ class RunContext:
 
 async def drop_adapter(trainer, name: str) -> None:
     """Deletes a run's named adapter; a trainer that is gone or no longer holds it has nothing to free."""
-    from meshrl.v1 import trainer_pb2
-
     try:
         await trainer.DeleteAdapter(trainer_pb2.AdapterRequest(name=name))
     except (TrainerUnavailable, grpc.aio.AioRpcError):
