@@ -42,6 +42,7 @@ def follow(coordinator: Coordinator, run_id: str, out: dict, stop_after: int = 0
     status = coordinator.call("GetRun", coordinator.message("GetRun", run_id=run_id))
     out["state"] = status.DESCRIPTOR.fields_by_name["state"].enum_type.values_by_number[status.state].name
     out["message"] = status.message
+    out["adapter"] = status.adapter          # "" = the trainer's run adapter; else this run's named one
     out["heldout_accuracy"] = [status.last_metrics.get("heldout_accuracy_before"),
                                status.last_metrics.get("heldout_accuracy_after")]
 

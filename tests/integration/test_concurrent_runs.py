@@ -67,5 +67,7 @@ def test_two_lora_runs_train_at_once_and_stopping_one_leaves_the_other_running(t
     # The second run's steps went on after the first was stopped.
     assert any(s["at"] > first["stopped_at"] for s in second["steps"]), (first, second)
     assert second["heldout_accuracy"][1] is not None
+    # The first run trains the trainer's run adapter, the second a named adapter of its own beside it.
+    assert first["adapter"] == "" and second["adapter"].startswith("lora-slow-")
     # Every run ended: no named adapter is left on the trainer.
     assert info.details["named_adapters"] == ""
