@@ -105,14 +105,7 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
     if defaults is not None:
         cfg = await defaults.fill_trainer(cfg)
         cfg = await defaults.fill(cfg, *_mesh_roles(cfg, algorithm, why))
-    if claim is not None:
-        adapter = claim(cfg)
-    if adapter and start is not None and start.checkpoint:
-        raise FailedPrecondition(f"run.init_from: this run trains beside others on the trainer, as a new adapter "
-                                 f"{adapter!r} over the base; it cannot start from checkpoint {start.checkpoint}")
-    if adapter and algorithm is not loop.RL:
-        raise FailedPrecondition(f"algorithm.kind: {cfg.algorithm.kind} runs alone on its trainer; a run beside "
-                                 f"others (named adapter {adapter!r}) is an RL run of a LoRA actor")
+    adapter = _check_beside(cfg, algorithm, claim(cfg) if claim is not None else adapter, start)
     if recorded is not None:
         recorded = live_addresses(recorded, cfg)
     pools = _pools(cfg, algorithm, token, registry)
@@ -152,11 +145,29 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
     if adapter:
         ctx.adapter, ctx.weight_version = adapter, applied[0].weight_version
         ctx.started_from = f"model.path {cfg.model.path} (the base, as named adapter {adapter!r} beside other runs)"
-    a = cfg.algorithm
+    return _with_kl(ctx)
+
+
+def _with_kl(ctx: RunContext) -> RunContext:
+    a = ctx.cfg.algorithm
     ctx.kl_coef = a.kl_coef
     if a.use_kl_in_reward and a.kl_ctrl == "adaptive":
         ctx.kl_controller = adv_fns.AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon)
     return ctx
+
+
+def _check_beside(cfg: RunConfig, algorithm: Algorithm, adapter: str, start: RunStart | None) -> str:
+    """A run beside others trains a new named adapter with the RL loop: what it cannot honour is refused by name.
+    -> the adapter."""
+    if not adapter:
+        return adapter
+    if start is not None and start.checkpoint:
+        raise FailedPrecondition(f"run.init_from: this run trains beside others on the trainer, as a new adapter "
+                                 f"{adapter!r} over the base; it cannot start from checkpoint {start.checkpoint}")
+    if algorithm is not loop.RL:
+        raise FailedPrecondition(f"algorithm.kind: {cfg.algorithm.kind} runs alone on its trainer; a run beside "
+                                 f"others (named adapter {adapter!r}) is an RL run of a LoRA actor")
+    return adapter
 
 
 def _load(cfg: RunConfig, algorithm: Algorithm, position: int):
