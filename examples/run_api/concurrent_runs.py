@@ -5,8 +5,8 @@ it (docs/many_runs.md); the rollout, reward and reference pools are shared, gran
 metrics are followed at once; each line printed is one run's summary: its state, steps, learning rate and held-out
 accuracy. `--stop-first-after K` stops the first run after its K-th step, to show the second one's steps go on.
 
-    meshrl mesh examples/arith/grpo_lora.yaml &      # a mesh that stays up (docs/coordinator.md)
-    python examples/run_api/concurrent_runs.py --coordinator 127.0.0.1:50050 --config examples/arith/grpo_lora.yaml
+    meshrl mesh examples/arith/grpo_lora.yaml --detach     # a mesh that stays up (docs/coordinator.md)
+    python examples/run_api/concurrent_runs.py --config examples/arith/grpo_lora.yaml --steps 10
 
 Nothing from meshrl is imported: the coordinator's methods are found by gRPC reflection (as in two_runs.py).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -28,6 +29,17 @@ from two_runs import Coordinator, merged  # noqa: E402  (the reflection client b
 
 RUNS = ({"run": {"name": "lora-fast", "priority": 1.0}, "actor": {"lr": 1e-3}},
         {"run": {"name": "lora-slow", "priority": 1.0}, "actor": {"lr": 3e-4}})
+
+
+def mesh_coordinator() -> str:
+    """The coordinator as `meshrl` finds it: MESHRL_COORDINATOR, the running mesh's file, then 127.0.0.1:50050."""
+    if os.environ.get("MESHRL_COORDINATOR"):
+        return os.environ["MESHRL_COORDINATOR"]
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    path = Path(cache) / "meshrl" / "mesh.json"
+    if path.is_file():
+        return json.loads(path.read_text()).get("coordinator") or "127.0.0.1:50050"
+    return "127.0.0.1:50050"
 
 
 def follow(coordinator: Coordinator, run_id: str, out: dict, stop_after: int = 0) -> None:
@@ -49,13 +61,13 @@ def follow(coordinator: Coordinator, run_id: str, out: dict, stop_after: int = 0
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--coordinator", default="127.0.0.1:50050")
+    parser.add_argument("--coordinator", default="", help="HOST:PORT (default: the running mesh's, as meshrl finds it)")
     parser.add_argument("--config", required=True, help="the mesh's LoRA recipe (YAML)")
     parser.add_argument("--steps", type=int, default=0, help="run.num_steps of both runs (0: the recipe's)")
     parser.add_argument("--stop-first-after", type=int, default=0, help="stop the first run after this many steps")
     args = parser.parse_args(argv)
     base = yaml.safe_load(Path(args.config).read_text())
-    with grpc.insecure_channel(args.coordinator) as channel:
+    with grpc.insecure_channel(args.coordinator or mesh_coordinator()) as channel:
         coordinator = Coordinator(channel)
         results, threads = [], []
         for i, changes in enumerate(RUNS):
