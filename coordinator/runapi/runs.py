@@ -114,7 +114,7 @@ class RunManager:
             targets = [r.address for r in ctx.rollout.healthy()]
             outcome = await phases.push_to_replicas(ctx, targets)
             merged = [t for t in targets if t not in outcome.failed and not outcome.adapters.get(t)]
-            if merged or len(outcome.failed) == len(targets):
+            if merged or (targets and len(outcome.failed) == len(targets)):
                 raise FailedPrecondition(f"rollout.servers: runs beside others need replicas that serve LoRA "
                                          f"adapters (rollout.engine: torch); {merged or outcome.failed} took "
                                          f"adapter {ctx.adapter!r} as merged weights or not at all")

@@ -48,6 +48,8 @@ CHECKPOINT_CALLS = {"SaveCheckpoint": "saving", "LoadCheckpoint": "loading"}
 
 # Trainer calls that name no adapter and touch none: asked as they are for a run of a named adapter too.
 ADAPTERLESS = {"GetInfo", "CreateAdapter", "DeleteAdapter"}
+# Trainer calls whose request has an `adapter` field that they do not read (it means another call's): refused.
+IGNORES_ADAPTER = {"ExportHF"}
 
 
 class GuardedTrainer:
@@ -69,7 +71,7 @@ class GuardedTrainer:
 
         async def call(*args, **kwargs):
             if self.adapter and args and name not in ADAPTERLESS:
-                if "adapter" not in args[0].DESCRIPTOR.fields_by_name:
+                if "adapter" not in args[0].DESCRIPTOR.fields_by_name or name in IGNORES_ADAPTER:
                     raise FailedPrecondition(f"adapter: run trains named adapter {self.adapter!r} beside other "
                                              f"runs; the trainer's {name} has no adapter (a run beside others "
                                              f"trains its LoRA actor alone: no critic, no DPO)")

@@ -143,3 +143,36 @@ def test_adapter_names_are_stable_and_in_the_trainers_alphabet():
     assert name == adapter_name(rid) and len(name) <= 64 and re.match(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$", name)
     assert adapter_name("run-20261205-abc") == "run-20261205-abc"
     assert adapter_name(rid) != adapter_name(rid + "y")
+
+
+def test_a_named_runs_trainer_calls_carry_its_adapter_and_calls_without_one_are_refused():
+    from coordinator.training.context import GuardedTrainer
+    from meshrl.v1 import common_pb2, trainer_pb2
+
+    seen = []
+
+    class Stub:
+        def __getattr__(self, name):
+            async def method(request):
+                seen.append((name, request))
+                return name
+            return method
+
+    trainer = GuardedTrainer(Stub(), "t:1")
+    trainer.adapter = "run-b"
+
+    async def calls():
+        await trainer.TrainActor(trainer_pb2.TrainActorRequest())
+        await trainer.ComputeLogProbs(common_pb2.LogProbsRequest())
+        await trainer.ConfigureRun(trainer_pb2.ConfigureRunRequest())
+        await trainer.PushWeights(trainer_pb2.PushWeightsRequest())
+        await trainer.CreateAdapter(trainer_pb2.AdapterRequest(name="run-b"))
+        for name, request in (("TrainCritic", trainer_pb2.TrainCriticRequest()),
+                              ("ExportHF", trainer_pb2.CheckpointRequest(path="x"))):
+            with pytest.raises(FailedPrecondition, match=f"trainer's {name} has no adapter"):
+                await getattr(trainer, name)(request)
+
+    asyncio.run(calls())
+    assert [(n, r.adapter) for n, r in seen[:4]] == [("TrainActor", "run-b"), ("ComputeLogProbs", "run-b"),
+                                                     ("ConfigureRun", "run-b"), ("PushWeights", "run-b")]
+    assert [n for n, _ in seen] == ["TrainActor", "ComputeLogProbs", "ConfigureRun", "PushWeights", "CreateAdapter"]
