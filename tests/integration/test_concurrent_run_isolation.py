@@ -37,7 +37,10 @@ def test_a_paused_or_failed_run_leaves_the_others_running_and_a_named_run_resume
         manager = RunManager(MemoryStore())
         try:
             a = await manager.start_run(_run(mesh.config, "a", 40, 1e-3))
-            b = await manager.start_run(_run(mesh.config, "b", 3, 3e-4, checkpoint_every=1))
+            b = await manager.start_run(_run(mesh.config, "b", 3, 3e-4, checkpoint_every=1, priority=3.0,
+                                             max_pool_calls=2))
+            share = manager.schedulers["rollout"].shares[b]     # the shared pools grant b by its priority and cap
+            assert (share.priority, share.limit) == (3.0, 2) and manager.schedulers["reward"].shares[a].priority == 1
             c = await manager.start_run(_run(mesh.config, "c", 40, 1e-3))
             recs = {r: await manager.get(r) for r in (a, b, c)}
             assert recs[a].adapter == "" and recs[b].adapter and recs[c].adapter
@@ -54,6 +57,7 @@ def test_a_paused_or_failed_run_leaves_the_others_running_and_a_named_run_resume
             # b runs to its end while a is paused and c has failed.
             await _until(lambda: _state(manager, b, "COMPLETED"))
             done_b = await manager.get(b)
+            assert b not in manager.schedulers["rollout"].shares and c not in manager.schedulers["reward"].shares
             assert done_b.step == 3 and done_b.checkpoint_step == 3 and done_b.last_metrics["actor/lr"] == 3e-4
             assert (await manager.get(a)).step == paused_at
             await manager.command(a, "resume")
