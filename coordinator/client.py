@@ -38,6 +38,8 @@ class RunStatus:
     last_metrics: dict[str, float] = field(default_factory=dict)
     # The effective config as YAML (docs/coordinator.md, "Run-scoped settings").
     config: str = ""
+    # Its named adapter on the trainer when it runs beside other LoRA runs ("" = the trainer's run adapter).
+    adapter: str = ""
 
     @property
     def finished(self) -> bool:
@@ -55,7 +57,8 @@ class Replica:
 
 def _status(pb: coordinator_pb2.RunStatus) -> RunStatus:
     return RunStatus(pb.run_id, STATE_NAMES[pb.state], pb.step, pb.num_steps, pb.weight_version, pb.data_position,
-                     pb.checkpoint_path, pb.message, pb.run_dir, dict(pb.last_metrics), pb.config)
+                     pb.checkpoint_path, pb.message, pb.run_dir, dict(pb.last_metrics), pb.config,
+                     pb.adapter)
 
 
 def _plain(value: Any) -> Any:

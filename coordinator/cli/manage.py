@@ -28,9 +28,11 @@ def status(run_id: Optional[str] = typer.Argument(None), *, conn: Connection):
     if not runs:
         say(f"no runs on the coordinator at {conn.address}; `meshrl run RECIPE` starts one")
         return
+    # adapter: the run's named adapter when it trains beside other LoRA runs on one trainer (docs/many_runs.md).
     rows = [(r.run_id, r.state, f"{r.step}/{r.num_steps}", str(r.weight_version), str(r.data_position),
-             _fmt(r.last_metrics.get("reward_mean")), r.message) for r in runs]
-    for line in columns(("run", "state", "step", "weight version", "data position", "reward", "message"), rows):
+             _fmt(r.last_metrics.get("reward_mean")), r.adapter or "-", r.message) for r in runs]
+    for line in columns(("run", "state", "step", "weight version", "data position", "reward", "adapter", "message"),
+                        rows):
         say(line)
 
 

@@ -302,6 +302,10 @@ class RunSection(Section):
     # Warn once (console and coordinator log) when no prompt group had any reward variance for this many steps in
     # a row (`train/frac_zero_adv_groups` 1: every advantage 0); 0 = never (coordinator/recipe/no_signal.py).
     zero_variance_warn_steps: int = Field(3, ge=0)
+    # Runs beside others on one mesh (docs/many_runs.md): contended rollout/reward/reference calls are granted in
+    # proportion to priority; max_pool_calls caps this run's calls in flight per pool (0 = no cap of its own).
+    priority: float = Field(1.0, gt=0)
+    max_pool_calls: int = Field(0, ge=0)
 
 
 class CoordinatorConfig(Section):

@@ -154,6 +154,24 @@ async def save_checkpoint(ctx: RunContext, record: RunRecord) -> None:
     """The trainer's state to the run's checkpoint folder of this step, noted in `record`."""
     saved = await remote.save_checkpoint(ctx.trainer, str(ctx.run_dir / "checkpoints" / f"step_{ctx.step}"))
     note_checkpoint(record, saved)
+    if ctx.adapter:         # a named adapter's save records no run step: the run's own word for it
+        record.checkpoint_step, record.checkpoint_data_position = ctx.step, ctx.data.position
+
+
+async def restore_adapter(store, record: RunRecord, ctx: RunContext) -> None:
+    """A named adapter's run resumes on its adapter made anew (the base): from its last checkpoint's step and data
+    position, or from step 0; the steps after that are dropped from its record and replayed."""
+    step, position, version, source = 0, 0, ctx.weight_version, "the base (no checkpoint yet)"
+    if record.checkpoint_path:
+        saved = await remote.load_checkpoint(ctx.trainer, record.checkpoint_path)
+        step, position = record.checkpoint_step, record.checkpoint_data_position
+        version, source = saved.weight_version, f"checkpoint {record.checkpoint_path}"
+    if record.step > step:
+        record.message = f"adapter {ctx.adapter!r} made anew: steps {step + 1}..{record.step} replayed from {source}"
+    record.step, record.data_position, record.weight_version = step, position, version
+    ctx.step, ctx.data.position, ctx.weight_version = step, position, version
+    await store.rollback(record)
+    _drop_jsonl_after(ctx, step)
 
 
 def note_checkpoint(record: RunRecord, saved) -> None:

@@ -17,7 +17,7 @@ from coordinator.training import faults, phases, remote, reporting
 
 from coordinator.recipe.config import RunConfig
 from coordinator.recipe.preflight import check_run
-from coordinator.runapi import checkpoints, observe, recovery
+from coordinator.runapi import checkpoints, observe, recovery, sharing
 from coordinator.runapi.store import UNFINISHED, RunRecord, RunStore
 from coordinator.training.algorithms import open_context
 from coordinator.training.context import RunContext, TrainerUnavailable
@@ -43,7 +43,7 @@ def parse_run_config(text: str) -> RunConfig:
 class RunManager:
     """Owns the asyncio task of every active run; the gRPC servicer and tests call it directly."""
 
-    def __init__(self, store: RunStore, registry=None, defaults=None):
+    def __init__(self, store: RunStore, registry=None, defaults=None, pool_calls: int = sharing.DEFAULT_POOL_CALLS):
         self.store = store
         self.registry = registry
         # The mesh's replicas (coordinator/runapi/default_pools.py): a run's roles that list no servers use them.
@@ -53,6 +53,9 @@ class RunManager:
         self._changed: dict[str, asyncio.Condition] = {}
         self.sinks: dict = {}
         self.no_signal: dict[str, NoSignalWatch] = {}    # per run: the zero-reward-variance warning, once
+        # Many runs on one mesh (coordinator/runapi/sharing.py): who holds each trainer, and the shared pools' turns.
+        self.claims = sharing.TrainerClaims()
+        self.schedulers = {role: sharing.FairScheduler(pool_calls) for role in sharing.SHARED_ROLES}
 
     def _cond(self, run_id: str) -> asyncio.Condition:
         return self._changed.setdefault(run_id, asyncio.Condition())
@@ -75,33 +78,60 @@ class RunManager:
         # Connect before accepting, so an unreachable server list fails StartRun itself (after the run's data is
         # read, so a bad dataset is named first). The trainer (the mesh's when the recipe names none) must be free;
         # it sets the run's starting weights: model.path's (reloaded if another run trained them) or the checkpoint's.
-        ctx = await open_context(run_id, cfg, registry=self.registry, defaults=self.defaults,
-                                 start=RunStart(checkpoint), claim=self._check_trainer_free)
-        # The weights' version (past every version before, when they were reset): replicas holding any other get
-        # them pushed before the run's first generate, and async staleness is measured against it.
-        ctx.weight_version = (await remote.info(ctx.trainer)).weight_version
+        try:
+            ctx = await open_context(run_id, cfg, registry=self.registry, defaults=self.defaults,
+                                     start=RunStart(checkpoint), claim=lambda c: self._claim(run_id, c))
+        except BaseException:
+            self.claims.release(run_id)
+            raise
+        self.claims.settled(run_id, ctx.cfg.trainer.address, ctx.cfg.actor.lora is not None)
+        if ctx.adapter:
+            await self._first_push(ctx, run_id)
+        else:
+            # The weights' version (past every version before, when they were reset): replicas holding any other
+            # get them pushed before the run's first generate, and async staleness is measured against it.
+            ctx.weight_version = (await remote.info(ctx.trainer)).weight_version
         started_from = f"{from_run} (weights loaded, optimizer state cleared)" if from_run else ctx.started_from
         log.info("run %s starts from %s", run_id, started_from or "the trainer's weights")
         record = RunRecord(run_id=run_id, config=config_text, state="RUNNING", num_steps=cfg.run.num_steps,
                            run_dir=str(ctx.run_dir), effective_config=run_settings.config_text(ctx.cfg),
                            weight_version=ctx.weight_version, started_from=started_from,
-                           init_checkpoint=checkpoint)
+                           init_checkpoint=checkpoint, adapter=ctx.adapter)
         await self.store.put(record)
         ctx.ledger = self.store.ledger(run_id)
         self._launch(record, ctx)
         return run_id
 
-    def _check_trainer_free(self, cfg: RunConfig) -> None:
-        """A trainer trains one run at a time: a second run would change the first one's weights and, through
-        ConfigureRun, its optimizer settings."""
-        for other, ctx in self.contexts.items():
-            if ctx.cfg.trainer.address == cfg.trainer.address:
-                raise FailedPrecondition(f"trainer.address: the trainer at {cfg.trainer.address} is training run "
-                                         f"{other!r}; a trainer trains one run at a time (stop that run or wait "
-                                         f"for its end, or start another trainer)")
+    def _claim(self, run_id: str, cfg: RunConfig) -> str:
+        """The trainer for the run: its run adapter when free, a named adapter beside LoRA runs; a full-parameter
+        run beside any other is refused by name (sharing.TrainerClaims)."""
+        return self.claims.claim(run_id, cfg.trainer.address, True if cfg.actor.lora is not None else None)
+
+    async def _first_push(self, ctx: RunContext, run_id: str) -> None:
+        """A named adapter's run: its adapter to every rollout replica before it generates; a replica that can only
+        take merged weights would serve one run's weights to all, so it is refused by name."""
+        try:
+            targets = [r.address for r in ctx.rollout.healthy()]
+            outcome = await phases.push_to_replicas(ctx, targets)
+            merged = [t for t in targets if t not in outcome.failed and not outcome.adapters.get(t)]
+            if merged or (targets and len(outcome.failed) == len(targets)):
+                raise FailedPrecondition(f"rollout.servers: runs beside others need replicas that serve LoRA "
+                                         f"adapters (rollout.engine: torch); {merged or outcome.failed} took "
+                                         f"adapter {ctx.adapter!r} as merged weights or not at all")
+            ctx.weight_version = outcome.version
+        except BaseException:
+            self.claims.release(run_id)
+            await ctx.close()
+            raise
 
     def _launch(self, record: RunRecord, ctx: RunContext) -> None:
         self.contexts[record.run_id] = ctx
+        r = ctx.cfg.run
+        for role, scheduler in self.schedulers.items():
+            pool = getattr(ctx, role)
+            if pool is not None and not isinstance(pool, sharing.ScheduledPool):
+                scheduler.join(record.run_id, r.priority, r.max_pool_calls)
+                setattr(ctx, role, sharing.ScheduledPool(pool, scheduler, record.run_id))
         self.tasks[record.run_id] = asyncio.create_task(self._drive(record.run_id, ctx))
 
     async def resume_unfinished(self) -> list[str]:
@@ -134,16 +164,22 @@ class RunManager:
         # configs were recorded: to the keys the run set).
         recorded = yaml.safe_load(record.effective_config) if record.effective_config else None
         ctx = await open_context(record.run_id, cfg, registry=self.registry, position=record.data_position,
-                                 recorded=recorded, resume=True, defaults=self.defaults)
+                                 recorded=recorded, resume=True, defaults=self.defaults, adapter=record.adapter)
         ctx.step, ctx.weight_version = record.step, record.weight_version
         ctx.ledger = self.store.ledger(record.run_id)
         try:
-            # A step the trainer applied but the store missed is recorded as any step is: store, metrics.jsonl,
-            # TensorBoard.
-            await recovery.settle_trainer(self.store, record, ctx, commit=self._record)
+            if ctx.adapter:     # made anew as the base: its last checkpoint, or step 0
+                await recovery.restore_adapter(self.store, record, ctx)
+            else:
+                # A step the trainer applied but the store missed is recorded as any step is: store,
+                # metrics.jsonl, TensorBoard.
+                await recovery.settle_trainer(self.store, record, ctx, commit=self._record)
         except BaseException:
             await ctx.close()
             raise
+        self.claims.holds(record.run_id, ctx.cfg.trainer.address, ctx.adapter, ctx.cfg.actor.lora is not None)
+        if ctx.adapter:
+            await self._first_push(ctx, record.run_id)
         # Replicas are asked for their version before they serve; those that differ get the trainer's weights.
         log.info("resuming run %s at step %d (data position %d)", record.run_id, record.step, record.data_position)
         return ctx
@@ -181,6 +217,9 @@ class RunManager:
         if self.contexts.get(run_id) is ctx:
             self.contexts.pop(run_id)
             self.tasks.pop(run_id, None)
+            self.claims.release(run_id)
+            for scheduler in self.schedulers.values():
+                scheduler.leave(run_id)
 
     async def _drive_steps(self, run_id: str, ctx: RunContext) -> None:
         cfg = ctx.cfg

@@ -50,7 +50,8 @@ def record_to_pb(r: RunRecord) -> coordinator_pb2.RunStatus:
     return coordinator_pb2.RunStatus(run_id=r.run_id, state=STATES[r.state], step=r.step, num_steps=r.num_steps,
                                      weight_version=r.weight_version, data_position=r.data_position,
                                      checkpoint_path=r.checkpoint_path, message=r.message, run_dir=r.run_dir,
-                                     last_metrics=r.last_metrics, config=r.effective_config)
+                                     last_metrics=r.last_metrics, config=r.effective_config,
+                                     adapter=r.adapter)
 
 
 def metrics_to_pb(run_id: str, m: dict) -> coordinator_pb2.StepMetrics:

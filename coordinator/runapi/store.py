@@ -44,6 +44,9 @@ class RunRecord:
     # The checkpoint run.init_from resolved to ("" : the run started from model.path): where a replay from step 0
     # starts again when the trainer lost the weights (coordinator/runapi/recovery.py).
     init_checkpoint: str = ""
+    # Its named adapter on the trainer when it runs beside other LoRA runs ("" = the trainer's run adapter;
+    # coordinator/runapi/sharing.py).
+    adapter: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
+
 from coordinator.recipe import run_settings
 from coordinator.recipe.config import RunConfig, distill_coef, trainer_losses
 from coordinator.recipe.data import load_dataset
 from coordinator.recipe.distill import check_teacher_replicas
 from coordinator.training import advantages as adv_fns
 from coordinator.training import dpo, loop, remote
-from coordinator.training.context import Algorithm, GuardedTrainer, RunContext
+from coordinator.training.context import Algorithm, GuardedTrainer, RunContext, drop_adapter
+from meshrl.v1 import trainer_pb2
+from services.common.errors import FailedPrecondition
 from services.common.rpc.channel import create_channel
 from services.common.rpc.pools import ReplicaPool, configured
 from services.trainer.types import RunStart
@@ -86,13 +90,14 @@ def _heldout(cfg: RunConfig, tokenizer) -> list:
 
 async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: int = 0,
                        recorded: dict | None = None, resume: bool = False, defaults=None,
-                       start: RunStart | None = None, claim=None) -> RunContext:
+                       start: RunStart | None = None, claim=None, adapter: str = "") -> RunContext:
     """Loads the run's data, connects to every pool and the trainer (fails early when a pool is empty), and
     settles the run's settings with the running services (coordinator/recipe/run_settings.py): fixed keys checked,
     the trainer's optimizer configured (and its weights set to `start`'s, for a run that starts); the context
     carries the effective config and where the weights came from. `defaults` (the mesh's replicas,
     coordinator/runapi/default_pools.py) fill the roles and the trainer the recipe names none for; `claim(cfg)`
-    refuses a trainer another run holds."""
+    refuses a trainer another run holds, or answers the named adapter the run trains beside the others (`adapter`:
+    a resumed run's, as recorded); a named adapter is made anew on the trainer (as the base) before it is set."""
     algorithm = ALGORITHMS[cfg.algorithm.kind]
     token = cfg.server.auth_token.get_secret_value() if cfg.server.auth_token else None
     data, state, heldout = _load(cfg, algorithm, position)
@@ -100,8 +105,7 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
     if defaults is not None:
         cfg = await defaults.fill_trainer(cfg)
         cfg = await defaults.fill(cfg, *_mesh_roles(cfg, algorithm, why))
-    if claim is not None:
-        claim(cfg)
+    adapter = _check_beside(cfg, algorithm, claim(cfg) if claim is not None else adapter, start)
     if recorded is not None:
         recorded = live_addresses(recorded, cfg)
     pools = _pools(cfg, algorithm, token, registry)
@@ -114,6 +118,9 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
     trainer = GuardedTrainer(remote.trainer_stub(trainer_channel), cfg.trainer.address)
     try:
         await _reach(pools)
+        if adapter:
+            await _new_adapter(trainer, adapter, cfg.trainer.address)
+            trainer.adapter, start = adapter, None
         running: list[run_settings.Running] = []
         applied: list = []
         asked, cfg = cfg, await run_settings.settle(cfg, pools.values(), trainer, cfg.trainer.address,
@@ -124,6 +131,8 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
         if cfg.model.path != asked.model.path:      # the running services' model: its tokenizer
             data, state, heldout = _load(cfg, algorithm, position)
     except BaseException:
+        if trainer.adapter:
+            await drop_adapter(trainer, adapter)
         await _close(pools, trainer_channel)
         raise
     run_dir = Path(cfg.run.run_dir) / run_id
@@ -133,11 +142,32 @@ async def open_context(run_id: str, cfg: RunConfig, *, registry=None, position: 
     ctx = RunContext(run_id, cfg, algorithm, run_dir, pools["rollout"], pools["reward"], pools["reference"],
                      trainer_channel, trainer, data, heldout, trainer_losses(cfg), state)
     ctx.started_from = applied[0].started_from if applied else ""
-    a = cfg.algorithm
+    if adapter:
+        ctx.adapter, ctx.weight_version = adapter, applied[0].weight_version
+        ctx.started_from = f"model.path {cfg.model.path} (the base, as named adapter {adapter!r} beside other runs)"
+    return _with_kl(ctx)
+
+
+def _with_kl(ctx: RunContext) -> RunContext:
+    a = ctx.cfg.algorithm
     ctx.kl_coef = a.kl_coef
     if a.use_kl_in_reward and a.kl_ctrl == "adaptive":
         ctx.kl_controller = adv_fns.AdaptiveKLController(a.kl_coef, a.target_kl, a.kl_horizon)
     return ctx
+
+
+def _check_beside(cfg: RunConfig, algorithm: Algorithm, adapter: str, start: RunStart | None) -> str:
+    """A run beside others trains a new named adapter with the RL loop: what it cannot honour is refused by name.
+    -> the adapter."""
+    if not adapter:
+        return adapter
+    if start is not None and start.checkpoint:
+        raise FailedPrecondition(f"run.init_from: this run trains beside others on the trainer, as a new adapter "
+                                 f"{adapter!r} over the base; it cannot start from checkpoint {start.checkpoint}")
+    if algorithm is not loop.RL:
+        raise FailedPrecondition(f"algorithm.kind: {cfg.algorithm.kind} runs alone on its trainer; a run beside "
+                                 f"others (named adapter {adapter!r}) is an RL run of a LoRA actor")
+    return adapter
 
 
 def _load(cfg: RunConfig, algorithm: Algorithm, position: int):
@@ -147,6 +177,19 @@ def _load(cfg: RunConfig, algorithm: Algorithm, position: int):
     tokenizer = load_tokenizer(cfg.model.path)
     data, state = algorithm.load(cfg, tokenizer, position)
     return data, state, _heldout(cfg, tokenizer)
+
+
+async def _new_adapter(trainer: GuardedTrainer, name: str, address: str) -> None:
+    """The run's named adapter, made fresh (a resumed run's left over from before is dropped first); a trainer that
+    cannot hold one (not LoRA, several processes, compiled) is refused with its reason."""
+    await drop_adapter(trainer, name)
+    try:
+        await trainer.CreateAdapter(trainer_pb2.AdapterRequest(name=name))
+    except grpc.aio.AioRpcError as e:
+        if e.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+            raise
+        raise FailedPrecondition(f"trainer.address: another run trains on the trainer at {address}, so this run "
+                                 f"needs its own adapter there, which it refused: {e.details()}") from None
 
 
 async def _reach(pools: dict[str, ReplicaPool | None]) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
+from meshrl.v1 import trainer_pb2
 from coordinator.recipe.config import RunConfig, TrainerLosses
 from coordinator.recipe.data import Problem, PromptStream
 from coordinator.training import advantages as adv_fns
@@ -45,6 +46,12 @@ class CheckpointFailed(TrainerUnavailable, FailedPrecondition):
 CHECKPOINT_CALLS = {"SaveCheckpoint": "saving", "LoadCheckpoint": "loading"}
 
 
+# Trainer calls that name no adapter and touch none: asked as they are for a run of a named adapter too.
+ADAPTERLESS = {"GetInfo", "CreateAdapter", "DeleteAdapter"}
+# Trainer calls whose request has an `adapter` field that they do not read (it means another call's): refused.
+IGNORES_ADAPTER = {"ExportHF"}
+
+
 class GuardedTrainer:
     """The trainer stub, with UNAVAILABLE raised as TrainerUnavailable.
 
@@ -55,11 +62,20 @@ class GuardedTrainer:
     def __init__(self, stub, address: str):
         self._stub = stub
         self._address = address
+        # A concurrent LoRA run's named adapter on the trainer (coordinator/runapi/sharing.py): stamped on every
+        # request that has an `adapter` field; "" = the run's weights, as ever.
+        self.adapter = ""
 
     def __getattr__(self, name: str):
         method = getattr(self._stub, name)
 
         async def call(*args, **kwargs):
+            if self.adapter and args and name not in ADAPTERLESS:
+                if "adapter" not in args[0].DESCRIPTOR.fields_by_name or name in IGNORES_ADAPTER:
+                    raise FailedPrecondition(f"adapter: run trains named adapter {self.adapter!r} beside other "
+                                             f"runs; the trainer's {name} has no adapter (a run beside others "
+                                             f"trains its LoRA actor alone: no critic, no DPO)")
+                args[0].adapter = self.adapter
             try:
                 return await method(*args, **kwargs)
             except grpc.aio.AioRpcError as e:
@@ -160,6 +176,8 @@ class RunContext:
     last_samples: list = field(default_factory=list)
     # What the run has said once (a warning it gives once per run).
     said: set = field(default_factory=set)
+    # Its named adapter on the trainer when it runs beside other LoRA runs ("" = the trainer's run adapter).
+    adapter: str = ""
 
     @property
     def sampling(self) -> SamplingParams:
@@ -179,7 +197,17 @@ class RunContext:
     async def close(self) -> None:
         if self.prefetched:
             self.prefetched.cancel()
+        if self.adapter:        # its weights and optimizer state leave the trainer with the run
+            await drop_adapter(self.trainer, self.adapter)
         for pool in (self.rollout, self.reward, self.reference):
             if pool is not None:
                 await pool.close()
         await self.trainer_channel.close()
+
+
+async def drop_adapter(trainer, name: str) -> None:
+    """Deletes a run's named adapter; a trainer that is gone or no longer holds it has nothing to free."""
+    try:
+        await trainer.DeleteAdapter(trainer_pb2.AdapterRequest(name=name))
+    except (TrainerUnavailable, grpc.aio.AioRpcError):
+        pass

@@ -76,6 +76,11 @@ async def bring_new_replicas_up_to_date(ctx: RunContext) -> None:
     """
     stale = []
     for rep in ctx.rollout.healthy():
+        if ctx.adapter and not rep.adapter:
+            # A run beside others: a replica never given its named adapter would answer with another run's weights
+            # whatever version it reports.
+            stale.append(rep.address)
+            continue
         if rep.weight_version != ctx.weight_version:
             try:
                 info = await remote.info(rep.stub)

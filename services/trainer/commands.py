@@ -39,9 +39,14 @@ def _update(rank: Rank, update: Update) -> dict[str, float]:
     return run_update(update, seed=rank.cfg.seed if rank.cfg.shuffle else None, defer_last_step=rank.defer_last_step)
 
 
-def train_actor(rank: Rank, samples: list[TrainSample], loss: ActorLoss) -> dict[str, float]:
-    metrics = _update(rank, ActorUpdate(rank.layout, rank.actor, samples, loss, fused=rank.fused_logprobs))
-    rank.weight_version += 1
+def train_actor(rank: Rank, samples: list[TrainSample], loss: ActorLoss, adapter: str = "") -> dict[str, float]:
+    """One policy update of the actor, or of named adapter `adapter` alone (its optimizer, its weight version)."""
+    with adapter_set.using(rank, adapter) as trained:
+        metrics = _update(rank, ActorUpdate(rank.layout, trained, samples, loss, fused=rank.fused_logprobs))
+    if adapter:
+        adapter_set.get(rank, adapter).weight_version += 1
+    else:
+        rank.weight_version += 1
     return metrics
 
 
@@ -83,6 +88,19 @@ def configure_run(rank: Rank, actor: ActorConfig, critic: CriticConfig | None, r
         apply_hyperparams(trained.optimizer, trained.scheduler, cfg, reset_schedule=reset_schedule)
 
 
+def configure_adapter(rank: Rank, adapter: str, actor: ActorConfig, reset_schedule: bool) -> None:
+    """A concurrent run's optimizer settings on its named adapter's optimizer (checked on rank 0)."""
+    trained = adapter_set.get(rank, adapter).trained
+    trained.cfg = actor
+    apply_hyperparams(trained.optimizer, trained.scheduler, actor, reset_schedule=reset_schedule)
+
+
+def adapter_logprobs(rank: Rank, adapter: str, prompts, responses, temperature: float):
+    """Log-probs under named adapter `adapter` (made the layers' active adapter for the call)."""
+    with adapter_set.using(rank, adapter):
+        return forward.actor_logprobs(rank, prompts, responses, temperature)
+
+
 def save_checkpoint(rank: Rank, path: str, weight_version: int) -> None:
     # Under LoRA the checkpoint holds the adapters only: it names the base they train on (rank 0 writes the meta).
     base = adapters.base_identity(rank.model_path) if rank.cfg.lora and rank.index == 0 else None
@@ -104,7 +122,8 @@ def load_checkpoint(rank: Rank, path: str) -> None:
 COMMANDS: dict[str, Callable[..., Any]] = {
     "warm_up": forward.warm_up, "compute_logprobs": forward.compute_logprobs,
     "compute_values": forward.compute_values, "train_actor": train_actor, "train_dpo": train_dpo,
-    "train_critic": train_critic, "configure_run": configure_run, "state_for_sync": full.full_weights,
+    "train_critic": train_critic, "configure_run": configure_run, "configure_adapter": configure_adapter,
+    "adapter_logprobs": adapter_logprobs, "state_for_sync": full.full_weights,
     "save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint, "export_hf": full.export_hf,
     "export_adapter": adapters.export_adapter,
     "start_from_model": start_from_model, "start_from_checkpoint": start_from_checkpoint,

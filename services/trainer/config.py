@@ -117,6 +117,8 @@ class RunOptim:
     # In an answer: where a start took the weights from, in words, and the weight version the trainer holds.
     started_from: str = ""
     weight_version: int = 0
+    # "" = the run's weights; a named adapter (a concurrent run's): its optimizer settings alone.
+    adapter: str = ""
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

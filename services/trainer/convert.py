@@ -274,7 +274,7 @@ def run_optim_to_pb(r: RunOptim, *, response: bool = False):
                                                 started_from=r.started_from, weight_version=r.weight_version)
     start = trainer_pb2.RunStart(checkpoint=r.start.checkpoint) if r.start is not None else None
     return trainer_pb2.ConfigureRunRequest(actor=optim_to_pb(r.actor), critic=critic,
-                                           reset_schedule=r.reset_schedule, start=start)
+                                           reset_schedule=r.reset_schedule, start=start, adapter=r.adapter)
 
 
 def run_optim_from_pb(pb) -> RunOptim:
@@ -286,7 +286,8 @@ def run_optim_from_pb(pb) -> RunOptim:
     start = RunStart(pb.start.checkpoint) if request and pb.HasField("start") else None
     return RunOptim(optim_from_pb(pb.actor), critic, reset_schedule=getattr(pb, "reset_schedule", True),
                     start=start, actor_lr=getattr(pb, "actor_lr", 0.0),
-                    started_from=getattr(pb, "started_from", ""), weight_version=getattr(pb, "weight_version", 0))
+                    started_from=getattr(pb, "started_from", ""), weight_version=getattr(pb, "weight_version", 0),
+                    adapter=getattr(pb, "adapter", ""))
 
 
 # ---- the training API's primitives (ForwardBackward, OptimStep) ------------------------------------------------

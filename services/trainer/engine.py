@@ -65,8 +65,13 @@ class TrainerEngine:
         return self.warmup_seconds
 
     def compute_logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                         temperature: float = 1.0) -> list[list[float]]:
+                         temperature: float = 1.0, adapter: str = "") -> list[list[float]]:
+        """The actor's log-probs, or named adapter `adapter`'s."""
         self._check_sequences(prompts, responses, temperature)
+        if adapter:
+            adapter_set.get(self.rank, adapter)
+            return self.commands.run("adapter_logprobs", adapter, [list(p) for p in prompts],
+                                     [list(r) for r in responses], temperature)
         return self.commands.run("compute_logprobs", [list(p) for p in prompts], [list(r) for r in responses],
                                  temperature)
 
@@ -93,11 +98,15 @@ class TrainerEngine:
         return self.train_actor_step(samples, loss, run_step)[0]
 
     def train_actor_step(self, samples: Sequence[TrainSample], loss: ActorLoss,
-                         run_step: RunStep | None) -> tuple[dict[str, float], bool]:
-        """train_actor recorded as `run_step` (services/trainer/steps.py): -> (metrics, repeated)."""
+                         run_step: RunStep | None, adapter: str = "") -> tuple[dict[str, float], bool]:
+        """train_actor recorded as `run_step` (services/trainer/steps.py): -> (metrics, repeated). A named
+        `adapter`'s update (a concurrent run's) is applied to it alone and not recorded: the record is the run's."""
         r = self.rank
         self._check_batch_size("samples", len(samples))
         validate_actor_batch(samples, loss, vocab_size=r.vocab_size, max_len=r.max_len, dp_size=r.dims.dp)
+        if adapter:
+            adapter_set.get(r, adapter)
+            return self.commands.run("train_actor", list(samples), loss, adapter), False
         return self.steps.apply(run_step, lambda: self.commands.run("train_actor", list(samples), loss),
                                 lambda: r.weight_version)
 
@@ -133,6 +142,8 @@ class TrainerEngine:
         """Sets a run's optimizer hyperparameters on every rank, after its starting weights when it starts
         (`run.start`); answers with the values now in effect and where the weights came from."""
         r = self.rank
+        if run.adapter:
+            return self._configure_adapter(run)
         if (run.critic is None) != (r.critic is None):
             raise FailedPrecondition("critic: this trainer has " + ("a critic; the run must give its optimizer "
                                      "settings" if r.critic else "no critic (set when the trainer starts)"))
@@ -145,6 +156,21 @@ class TrainerEngine:
         return RunOptim(applied[0], applied[1] if r.critic else None, reset_schedule=run.reset_schedule,
                         actor_lr=r.actor.optimizer.param_groups[0]["lr"], started_from=started,
                         weight_version=r.weight_version)
+
+    def _configure_adapter(self, run: RunOptim) -> RunOptim:
+        """A concurrent run's optimizer settings on its named adapter (which starts as the base at CreateAdapter)."""
+        if run.start is not None:
+            raise FailedPrecondition(f"start: adapter {run.adapter!r} starts as the base when CreateAdapter makes "
+                                     f"it; a named adapter's run starts from no other weights")
+        if run.critic is not None:
+            raise FailedPrecondition(f"critic: adapter {run.adapter!r} trains the actor alone (no critic)")
+        named = adapter_set.get(self.rank, run.adapter)
+        actor = named.trained.cfg.with_run(run.actor, "actor")
+        self.commands.run("configure_adapter", run.adapter, actor, run.reset_schedule)
+        t = named.trained
+        return RunOptim(settings_in_effect(t.optimizer, t.scheduler, t.cfg), None, reset_schedule=run.reset_schedule,
+                        actor_lr=t.optimizer.param_groups[0]["lr"], weight_version=named.weight_version,
+                        adapter=run.adapter)
 
     def _start(self, checkpoint_path: str) -> str:
         """A run starts: the weights from the checkpoint, or the model path's (not reloaded when the trainer holds

@@ -31,8 +31,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def ComputeLogProbs(self, request, context):
         batch = common_convert.sequences_from_pb(request)
         logprobs = await asyncio.to_thread(self.engine.compute_logprobs, batch.prompts, batch.responses,
-                                           batch.temperature)
-        return common_convert.logprobs_to_pb(batch.ids, logprobs, self.engine.rank.weight_version,
+                                           batch.temperature, request.adapter)
+        return common_convert.logprobs_to_pb(batch.ids, logprobs, self.engine.adapter_version(request.adapter),
                                              packed=request.packed, columnar=batch.columnar)
 
     async def ComputeValues(self, request, context):
@@ -43,8 +43,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def TrainActor(self, request, context):
         samples, loss = convert.train_actor_from_pb(request)
         metrics, repeated = await asyncio.to_thread(self.engine.train_actor_step, samples, loss,
-                                                    convert.run_step_from_pb(request))
-        return convert.train_response_to_pb(self.engine.rank.actor.step, metrics, repeated)
+                                                    convert.run_step_from_pb(request), request.adapter)
+        return convert.train_response_to_pb(self.engine.adapter_progress(request.adapter)[0], metrics, repeated)
 
     async def TrainCritic(self, request, context):
         samples, loss = convert.train_critic_from_pb(request)

@@ -88,15 +88,18 @@ class _Client:
 
 def test_status_prints_whole_run_ids_at_80_columns(monkeypatch):
     long_id = "gsm8k-qwen2.5-0.5b-grpo-rollout-n16-temperature-1.0-" + "x" * 40 + "-20260101-120000-abcdef"
-    runs = [RunStatus(long_id, "RUNNING", 3, 100, 3, 48, "", "", "runs/x", {"reward_mean": 0.25}),
+    runs = [RunStatus(long_id, "RUNNING", 3, 100, 3, 48, "", "", "runs/x", {"reward_mean": 0.25},
+                      adapter="gsm8k-lora-2"),
             RunStatus("short", "PAUSED", 7, 10, 7, 112, "", "trainer 127.0.0.1:5 unavailable; restart the trainer, "
                       "then ResumeRun", "runs/y", {})]
     monkeypatch.setattr(common.Connection, "client", lambda self: _Client(runs))
     result = invoke("status")
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["run", "state", "step", "weight", "version", "data", "position", "reward", "message"]
-    assert lines[1].split()[:6] == [long_id, "RUNNING", "3/100", "3", "48", "0.250"]
+    assert lines[0].split() == ["run", "state", "step", "weight", "version", "data", "position", "reward", "adapter",
+                                "message"]
+    assert lines[1].split()[:7] == [long_id, "RUNNING", "3/100", "3", "48", "0.250", "gsm8k-lora-2"]
+    assert lines[2].split()[6] == "-"           # the trainer's run adapter (or a full-parameter run)
     assert lines[2].endswith("trainer 127.0.0.1:5 unavailable; restart the trainer, then ResumeRun")
     # The columns line up: each row's state starts where the header's does.
     assert {line.index(word) for line, word in zip(lines, ("state", "RUNNING", "PAUSED"))} == {len(long_id) + 2}

@@ -112,8 +112,8 @@ def test_runs_train_with_their_own_learning_rate_and_components_and_fixed_keys_a
                                                            "asks 3 (set when the trainer starts; restart it to change)")
     trainer_at = mesh.addresses["trainer"][0]
     assert busy == (grpc.StatusCode.FAILED_PRECONDITION, (
-        f"trainer.address: the trainer at {trainer_at} is training run 'long'; a trainer trains one run at a time "
-        f"(stop that run or wait for its end, or start another trainer)"))
+        f"trainer.address: the trainer at {trainer_at} is training full-parameter run 'long'; a full-parameter run "
+        f"holds its trainer alone (stop that run or wait for its end, or start another trainer)"))
     effective = yaml.safe_load(first.config)
     assert effective["actor"]["lr"] == 0.5
     # Left out by the runs, reported by the running services.

@@ -30,16 +30,18 @@ class OptimSettings(_message.Message):
     def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., betas: _Optional[_Iterable[float]] = ..., eps: _Optional[float] = ..., grad_clip: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., min_lr_ratio: _Optional[float] = ...) -> None: ...
 
 class ConfigureRunRequest(_message.Message):
-    __slots__ = ("actor", "critic", "reset_schedule", "start")
+    __slots__ = ("actor", "critic", "reset_schedule", "start", "adapter")
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     CRITIC_FIELD_NUMBER: _ClassVar[int]
     RESET_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     actor: OptimSettings
     critic: OptimSettings
     reset_schedule: bool
     start: RunStart
-    def __init__(self, actor: _Optional[_Union[OptimSettings, _Mapping]] = ..., critic: _Optional[_Union[OptimSettings, _Mapping]] = ..., reset_schedule: _Optional[bool] = ..., start: _Optional[_Union[RunStart, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, actor: _Optional[_Union[OptimSettings, _Mapping]] = ..., critic: _Optional[_Union[OptimSettings, _Mapping]] = ..., reset_schedule: _Optional[bool] = ..., start: _Optional[_Union[RunStart, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class RunStart(_message.Message):
     __slots__ = ("checkpoint",)
@@ -110,16 +112,18 @@ class ActorLoss(_message.Message):
     def __init__(self, policy_loss: _Optional[str] = ..., policy_loss_settings: _Optional[str] = ..., kl_coef: _Optional[float] = ..., kl_type: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_agg_mode: _Optional[str] = ..., loss_scale_factor: _Optional[float] = ..., ppo_epochs: _Optional[int] = ..., mini_batch_size: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class TrainActorRequest(_message.Message):
-    __slots__ = ("samples", "loss", "columns", "run_step")
+    __slots__ = ("samples", "loss", "columns", "run_step", "adapter")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     RUN_STEP_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     samples: _containers.RepeatedCompositeFieldContainer[TrainSample]
     loss: ActorLoss
     columns: TrainColumns
     run_step: RunStep
-    def __init__(self, samples: _Optional[_Iterable[_Union[TrainSample, _Mapping]]] = ..., loss: _Optional[_Union[ActorLoss, _Mapping]] = ..., columns: _Optional[_Union[TrainColumns, _Mapping]] = ..., run_step: _Optional[_Union[RunStep, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, samples: _Optional[_Iterable[_Union[TrainSample, _Mapping]]] = ..., loss: _Optional[_Union[ActorLoss, _Mapping]] = ..., columns: _Optional[_Union[TrainColumns, _Mapping]] = ..., run_step: _Optional[_Union[RunStep, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class RunStep(_message.Message):
     __slots__ = ("run_id", "step", "data_position", "metrics")
