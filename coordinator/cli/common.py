@@ -240,6 +240,13 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """Plain aligned lines, each column as wide as its widest cell: nothing is cut or wrapped at the terminal's
+    width (a run id is copied from here into the next command), and `grep`/`awk` read them as they are."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    return ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows)]
+
+
 def say(line: str, out: Console | None = None, *, style: str | None = None) -> None:
     """One line printed as it is: no rich markup (`[a.parquet]` stays), no highlighting, never wrapped or cut at
     the terminal's width (run ids and paths are copied from it whole)."""

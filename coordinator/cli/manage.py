@@ -9,14 +9,7 @@ from typing import Optional
 
 import typer
 
-from coordinator.cli.common import PASSTHROUGH, Connection, _fmt, command, connects, console, say
-
-
-def columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
-    """Plain aligned lines, each column as wide as its widest cell: nothing is cut or wrapped at the terminal's
-    width (a run id is copied from here into the next command), and `grep`/`awk` read them as they are."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
-    return ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows)]
+from coordinator.cli.common import PASSTHROUGH, Connection, _fmt, columns, command, connects, console, say
 
 
 @command()
@@ -38,13 +31,17 @@ def status(run_id: Optional[str] = typer.Argument(None), *, conn: Connection):
 
 @command()
 @connects
-def watch(run_id: str, once: bool = typer.Option(False, "--once", help="print the view once and exit"), *,
-          conn: Connection):
-    """Live view of a run: step, reward and accuracy sparklines, phase times, replicas and versions, last warning."""
-    from coordinator.cli.watch import watch_run
+def watch(run_id: Optional[str] = typer.Argument(None, help="the run to watch; none: every run on the mesh"),
+          once: bool = typer.Option(False, "--once", help="print the view once and exit"), *, conn: Connection):
+    """Live view of a run: step, reward and accuracy sparklines, phase times, replicas and versions, last warning.
+    With no run id, every run on the mesh: one row each (run, adapter, state, step, reward, accuracy)."""
+    from coordinator.cli.watch import watch_mesh, watch_run
 
     with conn.client() as client:
-        watch_run(client, run_id, once=once, console=console)
+        if run_id:
+            watch_run(client, run_id, once=once, console=console)
+        elif not watch_mesh(client, once=once, console=console):
+            say(f"no runs on the coordinator at {conn.address}; `meshrl run RECIPE` starts one")
 
 
 @command()

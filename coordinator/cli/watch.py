@@ -1,5 +1,6 @@
 """`meshrl watch RUN_ID`: a live terminal view of a run (rich): step, reward and accuracy sparklines, the last
-step's phase times, the replicas with their weight versions, and the last warning. `--once` prints it once."""
+step's phase times, the replicas with their weight versions, and the last warning. `meshrl watch` with no run id:
+every run on the mesh, one row each (docs/many_runs.md). `--once` prints either once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+
+from coordinator.cli.common import columns
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 40
@@ -123,3 +126,66 @@ def watch_run(client, run_id: str, *, once: bool = False, refresh_s: float = 1.0
     if not console.is_terminal:     # Live leaves its last frame without a line end when stdout is not a terminal
         console.line()
     console.print(f"{run_id}: {status.state} at step {status.step}/{status.num_steps}")
+
+
+MESH_SPARK_WIDTH = 20
+# Active runs first, then the finished ones (dimmed), each group in the coordinator's order.
+_ORDER = {"RUNNING": 0, "PAUSED": 1}
+
+
+def _num(value) -> str:
+    return f"{value:.3f}" if value is not None and math.isfinite(value) else "-"
+
+
+def mesh_view(runs, curves: dict[str, list[float]]) -> Group:
+    """One frame of every run: a count by state, then a line per run, active first (finished ones dimmed).
+    `curves`: each run's reward at the steps seen while watching (its sparkline). The lines are plain aligned
+    columns, as `meshrl status` prints them: a long run id is never cut by a table squeezing to the terminal."""
+    runs = sorted(runs, key=lambda r: _ORDER.get(r.state, 2))
+    counts = {state: sum(r.state == state for r in runs) for state in ("RUNNING", "PAUSED")}
+    finished = sum(r.finished for r in runs)
+    head = Text.assemble((f"{len(runs)} runs on the mesh", "bold"),
+                         f"  {counts['RUNNING']} running, {counts['PAUSED']} paused, {finished} finished")
+    # adapter "-": the trainer's run adapter (the first LoRA run on a trainer) or a full-parameter run.
+    rows = [(r.run_id, r.adapter or "-", r.state, f"{r.step}/{r.num_steps}", str(r.weight_version),
+             _num(r.last_metrics.get("reward_mean")), _num(r.last_metrics.get("accuracy")),
+             sparkline(curves.get(r.run_id, []), MESH_SPARK_WIDTH), r.message) for r in runs]
+    header, *lines = columns(("run", "adapter", "state", "step", "weights", "reward", "accuracy", "reward curve",
+                              "message"), rows)
+    table = Text(header, style="bold", no_wrap=True, overflow="ignore")
+    for r, line in zip(runs, lines):
+        table.append("\n")
+        table.append(line, style="dim" if r.finished else None)
+    return Group(head, table)
+
+
+def watch_mesh(client, *, once: bool = False, refresh_s: float = 1.0, console: Console | None = None) -> bool:
+    """Draws every run until all of them ended (or once); -> False when the coordinator knows no run."""
+    console = console or Console()
+    curves: dict[str, list[float]] = {}
+    seen: dict[str, int] = {}
+
+    def frame():
+        runs = client.list_runs()
+        for r in runs:           # one point per step seen: a refresh inside one step adds nothing
+            reward = r.last_metrics.get("reward_mean")
+            if reward is not None and seen.get(r.run_id) != r.step:
+                seen[r.run_id] = r.step
+                curves.setdefault(r.run_id, []).append(reward)
+        return runs, mesh_view(runs, curves)
+
+    runs, renderable = frame()
+    if not runs:
+        return False
+    if once:
+        console.print(renderable, crop=False)    # whole lines, for grep and for copying a run id
+        return True
+    with Live(renderable, console=console, refresh_per_second=4) as live:
+        while not all(r.finished for r in runs):
+            time.sleep(refresh_s)
+            runs, renderable = frame()
+            live.update(renderable)
+    if not console.is_terminal:
+        console.line()
+    console.print(f"all {len(runs)} runs ended: " + ", ".join(f"{r.run_id} {r.state}" for r in runs), soft_wrap=True)
+    return True

@@ -1,5 +1,6 @@
 """The coordinator's part of observability (docs/observability.md): each step's root span, and Prometheus metrics
-of its runs (step, state, weight version, phase seconds) and of their replica pools (health, retried calls)."""
+of its runs (step, state, weight version, reward, accuracy, phase seconds), each labelled `run_id` so a dashboard
+shows one run of many on the mesh (docs/many_runs.md), and of their replica pools (health, retried calls)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ from services.common.rpc.metrics import LATENCY_BUCKETS
 
 STATES = ("RUNNING", "PAUSED", "COMPLETED", "FAILED", "STOPPED")
 
+# Step metrics carry the run: concurrent runs share one coordinator (docs/many_runs.md).
 STEP_PHASE = Histogram("meshrl_coordinator_phase_seconds", "Wall seconds of each phase of a step (time/<phase>)",
-                       ["phase"], buckets=LATENCY_BUCKETS)
-STEP_SECONDS = Histogram("meshrl_coordinator_step_seconds", "Wall seconds of a whole step", buckets=LATENCY_BUCKETS)
-SAMPLES = Counter("meshrl_coordinator_samples", "Samples trained on")
+                       ["run_id", "phase"], buckets=LATENCY_BUCKETS)
+STEP_SECONDS = Histogram("meshrl_coordinator_step_seconds", "Wall seconds of a whole step", ["run_id"],
+                         buckets=LATENCY_BUCKETS)
+SAMPLES = Counter("meshrl_coordinator_samples", "Samples trained on", ["run_id"])
+# Step metrics whose latest value per run is a gauge at scrape time (RunCollector._last).
+LAST_METRICS = ("reward_mean", "accuracy", "heldout_accuracy")
 
 
 def step_span(ctx):
@@ -28,16 +33,16 @@ def step_span(ctx):
         "meshrl.run_id": ctx.run_id, "meshrl.step": ctx.step + 1})
 
 
-def record_step(metrics: dict) -> None:
-    """A committed step's timings into the histograms."""
+def record_step(run_id: str, metrics: dict) -> None:
+    """A committed step's timings into the histograms, under its run."""
     if "reward_mean" not in metrics and "time/step" not in metrics:
         return
     for key, value in metrics.items():
         if key.startswith("time/") and key != "time/step" and math.isfinite(value):
-            STEP_PHASE.labels(key[5:]).observe(value)
+            STEP_PHASE.labels(run_id, key[5:]).observe(value)
     if math.isfinite(metrics.get("time/step", math.nan)):
-        STEP_SECONDS.observe(metrics["time/step"])
-    SAMPLES.inc(metrics.get("num_samples", 0.0))
+        STEP_SECONDS.labels(run_id).observe(metrics["time/step"])
+    SAMPLES.labels(run_id).inc(metrics.get("num_samples", 0.0))
 
 
 class ObservedStore:
@@ -47,6 +52,7 @@ class ObservedStore:
     def __init__(self, store):
         self._store = store
         self.runs: dict[str, tuple[str, int, int]] = {}
+        self.last: dict[str, dict[str, float]] = {}      # run_id -> its latest reward/accuracy (LAST_METRICS)
 
     def __getattr__(self, name):
         return getattr(self._store, name)
@@ -58,7 +64,9 @@ class ObservedStore:
     async def commit(self, record, metrics: dict) -> None:
         await self._store.commit(record, metrics)
         self.runs[record.run_id] = (record.state, record.step, record.weight_version)
-        record_step(metrics)
+        last = self.last.setdefault(record.run_id, {})
+        last.update({k: v for k, v in metrics.items() if k in LAST_METRICS and math.isfinite(v)})
+        record_step(record.run_id, metrics)
 
 
 class RunCollector:
@@ -79,7 +87,21 @@ class RunCollector:
             for name in STATES:
                 state.add_metric([run_id, name], 1.0 if s == name else 0.0)
         yield from (step, version, state)
+        yield from self._last()
         yield from self._pools()
+
+    def _last(self):
+        families = {
+            "reward_mean": GaugeMetricFamily("meshrl_coordinator_reward", "Mean reward of each run's last step",
+                                             labels=["run_id"]),
+            "accuracy": GaugeMetricFamily("meshrl_coordinator_accuracy", "Accuracy of each run's last step",
+                                          labels=["run_id"]),
+            "heldout_accuracy": GaugeMetricFamily("meshrl_coordinator_heldout_accuracy",
+                                                  "Each run's last held-out accuracy", labels=["run_id"])}
+        for run_id, last in list(self.store.last.items()):
+            for key, value in last.items():
+                families[key].add_metric([run_id], value)
+        yield from families.values()
 
     def _pools(self):
         replicas = GaugeMetricFamily("meshrl_coordinator_replicas", "Replicas in each run's pools, by health",

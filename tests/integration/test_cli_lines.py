@@ -107,3 +107,59 @@ def test_status_prints_whole_run_ids_at_80_columns(monkeypatch):
 
 def test_columns_pad_to_the_widest_cell_and_cut_nothing():
     assert manage.columns(("a", "bb"), [("xxxx", "y"), ("z", "")]) == ["a     bb", "xxxx  y", "z"]
+
+
+class _Mesh(_Client):
+    """A coordinator whose runs advance one step per ListRuns: `meshrl watch` follows them until all ended."""
+
+    def list_runs(self):
+        now = [RunStatus(r.run_id, r.state, r.step, r.num_steps, r.weight_version, 0, "", r.message, "",
+                         dict(r.last_metrics), adapter=r.adapter) for r in self.runs]
+        for r in self.runs:
+            if r.state == "RUNNING":
+                r.step += 1
+                r.last_metrics = {"reward_mean": r.step / r.num_steps, "accuracy": 0.5}
+                r.state = "COMPLETED" if r.step == r.num_steps else "RUNNING"
+        return now
+
+
+def mesh_runs():
+    long_id = "gsm8k-qwen2.5-0.5b-grpo-lora-" + "x" * 30 + "-20260101-120000"
+    return long_id, [RunStatus("done", "COMPLETED", 2, 2, 2, 0, "", "", "", {"reward_mean": 1.0}),
+                     RunStatus(long_id, "RUNNING", 1, 3, 1, 0, "", "", "", {"reward_mean": 0.25, "accuracy": 0.5},
+                               adapter="gsm8k-lora-2"),
+                     RunStatus("paused", "PAUSED", 7, 10, 7, 0, "", "trainer unavailable", "", {})]
+
+
+def test_watch_with_no_run_id_shows_every_run_on_the_mesh_active_first(monkeypatch):
+    long_id, runs = mesh_runs()
+    monkeypatch.setattr(common.Connection, "client", lambda self: _Client(runs))
+    result = invoke("watch", "--once")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "3 runs on the mesh  1 running, 1 paused, 1 finished"
+    assert lines[1].split()[:4] == ["run", "adapter", "state", "step"]
+    assert [line.split()[:6] for line in lines[2:5]] == [
+        [long_id, "gsm8k-lora-2", "RUNNING", "1/3", "1", "0.250"], ["paused", "-", "PAUSED", "7/10", "7", "-"],
+        ["done", "-", "COMPLETED", "2/2", "2", "1.000"]]         # whole run ids at 80 columns, active runs first
+    assert lines[2].split()[6] == "0.500" and lines[3].endswith("trainer unavailable")
+
+
+def test_live_watch_of_the_mesh_follows_every_run_to_its_end(monkeypatch):
+    long_id, runs = mesh_runs()
+    runs.pop()                                    # a paused run would keep the view open
+    monkeypatch.setattr(common.Connection, "client", lambda self: _Mesh(runs))
+    monkeypatch.setattr("coordinator.cli.watch.time.sleep", lambda s: None)
+    result = invoke("watch", COLUMNS="200")       # the live view is cut at the terminal's width
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == f"all 2 runs ended: done COMPLETED, {long_id} COMPLETED"
+    frame = result.stdout.splitlines()[-4:-1]     # the last frame: the run's reward curve over the steps watched
+    assert frame[2].split()[:7] == [long_id, "gsm8k-lora-2", "COMPLETED", "3/3", "1", "1.000", "0.500"], frame
+    assert frame[2].split()[7] == "▁▅█"           # reward 0.25 (step 1), 0.67, 1.0: one point per step
+
+
+def test_watch_of_an_empty_mesh_says_how_to_start_a_run(monkeypatch):
+    monkeypatch.setattr(common.Connection, "client", lambda self: _Client([]))
+    result = invoke("watch", "--once", "--coordinator", "127.0.0.1:7")
+    assert (result.exit_code, result.stdout) == (0, "no runs on the coordinator at 127.0.0.1:7; `meshrl run RECIPE` "
+                                                    "starts one\n")
