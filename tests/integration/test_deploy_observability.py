@@ -86,6 +86,31 @@ def test_the_dashboard_queries_only_metrics_the_services_export_and_covers_the_i
             "meshrl_coordinator_replicas", "meshrl_rollout_weight_version", "meshrl_trainer_weight_version"} <= used
 
 
+def test_the_dashboard_has_a_run_variable_and_every_coordinator_panel_shows_only_the_picked_runs():
+    """Issue 45: many runs on one mesh; the coordinator's metrics carry `run_id` and the dashboard filters by it."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    [run] = [v for v in dashboard["templating"]["list"] if v["name"] == "run"]
+    assert run["type"] == "query" and run["query"] == "label_values(meshrl_coordinator_step, run_id)"
+    assert run["includeAll"] and run["multi"] and run["allValue"] == ".*"
+    source = (REPO / "coordinator" / "runapi" / "observe.py").read_text()
+    coordinator = {n for n in exported_names() if n.startswith("meshrl_coordinator_")}
+    # Every coordinator metric is labelled run_id where it is defined (labels=[...] or a Histogram's label list).
+    for name in {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in coordinator}:
+        defined = re.search(rf'"{name}",(?:(?!meshrl_)[^\[])*\[\s*"run_id"', source)    # its first label list
+        assert defined, f"{name} carries no run_id label"
+    filtered = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for name, selector in re.findall(r"\b(meshrl_coordinator_\w+)(\{[^}]*\})?", target["expr"]):
+                assert 'run_id=~"$run"' in selector, (panel["title"], name, target["expr"])
+                filtered.add(name)
+    assert {"meshrl_coordinator_reward", "meshrl_coordinator_accuracy", "meshrl_coordinator_step",
+            "meshrl_coordinator_phase_seconds_sum", "meshrl_coordinator_step_seconds_sum",
+            "meshrl_coordinator_samples_total"} <= filtered
+    titles = {p["title"] for p in dashboard["panels"]}
+    assert {"Reward per run", "Accuracy per run", "Samples/s per run"} <= titles
+
+
 def test_k8s_pods_serve_metrics_on_a_named_port_the_service_monitor_scrapes():
     objects = render_k8s()
     monitor = yaml.safe_load((K8S / "monitoring" / "servicemonitor.yaml").read_text())
