@@ -1,7 +1,8 @@
 """Concurrent LoRA runs on one mesh (docs/many_runs.md): examples/run_api/concurrent_runs.py starts two runs with
 their own learning rates on one trainer; both train at once (the second on a named adapter), each with its own
 metrics; stopping the first leaves the second's steps going to its end; the second's adapter leaves the trainer
-with it; a full-parameter run beside them is refused by name."""
+with it; a full-parameter run beside them is refused by name. `meshrl watch` with no run id shows both runs, and the
+coordinator's step metrics carry each run's id (the dashboard's run variable)."""
 
 import asyncio
 import json
@@ -13,6 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.runapi.service import CoordinatorSettings, start as start_coordinator
 from coordinator.training import remote
@@ -52,13 +55,17 @@ def test_two_lora_runs_train_at_once_and_stopping_one_leaves_the_other_running(t
                     break
                 await asyncio.sleep(0.05)
             await channel.close()
-            return result, info, None
+            watched = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-m", "coordinator.cli", "watch", "--once", "--coordinator",
+                                 f"127.0.0.1:{port}"], cwd=REPO, env={**env, "COLUMNS": "200"}, capture_output=True,
+                text=True, timeout=120)
+            return result, info, watched
         finally:
             await engine.close()
             await server.stop(0)
             await mesh.stop()
 
-    result, info, _ = asyncio.run(main())
+    result, info, watched = asyncio.run(main())
     assert result.returncode == 0, result.stdout + result.stderr
     first, second = (json.loads(line) for line in result.stdout.splitlines())
     assert first["state"] == "RUN_STATE_STOPPED", first
@@ -75,3 +82,17 @@ def test_two_lora_runs_train_at_once_and_stopping_one_leaves_the_other_running(t
     assert first["adapter"] == "" and second["adapter"].startswith("lora-slow-")
     # Every run ended: no named adapter is left on the trainer.
     assert info.details["named_adapters"] == ""
+    # `meshrl watch` with no run id: both runs, the second on its named adapter (the coordinator's ListRuns order).
+    assert watched.returncode == 0, watched.stderr
+    lines = watched.stdout.splitlines()
+    assert lines[0] == "2 runs on the mesh  0 running, 0 paused, 2 finished", watched.stdout
+    rows = {line.split()[0]: line.split() for line in lines[2:4]}
+    assert rows[first["run_id"]][1:3] == ["-", "STOPPED"]
+    assert rows[second["run_id"]][1:4] == [second["adapter"], "COMPLETED", "4/4"]
+    # Each run's steps are its own in the coordinator's metrics (this process served it).
+    samples = {(s.name, s.labels.get("run_id"), s.labels.get("phase")): s.value
+               for fam in text_string_to_metric_families(generate_latest(REGISTRY).decode()) for s in fam.samples}
+    assert samples[("meshrl_coordinator_step_seconds_count", second["run_id"], None)] == 4
+    assert 1 <= samples[("meshrl_coordinator_step_seconds_count", first["run_id"], None)] < 4
+    assert samples[("meshrl_coordinator_phase_seconds_count", second["run_id"], "generate")] == 4
+    assert ("meshrl_coordinator_reward", second["run_id"], None) in samples

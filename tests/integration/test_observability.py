@@ -115,8 +115,12 @@ def _check_metrics(first: dict, last: dict, run_id: str) -> None:
     assert value(coordinator, "meshrl_coordinator_step", run_id=run_id) == 3
     assert value(coordinator, "meshrl_coordinator_run_state", run_id=run_id, state="COMPLETED") == 1
     assert value(coordinator, "meshrl_coordinator_run_state", run_id=run_id, state="RUNNING") == 0
-    assert value(coordinator, "meshrl_coordinator_phase_seconds_count", phase="generate") == 3
-    assert value(coordinator, "meshrl_coordinator_samples_total") == 3 * 8 * 8
+    # step metrics carry the run (many runs share a coordinator: docs/many_runs.md)
+    assert value(coordinator, "meshrl_coordinator_phase_seconds_count", run_id=run_id, phase="generate") == 3
+    assert value(coordinator, "meshrl_coordinator_samples_total", run_id=run_id) == 3 * 8 * 8
+    assert value(coordinator, "meshrl_coordinator_step_seconds_count", run_id=run_id) == 3
+    assert 0.0 <= value(coordinator, "meshrl_coordinator_reward", run_id=run_id) <= 1.0
+    assert ("meshrl_coordinator_reward", (("run_id", run_id),)) in coordinator
 
 
 def _check_traces(path: Path) -> None:
