@@ -52,6 +52,7 @@ SOURCES: dict[str, list[str]] = {
                           "bench/observability_overhead.py"],
     "vs_trl_cpu": [*_MESH, "bench/e2e_grpo.py", "bench/peers"],
     "demo_cpu": [*_MESH, "examples/arith/grpo.yaml", "bench/demo_cpu.py"],
+    "many_runs_cpu": [*_MESH, "examples/arith/grpo_lora.yaml", "bench/many_runs_cpu.py"],
     "async_cpu": [*_MESH, "examples/arith/grpo.yaml", "bench/demo_cpu.py", "bench/async_cpu.py"],
     "async_gpu": [*_MESH, "bench/e2e_grpo.py", "bench/async_rl.py", "bench/peers"],
     "wordproblems_cpu": [*_MESH, "examples/wordproblems/grpo.yaml", "examples/wordproblems/reward.py",

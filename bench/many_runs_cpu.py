@@ -1,0 +1,111 @@
+"""Several LoRA runs on one mesh at once against the same runs one after another, on the same mesh, in one process
+(issue #45's measure, on CPU): aggregate samples/s of K concurrent runs over that of K sequential runs.
+
+One in-process mesh of the arith LoRA recipe (trainer, reward, 2 rollout replicas: services/local.py) serves every
+phase; a RunManager drives the runs as the coordinator does. Phases alternate (sequential, concurrent, concurrent,
+sequential) so a drift of the machine falls on both; each phase's runs are K copies of the recipe with their own
+learning rates. The JSON holds every phase's wall time and samples, and the ratio of the medians.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/many_runs_cpu.py --shared     # -> bench/results/many_runs_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "protos")]
+
+from bench.provenance import stamp  # noqa: E402
+from coordinator.runapi.runs import RunManager  # noqa: E402
+from coordinator.runapi.store import MemoryStore  # noqa: E402
+from services.local import start_local_mesh  # noqa: E402
+
+DONE = {"COMPLETED", "FAILED", "STOPPED"}
+
+
+def recipe(run_dir: Path, steps: int) -> dict:
+    data = yaml.safe_load((REPO / "examples/arith/grpo_lora.yaml").read_text())
+    data["rollout"]["replicas"] = 2
+    data["run"].update(num_steps=steps, eval_every=0, run_dir=str(run_dir), checkpoint_every=0)
+    return data
+
+
+def run_yaml(config: dict, name: str, lr: float) -> str:
+    return yaml.safe_dump({**config, "run": {**config["run"], "name": name}, "actor": {**config["actor"], "lr": lr}})
+
+
+async def finished(manager: RunManager, run_id: str) -> dict:
+    while True:
+        rec = await manager.get(run_id)
+        if rec.state in DONE:
+            return {"run_id": run_id, "state": rec.state, "steps": rec.step, "message": rec.message}
+        await asyncio.sleep(0.1)
+
+
+async def phase(manager: RunManager, config: dict, runs: int, concurrent: bool, tag: str) -> dict:
+    """K runs, all at once or one after another; wall time from the first StartRun to the last run's end."""
+    lrs = [1e-3, 3e-4, 5e-4, 2e-3][:runs]
+    t0 = time.perf_counter()
+    ends = []
+    if concurrent:
+        ids = [await manager.start_run(run_yaml(config, f"{tag}-{i}", lr)) for i, lr in enumerate(lrs)]
+        ends = await asyncio.gather(*(finished(manager, r) for r in ids))
+    else:
+        for i, lr in enumerate(lrs):
+            ends.append(await finished(manager, await manager.start_run(run_yaml(config, f"{tag}-{i}", lr))))
+    seconds = time.perf_counter() - t0
+    per_step = config["data"]["rollout_batch_size"] * config["rollout"]["n"]
+    samples = sum(e["steps"] for e in ends) * per_step
+    assert all(e["state"] == "COMPLETED" for e in ends), ends
+    return {"mode": "concurrent" if concurrent else "sequential", "seconds": round(seconds, 2), "samples": samples,
+            "samples_per_s": round(samples / seconds, 2), "runs": ends}
+
+
+async def main_async(args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        config = recipe(Path(tmp) / "runs", args.steps)
+        mesh = await start_local_mesh(config, num_rollout=2, num_reference=0)
+        manager = RunManager(MemoryStore())
+        try:
+            phases = []
+            for i, concurrent in enumerate((False, True, True, False)[: 2 * args.rounds]):
+                phases.append(await phase(manager, mesh.config, args.runs, concurrent, f"p{i}"))
+                print(json.dumps({k: v for k, v in phases[-1].items() if k != "runs"}), flush=True)
+        finally:
+            await manager.close()
+            await mesh.stop()
+    rate = {m: statistics.median(p["samples_per_s"] for p in phases if p["mode"] == m)
+            for m in ("sequential", "concurrent")}
+    return {"bench": "many_runs_cpu", "recipe": "examples/arith/grpo_lora.yaml", "runs": args.runs,
+            "steps_per_run": args.steps, "rollout_replicas": 2,
+            "samples_per_step": config["data"]["rollout_batch_size"] * config["rollout"]["n"],
+            "phases": phases, "median_samples_per_s": rate,
+            "ratio_concurrent_over_sequential": round(rate["concurrent"] / rate["sequential"], 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2, help="1: sequential then concurrent; 2: ABBA")
+    ap.add_argument("--shared", action="store_true", help="the machine runs other jobs too (recorded)")
+    ap.add_argument("--out", default=str(REPO / "bench/results/many_runs_cpu.json"))
+    args = ap.parse_args(argv)
+    result = stamp("many_runs_cpu", asyncio.run(main_async(args)), shared_machine=args.shared)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"concurrent / sequential samples/s: x{result['ratio_concurrent_over_sequential']}  -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
