@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
 #   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench paged_kv spy loratrain
-#          loratests lora
+#          loratests lora manyruns
 #          mfuautotune upgpu
 #          meshrl trl trl15 trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
@@ -162,6 +162,10 @@ for what in "$@"; do
       # the parts already in bench/results/lora_gpu.json are kept beside the new ones.
       [ -f bench/results/lora_gpu.json ] && [ ! -f "$OUT/lora_gpu.json" ] && cp bench/results/lora_gpu.json "$OUT/"
       part lora 560 python3 bench/lora_gpu.py --parts "${LORA_PARTS:-sync,decode}" --out "$OUT/lora_gpu.json" ;;
+    manyruns) # issue 45: 4 LoRA runs (0.5B shape, random weights) at once on one in-process mesh vs one after another
+      part manyrunsmodel 240 python3 examples/gpu/make_model.py --shape qwen2.5-0.5b   # no-op when already built
+      part manyruns 420 python3 bench/many_runs.py --device cuda --runs "${MANY_RUNS:-4}" --steps "${MANY_STEPS:-4}" \
+        --max-tokens "${MANY_MAX_TOKENS:-128}" --out "$OUT/many_runs_gpu.json" ;;
     wsipc) part wsipc 240 python3 bench/weight_sync.py --transport ipc --device cuda:0 --repeats 10 \
              --out "$OUT/weight_sync.json" ;;
     meshrl) TORCH_LOGS="${TORCH_LOGS:-recompiles}" part meshrl 560 python3 bench/e2e_grpo.py run --device cuda --shape qwen2.5-0.5b --steps "$STEPS" \

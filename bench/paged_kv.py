@@ -125,10 +125,16 @@ def main() -> None:
     scale = 16 if args.tiny else 1
     results = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                "torch": torch.__version__, "shape": "tiny" if args.tiny else "qwen2.5-0.5b"}
+    def save() -> None:   # after each case: a run stopped at its time limit keeps the cases it finished
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
     if "grpo" in args.cases:
         results["grpo"] = case(model, args, "grpo", (64 // scale, 1024 // scale), 8, [256 // scale] * (64 // scale))
+        save()
     if "decode" in args.cases:
         results["decode"] = case(model, args, "decode", (256 // scale, 64), 1, [256 // scale] * (256 // scale))
+        save()
     if "longtail" in args.cases:
         # 512 rows; today's engine decodes 64 at a time (its cache holds each at prompt + the longest budget), paged
         # gets the bytes of those 64 full-length rows and runs as many rows as their actual lengths fit.
@@ -146,10 +152,8 @@ def main() -> None:
                          "kv_gib": round(same_bytes / 2**30, 3)}
         peak = lt.get("paged", {}).get("max_running_rows", 0)
         lt["concurrent_rows"] = {"none": today_rows, "paged": peak, "paged_vs_none": round(peak / today_rows, 2)}
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    save()
+    print(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,18 @@
 """Several LoRA runs on one mesh at once against the same runs one after another, on the same mesh, in one process
-(issue #45's measure, on CPU): aggregate samples/s of K concurrent runs over that of K sequential runs.
+(issue #45's measure): aggregate samples/s of K concurrent runs over that of K sequential runs.
 
-One in-process mesh of the arith LoRA recipe (trainer, reward, 2 rollout replicas: services/local.py) serves every
+One in-process mesh of the arith LoRA recipe (trainer, reward, rollout replicas: services/local.py) serves every
 phase; a RunManager drives the runs as the coordinator does. Phases alternate (sequential, concurrent, concurrent,
 sequential) so a drift of the machine falls on both; each phase's runs are K copies of the recipe with their own
 learning rates. The JSON holds every phase's wall time and samples, and the ratio of the medians.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/many_runs_cpu.py --shared     # -> bench/results/many_runs_cpu.json
+    OMP_NUM_THREADS=1 .venv/bin/python bench/many_runs.py --shared     # -> bench/results/many_runs_cpu.json
+
+On a GPU (`--device cuda`), the same recipe over a random-weight Qwen2.5-shaped model folder
+(examples/gpu/make_model.py --shape qwen2.5-0.5b), bfloat16, one rollout replica with the CUDA-graph decode and
+an adapter slot per run, and longer answers (`--max-tokens`), 4 runs:
+
+    python bench/many_runs.py --device cuda --runs 4 --out $OUT/many_runs_gpu.json   # bench/gpu_session.sh manyruns
 """
 
 from __future__ import annotations
@@ -33,11 +39,22 @@ from services.local import start_local_mesh  # noqa: E402
 DONE = {"COMPLETED", "FAILED", "STOPPED"}
 
 
-def recipe(run_dir: Path, steps: int) -> dict:
+def recipe(run_dir: Path, args) -> dict:
     data = yaml.safe_load((REPO / "examples/arith/grpo_lora.yaml").read_text())
-    data["rollout"]["replicas"] = 2
-    data["run"].update(num_steps=steps, eval_every=0, run_dir=str(run_dir), checkpoint_every=0)
+    data["rollout"]["replicas"] = args.replicas
+    data["run"].update(num_steps=args.steps, eval_every=0, run_dir=str(run_dir), checkpoint_every=0)
+    if args.device != "cpu":
+        data["model"] = {"path": str(args.model_path), "device": args.device, "dtype": "bfloat16"}
+        data["rollout"].update(max_tokens=args.max_tokens, max_loras=max(4, args.runs))
+        data["data"]["rollout_batch_size"] = args.batch
     return data
+
+
+def device_name(device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    import torch
+    return torch.cuda.get_device_name(torch.device(device))
 
 
 def run_yaml(config: dict, name: str, lr: float) -> str:
@@ -73,8 +90,8 @@ async def phase(manager: RunManager, config: dict, runs: int, concurrent: bool, 
 
 async def main_async(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        config = recipe(Path(tmp) / "runs", args.steps)
-        mesh = await start_local_mesh(config, num_rollout=2, num_reference=0)
+        config = recipe(Path(tmp) / "runs", args)
+        mesh = await start_local_mesh(config, num_rollout=args.replicas, num_reference=0)
         manager = RunManager(MemoryStore())
         try:
             phases = []
@@ -86,8 +103,9 @@ async def main_async(args) -> dict:
             await mesh.stop()
     rate = {m: statistics.median(p["samples_per_s"] for p in phases if p["mode"] == m)
             for m in ("sequential", "concurrent")}
-    return {"bench": "many_runs_cpu", "recipe": "examples/arith/grpo_lora.yaml", "runs": args.runs,
-            "steps_per_run": args.steps, "rollout_replicas": 2,
+    return {"bench": args.stem, "recipe": "examples/arith/grpo_lora.yaml", "runs": args.runs,
+            "steps_per_run": args.steps, "rollout_replicas": args.replicas, "device": device_name(args.device),
+            "model": config["model"], "max_tokens": config["rollout"]["max_tokens"],
             "samples_per_step": config["data"]["rollout_batch_size"] * config["rollout"]["n"],
             "phases": phases, "median_samples_per_s": rate,
             "ratio_concurrent_over_sequential": round(rate["concurrent"] / rate["sequential"], 3)}
@@ -95,13 +113,25 @@ async def main_async(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the model folder of --model-path in bfloat16")
+    ap.add_argument("--runs", type=int, default=None, help="runs per phase (default 2 on cpu, 4 on cuda)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 8 on cpu, 4 on cuda)")
     ap.add_argument("--rounds", type=int, default=2, help="1: sequential then concurrent; 2: ABBA")
+    ap.add_argument("--replicas", type=int, default=None, help="rollout replicas (default 2 on cpu, 1 on cuda)")
+    ap.add_argument("--model-path", type=Path, default=REPO / "examples/gpu/models/qwen2.5-0.5b",
+                    help="cuda: a Hugging Face folder (examples/gpu/make_model.py builds the default)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="cuda: rollout.max_tokens")
+    ap.add_argument("--batch", type=int, default=16, help="cuda: prompts per step (data.rollout_batch_size), n = 8")
     ap.add_argument("--shared", action="store_true", help="the machine runs other jobs too (recorded)")
-    ap.add_argument("--out", default=str(REPO / "bench/results/many_runs_cpu.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/many_runs_<cpu|gpu>.json")
     args = ap.parse_args(argv)
-    result = stamp("many_runs_cpu", asyncio.run(main_async(args)), shared_machine=args.shared)
+    cpu = args.device == "cpu"
+    args.runs = args.runs or (2 if cpu else 4)
+    args.steps = args.steps or (8 if cpu else 4)
+    args.replicas = args.replicas or (2 if cpu else 1)
+    args.stem = "many_runs_cpu" if cpu else "many_runs_gpu"
+    args.out = args.out or str(REPO / f"bench/results/{args.stem}.json")
+    result = stamp(args.stem, asyncio.run(main_async(args)), shared_machine=args.shared)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"concurrent / sequential samples/s: x{result['ratio_concurrent_over_sequential']}  -> {args.out}")
     return 0
