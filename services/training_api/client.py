@@ -21,6 +21,7 @@ import grpc
 
 from meshrl.v1 import common_pb2, trainer_pb2, training_pb2, training_pb2_grpc
 from services.common.rpc.grpc_config import MAX_MESSAGE_BYTES, service_config
+from services.trainer.types import AdamParams  # the trainer's own (stdlib only): one definition of its defaults
 from services.training_api import convert
 from services.training_api.types import SampledSequence, SampleResponse
 
@@ -71,18 +72,6 @@ class Datum:
         return trainer_pb2.Datum(model_input=self.model_input.to_ints(), target_tokens=values("target_tokens"),
                                  weights=values("weights"), logprobs=values("logprobs"),
                                  advantages=values("advantages"))
-
-
-@dataclass
-class AdamParams:
-    """AdamW hyperparameters of one optim_step (Tinker's defaults); grad_clip_norm 0 turns clipping off."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
 
 
 @dataclass
