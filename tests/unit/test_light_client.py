@@ -20,16 +20,6 @@ def test_importing_the_client_in_a_fresh_interpreter_loads_none_of_the_services_
     assert json.loads(out.stdout) == []
 
 
-def test_the_training_api_client_is_light_too():
-    """services/training_api/client.py says so in its docstring; its AdamParams is the trainer's stdlib dataclass."""
-    code = ("import json, sys; import services.training_api.client as c; "
-            "from services.trainer.types import AdamParams; assert c.AdamParams is AdamParams; "
-            f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "protos")])}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout) == []
-
-
 def test_the_client_still_dumps_a_typed_run_config_with_its_secrets_in_clear():
     import yaml
 

@@ -27,6 +27,12 @@ def test_importing_the_training_client_loads_none_of_the_services_dependencies()
     assert json.loads(out.stdout) == []
 
 
+def test_adam_params_are_the_trainers_own_dataclass():
+    from services.trainer import types
+    from services.training_api import client
+    assert client.AdamParams is types.AdamParams and client.AdamParams().beta2 == 0.95
+
+
 def test_the_address_is_the_given_one_then_the_environment_then_the_mesh_file(tmp_path, monkeypatch):
     monkeypatch.delenv("MESHRL_TRAINING_API", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
