@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
 #   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench paged_kv spy loratrain
-#          loratests lora manyruns
+#          loratests pagedtests lora manyruns
 #          mfuautotune upgpu
 #          meshrl trl trl15 trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
@@ -156,6 +156,7 @@ for what in "$@"; do
     ipcbench) # CUDA IPC between two processes on one GPU vs a same-process copy (bench/weight_sync_ipc.py)
       part ipcbench 240 python3 bench/weight_sync_ipc.py --out "$OUT/weight_sync_ipc.json"
       stamp "$OUT/weight_sync_ipc.json" weight_sync_ipc ;;
+    pagedtests) part pagedtests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_paged_kv_gpu.py ;;
     loratests) part loratests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_lora_decode_gpu.py ;;
     lora) # LoRA at 1.5B, rank 16 (bench/lora_gpu.py): weight sync per step of the adapter vs the full weights over
       # grpc loopback and ipc, decode tokens/s with 4 adapters in a batch vs 1 vs the base. LORA_PARTS picks parts;
@@ -164,7 +165,7 @@ for what in "$@"; do
       part lora 560 python3 bench/lora_gpu.py --parts "${LORA_PARTS:-sync,decode}" --out "$OUT/lora_gpu.json" ;;
     manyruns) # issue 45: 4 LoRA runs (0.5B shape, random weights) at once on one in-process mesh vs one after another
       part manyrunsmodel 240 python3 examples/gpu/make_model.py --shape qwen2.5-0.5b   # no-op when already built
-      part manyruns 420 python3 bench/many_runs.py --device cuda --runs "${MANY_RUNS:-4}" --steps "${MANY_STEPS:-4}" \
+      part manyruns 420 python3 bench/many_runs.py --device cuda --runs "${MANY_RUNS:-4}" --steps "${MANY_STEPS:-4}" --rounds "${MANY_ROUNDS:-1}" \
         --max-tokens "${MANY_MAX_TOKENS:-128}" --out "$OUT/many_runs_gpu.json" ;;
     wsipc) part wsipc 240 python3 bench/weight_sync.py --transport ipc --device cuda:0 --repeats 10 \
              --out "$OUT/weight_sync.json" ;;

@@ -95,7 +95,8 @@ async def main_async(args) -> dict:
         manager = RunManager(MemoryStore())
         try:
             phases = []
-            for i, concurrent in enumerate((False, True, True, False)[: 2 * args.rounds]):
+            order = (False, True, True, False) if args.rounds == 2 else (True, False)
+            for i, concurrent in enumerate(order):
                 phases.append(await phase(manager, mesh.config, args.runs, concurrent, f"p{i}"))
                 print(json.dumps({k: v for k, v in phases[-1].items() if k != "runs"}), flush=True)
         finally:
@@ -107,7 +108,7 @@ async def main_async(args) -> dict:
             "steps_per_run": args.steps, "rollout_replicas": args.replicas, "device": device_name(args.device),
             "model": config["model"], "max_tokens": config["rollout"]["max_tokens"],
             "samples_per_step": config["data"]["rollout_batch_size"] * config["rollout"]["n"],
-            "phases": phases, "median_samples_per_s": rate,
+            "rounds": args.rounds, "phases": phases, "median_samples_per_s": rate,
             "ratio_concurrent_over_sequential": round(rate["concurrent"] / rate["sequential"], 3)}
 
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the model folder of --model-path in bfloat16")
     ap.add_argument("--runs", type=int, default=None, help="runs per phase (default 2 on cpu, 4 on cuda)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 8 on cpu, 4 on cuda)")
-    ap.add_argument("--rounds", type=int, default=2, help="1: sequential then concurrent; 2: ABBA")
+    ap.add_argument("--rounds", type=int, default=2, choices=(1, 2), help="1: concurrent then sequential (the concurrent phase pays the warm-up); 2: ABBA")
     ap.add_argument("--replicas", type=int, default=None, help="rollout replicas (default 2 on cpu, 1 on cuda)")
     ap.add_argument("--model-path", type=Path, default=REPO / "examples/gpu/models/qwen2.5-0.5b",
                     help="cuda: a Hugging Face folder (examples/gpu/make_model.py builds the default)")
