@@ -143,8 +143,9 @@ class RolloutConfig(PoolConfig):
     kv_cache_gib: float | None = Field(None, gt=0)
     # engine "torch": the KV cache. paged: fixed-size blocks, block tables, a prefix cache across calls (a GRPO
     # group's prompt prefilled once, an episode's next turn feeds only its new tokens), admission and preemption by
-    # the kv_cache_gib budget (services/rollout/engine_torch/paged/; eager steps, no CUDA graphs). none: each decode
-    # builds its own left-padded cache. auto: none for now (docs/rollout.md says why).
+    # the kv_cache_gib budget (services/rollout/engine_torch/paged/; eager steps, no CUDA graphs). Serves LoRA
+    # adapters (enable_lora): its prefix cache, forks and pins are keyed by adapter name and version as well as by
+    # tokens. none: each decode builds its own left-padded cache. auto: none for now (docs/rollout.md says why).
     kv_cache: Literal["paged", "none"] | Auto = AUTO
     # kv_cache paged: tokens per KV block.
     kv_block_size: int = Field(16, ge=1, le=1024)

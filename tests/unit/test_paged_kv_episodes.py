@@ -227,9 +227,3 @@ def test_sessions_tell_the_engine_when_they_go():
     store.forget("c")
     assert ended == ["session:a", "session:b", "session:c"]
     assert store.open("d").kv_id == "session:d"
-
-
-def test_paged_kv_with_lora_adapters_is_refused_by_name(model_dir):
-    # The paged forwards read no adapter rows and its cache is not keyed by adapter: refused, not served wrong.
-    with pytest.raises(ValueError, match="rollout.kv_cache: paged does not serve LoRA adapters yet"):
-        TorchEngine(RolloutSettings(model={"path": model_dir}, rollout=dict(kv_cache="paged", enable_lora=True)))

@@ -86,6 +86,10 @@ class AdapterBank:
         self.slots: dict[str, int] = {}
         self.versions: dict[str, int] = {}
         self.configs: dict[str, dict] = {}
+        # Which load of each adapter is served (numbered across all loads): a reload, even under the same version,
+        # is other weights to whatever cached KV computed under the one before (the paged cache's keys).
+        self.load_ids: dict[str, int] = {}
+        self._num_loads = 0
         for m in self.layers.values():
             m.__class__ = LoraLinear
             m._lora_bank = self
@@ -113,6 +117,18 @@ class AdapterBank:
             raise ValueError(f"sampling.adapter: {name!r} is not loaded on this replica (loaded: "
                              f"{', '.join(sorted(self.slots)) or 'none'})")
         return self.slots[name]
+
+    def identity(self, slot: int) -> tuple[str, int, int] | None:
+        """What a row of `slot` computes with besides the base weights: (adapter name, its version, its load);
+        None for the base model's rows (slot 0, or a slot no adapter holds: its columns are zeros)."""
+        name = next((n for n, s in self.slots.items() if s == slot), None) if slot else None
+        if name is None:
+            return None
+        return name, self.versions.get(name, 0), self.load_ids[name]
+
+    def identities(self) -> set[tuple[str, int, int]]:
+        """The identity of every adapter served now."""
+        return {self.identity(s) for s in self.slots.values()}
 
     @contextmanager
     def rows_for(self, slots: Sequence[int] | torch.Tensor):
@@ -160,6 +176,8 @@ class AdapterBank:
                     m.lora_B_cat[:, lo:hi].copy_(b.to(torch.float32).mul(scale))
         self.slots[name] = slot
         self.configs[name] = dict(config)
+        self._num_loads += 1
+        self.load_ids[name] = self._num_loads
         return slot
 
     def unload(self, name: str) -> bool:
@@ -168,6 +186,7 @@ class AdapterBank:
         slot = self.slots.pop(name, None)
         self.versions.pop(name, None)
         self.configs.pop(name, None)
+        self.load_ids.pop(name, None)
         if slot is None:
             return False
         with torch.no_grad():
@@ -208,6 +227,9 @@ class TorchAdapters:
 
     adapters: AdapterBank | None
     weight_version: int
+    # The paged KV cache (rollout.kv_cache: paged; paged/decoder.py's PagedDecoder), keyed by adapter too: told of
+    # each load and unload.
+    _paged = None
 
     def slot_of(self, adapter: str) -> int:
         """The adapter slot of a request's sampling.adapter ("" = the base model)."""
@@ -227,6 +249,8 @@ class TorchAdapters:
         self.adapters.versions[name] = version
         # One run's replica: its version is the newest update applied, base or adapter (samples are tagged by it).
         self.weight_version = version
+        if self._paged is not None:        # its KV and pins under the old load go; the base's and the others' stay
+            self._paged.adapters_changed(self.weight_version)
 
     def loaded_adapters(self) -> dict[str, int]:
         return dict(self.adapters.versions) if self.adapters else {}
@@ -235,7 +259,10 @@ class TorchAdapters:
         """Adapter `name`'s slot freed for another adapter; False when it was not loaded."""
         if self.adapters is None:
             raise ValueError("unload_adapter: this replica serves no adapters (rollout.enable_lora is off)")
-        return self.adapters.unload(name)
+        unloaded = self.adapters.unload(name)
+        if unloaded and self._paged is not None:
+            self._paged.adapters_changed(self.weight_version)
+        return unloaded
 
 
 def _rank_and_scale(config: Mapping, max_rank: int) -> tuple[int, float]:

@@ -39,7 +39,7 @@ def resolve_speed(r, device: str, model) -> Resolved:
         raise ValueError(f"rollout.kv_cache: paged cannot work here ({paged_reason}); set it to auto or none")
     # auto stays on today's cache everywhere: on a GPU the paged path decodes eagerly (no CUDA graphs) and is not
     # measured against the graph decode yet; on CPU it is tested, but the CPU suites and benches pin today's loop
-    # (docs/rollout.md lists what a CPU switch to paged changed), and paged does not serve LoRA adapters.
+    # (docs/rollout.md lists what a CPU switch to paged changed).
     out.pick("rollout.kv_cache", r.kv_cache, "none", "paged KV is opt-in until bench/gpu_session.sh paged_kv "
              "measures it beside today's decode (docs/rollout.md)")
     out.pick("rollout.max_batch_size", r.max_batch_size, AUTO_MAX_BATCH_SIZE[graphs],

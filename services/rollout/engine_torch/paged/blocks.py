@@ -12,6 +12,10 @@ that starts with the same tokens (another call's prompt, the next turn of an epi
 recomputing them. A cached block that no table holds stays in an LRU list until its memory is needed; when the
 weights change every cached block of an older version is dropped (a block still held keeps serving its holder, but
 is no longer found).
+
+Blocks computed by a LoRA adapter's rows hold that adapter's KV: their chain starts from a seed of the adapter's
+identity (name, version, load) instead of the empty one, so the same tokens under another adapter or the base model
+never find them, and they are dropped when that adapter is reloaded or unloaded (keep_adapters).
 """
 
 from __future__ import annotations
@@ -34,9 +38,22 @@ class BlockTable:
     num_tokens: int = 0
 
 
-def chain_hashes(tokens: list[int], block_size: int) -> list[bytes]:
-    """The hash chain of the full blocks of `tokens`: entry i names blocks 0..i (16-byte blake2b digests)."""
-    out, parent = [], b""
+# What a block's KV was computed with besides the base weights: a LoRA adapter's (name, version, load), or None.
+Adapter = tuple[str, int, int] | None
+
+
+def adapter_seed(adapter: Adapter) -> bytes:
+    """The first parent of a hash chain: empty for the base model, a digest of the adapter's identity otherwise."""
+    if adapter is None:
+        return b""
+    name, version, load = adapter
+    return hashlib.blake2b(f"lora\0{name}\0{version}\0{load}".encode(), digest_size=16).digest()
+
+
+def chain_hashes(tokens: list[int], block_size: int, seed: bytes = b"") -> list[bytes]:
+    """The hash chain of the full blocks of `tokens`: entry i names blocks 0..i (16-byte blake2b digests), starting
+    from `seed` (adapter_seed)."""
+    out, parent = [], seed
     for i in range(len(tokens) // block_size):
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(struct.pack(f"<{block_size}q", *tokens[i * block_size:(i + 1) * block_size]))
@@ -58,6 +75,7 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}                   # cached block -> its chain hash
         self._by_hash: dict[bytes, int] = {}
         self._version: dict[int, int] = {}                     # cached block -> weight version of its KV
+        self._adapter: dict[int, tuple] = {}                   # cached block -> the adapter its KV is of, if any
         self.stats = {"prefix_lookup_blocks": 0, "prefix_hit_blocks": 0, "evicted_blocks": 0,
                       "invalidated_blocks": 0, "cow_copies": 0}
 
@@ -140,11 +158,13 @@ class BlockPool:
 
     # ---- prefix cache
 
-    def lookup(self, tokens: list[int], version: int, *, limit: int | None = None) -> BlockTable:
+    def lookup(self, tokens: list[int], version: int, *, limit: int | None = None,
+               adapter: Adapter = None) -> BlockTable:
         """A table holding the cached blocks of the longest cached prefix of `tokens` (full blocks, at most
-        `limit` tokens) computed under weight `version`; its num_tokens says how many tokens they cover."""
+        `limit` tokens) computed under weight `version` (and `adapter`); its num_tokens says how many tokens they
+        cover."""
         bs = self.block_size
-        hashes = chain_hashes(tokens[:limit] if limit is not None else tokens, bs)
+        hashes = chain_hashes(tokens[:limit] if limit is not None else tokens, bs, adapter_seed(adapter))
         table = BlockTable()
         self.stats["prefix_lookup_blocks"] += len(hashes)
         for h in hashes:
@@ -160,18 +180,28 @@ class BlockPool:
         self.stats["prefix_hit_blocks"] += len(table.blocks)
         return table
 
-    def register(self, tokens: list[int], table: BlockTable, version: int) -> None:
-        """Caches the full blocks of `table` whose KV holds `tokens` (computed under weight `version`); a block
-        whose tokens are cached already (another copy) stays private."""
-        hashes = chain_hashes(tokens[:table.num_tokens], self.block_size)
+    def register(self, tokens: list[int], table: BlockTable, version: int, *, adapter: Adapter = None) -> None:
+        """Caches the full blocks of `table` whose KV holds `tokens` (computed under weight `version`, by
+        `adapter`'s rows); a block whose tokens are cached already (another copy) stays private."""
+        hashes = chain_hashes(tokens[:table.num_tokens], self.block_size, adapter_seed(adapter))
         for h, b in zip(hashes, table.blocks):
             if b in self._hash_of or h in self._by_hash:
                 continue
             self._hash_of[b], self._by_hash[h], self._version[b] = h, b, version
+            if adapter is not None:
+                self._adapter[b] = adapter
 
     def set_version(self, version: int) -> int:
         """The weights are now `version`: drops every cached block computed under another one; how many."""
         stale = [b for b, v in self._version.items() if v != version]
+        for b in stale:
+            self._drop(b)
+        return len(stale)
+
+    def keep_adapters(self, served: set) -> int:
+        """Adapters were (re)loaded or unloaded: drops every cached block of an adapter identity not in `served`
+        (the base model's blocks and the served adapters' stay); how many."""
+        stale = [b for b, a in self._adapter.items() if a not in served]
         for b in stale:
             self._drop(b)
         return len(stale)
@@ -188,6 +218,7 @@ class BlockPool:
         h = self._hash_of.pop(b)
         del self._by_hash[h]
         del self._version[b]
+        self._adapter.pop(b, None)
 
     def metrics(self) -> dict:
         looked, hit = self.stats["prefix_lookup_blocks"], self.stats["prefix_hit_blocks"]

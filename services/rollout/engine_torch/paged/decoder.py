@@ -4,6 +4,12 @@ dry and resumed later (their history re-fed, mostly from the cache), and each fi
 next call; an episode's turn (a row with an episode id) keeps its whole table pinned for the episode's next turn
 (pins.py), which then feeds only its new tokens.
 
+LoRA adapters (lora.py): each row carries its adapter's slot, and every forward (prefill, eager or graph decode step)
+sets the bank's rows to the slots of the rows it feeds, in order. What a row's KV depends on, its key, is the base
+weights (an epoch, bumped at each swap) and its adapter's identity (name, version, load; None for the base model):
+the prefix cache, forks and pins match on the key as well as the tokens, and a reloaded or unloaded adapter's blocks
+and pins go (adapters_changed) while the base's and the other adapters' stay.
+
 Sampling is the eager loop's (sampling.sample_tokens with each row's generator, one draw per token), so a seeded
 row samples the same tokens here as there, and each token's log-prob is the raw model's log-softmax.
 """
@@ -19,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from services.rollout.engine_torch.lora import adapter_rows, bank_of
 from services.rollout.engine_torch.paged import metrics
 from services.rollout.engine_torch.paged.blocks import BlockPool, BlockTable, NoFreeBlock
 from services.rollout.engine_torch.paged.forward import paged_forward
@@ -48,7 +55,8 @@ class _Seq:
     preempted: bool = False                      # waits to resume (its history is fed again, mostly cached)
     cached_prompt: int = -1                      # prompt tokens not prefilled at its first admission (-1: not yet)
     episode: str = ""                            # its episode's id: the table is pinned when it ends
-    kv_version: int = 0                          # the weights its KV was computed under (since its admission)
+    slot: int = 0                                # its LoRA adapter's slot in the bank (0: the base model)
+    key: tuple = ()                              # what its KV was computed with, since its admission (_key)
 
     @property
     def response(self) -> list[int]:
@@ -77,18 +85,17 @@ class PagedDecoder:
 
     def __init__(self, model, *, block_size: int, budget_gib: float | None, max_model_len: int, max_batch_size: int,
                  cuda_graphs: bool = False):
-        from services.rollout.engine_torch.lora import bank_of
-        if bank_of(model) is not None:
-            # Its forwards read no adapter rows and its prefix cache and forks are not keyed by adapter: an adapter's
-            # row would sample from the base model (or another adapter's KV). Refused rather than wrong.
-            raise ValueError("rollout.kv_cache: paged does not serve LoRA adapters yet (rollout.enable_lora is on); "
-                             "set rollout.kv_cache: none, or rollout.enable_lora: false")
         cfg = model.config
         p = next(model.parameters())
         attn = model.model.layers[0].self_attn
         num_blocks, why = num_blocks_for(model, block_size=block_size, budget_gib=budget_gib,
                                          max_model_len=max_model_len)
         self.model, self.device = model, p.device
+        self.adapters = bank_of(model)                   # LoRA adapters served on the model (None: none)
+        assert self.adapters is None or self.adapters.rows.numel() >= max_batch_size
+        # The base weights' epoch (the KV tag of every block; bumped at each swap) and the engine's weight version
+        # this cache has accounted for (an adapter load moves that version, not the epoch).
+        self._epoch, self._version = 0, 0
         self.pool = BlockPool(num_blocks, block_size)
         self.kv = PagedKV(num_layers=cfg.num_hidden_layers, num_kv=cfg.num_key_value_heads, head_dim=attn.head_dim,
                           num_blocks=num_blocks, block_size=block_size, dtype=p.dtype, device=p.device)
@@ -129,10 +136,25 @@ class PagedDecoder:
                 self._busy.release()
 
     def set_version(self, version: int) -> None:
-        """The weights are now `version`: cached blocks and pins of another one go (KV is never reused across)."""
+        """The base weights were swapped (now `version`): every cached block and pin of the old ones goes (KV is never
+        reused across weights)."""
         with self._busy:
-            self.pool.set_version(version)
-            self.pins.set_version(version)
+            self._version, self._epoch = version, self._epoch + 1
+            self.pool.set_version(self._epoch)
+            self.pins.set_version(self._epoch)
+
+    def adapters_changed(self, version: int) -> None:
+        """An adapter was loaded, reloaded or unloaded (the engine's weight version is now `version`; the base weights
+        are not swapped): cached blocks and pins of an adapter load no longer served go, the rest stay."""
+        with self._busy:
+            self._version = version
+            served = self.adapters.identities() if self.adapters is not None else set()
+            self.pool.keep_adapters(served)
+            self.pins.keep_adapters(served)
+
+    def _key(self, slot: int) -> tuple:
+        """What the KV of a row of adapter `slot` is computed with now: (base epoch, adapter identity or None)."""
+        return self._epoch, (self.adapters.identity(slot) if self.adapters is not None else None)
 
     def _drain(self) -> None:
         while self._ending:
@@ -141,20 +163,26 @@ class PagedDecoder:
     @torch.inference_mode()
     def decode(self, rows, version: int, *, eos_ids: Sequence[int], stop_check: StopCheck | None = None,
                swap_point: Callable[[], int] | None = None, pause: bool = False) -> None:
-        """Decodes engine rows (decode.Row: prompt, budget, sampling, generator) to their end, filling their tokens,
-        log-probs, top-logprobs and finish reasons. version: the weights' version (older cached blocks go).
+        """Decodes engine rows (decode.Row: prompt, budget, sampling, generator, adapter slot) to their end, filling
+        their tokens, log-probs, top-logprobs and finish reasons. version: the engine's weight version (one this
+        cache was not told of by set_version or adapters_changed counts as new weights: cached blocks go).
         swap_point (partial rollouts): lands posted weight swaps between two steps and returns the version; after a
         swap the rows go on over their old KV, or (pause) have it recomputed by the new weights."""
         with self._busy:
-            self._decode(rows, version, eos_ids, stop_check, swap_point, pause)
+            try:
+                self._decode(rows, version, eos_ids, stop_check, swap_point, pause)
+            finally:
+                if self.graphs is not None and self.adapters is not None:
+                    self.adapters.rows.zero_()      # forwards after this one read base rows unless told
         if self._ending:                                 # ended while this ran, after its last step
             self.end_episode(self._ending.popleft())
 
     def _decode(self, rows, version: int, eos_ids: Sequence[int], stop_check: StopCheck | None,
                 swap_point: Callable[[], int] | None, pause: bool) -> None:
-        self.set_version(version)
+        if version != self._version:      # a version set without a swap (the HTTP API's update_weight_version)
+            self.set_version(version)
         self.eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
-        seqs = [_Seq(i, list(r.prompt), len(r.prompt), episode=r.episode) for i, r in enumerate(rows)]
+        seqs = [_Seq(i, list(r.prompt), len(r.prompt), episode=r.episode, slot=r.slot) for i, r in enumerate(rows)]
         self._host = _HostTables(rows, self.pool.block_size)
         waiting, running = deque(seqs), []
         tops: list[list] = [[] for _ in rows]
@@ -162,7 +190,7 @@ class PagedDecoder:
         try:
             while waiting or running:
                 self._drain()
-                running += self._admit(waiting, len(running), version)
+                running += self._admit(waiting, len(running))
                 if not running and self.pins.evict_one():     # the pins hold what one row needs
                     continue
                 if not running:
@@ -173,9 +201,9 @@ class PagedDecoder:
                 self._sample(rows, running, logps, tops, stop_check)
                 for s in running:
                     if s.done:
-                        self._finish(s, version)
+                        self._finish(s)
                 running = [s for s in running if not s.done]
-                running = self._grow(running, waiting, version)
+                running = self._grow(running, waiting)
                 now = swap_point() if swap_point is not None else version
                 if now != version:
                     running, version = self._swapped(rows, seqs, running, waiting, now, pause)
@@ -196,23 +224,28 @@ class PagedDecoder:
     def _step(self, running: list[_Seq]) -> torch.Tensor:
         """The running rows' last tokens through the model (a graph replay with kv_cache_cuda_graphs)."""
         tables, starts = self._host.of(running), [s.table.num_tokens for s in running]
+        slots = [s.slot for s in running]
         if self.graphs is not None:
-            return self.graphs.forward([s.tokens[-1] for s in running], starts, tables)
-        return paged_forward(self.model, self.kv, tables, starts, [s.tokens[-1:] for s in running])
+            return self.graphs.forward([s.tokens[-1] for s in running], starts, tables, slots)
+        with adapter_rows(self.adapters, slots):
+            return paged_forward(self.model, self.kv, tables, starts, [s.tokens[-1:] for s in running])
 
     # ---- admission and prefill
 
-    def _admit(self, waiting: deque, num_running: int, version: int) -> list[_Seq]:
+    def _admit(self, waiting: deque, num_running: int) -> list[_Seq]:
         """Takes waiting rows (in order) while the batch and the pool have room, prefills them: each distinct
-        sequence once, from the end of its cached prefix; its copies fork its blocks."""
-        leaders: dict[tuple[int, ...], _Seq] = {}
+        (key, sequence) once, from the end of its cached prefix; its copies (same tokens, same adapter) fork its
+        blocks."""
+        leaders: dict[tuple, _Seq] = {}
         followers: list[tuple[_Seq, _Seq]] = []
         admitted: list[_Seq] = []
         # One free block per running row stays in reserve, so admitting does not preempt at the next step.
         reserve = num_running
         while waiting and num_running + len(admitted) < self.max_batch_size:
             s = waiting[0]
-            key = tuple(s.tokens)
+            s.key = self._key(s.slot)
+            epoch, adapter = s.key
+            key = (s.key, tuple(s.tokens))
             if key in leaders:
                 followers.append((s, leaders[key]))
             else:
@@ -220,8 +253,9 @@ class PagedDecoder:
                 # not fit yet gives its cache hits back and is not counted (it looks again next step).
                 # An episode's turn starts from its pinned table (partial last block included), else the cache.
                 counted = dict(self.pool.stats)
-                pin = self.pins.take(s.episode, s.tokens, version) if s.episode else None
-                cached = pin.table if pin else self.pool.lookup(s.tokens, version, limit=len(s.tokens) - 1)
+                pin = self.pins.take(s.episode, s.tokens, epoch, adapter) if s.episode else None
+                cached = pin.table if pin else self.pool.lookup(s.tokens, epoch, limit=len(s.tokens) - 1,
+                                                                adapter=adapter)
                 need = -(-len(s.tokens) // self.pool.block_size) - len(cached.blocks)
                 if need + reserve + 1 > self.pool.num_free:
                     if pin:
@@ -238,12 +272,11 @@ class PagedDecoder:
                     s.cached_prompt = cached.num_tokens
                 leaders[key] = s
             reserve += 1
-            s.kv_version = version
             if s.preempted:
                 s.preempted = False
                 self.stats["resumed_rows"] += 1
             admitted.append(waiting.popleft())
-        self._prefill(list(leaders.values()), version)
+        self._prefill(list(leaders.values()))
         for s in admitted:
             self._host.write(s)
         for s, lead in followers:
@@ -254,7 +287,7 @@ class PagedDecoder:
             self.stats["prefill_tokens_saved"] += len(s.tokens)
         return admitted
 
-    def _prefill(self, seqs: list[_Seq], version: int) -> None:
+    def _prefill(self, seqs: list[_Seq]) -> None:
         """Feeds each sequence's tokens past its cached prefix (groups of up to PREFILL_TOKENS), then caches its
         full blocks."""
         i = 0
@@ -264,15 +297,16 @@ class PagedDecoder:
                 group.append(seqs[i])
                 total += len(seqs[i].tokens) - seqs[i].table.num_tokens
                 i += 1
-            logits = paged_forward(self.model, self.kv, [s.table.blocks for s in group],
-                                   [s.table.num_tokens for s in group],
-                                   [s.tokens[s.table.num_tokens:] for s in group])
+            with adapter_rows(self.adapters, [s.slot for s in group]):
+                logits = paged_forward(self.model, self.kv, [s.table.blocks for s in group],
+                                       [s.table.num_tokens for s in group],
+                                       [s.tokens[s.table.num_tokens:] for s in group])
             for row, s in enumerate(group):
                 self.stats["prefill_tokens_saved"] += s.table.num_tokens
                 self.stats["prefill_tokens"] += len(s.tokens) - s.table.num_tokens
                 s.table.num_tokens = len(s.tokens)
                 s.logits = (logits, row)
-                self.pool.register(s.tokens, s.table, version)
+                self._register(s)
 
     # ---- one decode step
 
@@ -301,19 +335,25 @@ class PagedDecoder:
                 s.done = True
                 r.finish_reason = "stop" if stopped else "length"
 
-    def _finish(self, s: _Seq, version: int) -> None:
+    def _register(self, s: _Seq) -> bool:
+        """Caches s's full blocks under its key, unless its KV is of weights no longer served (a partial rollout's
+        row over an older version's KV, or an adapter reloaded meanwhile); whether it did."""
+        if s.key != self._key(s.slot):
+            return False
+        epoch, adapter = s.key
+        self.pool.register(s.tokens, s.table, epoch, adapter=adapter)
+        return True
+
+    def _finish(self, s: _Seq) -> None:
         """A row ended: its full blocks stay cached, then it lets go; an episode's turn pins its whole table for the
         episode's next turn instead (pins.py)."""
-        fresh = s.kv_version == version              # not a partial rollout's row over an older version's KV
-        if fresh:
-            self.pool.register(s.tokens, s.table, version)
-        if s.episode and fresh:
-            self.pins.pin(s.episode, s.table, s.tokens, version)
+        if self._register(s) and s.episode:
+            self.pins.pin(s.episode, s.table, s.tokens, *s.key)
             s.table = BlockTable()
         else:
             self.pool.free(s.table)
 
-    def _grow(self, running: list[_Seq], waiting: deque, version: int) -> list[_Seq]:
+    def _grow(self, running: list[_Seq], waiting: deque) -> list[_Seq]:
         """Room for each running row's next token; when the pool is dry, the latest admitted rows are preempted
         (their blocks cached, then let go) and wait to resume. Returns the rows still running."""
         kept = list(running)
@@ -330,7 +370,7 @@ class PagedDecoder:
                 if victim is s and not kept:
                     raise ValueError("rollout.kv_cache_gib: the paged KV cache cannot hold one row "
                                      f"({len(s.tokens)} tokens in {self.pool.num_blocks} blocks); raise it")
-                self._preempt(victim, waiting, version)
+                self._preempt(victim, waiting)
                 continue
             if copy is not None:
                 self.kv.copy_block(*copy)
@@ -338,9 +378,8 @@ class PagedDecoder:
             i += 1
         return kept
 
-    def _preempt(self, s: _Seq, waiting: deque, version: int, *, count: bool = True) -> None:
-        if s.kv_version == version:
-            self.pool.register(s.tokens, s.table, version)
+    def _preempt(self, s: _Seq, waiting: deque, *, count: bool = True) -> None:
+        self._register(s)
         self.pool.free(s.table)
         s.logits = None
         s.preempted = True
@@ -352,14 +391,16 @@ class PagedDecoder:
         and the pins' older blocks). Each unfinished row's tokens from the next one on are the new version's; with
         pause the running rows let go of their KV and resume at once, prefilled by the new weights (as a preempted
         row), while continue rows keep the old weights' KV (never cached or pinned as the new version's: their
-        blocks keep their admission's kv_version). Returns the rows still running and the version."""
+        blocks keep their admission's key). An adapter (re)loaded mid-decode moves the version as well (its rows
+        tagged as on today's loop); its rows' KV is then of the old load, the others' still current. Returns the rows
+        still running and the version."""
         for r, s in zip(rows, seqs):
             if not s.done:
                 r.swaps.append((len(s.response), version))
         if not pause:
             return running, version
         for s in reversed(running):
-            self._preempt(s, waiting, version, count=False)
+            self._preempt(s, waiting, count=False)
         return [], version
 
 

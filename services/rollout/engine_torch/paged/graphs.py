@@ -4,6 +4,8 @@ buffers; each step the host copies in the rows' tokens, positions, block tables 
 Sampling stays eager (decoder.py), so tokens and log-probs are the eager paged step's.
 
 Rows are padded up to the bucket with dummy rows that read and write one scratch block the pool never hands out.
+With LoRA adapters served (lora.py), each row's adapter slot is copied into the bank's static row buffer before the
+replay (the captured projections read it by address; dummy rows are the base model's, slot 0).
 Graphs read parameters by address: weights swapped by reference (not copied in place) drop them (captured again).
 use_graphs=False runs the same static step without capture (the CPU tests of the padding, with torch attention).
 """
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.rollout.engine_torch.lora import bank_of
 from services.rollout.engine_torch.paged.forward import decode_step
 from services.rollout.engine_torch.paged.kv import PagedKV
 from services.rollout.types import bucket_batch
@@ -40,6 +43,7 @@ class PagedGraphs:
         self.model, self.kv, self.width, self.scratch = model, kv, width, scratch_block
         self.max_batch_size, self.use_graphs, self.kernel = max_batch_size, use_graphs, kernel
         self.device = kv.k[0].device
+        self.adapters = bank_of(model)                  # its `rows` buffer: each batch row's adapter slot
         self._buckets: dict[int, _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._signature = self._weights()
@@ -49,16 +53,23 @@ class PagedGraphs:
         return tuple(p.data_ptr() for p in self.model.parameters())
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], pos: list[int], tables: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [R, V] after feeding ids[r] at pos[r] of row r, whose blocks are tables[r] (host, [R, w])."""
+    def forward(self, ids: list[int], pos: list[int], tables: torch.Tensor, slots: list[int] | None = None
+                ) -> torch.Tensor:
+        """fp32 logits [R, V] after feeding ids[r] at pos[r] of row r, whose blocks are tables[r] (host, [R, w]),
+        with adapter slots[r] (None: the base model's rows)."""
         if self.use_graphs and self._weights() != self._signature:
             log.info("paged KV graphs: parameters moved; capturing again")
             self._buckets.clear()
             self._pool = torch.cuda.graph_pool_handle()
             self._signature = self._weights()
         R = len(ids)
-        b = self._bucket(bucket_batch(R, max(self.max_batch_size, R)))
-        B = b.ids.size(0)
+        B = bucket_batch(R, max(self.max_batch_size, R))
+        if self.adapters is not None:
+            # A capture (and a replay) reads the bank's static rows, all B of them: rows past R (dummies) are
+            # zeroed, the base model's.
+            assert self.adapters.current is self.adapters.rows and B <= self.adapters.rows.numel()
+            self.adapters.set_decode_rows(slots if slots is not None else [])
+        b = self._bucket(B)
         ids_h = torch.zeros((B, 1), dtype=torch.long)
         pos_h = torch.zeros((B, 1), dtype=torch.long)
         ids_h[:R, 0] = torch.tensor(ids, dtype=torch.long)
