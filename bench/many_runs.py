@@ -45,7 +45,7 @@ def recipe(run_dir: Path, args) -> dict:
     data["run"].update(num_steps=args.steps, eval_every=0, run_dir=str(run_dir), checkpoint_every=0)
     if args.device != "cpu":
         data["model"] = {"path": str(args.model_path), "device": args.device, "dtype": "bfloat16"}
-        data["rollout"].update(max_tokens=args.max_tokens, max_loras=max(4, args.runs))
+        data["rollout"].update(max_tokens=args.max_tokens, max_loras=max(4, args.runs), kv_cache=args.kv_cache)
         data["data"]["rollout_batch_size"] = args.batch
     return data
 
@@ -107,6 +107,7 @@ async def main_async(args) -> dict:
     return {"bench": args.stem, "recipe": "examples/arith/grpo_lora.yaml", "runs": args.runs,
             "steps_per_run": args.steps, "rollout_replicas": args.replicas, "device": device_name(args.device),
             "model": config["model"], "max_tokens": config["rollout"]["max_tokens"],
+            "kv_cache": config["rollout"].get("kv_cache", "auto"),
             "samples_per_step": config["data"]["rollout_batch_size"] * config["rollout"]["n"],
             "rounds": args.rounds, "phases": phases, "median_samples_per_s": rate,
             "ratio_concurrent_over_sequential": round(rate["concurrent"] / rate["sequential"], 3)}
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="cuda: a Hugging Face folder (examples/gpu/make_model.py builds the default)")
     ap.add_argument("--max-tokens", type=int, default=128, help="cuda: rollout.max_tokens")
     ap.add_argument("--batch", type=int, default=16, help="cuda: prompts per step (data.rollout_batch_size), n = 8")
+    ap.add_argument("--kv-cache", default="auto", help="cuda: rollout.kv_cache (auto, paged, none)")
     ap.add_argument("--shared", action="store_true", help="the machine runs other jobs too (recorded)")
     ap.add_argument("--out", default=None, help="default bench/results/many_runs_<cpu|gpu>.json")
     args = ap.parse_args(argv)
