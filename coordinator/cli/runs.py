@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Optional
@@ -350,7 +351,7 @@ def _report(run_dir: str) -> None:
         table = Table("steps", "seconds", "held-out before", "held-out after", "top phases")
         shares = sorted(summary["phase_time_shares"].items(), key=lambda kv: -kv[1])[:3]
         table.add_row(str(summary["steps"]), f"{summary['seconds']:.0f}",
-                      f"{summary['heldout_accuracy_before']:.1%}", f"{summary['heldout_accuracy_after']:.1%}",
+                      _pct(summary.get("heldout_accuracy_before")), _pct(summary.get("heldout_accuracy_after")),
                       ", ".join(f"{k} {v:.0%}" for k, v in shares))
         console.print(table)
         if summary.get("algorithm") == "dpo":
@@ -359,12 +360,17 @@ def _report(run_dir: str) -> None:
     say(f"report: {image}")
 
 
+def _pct(x) -> str:
+    """A held-out accuracy, or "-" for a run with no held-out set (NaN)."""
+    return "-" if x is None or math.isnan(x) else f"{x:.1%}"
+
+
 def _print_result(status) -> None:
     before = status.last_metrics.get("heldout_accuracy_before")
     after = status.last_metrics.get("heldout_accuracy_after")
     say(f"run {status.run_id} {status.state} after {status.step} steps; metrics in {status.run_dir}"
         + (f" ({status.message})" if status.message else ""))
-    if before is not None and after is not None:
+    if before is not None and after is not None and not (math.isnan(before) or math.isnan(after)):
         say(f"held-out accuracy before {before:.1%} -> after {after:.1%} ({(after - before) * 100:+.1f} points)")
 
 

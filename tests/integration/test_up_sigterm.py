@@ -12,19 +12,30 @@ import sys
 import uuid
 from pathlib import Path
 
+import asyncio
+import time
+
 import psutil
 import pytest
+import yaml
 
+from coordinator.runapi.store import RedisStore
 from tests.integration.test_up_supervision import _lines, _read_to_end, _read_until
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_STEPS = 6
+# Holds a step in flight until the test lets it go (its docstring): a step of this recipe takes 0.1 s, so without it
+# a loaded machine can finish the run between the test reading "step 2" and its signal landing.
+GATED_REWARD = Path(__file__).with_name("gated_reward.py")
 
 
-def _up(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args], cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+def _env(tmp_path: Path) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MESHRL_TEST_GATE": str(tmp_path / "gate")}
+
+
+def _up(args: list[str], tmp_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args], cwd=REPO, env=_env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _run_to_end(proc: subprocess.Popen, seen: list[str], lines=None) -> int:
@@ -37,29 +48,64 @@ def _run_to_end(proc: subprocess.Popen, seen: list[str], lines=None) -> int:
             proc.wait()
 
 
-def _args(model: str, tmp_path: Path, redis_url: str) -> list[str]:
-    return ["up", "examples/arith/grpo.yaml", "--run-dir", str(tmp_path), "--model.path", model,
-            "--run.num_steps", str(NUM_STEPS), "--run.eval_every", "0", "--data.heldout_size", "4",
+def _args(model: str, tmp_path: Path, redis_url: str, prefix: str) -> list[str]:
+    """The arith recipe without its held-out set (step 1's rewards are then the run's first reward calls) and with
+    the gated reward."""
+    recipe = yaml.safe_load((REPO / "examples/arith/grpo.yaml").read_text())
+    del recipe["data"]["heldout_files"]
+    recipe["reward"] = {"custom_function": {"path": str(GATED_REWARD)}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return ["up", str(path), "--run-dir", str(tmp_path), "--model.path", model,
+            "--run.num_steps", str(NUM_STEPS), "--run.eval_every", "0",
             "--data.rollout_batch_size", "4", "--rollout.replicas", "1", "--run.redis_url", redis_url,
-            "--run.redis_prefix", f"meshrl-sigterm-{uuid.uuid4().hex[:8]}"]
+            "--run.redis_prefix", prefix]
 
 
-def _interrupt(args: list[str], send) -> tuple[str, int, str]:
-    """`meshrl up` stopped by send(proc) after step 2: -> (run id, the step it stopped at, the resume command),
-    once it exited with the signal's code, said so last, checkpointed that step and left no process behind."""
+def _wait_for(check, what: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"waited {timeout:g}s for {what}"
+        time.sleep(0.05)
+
+
+def _pause_asked(redis_url: str, prefix: str, run_id: str) -> bool:
+    """The run's record (in Redis, read by the coordinator's own store) carries the pause command."""
+    async def read():
+        store = RedisStore(redis_url, prefix)
+        try:
+            return await store.get(run_id)
+        finally:
+            await store.close()
+    record = asyncio.run(read())
+    return record is not None and record.command == "pause"
+
+
+def _interrupt(tmp_path: Path, model: str, redis_url: str, send) -> tuple[str, int, str]:
+    """`meshrl up` stopped by send(proc) while step 1 is in flight: -> (run id, the step it stopped at, the resume
+    command), once it exited with the signal's code, said so last, checkpointed that step and left no process
+    behind. Step 1 is held in flight (gated_reward.py: no held-out set, so its rewards are the run's first calls)
+    until the run's pause was asked for, whatever the machine's load."""
+    prefix = f"meshrl-sigterm-{uuid.uuid4().hex[:8]}"
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (gate / "hold").touch()
     # A session of its own, as a shell's foreground job: a Ctrl-C is SIGINT to its whole process group.
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", *args], cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", *_args(model, tmp_path, redis_url, prefix)],
+                            cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     seen: list[str] = []
     lines = _lines(proc)
     try:
         run_id = _read_until(lines, seen, "run ").split()[1]
-        _read_until(lines, seen, f"step   2/{NUM_STEPS}")
+        _wait_for((gate / "held").exists, "step 1's rewards held at the gate")
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 4, [c.cmdline() for c in children]     # trainer, reward, rollout, coordinator
         signum = send(proc)
+        _read_until(lines, seen, f"meshrl up: stopping: run {run_id}")
+        _wait_for(lambda: _pause_asked(redis_url, prefix, run_id), "the pause command in the run's record")
     finally:
+        (gate / "go").touch()
         code = _run_to_end(proc, seen, lines)
     out = "\n".join(seen)
     assert code == 128 + signum, out[-4000:]
@@ -71,7 +117,7 @@ def _interrupt(args: list[str], send) -> tuple[str, int, str]:
     assert m is not None, line
     stopped_at, checkpoint = int(m.group(1)), Path(m.group(2))
     # The step in flight when the signal came finished and was checkpointed; nothing of the mesh is left running.
-    assert 2 <= stopped_at < NUM_STEPS and checkpoint.name == f"step_{stopped_at}", line
+    assert stopped_at == 1 and checkpoint.name == "step_1", line
     assert (checkpoint / "manifest.json").exists()
     assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
     return run_id, stopped_at, m.group(3)
@@ -91,9 +137,9 @@ def _ctrl_c(proc) -> int:
 @pytest.mark.redis
 def test_sigterm_finishes_the_step_prints_the_resume_command_and_resume_continues_at_the_next_step(
         arith_model_path, tmp_path, redis_url):
-    run_id, stopped_at, command = _interrupt(_args(arith_model_path, tmp_path, redis_url), _sigterm)
+    run_id, stopped_at, command = _interrupt(tmp_path, arith_model_path, redis_url, _sigterm)
 
-    resumed, again = _up(shlex.split(command)[1:]), []
+    resumed, again = _up(shlex.split(command)[1:], tmp_path), []
     code = _run_to_end(resumed, again)
     out = "\n".join(again)
     assert code == 0, out[-4000:]
@@ -108,4 +154,4 @@ def test_sigterm_finishes_the_step_prints_the_resume_command_and_resume_continue
 @pytest.mark.redis
 def test_a_terminals_ctrl_c_reaches_meshrl_up_only_and_the_step_in_flight_still_finishes(
         arith_model_path, tmp_path, redis_url):
-    _interrupt(_args(arith_model_path, tmp_path, redis_url), _ctrl_c)
+    _interrupt(tmp_path, arith_model_path, redis_url, _ctrl_c)
