@@ -44,6 +44,8 @@ def _next_line(lines: queue.Queue, seen: list[str], timeout: float, waiting_for:
 def _read_until(lines: queue.Queue, seen: list[str], prefix: str) -> str:
     while True:
         line = _next_line(lines, seen, 300, repr(prefix))
+        if line is None:
+            lines.put(None)         # the end stays readable: a caller's _read_to_end returns instead of waiting
         assert line is not None, "meshrl up ended early:\n" + "\n".join(seen[-40:])
         seen.append(line)
         if line.startswith(prefix):
