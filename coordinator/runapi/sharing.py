@@ -18,8 +18,11 @@ from services.common.errors import FailedPrecondition
 
 # The pools runs share; each has its own scheduler.
 SHARED_ROLES = ("rollout", "reward", "reference")
-# Calls in flight per pool, all runs together, before contending runs are granted by priority.
+# Calls in flight per pool, all runs together, before contending runs are granted by priority: at least
+# DEFAULT_POOL_CALLS, and CALLS_PER_REPLICA per replica of the largest pool a run reaches through it (a step's generate
+# fans out one call per replica: two runs on 16 replicas would otherwise share 8 slots and leave half the pool idle).
 DEFAULT_POOL_CALLS = 8
+CALLS_PER_REPLICA = 2
 
 
 def adapter_name(run_id: str) -> str:
@@ -103,7 +106,7 @@ class FairScheduler:
     def __init__(self, capacity: int = DEFAULT_POOL_CALLS):
         if capacity < 1:
             raise ValueError(f"pool_calls: must be >= 1, got {capacity}")
-        self.capacity = capacity
+        self.floor = self.capacity = capacity
         self.in_flight = 0
         self.clock = 0.0                          # the virtual time of the last grant
         self.shares: dict[str, _Share] = {}
@@ -125,6 +128,14 @@ class FairScheduler:
 
     def granted(self, run_id: str) -> int:
         return self.shares[run_id].granted
+
+    def replicas_seen(self, count: int) -> None:
+        """A pool of `count` replicas is called through this scheduler: capacity grows to CALLS_PER_REPLICA each
+        (never below the floor it was made with; it does not shrink when replicas leave, as calls may be in flight)."""
+        wanted = max(self.floor, CALLS_PER_REPLICA * count)
+        if wanted > self.capacity:
+            self.capacity = wanted
+            self._dispatch()
 
     @asynccontextmanager
     async def slot(self, run_id: str):
@@ -191,5 +202,6 @@ class ScheduledPool:
         return getattr(self._pool, name)
 
     async def call(self, fn, *args, **kwargs):
+        self._scheduler.replicas_seen(len(getattr(self._pool, "replicas", ())))
         async with self._scheduler.slot(self._run_id):
             return await self._pool.call(fn, *args, **kwargs)

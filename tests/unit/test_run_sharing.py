@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from coordinator.runapi.sharing import FairScheduler, ScheduledPool, TrainerClaims, adapter_name
+from coordinator.runapi.sharing import DEFAULT_POOL_CALLS, FairScheduler, ScheduledPool, TrainerClaims, adapter_name
 from services.common.errors import FailedPrecondition
 
 
@@ -118,6 +118,39 @@ def test_scheduled_pool_passes_calls_and_attributes_through():
     pool = ScheduledPool(Pool(), scheduler, "r")
     assert pool.role == "rollout"
     assert asyncio.run(pool.call(fn)) == "stub!" and scheduler.granted("r") == 1
+
+
+def test_capacity_grows_with_the_pools_replicas_so_two_runs_fan_out_over_a_large_pool():
+    class Pool:
+        def __init__(self, n):
+            self.replicas = {f"r{i}": object() for i in range(n)}
+
+        async def call(self, fn, *, prefer=None):
+            return await fn("stub")
+
+    scheduler = FairScheduler()
+    scheduler.join("a")
+    scheduler.join("b")
+    small, large = ScheduledPool(Pool(3), scheduler, "a"), ScheduledPool(Pool(16), scheduler, "b")
+
+    async def scenario():
+        now = peak = 0
+
+        async def fn(stub):
+            nonlocal now, peak
+            now += 1
+            peak = max(peak, now)
+            await asyncio.sleep(0.02)
+            now -= 1
+
+        await asyncio.gather(*(small.call(fn) for _ in range(3)))
+        assert scheduler.capacity == DEFAULT_POOL_CALLS          # 3 replicas: the floor holds
+        # Each run fans one step's generate out over the 16 replicas at once: 32 calls, all in flight together.
+        await asyncio.gather(*(p.call(fn) for p in (large, ScheduledPool(Pool(16), scheduler, "a"))
+                               for _ in range(16)))
+        return peak
+
+    assert asyncio.run(scenario()) == 32 and scheduler.capacity == 2 * 16
 
 
 def test_lora_runs_share_a_trainer_and_a_full_parameter_run_holds_it_alone():
