@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from coordinator.runapi.store import RedisStore
+from tests.integration.test_up_env import _interruptible
 from tests.integration.test_up_supervision import _lines, _read_to_end, _read_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +54,8 @@ def _args(model: str, tmp_path: Path, redis_url: str, prefix: str) -> list[str]:
     the gated reward."""
     recipe = yaml.safe_load((REPO / "examples/arith/grpo.yaml").read_text())
     del recipe["data"]["heldout_files"]
-    recipe["reward"] = {"custom_function": {"path": str(GATED_REWARD)}}
+    # A held call must outlast the test's own waits (300 s a line), so a lost signal fails on what the test waited for.
+    recipe["reward"] = {"custom_function": {"path": str(GATED_REWARD)}, "function_timeout_s": 900}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return ["up", str(path), "--run-dir", str(tmp_path), "--model.path", model,
@@ -91,9 +93,10 @@ def _interrupt(tmp_path: Path, model: str, redis_url: str, send) -> tuple[str, i
     gate.mkdir()
     (gate / "hold").touch()
     # A session of its own, as a shell's foreground job: a Ctrl-C is SIGINT to its whole process group.
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", *_args(model, tmp_path, redis_url, prefix)],
-                            cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    # Its SIGINT at the default, as a shell sets it for a foreground job, also when pytest was started with it ignored.
+    proc = _interruptible([sys.executable, "-m", "coordinator.cli", *_args(model, tmp_path, redis_url, prefix)],
+                          cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True)
     seen: list[str] = []
     lines = _lines(proc)
     try:
