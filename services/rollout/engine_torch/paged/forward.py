@@ -122,6 +122,6 @@ def _layer(layer, x, cos, sin, kc: torch.Tensor, vc: torch.Tensor, write: torch.
     values = vc[read].transpose(1, 2)
     KV = keys.size(1)
     q = q.reshape(B, KV, (H // KV) * Q, hd)                                           # head h = kv * G + g
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling).view(B, H, Q, hd)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling).reshape(B, H, Q, hd)
     x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
