@@ -47,6 +47,9 @@ def recipe(run_dir: Path, args) -> dict:
         data["model"] = {"path": str(args.model_path), "device": args.device, "dtype": "bfloat16"}
         data["rollout"].update(max_tokens=args.max_tokens, max_loras=max(4, args.runs), kv_cache=args.kv_cache)
         data["data"]["rollout_batch_size"] = args.batch
+        # A trainer that serves several runs' adapters refuses compiled graphs (adapter_set.check_new): both phases
+        # run eager, so the ratio compares like with like.
+        data.setdefault("actor", {})["compile"] = False
     return data
 
 
@@ -108,6 +111,7 @@ async def main_async(args) -> dict:
             "steps_per_run": args.steps, "rollout_replicas": args.replicas, "device": device_name(args.device),
             "model": config["model"], "max_tokens": config["rollout"]["max_tokens"],
             "kv_cache": config["rollout"].get("kv_cache", "auto"),
+            "actor_compile": config.get("actor", {}).get("compile", "auto"),
             "samples_per_step": config["data"]["rollout_batch_size"] * config["rollout"]["n"],
             "rounds": args.rounds, "phases": phases, "median_samples_per_s": rate,
             "ratio_concurrent_over_sequential": round(rate["concurrent"] / rate["sequential"], 3)}
