@@ -69,6 +69,12 @@ SOURCES: dict[str, list[str]] = {
                      "services/rollout/engine_torch/decode_attention.py",
                      "services/rollout/engine_torch/fused_sample.py",
                      "services/common/chat_delta.py", "services/env", "bench/episodes.py"],
+    # bench/episodes.py --kv-caches none,paged,paged_graphs (gpu_session.sh paged_kv): the episode code and the cache
+    "paged_episodes_gpu": ["services/rollout/agents/episodes.py", "services/rollout/agents/loops.py",
+                           "services/rollout/agents/env_client.py", "services/rollout/engine_torch/engine.py",
+                           "services/rollout/engine_torch/paged", "services/rollout/engine_torch/cuda_decode.py",
+                           "services/rollout/engine_torch/graph_step.py", "services/rollout/engine_torch/fused_sample.py",
+                           "services/common/chat_delta.py", "services/env", "bench/episodes.py"],
     "paged_kv_gpu": ["services/rollout/engine_torch/paged", "services/rollout/engine_torch/engine.py",
                      "services/rollout/engine_torch/decode.py", "services/rollout/engine_torch/cuda_decode.py",
                      "services/rollout/engine_torch/graph_step.py", "services/rollout/engine_torch/decode_attention.py",
