@@ -47,8 +47,8 @@ def recipe(run_dir: Path, args) -> dict:
         data["model"] = {"path": str(args.model_path), "device": args.device, "dtype": "bfloat16"}
         data["rollout"].update(max_tokens=args.max_tokens, max_loras=max(4, args.runs), kv_cache=args.kv_cache)
         data["data"]["rollout_batch_size"] = args.batch
-        # A trainer that serves several runs' adapters refuses compiled graphs (adapter_set.check_new): both phases
-        # run eager, so the ratio compares like with like.
+        # A trainer serving several runs' adapters runs eager (actor.compile: auto goes eager at the second run's
+        # adapter, adapter_set.check_new): both phases run eager from the start, so the ratio compares like with like.
         data.setdefault("actor", {})["compile"] = False
     return data
 

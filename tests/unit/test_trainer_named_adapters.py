@@ -9,6 +9,7 @@ import torch
 
 from services.common.config import load_config
 from services.common.errors import FailedPrecondition, NotFound
+from services.common.tensors.compile import apply_compile, transformer_blocks
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.model.lora import adapter_state
@@ -160,9 +161,27 @@ def test_refusals_name_the_cause(tmp_path):
         engine.optim_step(ADAM, "a")
     with pytest.raises(NotFound, match="no adapter 'zz'"):
         engine.optim_step(ADAM, "zz")
-    engine.rank.compiled = True                     # as a CUDA trainer with actor.compile resolves
+    asked = _engine(tmp_path / "compiled", compile=True, warmup=False)   # compiled lazily: no graph built here
     with pytest.raises(FailedPrecondition, match="actor.compile: false"):
-        engine.create_adapter("c")
+        asked.create_adapter("c")
     full = _engine(tmp_path / "full", lora=None)
     with pytest.raises(FailedPrecondition, match="need a LoRA trainer"):
         full.create_adapter("a")
+
+
+def test_a_trainer_that_auto_compiled_goes_eager_at_its_first_named_adapter(tmp_path):
+    engine = _engine(tmp_path)
+    module = engine.rank.actor.module
+    apply_compile(module, True, backend="eager")    # what actor.compile: auto does on CUDA (inductor there)
+    engine.rank.compiled = True
+    blocks = transformer_blocks(module)
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+    engine.create_adapter("a")
+    assert all(b._compiled_call_impl is None for b in blocks)
+    assert engine.rank.compiled is False
+    assert engine.rank.resolved.value("actor.compile") is False
+    assert "named adapters" in engine.rank.resolved.choices["actor.compile"].why
+    before = _weights(engine, "a")
+    engine.forward_backward(DATA_A[0], CE, "a")
+    engine.optim_step(ADAM, "a")
+    assert not _same(before, _weights(engine, "a"))

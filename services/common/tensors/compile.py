@@ -66,6 +66,15 @@ def apply_compile(model: nn.Module, enabled: bool, *, backend: str = "inductor")
     log.info("Applied torch.compile to %d blocks", len(blocks))
 
 
+def remove_compile(model: nn.Module) -> int:
+    """Undoes apply_compile: each decoder block runs eager again (Module.compile's compiled call dropped). Returns
+    how many blocks were compiled."""
+    blocks = [b for b in transformer_blocks(model) if getattr(b, "_compiled_call_impl", None) is not None]
+    for block in blocks:
+        block._compiled_call_impl = None
+    return len(blocks)
+
+
 # The shapes a warm-up runs: (prompt tokens, response tokens of each sequence). torch.compile builds a static graph
 # at a path's first shape and a dynamic one at its second, which then serves every later size; and the packed path
 # (sequences of different lengths in one row, services/common/tensors/packing.py) and the padded one (sequences of one

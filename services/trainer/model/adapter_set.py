@@ -10,7 +10,8 @@ trains while the run's adapter is active (DCP `ignore_frozen_params`), and pushe
 name (model/lora.py).
 
 Limits, refused by name: a trainer of one process (a DDP/FSDP wrapper built at start-up knows only the parameters
-it had then) and no actor.compile (its graphs are specialised on the active adapter).
+it had then) and no `actor.compile: true` (its graphs are specialised on the active adapter); a trainer that
+`actor.compile: auto` compiled (CUDA) runs eager from its first named adapter on, and says so.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from pathlib import Path
 
 import torch
 
+from services.common.auto import is_auto
 from services.common.errors import FailedPrecondition, NotFound
+from services.common.tensors.compile import remove_compile
 from services.common.tensors.codec import DTYPES
 from services.trainer.model.lora import ADAPTER, adapter_state, lora_layers, merged_weights
 from services.trainer.model.optim import DynamicLossScaler, build_adamw, lr_lambda
@@ -57,13 +60,25 @@ def check_new(rank, name: str) -> None:
                                  f"{rank.dims.world_size} ({rank.dims.describe()}): its data-parallel wrapper, "
                                  f"built at start-up, holds the run's adapter only")
     if rank.compiled:
-        raise FailedPrecondition("adapter: named adapters need actor.compile: false (the compiled graphs are "
-                                 "specialised on the run's adapter)")
+        if not is_auto(rank.settings.actor.compile):
+            raise FailedPrecondition("adapter: named adapters need actor.compile: false (the compiled graphs are "
+                                     "specialised on the run's adapter)")
+        _go_eager(rank)
     if name == ADAPTER or not NAME.match(name):
         raise ValueError(f"name: {name!r} is not an adapter name (letters, digits, '-', '_', at most 64, not "
                          f"{ADAPTER!r}: the run's own)")
     if name in named(rank):
         raise FailedPrecondition(f"name: adapter {name!r} exists already on this trainer")
+
+
+def _go_eager(rank) -> None:
+    """actor.compile: auto compiled the blocks (a CUDA trainer); their graphs are specialised on the run's adapter,
+    so the trainer runs eager from its first named adapter on, said in the log and GetInfo's resolved settings."""
+    remove_compile(rank.actor.module)
+    rank.compiled = False
+    rank.resolved.record("actor.compile", False, rank.settings.actor.compile,
+                         "named adapters: the compiled blocks were specialised on the run's adapter; eager from the "
+                         "first named adapter on")
 
 
 def get(rank, name: str) -> NamedAdapter:
