@@ -165,17 +165,44 @@ def format_validation_error(err: ValidationError, source: str = "config", *, sec
     """One line naming each bad key: `config: rollout.n: ...`; `section` goes in front of every key (a section
     validated on its own), an empty `source` leaves the prefix out. Every unknown key is listed, with the key of
     its section it was nearest to when `model` (the validated class) is given."""
-    parts = []
+    parts: list[str] = []
+    union: dict[str, list[dict]] = {}          # a key's errors, one per member of its type's union (tags dropped)
     for e in err.errors():
-        key = _dotted([section, *e["loc"]] if section else e["loc"]) or "<root>"
-        if e["type"] == "value_error" and "ctx" in e:
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and _UNION_TAG.match(p)))
+        key = _dotted([section, *loc] if section else loc) or "<root>"
+        if len(loc) < len(e["loc"]):
+            if key not in union:
+                parts.append(key)               # its place: filled below with every member's expectation
+            union.setdefault(key, []).append(e)
+        elif e["type"] == "value_error" and "ctx" in e:
             parts.append(_keyed(key, str(e["ctx"]["error"])))
         elif e["type"] == "extra_forbidden":
             near = did_you_mean(str(e["loc"][-1]), keys_beside(model, e["loc"])) if e["loc"] else ""
             parts.append(f"{key}: unknown key{near}")
         else:
             parts.append(f"{key}: {e['msg']}")
+    parts = [_union_error(p, union[p]) if p in union else p for p in parts]
     return f"{source}: " + "; ".join(parts) if source else "; ".join(parts)
+
+
+# The location parts pydantic adds for a union's members (`literal['paged','none']`, `bool`, `int`,
+# `function-after[...]`, a model's class name): not keys the user wrote.
+_UNION_TAG = re.compile(r"^(?:[a-z][a-z-]*\[.*\]|bool|int|float|str|none|[A-Z]\w*)$")
+
+
+def _union_error(key: str, errors: list[dict]) -> str:
+    """One message for a value that matched no member of its key's union type: `rollout.kv_cache: should be 'paged'
+    or 'none' or 'auto' (got 'pagd')`; a member's own complaint (a range, a custom check) is kept as it is."""
+    wants = []
+    for e in errors:
+        msg = str(e["ctx"]["error"]) if e["type"] == "value_error" and "ctx" in e else e["msg"]
+        msg = msg.removeprefix("Input should be ")
+        msg = msg.split(", unable to")[0]
+        if msg not in wants:
+            wants.append(msg)
+    got = errors[0].get("input")
+    shown = f" (got {got!r})" if isinstance(got, (str, int, float, bool)) or got is None else ""
+    return f"{key}: should be " + " or ".join(wants) + shown
 
 
 def _dotted(loc) -> str:

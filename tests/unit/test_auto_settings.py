@@ -128,3 +128,18 @@ def test_meshrl_up_refuses_gpu_only_switches_on_a_cpu_recipe_before_anything_sta
     with pytest.raises(ValueError, match=r"^weight_sync.transport: ipc needs the trainer and replicas on CUDA"):
         check_speed_switches(parse_run_config("model: {device: cpu}\nweight_sync: {transport: ipc}\n"))
     check_speed_switches(parse_run_config("model: {device: cuda}\nweight_sync: {transport: nccl}\n"))
+
+
+def test_a_bad_value_for_a_key_of_choice_or_auto_names_the_key_once_with_every_accepted_value():
+    from services.common.config import load_config
+
+    for section, value, message in [
+        ({"kv_cache": "pagd"}, "pagd", "config: rollout.kv_cache: should be 'paged' or 'none' or 'auto' (got 'pagd')"),
+        ({"enable_lora": "maybe"}, "maybe", "config: rollout.enable_lora: should be a valid boolean or 'auto' "
+                                            "(got 'maybe')"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            load_config(RolloutSettings, data={"rollout": section})
+        assert str(err.value) == message
+    with pytest.raises(ValueError, match=r"^config: rollout.max_loras: Input should be a valid integer"):
+        load_config(RolloutSettings, data={"rollout": {"max_loras": "x"}})
