@@ -117,7 +117,10 @@ def replica_proc(conn, size: str, device: str, rank: int) -> None:
 
 
 def push_seconds(sender, state, target: str, repeats: int, bucket_bytes: int, tags, first_version: int):
-    """Seconds of each push (the first one apart: handles opened, buffers staged), and the next version."""
+    """Seconds of each push (the first one apart: handles opened, buffers staged) and the replica's share of each
+    (UpdateWeightsResponse.seconds: received, checked, loaded), and the next version."""
+    replica = []
+
     async def main():
         out = []
         for i in range(repeats + 1):
@@ -127,11 +130,12 @@ def push_seconds(sender, state, target: str, repeats: int, bucket_bytes: int, ta
             outcome = (await sender.push(state, first_version + i, [target], bucket_bytes=bucket_bytes,
                                          tags=tags))[0]
             out.append(time.perf_counter() - t0)
+            replica.append(outcome.replica_seconds)
             if not outcome.ok:
                 raise RuntimeError(f"{sender.transport} push failed: {outcome.error}")
         return out
 
-    return asyncio.run(main()), first_version + repeats + 1
+    return asyncio.run(main()), replica, first_version + repeats + 1
 
 
 def run_sync(args) -> dict:
@@ -161,13 +165,15 @@ def run_sync(args) -> dict:
             bucket = (4 if transport == "grpc" else 128) * MIB
             row = {"transport": transport, "full_bytes": nbytes(full), "adapter_bytes": nbytes(adapter),
                    "repeats": args.repeats}
-            full_s, version = push_seconds(sender, full, target, args.repeats, bucket, ManifestTags(base_id=BASE_ID),
-                                           version)
+            full_s, full_replica, version = push_seconds(sender, full, target, args.repeats, bucket,
+                                                         ManifestTags(base_id=BASE_ID), version)
             tags = ManifestTags(adapter="default", adapter_config=json.dumps(adapter_config(args.rank)),
                                 base_id=BASE_ID)
-            ad_s, version = push_seconds(sender, adapter, target, args.repeats, bucket, tags, version)
+            ad_s, ad_replica, version = push_seconds(sender, adapter, target, args.repeats, bucket, tags, version)
             row.update(full_first_s=round(full_s[0], 4), full_s=round(statistics.median(full_s[1:]), 4),
-                       adapter_first_s=round(ad_s[0], 4), adapter_s=round(statistics.median(ad_s[1:]), 5))
+                       adapter_first_s=round(ad_s[0], 4), adapter_s=round(statistics.median(ad_s[1:]), 5),
+                       full_replica_s=round(statistics.median(full_replica[1:]), 5),
+                       adapter_replica_s=round(statistics.median(ad_replica[1:]), 5))
             row["speedup"] = round(row["full_s"] / row["adapter_s"], 1)
             print(json.dumps(row), flush=True)
             rows.append(row)

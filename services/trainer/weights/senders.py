@@ -66,6 +66,8 @@ class PushOutcome:
     ok: bool
     error: str = ""
     seconds: float = 0.0
+    # The replica's own account of the push: from its first message to the update applied (receive, check, load).
+    replica_seconds: float = 0.0
 
 
 class WeightSender(Protocol):
@@ -136,7 +138,7 @@ class RpcSender:
         if reply.weight_version != version:
             return PushOutcome(target, False, f"replica reports version {reply.weight_version}, expected {version}",
                                time.perf_counter() - t0)
-        return PushOutcome(target, True, "", time.perf_counter() - t0)
+        return PushOutcome(target, True, "", time.perf_counter() - t0, replica_seconds=reply.seconds)
 
     @staticmethod
     def _report(version: int, outcomes: Sequence[PushOutcome]) -> list[PushOutcome]:
