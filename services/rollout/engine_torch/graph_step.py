@@ -6,6 +6,11 @@ then runs the model on that token against the static KV cache: the model's own m
 projections, MLPs, rotary embedding), attention replaced by the query of one token against every cache slot,
 slots outside [pad, current] masked (decode_attention.py's kernel, or torch ops). No host sync anywhere, so the
 whole step is one graph; the host side (buckets, capture, replay, prefill, stop strings) is cuda_decode.py.
+
+With LoRA adapters served (lora.py), the step builds the rows' slot mask once and applies each layer's adapters by
+group: q/k/v with one shrink and one block-diagonal expand GEMM added to the fused q/k/v output before the split,
+gate/up likewise (their base GEMMs stay two: a fused copy of gate/up would be GiBs), o and down one group each. The
+projections' base outputs come from their weights (F.linear), so the layers' own per-layer deltas never run here.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from services.rollout.engine_torch import decode_attention, fused_sample
 from services.rollout.engine_torch.sampling import top_p_filter
-from services.rollout.engine_torch.lora import add_lora, bank_of
+from services.rollout.engine_torch.lora import GATE_UP, QKV, LoraLinear, bank_of, grouped_delta, lora_linear
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
@@ -107,6 +113,7 @@ class GraphStep:
         self._qkv = self._qkv_buffers()
         # LoRA adapters served on this model (rollout.enable_lora): each row's slot is in adapters.rows.
         self.adapters = bank_of(model)
+        self._lora = self._lora_groups()
 
     def _new_state(self, B: int, S: int) -> State:
         """The static buffers of a (batch, length) bucket."""
@@ -139,6 +146,25 @@ class GraphStep:
                             dtype=a.q_proj.weight.dtype, device=a.q_proj.weight.device)
             b = torch.empty(w.shape[0], dtype=w.dtype, device=w.device) if a.q_proj.bias is not None else None
             out.append((w, b))
+        return out
+
+    def _lora_groups(self) -> list[tuple] | None:
+        """Per layer, the adapter groups the step applies: (q/k/v, o, gate/up, down), each the bank's (A, B) or None;
+        None without a bank."""
+        bank = self.adapters
+        if bank is None:
+            return None
+        out = []
+        for i, layer in enumerate(self.model.model.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            groups = (bank.group(a, QKV), bank.group(a, ("o_proj",)), bank.group(mlp, GATE_UP),
+                      bank.group(mlp, ("down_proj",)))
+            covered = sum(g.A.shape[0] for g in groups if g is not None) // bank.width
+            adapted = sum(isinstance(m, LoraLinear) for m in layer.modules())
+            if covered != adapted:      # an adapted layer the step would skip: refuse rather than drop its delta
+                raise ValueError(f"rollout.lora_target_modules: layer {i} adapts {adapted} linear layers, the CUDA-graph "
+                                 f"step applies {covered} (q/k/v/o/gate/up/down only); set rollout.cuda_graphs: false")
+            out.append(tuple(None if g is None else (g.A, g.B) for g in groups))
         return out
 
     def refresh_weights(self) -> None:
@@ -212,9 +238,12 @@ class GraphStep:
             valid = (st.slots >= st.pad.unsqueeze(-1)) & (st.slots <= st.slot)     # [B, S]
             bias = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill_(~valid, float("-inf"))
             bias = bias[:, None, None, :]                                           # [B, 1, 1, S]
+        # The rows' adapter mask, once per step for every group of every layer (None: base rows only).
+        mask = None if self._lora is None or self.adapters.base_only(x) else self.adapters.step_mask(x.shape[0])
         for i, layer in enumerate(m.layers):
             wqkv, bqkv = self._qkv[i] if self._qkv is not None else (None, None)
-            x = self._layer_fn(layer, x, cos, sin, bias, st.k[i], st.v[i], st.slot, st.pad, wqkv, bqkv)
+            lora = self._lora[i] if mask is not None else None
+            x = self._layer_fn(layer, x, cos, sin, bias, st.k[i], st.v[i], st.slot, st.pad, wqkv, bqkv, lora, mask)
         x = m.norm(x)[:, 0]
         head = self.model.lm_head
         if head.bias is None and x.dtype == st.logits.dtype:
@@ -223,17 +252,24 @@ class GraphStep:
             st.logits.copy_(head(x))
 
     def _layer(self, layer, x, cos, sin, bias, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
-               pad: torch.Tensor, wqkv: torch.Tensor | None = None, bqkv: torch.Tensor | None = None) -> torch.Tensor:
-        """One decoder layer for one token per row; writes its k/v at `slot` of the layer's cache."""
+               pad: torch.Tensor, wqkv: torch.Tensor | None = None, bqkv: torch.Tensor | None = None,
+               lora: tuple | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One decoder layer for one token per row; writes its k/v at `slot` of the layer's cache. lora: the layer's
+        adapter groups (q/k/v, o, gate/up, down: (A, B) or None each), mask: the step's row mask."""
         B, H, KV, hd = x.shape[0], self.num_heads, self.num_kv, self.head_dim
         a = layer.self_attn
+        lqkv, lo, lgu, ldown = lora if lora is not None else (None, None, None, None)
         h = layer.input_layernorm(x)
+        sizes = [H * hd, KV * hd, KV * hd]
         if wqkv is not None:
-            q, k, v = torch.nn.functional.linear(h, wqkv, bqkv).split([H * hd, KV * hd, KV * hd], dim=-1)
-            # The fused GEMM holds the base weights only: each projection's adapter delta on top.
-            q, k, v = add_lora(q, a.q_proj, h), add_lora(k, a.k_proj, h), add_lora(v, a.v_proj, h)
+            qkv = F.linear(h, wqkv, bqkv)
+            # The fused GEMM holds the base weights only: the group's adapter delta, lined up with it, on top.
+            q, k, v = (qkv if lqkv is None else qkv + grouped_delta(h, *lqkv, mask)).split(sizes, dim=-1)
         else:
-            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+            q, k, v = (F.linear(h, p.weight, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj))
+            if lqkv is not None:
+                dq, dk, dv = grouped_delta(h, *lqkv, mask).split(sizes, dim=-1)
+                q, k, v = q + dq, k + dk, v + dv
         q = q.reshape(B, 1, H, hd).transpose(1, 2)                               # [B, H, 1, hd]
         k = k.reshape(B, 1, KV, hd).transpose(1, 2)
         v = v.reshape(B, 1, KV, hd).transpose(1, 2)
@@ -247,5 +283,18 @@ class GraphStep:
             scores = torch.matmul(q.reshape(B, KV, H // KV, hd), kc.transpose(-1, -2)).float()
             probs = torch.softmax(scores * self.scaling + bias, dim=-1).to(x.dtype)
             o = torch.matmul(probs, vc).reshape(B, 1, H * hd)
-        x = x + a.o_proj(o)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + lora_linear(o, a.o_proj, lo, mask)
+        return x + self._mlp(layer.mlp, layer.post_attention_layernorm(x), lgu, ldown, mask)
+
+    @staticmethod
+    def _mlp(mlp, h: torch.Tensor, lgu: tuple | None, ldown: tuple | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """down(act(gate h) * up h) (Llama's and Qwen2's MLP) with its adapter groups; the module's own forward when
+        none is adapted."""
+        if lgu is None and ldown is None:
+            return mlp(h)
+        g = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+        u = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+        if lgu is not None:
+            dg, du = grouped_delta(h, *lgu, mask).split([g.shape[-1], u.shape[-1]], dim=-1)
+            g, u = g + dg, u + du
+        return lora_linear(mlp.act_fn(g) * u, mlp.down_proj, ldown, mask)
