@@ -1,5 +1,6 @@
 """The graph decoder applies LoRA adapters by group (services/rollout/engine_torch/lora.py's LoraGroup, graph_step.py):
-one shrink and one block-diagonal expand GEMM for q/k/v and for gate/up, the row mask built once per step. Its deltas
+one shrink (for q/k/v: rows under the fused base q/k/v GEMM) and one block-diagonal expand GEMM for q/k/v and for
+gate/up, the row mask built once per step. Its deltas
 equal the per-projection path's and the merged weights', and its decode of a batch mixing two adapters of different
 ranks and base rows equals the eager per-projection loop and each adapter's merged model. The step runs eagerly on
 CPU (use_graphs=False, compile=False), as tests/unit/test_continuous_batching.py runs it."""
@@ -90,6 +91,12 @@ def test_a_mixed_batch_on_the_grouped_graph_step_equals_the_eager_loop_and_the_m
     graph, eager = lora_engine(model_dir, adapters, graph=True), lora_engine(model_dir, adapters, graph=False)
     dec = graph._graph_decoder
     assert dec.adapters is graph.adapters and dec._lora is not None
+    # The q/k/v group's A is the tail of the fused q/k/v copy (one GEMM gives base and shrink); the adapters were
+    # loaded after the decoder was built, through the layers' views, so they are there.
+    attn = graph.model.model.layers[0].self_attn
+    w, group = dec._qkv[0][0], graph.adapters.group(attn, QKV)
+    assert group.A.data_ptr() == w[w.shape[0] - group.A.shape[0]:].data_ptr() and group.A.any()
+    assert attn.q_proj.lora_A_cat.data_ptr() == group.A.data_ptr()
     if not fused_qkv:
         dec._qkv = None                     # q, k and v base GEMMs apart: the group's delta split onto each
     requests = [batch(greedy("a", n=2)), batch(greedy("")), batch(greedy("b"))]

@@ -8,8 +8,9 @@ slots outside [pad, current] masked (decode_attention.py's kernel, or torch ops)
 whole step is one graph; the host side (buckets, capture, replay, prefill, stop strings) is cuda_decode.py.
 
 With LoRA adapters served (lora.py), the step builds the rows' slot mask once and applies each layer's adapters by
-group: q/k/v with one shrink and one block-diagonal expand GEMM added to the fused q/k/v output before the split,
-gate/up likewise (their base GEMMs stay two: a fused copy of gate/up would be GiBs), o and down one group each. The
+group: q/k/v's shrink rows (A) stacked under the fused q/k/v weight copy, so one GEMM gives the base output and the
+shrink, then one block-diagonal expand GEMM added to q|k|v before the split; gate/up with one shrink and one expand
+GEMM (their base GEMMs stay two: a fused copy of gate/up would be GiBs), o and down one group each. The
 projections' base outputs come from their weights (F.linear), so the layers' own per-layer deltas never run here.
 """
 
@@ -24,7 +25,8 @@ import torch.nn.functional as F
 
 from services.rollout.engine_torch import decode_attention, fused_sample
 from services.rollout.engine_torch.sampling import top_p_filter
-from services.rollout.engine_torch.lora import GATE_UP, QKV, LoraLinear, bank_of, grouped_delta, lora_linear
+from services.rollout.engine_torch.lora import (GATE_UP, QKV, LoraLinear, bank_of, grouped_delta, lora_linear,
+                                                masked_expand)
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
@@ -110,9 +112,11 @@ class GraphStep:
         # q, k and v projections as one GEMM per layer (three small ones were ~10% of a step at batch 512):
         # concatenated copies of the weights, refreshed from the model at every decode call (~50 MB at 0.5B),
         # so weight updates of any kind are seen. Only where all three have a bias or none has.
-        self._qkv = self._qkv_buffers()
-        # LoRA adapters served on this model (rollout.enable_lora): each row's slot is in adapters.rows.
+        # LoRA adapters served on this model (rollout.enable_lora): each row's slot is in adapters.rows. With them,
+        # the fused copy holds the q/k/v group's A under the base rows (its tail is the bank's A itself, so loads land
+        # there): the same GEMM gives the shrink.
         self.adapters = bank_of(model)
+        self._qkv = self._qkv_buffers()
         self._lora = self._lora_groups()
 
     def _new_state(self, B: int, S: int) -> State:
@@ -142,9 +146,12 @@ class GraphStep:
             return None
         out = []
         for a in attn:
-            w = torch.empty((sum(p.weight.shape[0] for p in (a.q_proj, a.k_proj, a.v_proj)), a.q_proj.weight.shape[1]),
-                            dtype=a.q_proj.weight.dtype, device=a.q_proj.weight.device)
-            b = torch.empty(w.shape[0], dtype=w.dtype, device=w.device) if a.q_proj.bias is not None else None
+            rows = sum(p.weight.shape[0] for p in (a.q_proj, a.k_proj, a.v_proj))
+            group = self.adapters.group(a, QKV) if self.adapters is not None else None
+            w = group.under_base_rows(rows) if group is not None else torch.empty(
+                (rows, a.q_proj.weight.shape[1]), dtype=a.q_proj.weight.dtype, device=a.q_proj.weight.device)
+            # zeros: the rows of A take no bias
+            b = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if a.q_proj.bias is not None else None
             out.append((w, b))
         return out
 
@@ -177,9 +184,10 @@ class GraphStep:
             return
         for layer, (w, b) in zip(self.model.model.layers, self._qkv):
             a = layer.self_attn
-            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=w)
+            rows = sum(p.weight.shape[0] for p in (a.q_proj, a.k_proj, a.v_proj))
+            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=w[:rows])   # A's rows below stay
             if b is not None:
-                torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], out=b)
+                torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], out=b[:rows])
 
     def _step(self, st: State, mode: tuple[str, bool]) -> None:
         """Samples token `step` from st.logits, records it, then feeds it through the model (graph-safe: no syncs).
@@ -262,9 +270,12 @@ class GraphStep:
         h = layer.input_layernorm(x)
         sizes = [H * hd, KV * hd, KV * hd]
         if wqkv is not None:
-            qkv = F.linear(h, wqkv, bqkv)
-            # The fused GEMM holds the base weights only: the group's adapter delta, lined up with it, on top.
-            q, k, v = (qkv if lqkv is None else qkv + grouped_delta(h, *lqkv, mask)).split(sizes, dim=-1)
+            # One GEMM: the base q|k|v, then (with adapters) the group's shrink x A^T; the group's expand of it, lined
+            # up with q|k|v, on top.
+            y = F.linear(h, wqkv, bqkv)
+            qkv = y[..., :sum(sizes)]
+            q, k, v = (qkv if lqkv is None else qkv + masked_expand(y[..., sum(sizes):], lqkv[1], mask)).split(
+                sizes, dim=-1)
         else:
             q, k, v = (F.linear(h, p.weight, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj))
             if lqkv is not None:

@@ -10,8 +10,9 @@ no per-row weight gathers, static shapes.
 
 Layers that read one input (q/k/v, gate/up: GROUPS) share a LoraGroup: one A [k * S * r, in] stacking the k adapted
 members' A_cat, one block-diagonal B [sum of the members' out, k * S * r] (zeros off the blocks); each member's A_cat
-and B_cat are views of it. The graph decoder (graph_step.py) applies a whole group with one shrink GEMM, one mask
-multiply (the mask built once per step: step_mask) and one expand GEMM whose output lines up with the fused
+and B_cat are views of it. The graph decoder (graph_step.py) applies a whole group with one shrink GEMM (q/k/v's
+A sits under the decoder's fused q/k/v weight copy, LoraGroup.under_base_rows, so the base GEMM is the shrink too),
+one mask multiply (the mask built once per step: step_mask) and one expand GEMM whose output lines up with the fused
 projection's (q|k|v, gate|up); eager forwards keep the per-layer delta. CUDA graphs capture either as it is; a load
 copies into the same buffers (through the views), so captured graphs stay valid.
 """
@@ -70,14 +71,37 @@ class LoraGroup:
 
     A: torch.Tensor      # [k * W, in]: the k adapted members' A_cat, in GROUPS order (W = S * r)
     B: torch.Tensor      # [sum of every member's out, k * W]: member j's B_cat at its rows, columns j*W.., else zeros
+    adapted: list[nn.Module]                # the k adapted members, in A's order
+    stacked: torch.Tensor | None = None     # [rows + k * W, in] once asked for (under_base_rows): A is its tail
+
+    def under_base_rows(self, rows: int) -> torch.Tensor:
+        """A buffer of `rows` rows for the caller's fused base weight (graph_step.py's q/k/v copy) over A, so one GEMM
+        gives the base output and the shrink: allocated once and shared by every caller; A and the members' A_cat
+        become views of its tail (loads write there). Call before a graph captures A."""
+        if self.stacked is None:
+            buf = torch.empty((rows + self.A.shape[0], self.A.shape[1]), dtype=self.A.dtype, device=self.A.device)
+            buf[rows:].copy_(self.A)
+            self.A, self.stacked = buf[rows:], buf
+            W = self.A.shape[0] // len(self.adapted)
+            for j, m in enumerate(self.adapted):
+                m.lora_A_cat = self.A[j * W:(j + 1) * W]
+        if self.stacked.shape[0] != rows + self.A.shape[0]:
+            raise ValueError(f"LoraGroup.under_base_rows: {rows} rows asked, {self.stacked.shape[0]} - "
+                             f"{self.A.shape[0]} held")
+        return self.stacked
+
+
+def masked_expand(h: torch.Tensor, B: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A group's shrink output h [N, ..., k * W] (x @ A^T) kept in each row's slot columns, then expanded by B;
+    mask [N, >= k * W] is AdapterBank.step_mask (periodic in W, so its first k * W columns serve a group of k)."""
+    n = h.shape[0]
+    return F.linear(h * mask[:, :h.shape[-1]].view(n, *([1] * (h.dim() - 2)), -1), B)
 
 
 def grouped_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A group's adapter delta for each row's slot, x [N, ..., in] -> [N, ..., out of the group]; mask [N, >= k * W]
-    is AdapterBank.step_mask (periodic in W, so its first k * W columns serve a group of k)."""
-    n = x.shape[0]
-    h = F.linear(x, A)                                                          # [N, ..., k*W]
-    return F.linear(h * mask[:, :A.shape[0]].view(n, *([1] * (x.dim() - 2)), -1), B)
+    """A group's adapter delta for each row's slot, x [N, ..., in] -> [N, ..., out of the group]: one shrink GEMM,
+    the mask, one expand GEMM (masked_expand)."""
+    return masked_expand(F.linear(x, A), B, mask)
 
 
 def lora_linear(x: torch.Tensor, module: nn.Linear, group: tuple[torch.Tensor, torch.Tensor] | None,
@@ -157,7 +181,7 @@ class AdapterBank:
                     x.lora_B_cat = B[row:row + x.out_features, j * W:(j + 1) * W]
                     j += 1
                 row += x.out_features
-            groups[(id(parent), names)] = LoraGroup(A, B)
+            groups[(id(parent), names)] = LoraGroup(A, B, [x for x, on in zip(members, adapted) if on])
         return groups
 
     def group(self, parent: nn.Module, names: Sequence[str]) -> LoraGroup | None:
