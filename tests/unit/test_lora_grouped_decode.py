@@ -1,6 +1,6 @@
 """The graph decoder applies LoRA adapters by group (services/rollout/engine_torch/lora.py's LoraGroup, graph_step.py):
-one shrink (for q/k/v: rows under the fused base q/k/v GEMM) and one block-diagonal expand GEMM for q/k/v and for
-gate/up, the row mask built once per step. Its deltas
+one shrink (rows under the group's fused base weights: the same GEMM) and one block-diagonal expand GEMM for q/k/v,
+for gate/up, for o and for down, the row mask built once per step. Its deltas
 equal the per-projection path's and the merged weights', and its decode of a batch mixing two adapters of different
 ranks and base rows equals the eager per-projection loop and each adapter's merged model. The step runs eagerly on
 CPU (use_graphs=False, compile=False), as tests/unit/test_continuous_batching.py runs it."""
@@ -85,20 +85,28 @@ def test_each_groups_delta_equals_the_per_projection_deltas_and_the_merged_weigh
     assert B[:out_q, :W].any() and not B[out_q:, :W].any() and not B[:out_q, W:].any()
 
 
-@pytest.mark.parametrize("fused_qkv", [True, False])
+@pytest.mark.parametrize("fused", [True, False])
 def test_a_mixed_batch_on_the_grouped_graph_step_equals_the_eager_loop_and_the_merged_models(model_dir, adapters,
-                                                                                            fused_qkv):
+                                                                                            fused):
     graph, eager = lora_engine(model_dir, adapters, graph=True), lora_engine(model_dir, adapters, graph=False)
     dec = graph._graph_decoder
-    assert dec.adapters is graph.adapters and dec._lora is not None
-    # The q/k/v group's A is the tail of the fused q/k/v copy (one GEMM gives base and shrink); the adapters were
-    # loaded after the decoder was built, through the layers' views, so they are there.
+    assert dec.adapters is graph.adapters
+    # Every group's A sits under its members' weights (one GEMM gives base and shrink), the parameters are views of
+    # the same buffer, and the adapters, loaded after the decoder was built through the layers' views, are there.
     attn = graph.model.model.layers[0].self_attn
-    w, group = dec._qkv[0][0], graph.adapters.group(attn, QKV)
-    assert group.A.data_ptr() == w[w.shape[0] - group.A.shape[0]:].data_ptr() and group.A.any()
-    assert attn.q_proj.lora_A_cat.data_ptr() == group.A.data_ptr()
-    if not fused_qkv:
-        dec._qkv = None                     # q, k and v base GEMMs apart: the group's delta split onto each
+    w, _, A, B = dec._proj[0][0]
+    group = graph.adapters.group(attn, QKV)
+    assert A is None and B is group.B and group.A.any()
+    assert group.A.data_ptr() == w[w.shape[0] - group.A.shape[0]:].data_ptr()
+    assert attn.q_proj.lora_A_cat.data_ptr() == group.A.data_ptr() and attn.q_proj.weight.data_ptr() == w.data_ptr()
+    assert attn.k_proj.weight.data_ptr() == w[attn.q_proj.out_features:].data_ptr()
+    assert all(p[0] is not None for p in dec._proj[0])               # o and down fused with their A too
+    if not fused:       # each member's own GEMM and the group's shrink apart: the group's delta split onto each
+        dec._proj = [tuple((None, None, g.A, g.B) for g in (graph.adapters.group(layer.self_attn, QKV),
+                                                           graph.adapters.group(layer.self_attn, ("o_proj",)),
+                                                           graph.adapters.group(layer.mlp, GATE_UP),
+                                                           graph.adapters.group(layer.mlp, ("down_proj",))))
+                     for layer in graph.model.model.layers]
     requests = [batch(greedy("a", n=2)), batch(greedy("")), batch(greedy("b"))]
     mixed = graph._generate_jobs([_Job(r, graph.check_batch(r), None) for r in requests])
     assert dec.stats["replays"] > 0                                     # the graph step decoded them
@@ -110,3 +118,22 @@ def test_a_mixed_batch_on_the_grouped_graph_step_equals_the_eager_loop_and_the_m
     lp = [samples(m)[0].logprobs for m in mixed]
     assert lp[0] != lp[1] and lp[1] != lp[2] and lp[0] != lp[2]      # each row got its own adapter
     assert not graph.adapters.rows.any()                              # forwards after the decode read base rows
+
+
+def test_fused_parameters_swapped_by_reference_go_back_into_their_buffer_and_updates_in_place_land_there(model_dir,
+                                                                                                       adapters):
+    e = lora_engine(model_dir, adapters, graph=True)
+    dec, mlp = e._graph_decoder, e.model.model.layers[1].mlp
+    w = dec._proj[1][2][0]                                      # layer 1's gate/up buffer
+    want = torch.randn(mlp.up_proj.weight.shape, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        mlp.up_proj.weight.data = want.clone()                 # by reference: no longer a view of the buffer
+    assert not torch.equal(w[mlp.gate_proj.out_features:mlp.gate_proj.out_features * 2], want)
+    dec.refresh_weights()
+    assert mlp.up_proj.weight.data_ptr() == w[mlp.gate_proj.out_features:].data_ptr()
+    assert torch.equal(w[mlp.gate_proj.out_features:mlp.gate_proj.out_features * 2], want)
+    with torch.no_grad():
+        mlp.gate_proj.weight.mul_(2)                            # in place: the buffer sees it at once
+    assert torch.equal(w[:mlp.gate_proj.out_features], mlp.gate_proj.weight)
+    # The adapters' A rows under the base rows are untouched by either.
+    assert torch.equal(w[2 * mlp.gate_proj.out_features:], e.adapters.group(mlp, GATE_UP).A)

@@ -10,9 +10,9 @@ no per-row weight gathers, static shapes.
 
 Layers that read one input (q/k/v, gate/up: GROUPS) share a LoraGroup: one A [k * S * r, in] stacking the k adapted
 members' A_cat, one block-diagonal B [sum of the members' out, k * S * r] (zeros off the blocks); each member's A_cat
-and B_cat are views of it. The graph decoder (graph_step.py) applies a whole group with one shrink GEMM (q/k/v's
-A sits under the decoder's fused q/k/v weight copy, LoraGroup.under_base_rows, so the base GEMM is the shrink too),
-one mask multiply (the mask built once per step: step_mask) and one expand GEMM whose output lines up with the fused
+and B_cat are views of it. The graph decoder (graph_step.py) applies a whole group with one shrink GEMM (the group's
+A sits under the members' fused weights, LoraGroup.under_base_rows, so their base GEMM is the shrink too), one mask
+multiply (the mask built once per step: step_mask) and one expand GEMM whose output lines up with the fused
 projection's (q|k|v, gate|up); eager forwards keep the per-layer delta. CUDA graphs capture either as it is; a load
 copies into the same buffers (through the views), so captured graphs stay valid.
 """
@@ -75,7 +75,7 @@ class LoraGroup:
     stacked: torch.Tensor | None = None     # [rows + k * W, in] once asked for (under_base_rows): A is its tail
 
     def under_base_rows(self, rows: int) -> torch.Tensor:
-        """A buffer of `rows` rows for the caller's fused base weight (graph_step.py's q/k/v copy) over A, so one GEMM
+        """A buffer of `rows` rows for the caller's fused base weight (fused_weights.py) over A, so one GEMM
         gives the base output and the shrink: allocated once and shared by every caller; A and the members' A_cat
         become views of its tail (loads write there). Call before a graph captures A."""
         if self.stacked is None:
@@ -102,13 +102,6 @@ def grouped_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, mask: torch
     """A group's adapter delta for each row's slot, x [N, ..., in] -> [N, ..., out of the group]: one shrink GEMM,
     the mask, one expand GEMM (masked_expand)."""
     return masked_expand(F.linear(x, A), B, mask)
-
-
-def lora_linear(x: torch.Tensor, module: nn.Linear, group: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None) -> torch.Tensor:
-    """module's base output (its weight, never its forward: no per-layer delta) plus a group of one's (A, B) delta."""
-    y = F.linear(x, module.weight, module.bias)
-    return y if group is None else y + grouped_delta(x, *group, mask)
 
 
 def adapter_targets(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Linear]:
