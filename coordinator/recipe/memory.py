@@ -33,6 +33,9 @@ DEFAULT_PROMPT_TOKENS = 256
 # (services/rollout/engine_vllm/engine.py GPU_MEMORY_UTILIZATION).
 VLLM_UTILIZATION = 0.9
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# engine_torch/lora.py's GROUPS (not imported: that module needs torch): layers whose adapters share one A and one
+# block-diagonal B.
+LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass
@@ -227,14 +230,18 @@ def _serves_adapters(cfg) -> bool:
 
 def _adapter_slots(cfg, s: ModelShape, b: int) -> dict[str, int]:
     """The torch engine's stacked adapter buffers when rollout.enable_lora resolves on (auto: with actor.lora), as
-    engine_torch/lora.py build_bank resolves them: per target layer A_cat [(max_loras + 1) * max_rank, in] and
-    B_cat [out, (max_loras + 1) * max_rank] in the model's dtype (slot 0 is the base's zeros), allocated at start."""
+    engine_torch/lora.py build_bank resolves them: per target layer A_cat [(max_loras + 1) * max_rank, in], and per
+    group of k targeted layers (q/k/v, gate/up, any other alone) one block-diagonal B [sum of the group's out,
+    k * (max_loras + 1) * max_rank], in the model's dtype (slot 0 is the base's zeros), allocated at start."""
     r, lora = cfg.rollout, cfg.actor.lora
     if not _enable_lora(cfg):
         return {}
     rank = (lora.rank if lora is not None else 16) if is_auto(r.max_lora_rank) else r.max_lora_rank
     targets = r.lora_target_modules or (lora.target_modules if lora is not None else LORA_TARGETS)
-    per_layer = sum(i + o for name, (i, o) in s.linear_shapes().items() if name in targets)
+    shapes = s.linear_shapes()
+    per_layer = sum(i for name, (i, _) in shapes.items() if name in targets)
+    for group in LORA_GROUPS + tuple((n,) for n in shapes if not any(n in g for g in LORA_GROUPS)):
+        per_layer += sum(shapes[n][1] for n in group) * sum(n in targets for n in group)
     return {f"LoRA adapter slots ({r.max_loras} x rank <= {rank})": s.layers * per_layer * (r.max_loras + 1) * rank * b}
 
 

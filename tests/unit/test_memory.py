@@ -224,18 +224,23 @@ def test_lora_counts_the_trainers_adapters_and_the_replicas_adapter_slots_by_han
     assert "gradients" not in trainer and "AdamW state" not in trainer
     assert trainer["ipc weight staging"] == 2 * 4 * 224 * 4     # the replica serves adapters: a push is the adapter
     # enable_lora auto -> on (actor.lora); max_lora_rank auto -> 4; slots 2 + the base's: 3 x 4 columns, fp32.
-    assert parts["rollout 0"]["LoRA adapter slots (2 x rank <= 4)"] == 2 * 224 * (3 * 4) * 4
+    # A: q and v read 64 each; B: one block-diagonal [q+k+v out = 128, 2 members x 12 columns] for the q/k/v group.
+    assert parts["rollout 0"]["LoRA adapter slots (2 x rank <= 4)"] == 2 * (128 + 128 * 2) * (3 * 4) * 4
 
 
-def test_the_adapter_slots_at_1_5b_rank_16_four_slots_are_176_mib_and_only_where_enable_lora_is_on(tmp_path):
+def test_the_adapter_slots_at_1_5b_rank_16_four_slots_are_270_mib_and_only_where_enable_lora_is_on(tmp_path):
     path = _qwen(tmp_path, "1.5b")
     on = _lora_estimates(tmp_path, path, "bfloat16", {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16},
                          {"lora": {"rank": 16}})
     # Every projection: q 1536+1536, k and v 1536+256, o 1536+1536, gate and up 1536+8960, down 8960+1536.
     per_block = 2 * 3072 + 2 * 1792 + 3 * 10496
     assert per_block == 41216
+    # The replica's bank: A [80, in] per projection; B block-diagonal per group (q/k/v: 2048 rows x 3 blocks,
+    # gate/up: 17920 x 2, o and down: 1536 x 1), off-block zeros included.
+    bank_block = (6 * 1536 + 8960) + (2048 * 3 + 1536 + 17920 * 2 + 1536)
+    assert bank_block == 63232
     slots = on["rollout 0"]["LoRA adapter slots (4 x rank <= 16)"]
-    assert slots == 28 * per_block * (5 * 16) * 2 == 184_647_680           # 176.1 MiB of bf16
+    assert slots == 28 * bank_block * (5 * 16) * 2 == 283_279_360           # 270.2 MiB of bf16
     off = _lora_estimates(tmp_path, path, "bfloat16", {"enable_lora": False}, {"lora": {"rank": 16}})
     assert not any(k.startswith("LoRA adapter slots") for k in off["rollout 0"])
     # Pushes stage the rank-16 adapter (16 x 41216 per block) where the replica serves adapters, else merged weights.
@@ -255,6 +260,5 @@ def test_the_adapter_slot_estimate_equals_what_the_torch_engine_allocates(tmp_pa
     rollout = {"max_loras": 3, "max_lora_rank": 8, "lora_target_modules": ["q_proj", "o_proj", "down_proj"]}
     parts = _lora_estimates(tmp_path, path, "float32", {"enable_lora": True, **rollout}, {})
     engine = TorchEngine(RolloutSettings(model={"path": path}, rollout={"enable_lora": True, **rollout}))
-    allocated = sum(t.numel() * t.element_size() for m in engine.adapters.layers.values()
-                    for t in (m.lora_A_cat, m.lora_B_cat))
+    allocated = sum(t.numel() * t.element_size() for t in engine.adapters.buffers())
     assert parts["rollout 0"]["LoRA adapter slots (3 x rank <= 8)"] == allocated > 0

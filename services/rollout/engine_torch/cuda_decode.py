@@ -212,13 +212,13 @@ class GraphDecoder(GraphStep):
         return Decoded([t[:n] for t, n in zip(tok, lengths)], [x[:n] for x, n in zip(lp, lengths)], stopped, top)
 
     def _follow_weights(self) -> None:
-        """Graphs read parameters by address: weights swapped by reference (not copied in place) need new ones;
-        the fused q/k/v copies are refreshed at every decode call."""
+        """Graphs read parameters by address: the fused projections' parameters swapped by reference go back into
+        their buffers (refresh_weights); any other weights swapped by reference need new graphs."""
+        self.refresh_weights()
         if self.use_graphs and self._weights_signature() != self._param_ptrs:
             log.info("cuda graph decoder: parameters moved; capturing again")
             self.reset()
             self._param_ptrs = self._weights_signature()
-        self._refresh_qkv()
 
     def _weights_signature(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self.model.parameters()) + tuple(b.data_ptr() for b in self.model.buffers())

@@ -6,6 +6,12 @@ then runs the model on that token against the static KV cache: the model's own m
 projections, MLPs, rotary embedding), attention replaced by the query of one token against every cache slot,
 slots outside [pad, current] masked (decode_attention.py's kernel, or torch ops). No host sync anywhere, so the
 whole step is one graph; the host side (buckets, capture, replay, prefill, stop strings) is cuda_decode.py.
+
+The projections run by group, each one GEMM on a buffer that holds the members' weights (their parameters are views
+of it, fused_weights.py): q/k/v and gate/up. With LoRA adapters served (lora.py) the step builds the rows' slot mask
+once and every group (o and down alone) has its adapters' A under its weights, so the same GEMM gives the shrink;
+then one mask multiply and one block-diagonal expand GEMM, lined up with the group's outputs, added before the split.
+The layers' own forwards (and their per-layer adapter deltas) never run here.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from services.rollout.engine_torch import decode_attention, fused_sample
 from services.rollout.engine_torch.sampling import top_p_filter
-from services.rollout.engine_torch.lora import add_lora, bank_of
+from services.rollout.engine_torch.fused_weights import fuse, refresh
+from services.rollout.engine_torch.lora import GATE_UP, QKV, LoraLinear, bank_of, grouped_delta, masked_expand
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
@@ -101,12 +109,13 @@ class GraphStep:
         # no inductor cudagraphs: the decoder captures the whole step. After the first change of bucket the
         # sizes are compiled dynamic.
         self._layer_fn = torch.compile(self._layer, fullgraph=True) if compile else self._layer
-        # q, k and v projections as one GEMM per layer (three small ones were ~10% of a step at batch 512):
-        # concatenated copies of the weights, refreshed from the model at every decode call (~50 MB at 0.5B),
-        # so weight updates of any kind are seen. Only where all three have a bias or none has.
-        self._qkv = self._qkv_buffers()
         # LoRA adapters served on this model (rollout.enable_lora): each row's slot is in adapters.rows.
         self.adapters = bank_of(model)
+        # q/k/v as one GEMM per layer (three small ones were ~10% of a step at batch 512), gate/up likewise: the
+        # parameters re-pointed into one buffer each (fused_weights.py; no copies). With adapters, each group's A
+        # sits under its buffer, o's and down's too, so the base GEMM is the shrink as well.
+        self._fused = []
+        self._proj = [self._layer_projections(i, layer) for i, layer in enumerate(model.model.layers)]
 
     def _new_state(self, B: int, S: int) -> State:
         """The static buffers of a (batch, length) bucket."""
@@ -128,32 +137,30 @@ class GraphStep:
             tok=torch.zeros(B, dtype=torch.long, **kw), lp=torch.zeros(B, dtype=torch.float32, **kw),
             sample_scratch=fused_sample.make_scratch(B, d) if self.fused_sampler else ())
 
-    def _qkv_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
-        attn = [layer.self_attn for layer in self.model.model.layers]
-        has_bias = {p.bias is not None for a in attn for p in (a.q_proj, a.k_proj, a.v_proj)}
-        if len(has_bias) != 1:
-            return None
-        out = []
-        for a in attn:
-            w = torch.empty((sum(p.weight.shape[0] for p in (a.q_proj, a.k_proj, a.v_proj)), a.q_proj.weight.shape[1]),
-                            dtype=a.q_proj.weight.dtype, device=a.q_proj.weight.device)
-            b = torch.empty(w.shape[0], dtype=w.dtype, device=w.device) if a.q_proj.bias is not None else None
-            out.append((w, b))
-        return out
+    def _layer_projections(self, i: int, layer) -> tuple:
+        """The layer's four projection groups (q/k/v, o, gate/up, down) as the step applies them: each
+        (fused weight, its bias, A when not under it, the adapters' B), None where absent."""
+        bank, a, mlp = self.adapters, layer.self_attn, layer.mlp
+        out, covered = [], 0
+        for parent, names in ((a, QKV), (a, ("o_proj",)), (mlp, GATE_UP), (mlp, ("down_proj",))):
+            group = bank.group(parent, names) if bank is not None else None
+            f = fuse([getattr(parent, n) for n in names], group) if group is not None or len(names) > 1 else None
+            if f is not None:
+                self._fused.append(f)
+            out.append((f.weight if f else None, f.bias if f else None,
+                        group.A if group is not None and f is None else None, group.B if group is not None else None))
+            covered += 0 if group is None else group.A.shape[0] // bank.width
+        adapted = sum(isinstance(m, LoraLinear) for m in layer.modules())
+        if covered != adapted:          # an adapted layer the step would skip: refuse rather than drop its delta
+            raise ValueError(f"rollout.lora_target_modules: layer {i} adapts {adapted} linear layers, the CUDA-graph "
+                             f"step applies {covered} (q/k/v/o/gate/up/down only); set rollout.cuda_graphs: false")
+        return tuple(out)
 
     def refresh_weights(self) -> None:
-        """After weights were copied into the model in place (a swap): the fused q/k/v copies follow."""
-        self._refresh_qkv()
-
-    @torch.no_grad()
-    def _refresh_qkv(self) -> None:
-        if self._qkv is None:
-            return
-        for layer, (w, b) in zip(self.model.model.layers, self._qkv):
-            a = layer.self_attn
-            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=w)
-            if b is not None:
-                torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], out=b)
+        """After weights were copied into the model (a swap): parameters given other storage go back into the fused
+        buffers (in-place copies are there already)."""
+        for f in self._fused:
+            refresh(f)
 
     def _step(self, st: State, mode: tuple[str, bool]) -> None:
         """Samples token `step` from st.logits, records it, then feeds it through the model (graph-safe: no syncs).
@@ -212,9 +219,10 @@ class GraphStep:
             valid = (st.slots >= st.pad.unsqueeze(-1)) & (st.slots <= st.slot)     # [B, S]
             bias = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill_(~valid, float("-inf"))
             bias = bias[:, None, None, :]                                           # [B, 1, 1, S]
+        # The rows' adapter mask, once per step for every group of every layer (None: base rows only).
+        mask = None if self.adapters is None or self.adapters.base_only(x) else self.adapters.step_mask(x.shape[0])
         for i, layer in enumerate(m.layers):
-            wqkv, bqkv = self._qkv[i] if self._qkv is not None else (None, None)
-            x = self._layer_fn(layer, x, cos, sin, bias, st.k[i], st.v[i], st.slot, st.pad, wqkv, bqkv)
+            x = self._layer_fn(layer, x, cos, sin, bias, st.k[i], st.v[i], st.slot, st.pad, self._proj[i], mask)
         x = m.norm(x)[:, 0]
         head = self.model.lm_head
         if head.bias is None and x.dtype == st.logits.dtype:
@@ -223,17 +231,12 @@ class GraphStep:
             st.logits.copy_(head(x))
 
     def _layer(self, layer, x, cos, sin, bias, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
-               pad: torch.Tensor, wqkv: torch.Tensor | None = None, bqkv: torch.Tensor | None = None) -> torch.Tensor:
-        """One decoder layer for one token per row; writes its k/v at `slot` of the layer's cache."""
+               pad: torch.Tensor, proj: tuple, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One decoder layer for one token per row; writes its k/v at `slot` of the layer's cache. proj: the layer's
+        projection groups (_layer_projections), mask: the step's adapter row mask (None: base rows only)."""
         B, H, KV, hd = x.shape[0], self.num_heads, self.num_kv, self.head_dim
-        a = layer.self_attn
-        h = layer.input_layernorm(x)
-        if wqkv is not None:
-            q, k, v = torch.nn.functional.linear(h, wqkv, bqkv).split([H * hd, KV * hd, KV * hd], dim=-1)
-            # The fused GEMM holds the base weights only: each projection's adapter delta on top.
-            q, k, v = add_lora(q, a.q_proj, h), add_lora(k, a.k_proj, h), add_lora(v, a.v_proj, h)
-        else:
-            q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+        a, mlp = layer.self_attn, layer.mlp
+        q, k, v = self._project(layer.input_layernorm(x), (a.q_proj, a.k_proj, a.v_proj), proj[0], mask)
         q = q.reshape(B, 1, H, hd).transpose(1, 2)                               # [B, H, 1, hd]
         k = k.reshape(B, 1, KV, hd).transpose(1, 2)
         v = v.reshape(B, 1, KV, hd).transpose(1, 2)
@@ -247,5 +250,24 @@ class GraphStep:
             scores = torch.matmul(q.reshape(B, KV, H // KV, hd), kc.transpose(-1, -2)).float()
             probs = torch.softmax(scores * self.scaling + bias, dim=-1).to(x.dtype)
             o = torch.matmul(probs, vc).reshape(B, 1, H * hd)
-        x = x + a.o_proj(o)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + self._project(o, (a.o_proj,), proj[1], mask)[0]
+        # Llama's and Qwen2's MLP: down(act(gate h) * up h).
+        g, u = self._project(layer.post_attention_layernorm(x), (mlp.gate_proj, mlp.up_proj), proj[2], mask)
+        return x + self._project(mlp.act_fn(g) * u, (mlp.down_proj,), proj[3], mask)[0]
+
+    @staticmethod
+    def _project(x: torch.Tensor, members: tuple, group: tuple, mask: torch.Tensor | None) -> Sequence[torch.Tensor]:
+        """Each member's output on x, plus its adapter delta when mask is set. group: (fused weight, bias, A, B) of
+        _layer_projections; without a fused weight, each member's own GEMM and the group's shrink."""
+        w, b, A, B = group
+        sizes = [m.out_features for m in members]
+        if w is not None:
+            y = F.linear(x, w, b)                          # the members' base outputs, then (with adapters) x A^T
+            out = y[..., :sum(sizes)]
+            if B is not None and mask is not None:         # the block-diagonal expand, lined up with the outputs
+                out = out + masked_expand(y[..., sum(sizes):], B, mask)
+            return out.split(sizes, dim=-1)
+        outs = [F.linear(x, m.weight, m.bias) for m in members]
+        if B is not None and mask is not None:
+            outs = [y + d for y, d in zip(outs, grouped_delta(x, A, B, mask).split(sizes, dim=-1))]
+        return outs

@@ -6,8 +6,15 @@ full-weight updates, named_weights and the graph decoder's weight reads are unch
 stacked: A_cat [S * r, in] and B_cat [out, S * r], slot s in columns s*r .. (s+1)*r, the scale alpha / rank folded
 into B, smaller ranks zero-padded, slot 0 all zeros (the base model's rows). A forward reads each batch row's slot
 from the bank and adds ((x @ A_cat^T) * onehot(slot of row)) @ B_cat^T: two GEMMs over S * r columns (a few dozen),
-no per-row weight gathers, static shapes. CUDA graphs capture it as it is; a load copies into the same buffers, so
-captured graphs stay valid.
+no per-row weight gathers, static shapes.
+
+Layers that read one input (q/k/v, gate/up: GROUPS) share a LoraGroup: one A [k * S * r, in] stacking the k adapted
+members' A_cat, one block-diagonal B [sum of the members' out, k * S * r] (zeros off the blocks); each member's A_cat
+and B_cat are views of it. The graph decoder (graph_step.py) applies a whole group with one shrink GEMM (the group's
+A sits under the members' fused weights, LoraGroup.under_base_rows, so their base GEMM is the shrink too), one mask
+multiply (the mask built once per step: step_mask) and one expand GEMM whose output lines up with the fused
+projection's (q|k|v, gate|up); eager forwards keep the per-layer delta. CUDA graphs capture either as it is; a load
+copies into the same buffers (through the views), so captured graphs stay valid.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -28,6 +36,11 @@ log = logging.getLogger("meshrl.rollout")
 PREFIX = "base_model.model."
 # The linear layers an adapter may target when the recipe names none (every projection of a decoder layer).
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Linear layers of one module that read the same input, in the order a fused projection stacks their outputs
+# (graph_step.py's q/k/v GEMM): one shrink and one expand GEMM serve all of them. Any other target is a group alone.
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+GROUPS = (QKV, GATE_UP)
 
 
 class LoraLinear(nn.Linear):
@@ -51,11 +64,44 @@ class LoraLinear(nn.Linear):
         return F.linear(h, self.lora_B_cat)
 
 
-def add_lora(y: torch.Tensor, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """y (module's base output computed elsewhere, e.g. a fused q/k/v GEMM) plus module's adapter delta."""
-    if not isinstance(module, LoraLinear) or module._lora_bank.base_only(x):
-        return y
-    return y + module.lora_delta(x)
+@dataclass
+class LoraGroup:
+    """The stacked adapters of the layers of one module that read one input (a GROUPS entry, or one layer alone); the
+    members' own A_cat / B_cat are views of these, so a load writes both."""
+
+    A: torch.Tensor      # [k * W, in]: the k adapted members' A_cat, in GROUPS order (W = S * r)
+    B: torch.Tensor      # [sum of every member's out, k * W]: member j's B_cat at its rows, columns j*W.., else zeros
+    adapted: list[nn.Module]                # the k adapted members, in A's order
+    stacked: torch.Tensor | None = None     # [rows + k * W, in] once asked for (under_base_rows): A is its tail
+
+    def under_base_rows(self, rows: int) -> torch.Tensor:
+        """A buffer of `rows` rows for the caller's fused base weight (fused_weights.py) over A, so one GEMM
+        gives the base output and the shrink: allocated once and shared by every caller; A and the members' A_cat
+        become views of its tail (loads write there). Call before a graph captures A."""
+        if self.stacked is None:
+            buf = torch.empty((rows + self.A.shape[0], self.A.shape[1]), dtype=self.A.dtype, device=self.A.device)
+            buf[rows:].copy_(self.A)
+            self.A, self.stacked = buf[rows:], buf
+            W = self.A.shape[0] // len(self.adapted)
+            for j, m in enumerate(self.adapted):
+                m.lora_A_cat = self.A[j * W:(j + 1) * W]
+        if self.stacked.shape[0] != rows + self.A.shape[0]:
+            raise ValueError(f"LoraGroup.under_base_rows: {rows} rows asked, {self.stacked.shape[0]} - "
+                             f"{self.A.shape[0]} held")
+        return self.stacked
+
+
+def masked_expand(h: torch.Tensor, B: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A group's shrink output h [N, ..., k * W] (x @ A^T) kept in each row's slot columns, then expanded by B;
+    mask [N, >= k * W] is AdapterBank.step_mask (periodic in W, so its first k * W columns serve a group of k)."""
+    n = h.shape[0]
+    return F.linear(h * mask[:, :h.shape[-1]].view(n, *([1] * (h.dim() - 2)), -1), B)
+
+
+def grouped_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A group's adapter delta for each row's slot, x [N, ..., in] -> [N, ..., out of the group]: one shrink GEMM,
+    the mask, one expand GEMM (masked_expand)."""
+    return masked_expand(F.linear(x, A), B, mask)
 
 
 def adapter_targets(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Linear]:
@@ -93,14 +139,60 @@ class AdapterBank:
         for m in self.layers.values():
             m.__class__ = LoraLinear
             m._lora_bank = self
-            m.lora_A_cat = torch.zeros((width, m.in_features), dtype=self.dtype, device=self.device)
-            m.lora_B_cat = torch.zeros((m.out_features, width), dtype=self.dtype, device=self.device)
-        mib = sum(m.lora_A_cat.numel() + m.lora_B_cat.numel() for m in self.layers.values()) * p.element_size()
+        self.width = width
+        self.groups = self._build_groups(model)
+        # The graph step's row mask, built once per step for every group: the slot of each column, k_max times over.
+        widest = max(g.A.shape[0] for g in self.groups.values()) // width
+        self._group_column_slot = self.column_slot.repeat(widest)
+        mib = sum(t.numel() for t in self.buffers()) * p.element_size()
         log.info("rollout: LoRA serving on %d layers (%s), %d adapter slots of rank <= %d (%.1f MiB)",
                  len(self.layers), ",".join(sorted({n.rsplit(".", 1)[-1] for n in self.layers})), max_loras, max_rank,
                  mib / 2**20)
 
+    def _build_groups(self, model: nn.Module) -> dict[tuple[int, tuple[str, ...]], LoraGroup]:
+        """{(id of the parent module, member names): its LoraGroup} over every target layer; each member's A_cat and
+        B_cat set to its views."""
+        groups: dict[tuple[int, tuple[str, ...]], LoraGroup] = {}
+        W = self.width
+        for path, m in self.layers.items():
+            parent_path, leaf = path.rsplit(".", 1)
+            parent = model.get_submodule(parent_path)
+            names = next((g for g in GROUPS if leaf in g), (leaf,))
+            members = [getattr(parent, n, None) for n in names]
+            if not all(isinstance(x, nn.Linear) and x.in_features == m.in_features for x in members):
+                names, members = (leaf,), [m]
+            if (id(parent), names) in groups:
+                continue
+            adapted = [f"{parent_path}.{n}" in self.layers for n in names]
+            k = sum(adapted)
+            A = torch.zeros((k * W, m.in_features), dtype=self.dtype, device=self.device)
+            B = torch.zeros((sum(x.out_features for x in members), k * W), dtype=self.dtype, device=self.device)
+            row = j = 0
+            for x, on in zip(members, adapted):
+                if on:
+                    x.lora_A_cat = A[j * W:(j + 1) * W]
+                    x.lora_B_cat = B[row:row + x.out_features, j * W:(j + 1) * W]
+                    j += 1
+                row += x.out_features
+            groups[(id(parent), names)] = LoraGroup(A, B, [x for x, on in zip(members, adapted) if on])
+        return groups
+
+    def group(self, parent: nn.Module, names: Sequence[str]) -> LoraGroup | None:
+        """The group of `parent`'s layers `names` (e.g. an attention module's QKV); None when none of them is adapted
+        (or they are not one group here)."""
+        return self.groups.get((id(parent), tuple(names)))
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer the bank allocated (the groups' A and B; the layers' A_cat / B_cat are views of them)."""
+        return [t for g in self.groups.values() for t in (g.A, g.B)]
+
     # ---- rows
+
+    def step_mask(self, n: int) -> torch.Tensor:
+        """[n, k_max * W] in the model's dtype: 1 where a column belongs to row i's slot (built once per graph step,
+        read by every group's grouped_delta)."""
+        return (self.current[:n, None] == self._group_column_slot).to(self.dtype)
+
 
     def base_only(self, x: torch.Tensor) -> bool:
         """Whether a forward of x is base rows only, known without looking at the rows: wider than the rows set
