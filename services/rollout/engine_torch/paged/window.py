@@ -1,0 +1,166 @@
+"""Windows of paged decode steps with one host sync each (as cuda_decode's `sync_every`): the running rows' blocks for
+the window's tokens are reserved up front, then k steps run with each step's tokens fed back on the device (the
+sampler's draws, sample.py, straight into the next forward: a CUDA-graph replay whose ids, positions and context
+lengths advance on the device, or the eager paged forward), then one sync reads the window's tokens, log-probs and
+eos flags and the host does the k steps' bookkeeping: a row that ended inside the window (eos, a stop string, its
+budget) keeps its tokens up to its end and lets go of the blocks reserved past it. Admissions, preemptions, weight
+swaps and episode ends happen between windows (decoder.py's loop).
+
+Window j of a row starts with its next token's logits; it samples k tokens and feeds the first k - 1 (the last one is
+fed by the loop's step after the window, as with k = 1, today's one step per sync). A pool without room for every
+row's window falls back to k = 1 (rows then grow one token at a time, preempting when dry). Rows past their end or
+budget inside a window still run to the window's end: their extra tokens land in blocks reserved for them and are
+dropped with those blocks; the tables are sized for a window past the longest budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.rollout.engine_torch.lora import adapter_rows
+from services.rollout.engine_torch.paged.blocks import BlockTable
+from services.rollout.engine_torch.paged.forward import paged_forward
+
+# Decode steps per host sync (cuda_decode's sync_every).
+SYNC_EVERY = 16
+
+
+@dataclass
+class Seq:
+    """One row's paged state: its tokens (prompt + response so far) and its blocks."""
+
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    table: BlockTable = field(default_factory=BlockTable)
+    # what the next token is sampled from: row i of a [B, V] fp32 batch of logits (a forward's, kept whole)
+    logits: tuple[torch.Tensor, int] | None = None
+    done: bool = False
+    preempted: bool = False                      # waits to resume (its history is fed again, mostly cached)
+    cached_prompt: int = -1                      # prompt tokens not prefilled at its first admission (-1: not yet)
+    episode: str = ""                            # its episode's id: the table is pinned when it ends
+    slot: int = 0                                # its LoRA adapter's slot in the bank (0: the base model)
+    key: tuple = ()                              # what its KV was computed with, since its admission (_key)
+
+    @property
+    def response(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+class HostTables:
+    """Every row's block table mirrored in one host tensor [rows, width], written where a table changed (admission,
+    a new block, a copy on write), so a decode step's [B, width] tables are one index_select, not B lists. Wide
+    enough for a window past each row's budget."""
+
+    def __init__(self, rows, block_size: int, window: int):
+        width = max(-(-(len(r.prompt) + r.budget + window) // block_size) for r in rows)
+        self.t = torch.zeros((len(rows), width), dtype=torch.long)
+
+    def write(self, s: Seq, start: int = 0) -> None:
+        blocks = s.table.blocks
+        if start < len(blocks):
+            self.t[s.index, start:len(blocks)] = torch.tensor(blocks[start:], dtype=torch.long)
+
+    def of(self, running: list[Seq]) -> torch.Tensor:
+        return self.t.index_select(0, torch.tensor([s.index for s in running], dtype=torch.long))
+
+
+class Windows:
+    """PagedDecoder's windows of steps (a mixin: it reads the decoder's pool, kv, graphs, host tables, sampler)."""
+
+    def _reserve(self, s: Seq, num_tokens: int) -> None:
+        """Room in s's table for num_tokens tokens (raises NoFreeBlock, table unchanged, when the pool is dry)."""
+        before = len(s.table.blocks)
+        copy = self.pool.reserve(s.table, num_tokens)
+        if copy is not None:                              # a shared, partly filled last block, copied on write
+            self.kv.copy_block(*copy)
+        self._host.write(s, before - 1 if copy is not None else before)
+
+    def _window_size(self, rows, running: list[Seq]) -> int:
+        """k steps for this window, their blocks reserved: sync_every (no more than the longest remaining budget), or
+        1 when the pool's unused blocks cannot hold every row's k - 1 fed tokens beside one spare block per row."""
+        k = min(self.sync_every, max(rows[s.index].budget - len(s.response) for s in running))
+        if k <= 1:
+            return 1
+        bs, need = self.pool.block_size, 0
+        for s in running:
+            t = s.table
+            need += max(0, -(-(len(s.tokens) + k - 1) // bs) - len(t.blocks))
+            need += t.num_tokens % bs != 0 and self.pool.ref[t.blocks[-1]] > 1       # a copy on write
+        if need + len(running) > self.pool.num_unused:          # a window never evicts the prefix cache
+            return 1
+        for s in running:
+            self._reserve(s, len(s.tokens) + k - 1)
+        return k
+
+    def _window(self, rows, running: list[Seq], k: int, logps, tops, stop_check) -> list[Seq]:
+        """k steps of the running rows, one sync, their bookkeeping; finishes the rows that ended and returns the
+        others (each with its last sampled token not fed yet: the loop's step feeds it)."""
+        self.sampler.begin([s.index for s in running], [len(s.response) for s in running])
+        logits = _batch_logits(running)                                              # [R, V] fp32
+        starts, slots = [len(s.tokens) for s in running], [s.slot for s in running]
+        tables = self._host.of(running) if k > 1 else None
+        steps = []
+        for j in range(k):
+            steps.append(self.sampler.draw(logits, j))
+            if j + 1 < k:
+                logits = self._feed(steps[-1].tok, j, starts, tables, slots)
+        self.stats["decode_steps"] += k
+        self.stats["decode_syncs"] += 1
+        self._settle(rows, running, *self.sampler.read(steps), logps, tops, stop_check)
+        for s in running:
+            if s.done:
+                self._finish(s)
+        return [s for s in running if not s.done]
+
+    def _feed(self, tok: torch.Tensor, j: int, starts: list[int], tables: torch.Tensor, slots: list[int]
+              ) -> torch.Tensor:
+        """A window's step j: its tokens tok (device [R]) at positions starts[r] + j -> the next logits [R, V]."""
+        if self.graphs is not None:
+            if j == 0:
+                return self.graphs.forward(tok, starts, tables, slots)
+            return self.graphs.forward(tok, None, None, slots)              # ids, positions advanced on the device
+        with adapter_rows(self.adapters, slots):
+            return paged_forward(self.model, self.kv, tables, [p + j for p in starts], tok[:, None])
+
+    def _settle(self, rows, running: list[Seq], tok, lp, hit, top, logps, tops, stop_check) -> None:
+        """The window's tokens into each row up to its end (eos, stop string, budget: the row is done and lets go of
+        the blocks past its end); each row's KV then covers all its tokens but the last."""
+        bs = self.pool.block_size
+        for b, s in enumerate(running):
+            r = rows[s.index]
+            for j, t in enumerate(tok[b]):
+                s.tokens.append(t)
+                logps[s.index].append(lp[b][j])
+                if top is not None and top[b] is not None:
+                    tops[s.index].append(top[b][j])
+                stopped = hit[b][j] or (stop_check is not None and r.sampling.stop and stop_check(s.index, s.response))
+                if stopped or len(s.response) >= r.budget:
+                    s.done = True
+                    r.finish_reason = "stop" if stopped else "length"
+                    break
+            s.table.num_tokens = len(s.tokens) - 1
+            keep = -(-s.table.num_tokens // bs)
+            if s.done and len(s.table.blocks) > keep:
+                for blk in s.table.blocks[keep:]:
+                    self.pool.release(blk)
+                del s.table.blocks[keep:]
+
+
+def _batch_logits(running: list[Seq]) -> torch.Tensor:
+    """The running rows' logits as one [B, V] batch: the last decode forward's tensor itself when the rows are its
+    rows in order (most steps), else rows picked from each source (after admissions and ends)."""
+    src0 = running[0].logits[0]
+    if len(running) == src0.size(0) and all(s.logits[0] is src0 and s.logits[1] == i for i, s in enumerate(running)):
+        return src0
+    parts, i = [], 0
+    while i < len(running):
+        src, j = running[i].logits[0], i
+        while j < len(running) and running[j].logits[0] is src:
+            j += 1
+        idx = torch.tensor([s.logits[1] for s in running[i:j]], dtype=torch.long, device=src.device)
+        parts.append(src.index_select(0, idx))
+        i = j
+    return torch.cat(parts)
