@@ -165,7 +165,7 @@ class PagedDecoder(Windows):
                                      f"({len(waiting[0].tokens)} tokens in {self.pool.num_blocks} blocks of "
                                      f"{self.pool.block_size}); raise it")
                 self.stats["max_running_rows"] = max(self.stats["max_running_rows"], len(running))
-                k = self._window_size(rows, running)
+                k = self._window_size(rows, running, waiting)
                 running = self._window(rows, running, k, logps, tops, stop_check)
                 running = self._grow(running, waiting)
                 now = swap_point() if swap_point is not None else version

@@ -6,11 +6,12 @@ eos flags and the host does the k steps' bookkeeping: a row that ended inside th
 budget) keeps its tokens up to its end and lets go of the blocks reserved past it. Admissions, preemptions, weight
 swaps and episode ends happen between windows (decoder.py's loop).
 
-Window j of a row starts with its next token's logits; it samples k tokens and feeds the first k - 1 (the last one is
-fed by the loop's step after the window, as with k = 1, today's one step per sync). A pool without room for every
-row's window falls back to k = 1 (rows then grow one token at a time, preempting when dry). Rows past their end or
-budget inside a window still run to the window's end: their extra tokens land in blocks reserved for them and are
-dropped with those blocks; the tables are sized for a window past the longest budget.
+A window starts from each row's next token's logits; it samples k tokens and feeds the first k - 1 (the last one is
+fed by the loop's step after the window, as with k = 1: one step per sync, as before windows). A pool that cannot
+hold every row's window (free and evictable blocks; only unused ones while a preempted row waits to resume from its
+cached blocks) falls back to k = 1 (rows then grow one token at a time, preempting when dry). Rows past their end or budget inside a window still run to the window's
+end: their extra tokens land in blocks reserved for them and are dropped with those blocks; the tables are sized for
+a window past the longest budget.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class Seq:
     def response(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
+    @property
+    def num_response(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
 
 class HostTables:
     """Every row's block table mirrored in one host tensor [rows, width], written where a table changed (admission,
@@ -78,10 +83,12 @@ class Windows:
             self.kv.copy_block(*copy)
         self._host.write(s, before - 1 if copy is not None else before)
 
-    def _window_size(self, rows, running: list[Seq]) -> int:
+    def _window_size(self, rows, running: list[Seq], waiting) -> int:
         """k steps for this window, their blocks reserved: sync_every (no more than the longest remaining budget), or
-        1 when the pool's unused blocks cannot hold every row's k - 1 fed tokens beside one spare block per row."""
-        k = min(self.sync_every, max(rows[s.index].budget - len(s.response) for s in running))
+        1 when the pool cannot hold every row's k - 1 fed tokens beside one spare block per row. While a preempted
+        row waits, a window takes unused blocks only (never the cached blocks that row resumes from); else it may
+        evict cached ones, as the one-step loop does a step later."""
+        k = min(self.sync_every, max(rows[s.index].budget - s.num_response for s in running))
         if k <= 1:
             return 1
         bs, need = self.pool.block_size, 0
@@ -89,7 +96,8 @@ class Windows:
             t = s.table
             need += max(0, -(-(len(s.tokens) + k - 1) // bs) - len(t.blocks))
             need += t.num_tokens % bs != 0 and self.pool.ref[t.blocks[-1]] > 1       # a copy on write
-        if need + len(running) > self.pool.num_unused:          # a window never evicts the prefix cache
+        room = self.pool.num_unused if waiting and waiting[0].preempted else self.pool.num_free
+        if need + len(running) > room:
             return 1
         for s in running:
             self._reserve(s, len(s.tokens) + k - 1)
@@ -98,7 +106,7 @@ class Windows:
     def _window(self, rows, running: list[Seq], k: int, logps, tops, stop_check) -> list[Seq]:
         """k steps of the running rows, one sync, their bookkeeping; finishes the rows that ended and returns the
         others (each with its last sampled token not fed yet: the loop's step feeds it)."""
-        self.sampler.begin([s.index for s in running], [len(s.response) for s in running])
+        self.sampler.begin([s.index for s in running], [s.num_response for s in running])
         logits = _batch_logits(running)                                              # [R, V] fp32
         starts, slots = [len(s.tokens) for s in running], [s.slot for s in running]
         tables = self._host.of(running) if k > 1 else None
@@ -137,7 +145,7 @@ class Windows:
                 if top is not None and top[b] is not None:
                     tops[s.index].append(top[b][j])
                 stopped = hit[b][j] or (stop_check is not None and r.sampling.stop and stop_check(s.index, s.response))
-                if stopped or len(s.response) >= r.budget:
+                if stopped or s.num_response >= r.budget:
                     s.done = True
                     r.finish_reason = "stop" if stopped else "length"
                     break
