@@ -36,7 +36,8 @@ def today(path: str) -> TorchEngine:
     return TorchEngine(RolloutSettings(model={"path": path}))
 
 
-def paged(path: str, *, blocks: int | None = None, sync_every: int = 16, static: bool = False, **rollout) -> TorchEngine:
+def paged(path: str, *, blocks: int | None = None, sync_every: int = 16, static: bool = False,
+          **rollout) -> TorchEngine:
     if blocks is not None:
         rollout["kv_cache_gib"] = blocks * block_bytes(today(path).model, 4) / 2**30
     eng = TorchEngine(RolloutSettings(model={"path": path}, rollout=dict(kv_cache="paged", kv_block_size=4, **rollout)))

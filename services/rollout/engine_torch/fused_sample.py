@@ -14,8 +14,10 @@ Qwen's 151,936 entries). Here the logits are read once, in their own dtype:
            records.
 
 Uniforms come from Triton's Philox (rand4x: one call gives 4 columns' worth) keyed by each row's own seed,
-with a per-step counter (one for the batch, or one per row), both held in device tensors, so a captured graph replays a fresh draw every step
-without host syncs, and a seeded row draws the same whatever batch, bucket or position it decodes in. Top-p sampling stays on the torch path (a sort is not a one-pass job).
+with a per-step counter (one for the batch, or one per row: a paged row's token index), both held in device
+tensors, so a captured graph replays a fresh draw every step without host syncs, and a seeded row draws the same
+whatever batch, bucket or position it decodes in. Top-p sampling stays on the torch path (a sort is not a one-pass
+job).
 """
 
 from __future__ import annotations

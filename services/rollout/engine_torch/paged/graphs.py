@@ -62,7 +62,7 @@ class PagedGraphs:
         with adapter slots[r] (None: the base model's rows). ids: host ints, or a device tensor [R] (a window's
         sampled tokens, fed back without a host round trip). pos and tables None: the previous call's rows, each one
         token further (a window's next step: positions and context lengths advanced on the device, tables kept)."""
-        if self.use_graphs and self._weights() != self._signature:
+        if self.use_graphs and pos is not None and self._weights() != self._signature:   # not inside a window
             log.info("paged KV graphs: parameters moved; capturing again")
             self._buckets.clear()
             self._pool = torch.cuda.graph_pool_handle()

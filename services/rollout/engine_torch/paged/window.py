@@ -9,9 +9,9 @@ swaps and episode ends happen between windows (decoder.py's loop).
 A window starts from each row's next token's logits; it samples k tokens and feeds the first k - 1 (the last one is
 fed by the loop's step after the window, as with k = 1: one step per sync, as before windows). A pool that cannot
 hold every row's window (free and evictable blocks; only unused ones while a preempted row waits to resume from its
-cached blocks) falls back to k = 1 (rows then grow one token at a time, preempting when dry). Rows past their end or budget inside a window still run to the window's
-end: their extra tokens land in blocks reserved for them and are dropped with those blocks; the tables are sized for
-a window past the longest budget.
+cached blocks) falls back to k = 1 (rows then grow one token at a time, preempting when dry). Rows past their end
+or budget inside a window still run to the window's end: their extra tokens land in blocks reserved for them and
+are dropped with those blocks; the tables are sized for a window past the longest budget.
 """
 
 from __future__ import annotations
@@ -139,23 +139,29 @@ class Windows:
         bs = self.pool.block_size
         for b, s in enumerate(running):
             r = rows[s.index]
-            for j, t in enumerate(tok[b]):
-                s.tokens.append(t)
-                logps[s.index].append(lp[b][j])
-                if top is not None and top[b] is not None:
-                    tops[s.index].append(top[b][j])
-                stopped = hit[b][j] or (stop_check is not None and r.sampling.stop and stop_check(s.index, s.response))
-                if stopped or s.num_response >= r.budget:
-                    s.done = True
-                    r.finish_reason = "stop" if stopped else "length"
-                    break
+            room = r.budget - s.num_response
+            n = min(len(tok[b]), room)                                  # kept, at most, by the budget
+            eos = hit[b].index(1.0, 0, n) if 1.0 in hit[b][:n] else -1
+            n = eos + 1 if eos >= 0 else n
+            stopped = eos >= 0
+            if stop_check is not None and r.sampling.stop:              # the text, token by token (rare: slow path)
+                for j in range(n - stopped):                           # an eos token ends the row without a check
+                    if stop_check(s.index, s.response + tok[b][:j + 1]):
+                        n, stopped = j + 1, True
+                        break
+            s.tokens += tok[b][:n]
+            logps[s.index] += lp[b][:n]
+            if top is not None and top[b] is not None:
+                tops[s.index] += top[b][:n]
+            if stopped or n >= room:
+                s.done = True
+                r.finish_reason = "stop" if stopped else "length"
             s.table.num_tokens = len(s.tokens) - 1
             keep = -(-s.table.num_tokens // bs)
             if s.done and len(s.table.blocks) > keep:
                 for blk in s.table.blocks[keep:]:
                     self.pool.release(blk)
                 del s.table.blocks[keep:]
-
 
 def _batch_logits(running: list[Seq]) -> torch.Tensor:
     """The running rows' logits as one [B, V] batch: the last decode forward's tensor itself when the rows are its
