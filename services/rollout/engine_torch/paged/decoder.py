@@ -60,8 +60,11 @@ class PagedDecoder(Windows):
         # this cache has accounted for (an adapter load moves that version, not the epoch).
         self._epoch, self._version = 0, 0
         self.pool = BlockPool(num_blocks, block_size)
+        # One block past the pool's, never handed out: a window's writes past a row's reserved blocks land there
+        # (window.py; every host table entry past a row's blocks names it).
         self.kv = PagedKV(num_layers=cfg.num_hidden_layers, num_kv=cfg.num_key_value_heads, head_dim=attn.head_dim,
-                          num_blocks=num_blocks, block_size=block_size, dtype=p.dtype, device=p.device)
+                          num_blocks=num_blocks + 1, block_size=block_size, dtype=p.dtype, device=p.device)
+        self.spill = num_blocks
         self.max_batch_size = max_batch_size
         self.fused_sampler, self.sync_every = fused_sampler, max(1, sync_every)
         self.stats = {"preemptions": 0, "resumed_rows": 0, "swap_recomputed_rows": 0, "prefill_tokens": 0,
@@ -150,7 +153,7 @@ class PagedDecoder(Windows):
         seqs = [Seq(i, list(r.prompt), len(r.prompt), episode=r.episode, slot=r.slot) for i, r in enumerate(rows)]
         self.sampler = StepSampler(rows, self.device, self.eos, fused=fused_applies(rows, self.device,
                                                                                     self.fused_sampler))
-        self._host = HostTables(rows, self.pool.block_size, self.sync_every)
+        self._host = HostTables(rows, self.pool.block_size, self.sync_every, self.spill)
         waiting, running = deque(seqs), []
         tops: list[list] = [[] for _ in rows]
         logps: list[list[float]] = [[] for _ in rows]
@@ -203,8 +206,10 @@ class PagedDecoder(Windows):
         leaders: dict[tuple, Seq] = {}
         followers: list[tuple[Seq, Seq]] = []
         admitted: list[Seq] = []
-        # One free block per running row stays in reserve, so admitting does not preempt at the next step.
-        reserve = num_running
+        # Free blocks per running row stay in reserve, so admitting does not preempt at the next step: one, and with
+        # windows one more (a window's blocks beside that spare, window.py).
+        per_row = 2 if self.sync_every > 1 else 1
+        reserve = num_running * per_row
         while waiting and num_running + len(admitted) < self.max_batch_size:
             s = waiting[0]
             s.key = self._key(s.slot)
@@ -235,7 +240,7 @@ class PagedDecoder(Windows):
                 if s.cached_prompt < 0:
                     s.cached_prompt = cached.num_tokens
                 leaders[key] = s
-            reserve += 1
+            reserve += per_row
             if s.preempted:
                 s.preempted = False
                 self.stats["resumed_rows"] += 1

@@ -7,11 +7,12 @@ budget) keeps its tokens up to its end and lets go of the blocks reserved past i
 swaps and episode ends happen between windows (decoder.py's loop).
 
 A window starts from each row's next token's logits; it samples k tokens and feeds the first k - 1 (the last one is
-fed by the loop's step after the window, as with k = 1: one step per sync, as before windows). A pool that cannot
-hold every row's window (free and evictable blocks; only unused ones while a preempted row waits to resume from its
-cached blocks) falls back to k = 1 (rows then grow one token at a time, preempting when dry). Rows past their end
-or budget inside a window still run to the window's end: their extra tokens land in blocks reserved for them and
-are dropped with those blocks; the tables are sized for a window past the longest budget.
+fed by the loop's step after the window, as with k = 1: one step per sync, as before windows; its block is reserved
+with the window's). A pool that cannot hold every row's window (free and evictable blocks; only unused ones while a
+preempted row waits to resume from its cached blocks) shortens it to the steps it can hold, down to k = 1 (rows
+then grow one token at a time, preempting when dry). Rows past their end or budget inside a window still run to the window's end: their extra
+tokens land in blocks reserved for them (dropped with those blocks) or, past their budget, in the spill block (one
+block past the pool's, named by every table entry past a row's blocks).
 """
 
 from __future__ import annotations
@@ -56,17 +57,25 @@ class Seq:
 
 class HostTables:
     """Every row's block table mirrored in one host tensor [rows, width], written where a table changed (admission,
-    a new block, a copy on write), so a decode step's [B, width] tables are one index_select, not B lists. Wide
-    enough for a window past each row's budget."""
+    a new block, a copy on write), so a decode step's [B, width] tables are one index_select, not B lists. Entries
+    past a row's blocks name the spill block (a window's writes past a row's end go there); wide enough for a
+    window past each row's budget."""
 
-    def __init__(self, rows, block_size: int, window: int):
+    def __init__(self, rows, block_size: int, window: int, spill: int):
         width = max(-(-(len(r.prompt) + r.budget + window) // block_size) for r in rows)
-        self.t = torch.zeros((len(rows), width), dtype=torch.long)
+        self.t = torch.full((len(rows), width), spill, dtype=torch.long)
+        self.spill = spill
 
     def write(self, s: Seq, start: int = 0) -> None:
         blocks = s.table.blocks
         if start < len(blocks):
             self.t[s.index, start:len(blocks)] = torch.tensor(blocks[start:], dtype=torch.long)
+        if start == 0:                   # a whole table (an admission, a resume): none of an older one's entries
+            self.t[s.index, len(blocks):] = self.spill
+
+    def cut(self, s: Seq) -> None:
+        """s's table lost its blocks past len(blocks)."""
+        self.t[s.index, len(s.table.blocks):] = self.spill
 
     def of(self, running: list[Seq]) -> torch.Tensor:
         return self.t.index_select(0, torch.tensor([s.index for s in running], dtype=torch.long))
@@ -84,23 +93,33 @@ class Windows:
         self._host.write(s, before - 1 if copy is not None else before)
 
     def _window_size(self, rows, running: list[Seq], waiting) -> int:
-        """k steps for this window, their blocks reserved: sync_every (no more than the longest remaining budget), or
-        1 when the pool cannot hold every row's k - 1 fed tokens beside one spare block per row. While a preempted
-        row waits, a window takes unused blocks only (never the cached blocks that row resumes from); else it may
-        evict cached ones, as the one-step loop does a step later."""
+        """k steps for this window, their blocks reserved (the k - 1 tokens fed inside it and the last one, fed by
+        the loop's step after it, up to the row's budget: later writes go to the spill block): sync_every (no more
+        than the longest remaining budget), else the most steps whose blocks the pool holds beside one spare block
+        per running row (often up to the rows' next block boundary, which needs none), else 1. While a preempted row
+        waits, a window takes unused blocks only (never the cached blocks that row resumes from); else it may evict
+        cached ones, as the one-step loop does a step later."""
         k = min(self.sync_every, max(rows[s.index].budget - s.num_response for s in running))
         if k <= 1:
             return 1
-        bs, need = self.pool.block_size, 0
-        for s in running:
-            t = s.table
-            need += max(0, -(-(len(s.tokens) + k - 1) // bs) - len(t.blocks))
-            need += t.num_tokens % bs != 0 and self.pool.ref[t.blocks[-1]] > 1       # a copy on write
-        room = self.pool.num_unused if waiting and waiting[0].preempted else self.pool.num_free
-        if need + len(running) > room:
-            return 1
-        for s in running:
-            self._reserve(s, len(s.tokens) + k - 1)
+        bs, pool = self.pool.block_size, self.pool
+        room = (pool.num_unused if waiting and waiting[0].preempted else pool.num_free) - len(running)
+        rs = [(len(s.tokens), s.prompt_len + rows[s.index].budget - 1, len(s.table.blocks) * bs) for s in running]
+        cow = sum(s.table.num_tokens % bs != 0 and pool.ref[s.table.blocks[-1]] > 1 for s in running)
+
+        def need(k: int) -> int:                  # new blocks for windows of k steps (and the copies on write)
+            return cow + sum(max(0, -(-(min(t + k, lim) - have) // bs)) for t, lim, have in rs)
+
+        if need(k) > room:
+            lo, hi = 1, k                          # need(lo) fits (a window of 1 reserves nothing), need(hi) not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if need(mid) <= room else (lo, mid)
+            k = lo
+            if k <= 1:
+                return 1
+        for s, (t, lim, _) in zip(running, rs):
+            self._reserve(s, min(t + k, lim))
         return k
 
     def _window(self, rows, running: list[Seq], k: int, logps, tops, stop_check) -> list[Seq]:
@@ -162,6 +181,8 @@ class Windows:
                 for blk in s.table.blocks[keep:]:
                     self.pool.release(blk)
                 del s.table.blocks[keep:]
+                self._host.cut(s)
+
 
 def _batch_logits(running: list[Seq]) -> torch.Tensor:
     """The running rows' logits as one [B, V] batch: the last decode forward's tensor itself when the rows are its
