@@ -128,7 +128,7 @@ class Windows:
         self.sampler.begin([s.index for s in running], [s.num_response for s in running])
         logits = _batch_logits(running)                                              # [R, V] fp32
         starts, slots = [len(s.tokens) for s in running], [s.slot for s in running]
-        tables = self._host.of(running) if k > 1 else None
+        tables = self._host.of(running).to(self.device, non_blocking=True) if k > 1 else None   # once a window
         steps = []
         for j in range(k):
             steps.append(self.sampler.draw(logits, j))
