@@ -20,7 +20,7 @@ from services.common.tensors.modeling import response_logprobs
 from services.rollout.config import RolloutSettings
 from services.rollout.engine_torch.engine import TorchEngine, _Job
 from services.rollout.engine_torch.paged.kv import block_bytes
-from services.rollout.testing import make_tiny_model
+from services.rollout.testing import Gate, make_tiny_model, random_state_like
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
@@ -140,6 +140,38 @@ def test_a_pool_that_runs_dry_preempts_at_a_window_boundary_and_resumes_with_the
     m = eng.info()
     assert m["preemptions"] > 0 and m["resumed_rows"] == m["preemptions"] and windows_ran(eng)
     assert m["kv_blocks_used"] == static
+
+
+async def _swapped_turn(eng, gated_call: int, mode: str):
+    """10 greedy tokens of one row (partial rollouts `mode`) with a weight update posted during model call
+    `gated_call` (1 = the prefill, then one per step)."""
+    gate = Gate(eng.model.model.embed_tokens, (gated_call,))
+    try:
+        batch = GenerateBatch([PromptInput(prompt_ids=PROMPTS[1])], SamplingParams(temperature=0.0, max_tokens=10),
+                              partial_rollout=mode)
+        gen = asyncio.ensure_future(eng.generate(batch))
+        await gate.wait(gated_call)
+        update = asyncio.ensure_future(eng.apply_update(1, random_state_like(eng.model, seed=4)))
+        await asyncio.sleep(0)                       # the update posts its swap
+        gate.open(gated_call)
+        await update
+        return (await gen)[0].samples[0]
+    finally:
+        gate.handle.remove()
+
+
+@pytest.mark.parametrize("mode", ["continue", "pause"])
+def test_a_weight_swap_posted_inside_a_window_lands_at_its_end_as_between_two_steps(model_dir, mode):
+    """Windows of 4: the update posted during call 3 (feeding token 1) lands after the window's 4 tokens; the step
+    that ran ahead with the old weights (token 3) is fed again by the new ones. The one-step loop with the update
+    posted during call 4 (feeding token 2) lands at the same token: the same tokens and versions."""
+    windowed, one_step = paged(model_dir, sync_every=4), paged(model_dir, sync_every=1)
+    got = asyncio.run(_swapped_turn(windowed, 3, mode))
+    want = asyncio.run(_swapped_turn(one_step, 4, mode))
+    assert got.weight_versions == want.weight_versions == [0] * 4 + [1] * 6
+    assert got.response_ids == want.response_ids
+    assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+    assert windowed._paged.stats["decode_syncs"] < windowed._paged.stats["decode_steps"]
 
 
 @pytest.mark.parametrize("static,sync_every", [(False, 16), (True, 5)])

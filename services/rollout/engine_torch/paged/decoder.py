@@ -169,12 +169,17 @@ class PagedDecoder(Windows):
                                      f"{self.pool.block_size}); raise it")
                 self.stats["max_running_rows"] = max(self.stats["max_running_rows"], len(running))
                 k = self._window_size(rows, running, waiting)
-                running = self._window(rows, running, k, logps, tops, stop_check)
-                running = self._grow(running, waiting)
+                running, fed = self._window(rows, running, k, logps, tops, stop_check)
+                if not fed:
+                    running = self._grow(running, waiting)
                 now = swap_point() if swap_point is not None else version
                 if now != version:
+                    if fed:          # the step ran ahead with the old weights: the new ones feed that token again
+                        for s in running:
+                            s.table.num_tokens -= 1
+                        fed = False
                     running, version = self._swapped(rows, seqs, running, waiting, now, pause)
-                if running:
+                if running and not fed:
                     logits = self._step(running)
                     for i, s in enumerate(running):
                         s.table.num_tokens += 1

@@ -86,10 +86,23 @@ class StepSampler:
             top = (t.values, t.indices)
         return Drawn(tok, logp.gather(-1, tok[:, None])[:, 0], torch.isin(tok, self.eos), top)
 
-    def read(self, steps: list[Drawn]) -> tuple[list, list, list, list | None]:
-        """A window's draws on the host, per row: tokens, log-probs, eos flags [R][k] (one sync), and top
-        (id, log-prob) pairs [R][k][k_row] for top-logprobs rows (else None)."""
+    def snapshot(self, steps: list[Drawn]):
+        """A window's tokens, log-probs and eos flags [3, R, k] on their way to the host (an async copy on CUDA, as
+        cuda_decode's stop scan), so the device goes on with the next step while the host waits for them."""
         pack = torch.stack([torch.stack([d.tok.double(), d.logprob.double(), d.eos.double()]) for d in steps], -1)
+        event = None
+        if pack.is_cuda:
+            pack = pack.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return pack, event, steps
+
+    def read(self, pending) -> tuple[list, list, list, list | None]:
+        """A snapshot's draws on the host, per row: tokens, log-probs, eos flags [R][k] (one sync), and top
+        (id, log-prob) pairs [R][k][k_row] for top-logprobs rows (else None)."""
+        pack, event, steps = pending
+        if event is not None:
+            event.synchronize()
         tok, lp, hit = pack.tolist()                                               # [3, R, k]
         top = None
         if self.top_k and not self.fused:

@@ -6,13 +6,15 @@ eos flags and the host does the k steps' bookkeeping: a row that ended inside th
 budget) keeps its tokens up to its end and lets go of the blocks reserved past it. Admissions, preemptions, weight
 swaps and episode ends happen between windows (decoder.py's loop).
 
-A window starts from each row's next token's logits; it samples k tokens and feeds the first k - 1 (the last one is
-fed by the loop's step after the window, as with k = 1: one step per sync, as before windows; its block is reserved
-with the window's). A pool that cannot hold every row's window (free and evictable blocks; only unused ones while a
-preempted row waits to resume from its cached blocks) shortens it to the steps it can hold, down to k = 1 (rows
-then grow one token at a time, preempting when dry). Rows past their end or budget inside a window still run to the window's end: their extra
-tokens land in blocks reserved for them (dropped with those blocks) or, past their budget, in the spill block (one
-block past the pool's, named by every table entry past a row's blocks).
+A window starts from each row's next token's logits and samples k tokens, feeding the first k - 1 on the device; the
+last one is fed by a step launched right after the window (its block reserved with the window's), which runs while
+the host reads and settles the window (with k = 1, the loop's own step feeds it after the bookkeeping, as before
+windows; a weight swap at the window's end has the new weights feed it again). A pool that cannot hold every row's
+window (free and evictable blocks; only unused ones while a preempted row waits to resume from its cached blocks)
+shortens it to the steps it can hold, down to k = 1 (rows then grow one token at a time, preempting when dry). Rows
+past their end or budget inside a window still run to the window's end: their extra tokens land in blocks reserved
+for them (dropped with those blocks) or, past their budget, in the spill block (one block past the pool's, named by
+every table entry past a row's blocks).
 """
 
 from __future__ import annotations
@@ -122,9 +124,11 @@ class Windows:
             self._reserve(s, min(t + k, lim))
         return k
 
-    def _window(self, rows, running: list[Seq], k: int, logps, tops, stop_check) -> list[Seq]:
+    def _window(self, rows, running: list[Seq], k: int, logps, tops, stop_check) -> tuple[list[Seq], bool]:
         """k steps of the running rows, one sync, their bookkeeping; finishes the rows that ended and returns the
-        others (each with its last sampled token not fed yet: the loop's step feeds it)."""
+        others, and whether their last sampled token is fed already: with k > 1 the loop's next step (its blocks
+        reserved with the window's) runs ahead on the device while the host reads and settles the window, else the
+        loop's step feeds it."""
         self.sampler.begin([s.index for s in running], [s.num_response for s in running])
         logits = _batch_logits(running)                                              # [R, V] fp32
         starts, slots = [len(s.tokens) for s in running], [s.slot for s in running]
@@ -134,13 +138,21 @@ class Windows:
             steps.append(self.sampler.draw(logits, j))
             if j + 1 < k:
                 logits = self._feed(steps[-1].tok, j, starts, tables, slots)
+        pending = self.sampler.snapshot(steps)                     # the window's draws on their way to the host
+        ahead = self._feed(steps[-1].tok, k - 1, starts, tables, slots) if k > 1 else None
         self.stats["decode_steps"] += k
         self.stats["decode_syncs"] += 1
-        self._settle(rows, running, *self.sampler.read(steps), logps, tops, stop_check)
-        for s in running:
+        self._settle(rows, running, *self.sampler.read(pending), logps, tops, stop_check)
+        kept = []
+        for b, s in enumerate(running):
             if s.done:
                 self._finish(s)
-        return [s for s in running if not s.done]
+                continue
+            if ahead is not None:
+                s.table.num_tokens += 1
+                s.logits = (ahead, b)
+            kept.append(s)
+        return kept, ahead is not None
 
     def _feed(self, tok: torch.Tensor, j: int, starts: list[int], tables: torch.Tensor, slots: list[int]
               ) -> torch.Tensor:
