@@ -82,7 +82,7 @@ def timed(eng: TorchEngine, jobs_fn, repeats: int, device: str) -> dict:
     tokens = runs[0][1]
     info = eng.info()
     keep = ("preemptions", "resumed_rows", "prefill_tokens", "prefill_tokens_saved", "max_running_rows",
-            "prefix_cache_hit_rate", "kv_blocks_total", "cow_copies")
+            "prefix_cache_hit_rate", "kv_blocks_total", "cow_copies", "decode_steps", "decode_syncs")
     return {"first_call_s": round(first, 3), "seconds": round(secs, 3), "tokens": tokens,
             "tokens_per_s": round(tokens / secs, 1), **{k: info[k] for k in keep if k in info}}
 

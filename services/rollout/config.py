@@ -168,8 +168,9 @@ class RolloutConfig(PoolConfig):
     # Warm up before serving (the replica reports SERVING after it): with cuda_graphs, compile the decode step and
     # capture graphs on a small batch at rollout.max_tokens, so a run's first step costs what later ones do.
     warmup: bool = True
-    # With cuda_graphs: sample (temperature / greedy, not top-p) with one fused Triton kernel per step
-    # (services/rollout/engine_torch/fused_sample.py) instead of torch ops over fp32 copies of the logits.
+    # With cuda_graphs (and the paged KV cache's steps): sample (temperature / greedy, not top-p) with one fused
+    # Triton kernel per step (services/rollout/engine_torch/fused_sample.py) instead of torch ops over fp32 copies of
+    # the logits.
     cuda_graph_fused_sampler: bool = True
     # With cuda_graphs: attention over each row's filled cache slots only, in one Triton kernel per layer
     # (services/rollout/engine_torch/decode_attention.py), instead of torch ops over the whole length bucket.

@@ -77,3 +77,43 @@ def test_paged_cuda_graph_steps_sample_what_the_eager_paged_steps_sample(model_d
         for x, y in zip(a, b):
             assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3, rtol=0)
     assert graphs._paged.graphs.stats["graphs_captured"] >= 1 and graphs._paged.graphs.stats["replays"] > 0
+
+
+# ---- device-side sampling in windows of steps (paged/sample.py, paged/window.py)
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_paged_fused_windows_sample_the_unpaged_cuda_decoders_tokens(model_dir, graphs):
+    """On CUDA the paged steps sample with the fused Triton sampler, 16 steps per host sync: greedy rows, and seeded
+    rows (each row's Philox stream keyed by its seed, counter = its token index), get the non-paged CUDA-graph
+    decoder's tokens and log-probs, though rows are admitted 4 at a time and a small pool preempts some."""
+    unpaged = make_engine(model_dir, cuda_graphs=True, max_batch_size=16)
+    paged = make_engine(model_dir, kv_cache="paged", kv_block_size=16, max_batch_size=4, kv_cache_cuda_graphs=graphs)
+    tight = make_engine(model_dir, kv_cache="paged", kv_block_size=16, max_batch_size=8, kv_cache_cuda_graphs=graphs,
+                        kv_cache_gib=14 * 2 * 2 * 2 * 16 * 16 * 4 / 2**30)        # 14 blocks of 16 tokens, fp32
+    for sampling in (dict(n=2, temperature=0.0, max_tokens=48), dict(n=3, temperature=1.0, seed=5, max_tokens=48)):
+        want = gen(unpaged, **sampling)
+        for eng in (paged, tight):
+            got = gen(eng, **sampling)
+            assert [s.response_ids for s in got] == [s.response_ids for s in want], sampling
+            for x, y in zip(got, want):
+                assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3, rtol=0)
+    st = paged._paged.stats
+    assert paged._paged.sampler.fused and 0 < 4 * st["decode_syncs"] < st["decode_steps"]
+    assert tight.info()["preemptions"] > 0 and tight.info()["kv_blocks_used"] == int(graphs)
+
+
+def test_paged_top_p_and_top_logprobs_rows_keep_the_torch_sampler(model_dir):
+    """Where the fused sampler does not apply (a row with top_p < 1, or top-logprobs), the paged windows sample with
+    the torch sampler and each row's generator: the eager loop's samples."""
+    eager = make_engine(model_dir, cuda_graphs=False, max_batch_size=16)
+    paged = make_engine(model_dir, kv_cache="paged", kv_block_size=16)
+    for sampling in (dict(n=3, temperature=0.8, top_p=0.7, seed=4, max_tokens=40),
+                     dict(n=2, temperature=1.0, seed=6, top_logprobs=3, max_tokens=40)):
+        want, got = gen(eager, **sampling), gen(paged, **sampling)
+        assert not paged._paged.sampler.fused
+        assert [s.response_ids for s in got] == [s.response_ids for s in want], sampling
+        for x, y in zip(got, want):
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3, rtol=0)
+            if sampling.get("top_logprobs"):
+                assert [[t for t, _ in step] for step in x.top_logprobs] == [[t for t, _ in step]
+                                                                             for step in y.top_logprobs]

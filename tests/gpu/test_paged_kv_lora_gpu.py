@@ -56,7 +56,8 @@ def assert_same(a, b, atol: float):
 
 @pytest.mark.parametrize("sampling", [dict(), dict(temperature=1.0, seed=4)])
 def test_paged_graph_steps_of_mixed_adapters_equal_the_unpaged_lora_loop(model_dir, sampling):
-    graphs, eager = paged(model_dir, graphs=True), make_engine(model_dir)
+    # Seeded rows on CUDA draw the fused sampler's stream (paged/sample.py): the unpaged CUDA-graph decoder's draws.
+    graphs, eager = paged(model_dir, graphs=True), make_engine(model_dir, cuda_graphs=bool(sampling))
     assert graphs._paged.graphs.adapters is graphs.adapters
     load((graphs, eager), "a", 1, model_dir)
     load((graphs, eager), "b", 2, model_dir, rank=8)

@@ -170,6 +170,7 @@ async def _turn_with_update(eng, ids, mode: str):
 @pytest.mark.parametrize("mode", ["continue", "pause"])
 def test_a_partial_rollout_turn_keeps_its_pin_only_when_its_kv_is_the_new_weights(model_dir, mode):
     eng = engine_of(model_dir)
+    eng._paged.sync_every = 1            # windows of one step: the swap lands right after the gated call's step
     first = turn(eng, PROMPT, "ep")
     history = PROMPT + first.response_ids + TOOL
     s = asyncio.run(_turn_with_update(eng, history, mode))

@@ -197,6 +197,7 @@ def test_an_adapter_reloaded_mid_decode_keeps_its_rows_old_kv_out_of_the_cache(m
     """Partial rollouts (continue): an adapter's reload lands between two steps; its running rows go on over the old
     load's KV, which is never cached as the new load's, while the other adapter's rows' blocks are cached as usual."""
     plain, paged = engine(model_dir, paged=False), engine(model_dir, paged=True)
+    paged._paged.sync_every = 1          # windows of one step: the reload lands right after the gated call's step
     for e in (plain, paged):
         load(e, adapters, "a")
         load(e, adapters, "b")

@@ -1,6 +1,7 @@
-"""Partial rollouts in the torch engine: a weight update lands between two decode steps of a running generation,
-the rows go on with the new weights (over the old KV cache, or a recomputed one: pause), and each token carries
-the version that produced it; on today's decode loop and on the paged KV cache (rollout.kv_cache: paged)."""
+"""Partial rollouts in the torch engine: a weight update lands between two decode steps of a running generation (on
+the paged KV cache, between two windows of steps), the rows go on with the new weights (over the old KV cache, or a
+recomputed one: pause), and each token carries the version that produced it; on today's decode loop and on the paged
+KV cache (rollout.kv_cache: paged)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ def test_a_weight_update_lands_mid_generation_and_versions_switch_once_at_the_sw
     assert engine.weight_version == 1 and engine.stats["swaps_mid_generation"] == 1
     # Call c (c >= 2) computes the logits of token c - 1, so token SWAP_AT_CALL is the first of the new weights.
     switch = SWAP_AT_CALL
+    if kv_cache == "paged":
+        # The paged cache decodes windows of W steps (paged/window.py): call c feeds token c - 2, in window
+        # (c - 2) // W; the swap lands at that window's end, and the tokens after it are the new weights'.
+        W = engine._paged.sync_every
+        switch = ((SWAP_AT_CALL - 2) // W + 1) * W
+        assert switch < HOLD_AT_CALL - 2 and engine._paged.stats["decode_syncs"] < engine._paged.stats["decode_steps"]
     assert len(samples) == len(reference) == len(PROMPTS) * 2
     assert all(len(ref.response_ids) > switch for ref in reference)
     for s, ref in zip(samples, reference):

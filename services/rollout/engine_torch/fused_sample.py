@@ -14,8 +14,10 @@ Qwen's 151,936 entries). Here the logits are read once, in their own dtype:
            records.
 
 Uniforms come from Triton's Philox (rand4x: one call gives 4 columns' worth) keyed by each row's own seed,
-with a per-step counter, both held in device tensors, so a captured graph replays a fresh draw every step
-without host syncs, and a seeded row draws the same whatever batch, bucket or position it decodes in. Top-p sampling stays on the torch path (a sort is not a one-pass job).
+with a per-step counter (one for the batch, or one per row: a paged row's token index), both held in device
+tensors, so a captured graph replays a fresh draw every step without host syncs, and a seeded row draws the same
+whatever batch, bucket or position it decodes in. Top-p sampling stays on the torch path (a sort is not a one-pass
+job).
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ if triton is not None:
         return m_new, s, tl.where(better, key, best), tl.where(better, idx, best_idx)
 
     @triton.jit
-    def _sample_part_kernel(logits_ptr, stride, V, chunk, temp_ptr, seed_ptr, step_ptr, part_ptr, part_idx_ptr,
-                            BLOCK: tl.constexpr):
+    def _sample_part_kernel(logits_ptr, stride, V, chunk, temp_ptr, seed_ptr, step_ptr, step_stride, part_ptr,
+                            part_idx_ptr, BLOCK: tl.constexpr):
         """Program (row, c): columns [c * chunk, (c + 1) * chunk) of the row -> its (max, sum, best key, column)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
@@ -66,7 +68,7 @@ if triton is not None:
         seed = tl.load(seed_ptr + row)
         # The row's own Philox stream: one counter per 4 columns of every step; rand4x gives the 4 uniforms.
         groups = (V + 3) // 4
-        counter0 = tl.load(step_ptr) * groups
+        counter0 = tl.load(step_ptr + row * step_stride) * groups
         Q: tl.constexpr = BLOCK // 4
         offs = tl.arange(0, Q)
         m = tl.full([Q], -float("inf"), tl.float32)
@@ -126,15 +128,17 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, 
     """Writes each row's next token (int64 [B]) and its raw log-prob (fp32 [B]) into `tok` and `logprob`.
 
     logits [B, V] (any float dtype, rows contiguous); temperature fp32 [B] (0 = greedy); seed int64 [B] (each
-    row's Philox key: distinct rows need distinct seeds) and step int64 [1] device tensors (read by the kernel,
+    row's Philox key: distinct rows need distinct seeds) and step int64 [1] (every row's counter) or [B] (each
+    row's own: the paged decoder's rows sit at different token indices) device tensors (read by the kernel,
     so a captured graph sees their current values). `scratch`: the per-chunk partials (fp32 [B, SPLIT, 3], int32
     [B, SPLIT]) from `make_scratch`, allocated here when None (pass them under graph capture). No host sync."""
     B, V = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
+    assert step.numel() in (1, B), f"step: 1 or {B} counters (got {step.numel()})"
     part, part_idx = scratch if scratch is not None else make_scratch(B, logits.device)
     chunk = -(-triton.cdiv(V, SPLIT) // BLOCK) * BLOCK
-    _sample_part_kernel[(B, SPLIT)](logits, logits.stride(0), V, chunk, temperature, seed, step, part, part_idx,
-                                    BLOCK=BLOCK, num_warps=4)
+    _sample_part_kernel[(B, SPLIT)](logits, logits.stride(0), V, chunk, temperature, seed, step,
+                                    0 if step.numel() == 1 else 1, part, part_idx, BLOCK=BLOCK, num_warps=4)
     _sample_combine_kernel[(B,)](logits, logits.stride(0), V, part, part_idx, tok, logprob, SPLIT=SPLIT,
                                  num_warps=1)
 

@@ -87,6 +87,11 @@ class BlockPool:
         return len(self._free) + len(self._lru)
 
     @property
+    def num_unused(self) -> int:
+        """Blocks an allocation can take without evicting a cached one."""
+        return len(self._free)
+
+    @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 

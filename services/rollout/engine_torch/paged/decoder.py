@@ -10,8 +10,11 @@ weights (an epoch, bumped at each swap) and its adapter's identity (name, versio
 the prefix cache, forks and pins match on the key as well as the tokens, and a reloaded or unloaded adapter's blocks
 and pins go (adapters_changed) while the base's and the other adapters' stay.
 
-Sampling is the eager loop's (sampling.sample_tokens with each row's generator, one draw per token), so a seeded
-row samples the same tokens here as there, and each token's log-prob is the raw model's log-softmax.
+Steps run in windows of up to `sync_every` with one host sync each (window.py); each step samples on the device
+(sample.py): the fused Triton sampler on CUDA where it applies (each row's Philox stream, keyed by its seed, counter =
+its token index: a seeded row samples the non-paged CUDA decoder's tokens), else the eager loop's sampler
+(sampling.sample_tokens with each row's generator, one draw per token: a seeded row samples the eager loop's tokens).
+Each token's log-prob is the raw model's log-softmax.
 """
 
 from __future__ import annotations
@@ -19,11 +22,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from services.rollout.engine_torch.lora import adapter_rows, bank_of
 from services.rollout.engine_torch.paged import metrics
@@ -31,7 +32,8 @@ from services.rollout.engine_torch.paged.blocks import BlockPool, BlockTable, No
 from services.rollout.engine_torch.paged.forward import paged_forward
 from services.rollout.engine_torch.paged.kv import PagedKV, num_blocks_for
 from services.rollout.engine_torch.paged.pins import EpisodePins
-from services.rollout.engine_torch.sampling import sample_tokens
+from services.rollout.engine_torch.paged.sample import StepSampler, fused_applies
+from services.rollout.engine_torch.paged.window import SYNC_EVERY, HostTables, Seq, Windows
 
 log = logging.getLogger("meshrl.rollout")
 
@@ -41,50 +43,11 @@ PREFILL_TOKENS = 16384
 StopCheck = Callable[[int, list], bool]
 
 
-@dataclass
-class _Seq:
-    """One row's paged state: its tokens (prompt + response so far) and its blocks."""
-
-    index: int
-    tokens: list[int]
-    prompt_len: int
-    table: BlockTable = field(default_factory=BlockTable)
-    # what the next token is sampled from: row i of a [B, V] fp32 batch of logits (a forward's, kept whole)
-    logits: tuple[torch.Tensor, int] | None = None
-    done: bool = False
-    preempted: bool = False                      # waits to resume (its history is fed again, mostly cached)
-    cached_prompt: int = -1                      # prompt tokens not prefilled at its first admission (-1: not yet)
-    episode: str = ""                            # its episode's id: the table is pinned when it ends
-    slot: int = 0                                # its LoRA adapter's slot in the bank (0: the base model)
-    key: tuple = ()                              # what its KV was computed with, since its admission (_key)
-
-    @property
-    def response(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
-
-
-class _HostTables:
-    """Every row's block table mirrored in one host tensor [rows, width], written where a table changed (admission,
-    a new block, a copy on write), so a decode step's [B, width] tables are one index_select, not B lists."""
-
-    def __init__(self, rows, block_size: int):
-        width = max(-(-(len(r.prompt) + r.budget) // block_size) for r in rows)
-        self.t = torch.zeros((len(rows), width), dtype=torch.long)
-
-    def write(self, s: _Seq, start: int = 0) -> None:
-        blocks = s.table.blocks
-        if start < len(blocks):
-            self.t[s.index, start:len(blocks)] = torch.tensor(blocks[start:], dtype=torch.long)
-
-    def of(self, running: list[_Seq]) -> torch.Tensor:
-        return self.t.index_select(0, torch.tensor([s.index for s in running], dtype=torch.long))
-
-
-class PagedDecoder:
+class PagedDecoder(Windows):
     """Decodes rows over a paged KV cache shared by every call (the prefix cache lives across calls)."""
 
     def __init__(self, model, *, block_size: int, budget_gib: float | None, max_model_len: int, max_batch_size: int,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, fused_sampler: bool = True, sync_every: int = SYNC_EVERY):
         cfg = model.config
         p = next(model.parameters())
         attn = model.model.layers[0].self_attn
@@ -97,11 +60,15 @@ class PagedDecoder:
         # this cache has accounted for (an adapter load moves that version, not the epoch).
         self._epoch, self._version = 0, 0
         self.pool = BlockPool(num_blocks, block_size)
+        # One block past the pool's, never handed out: a window's writes past a row's reserved blocks land there
+        # (window.py; every host table entry past a row's blocks names it).
         self.kv = PagedKV(num_layers=cfg.num_hidden_layers, num_kv=cfg.num_key_value_heads, head_dim=attn.head_dim,
-                          num_blocks=num_blocks, block_size=block_size, dtype=p.dtype, device=p.device)
+                          num_blocks=num_blocks + 1, block_size=block_size, dtype=p.dtype, device=p.device)
+        self.spill = num_blocks
         self.max_batch_size = max_batch_size
+        self.fused_sampler, self.sync_every = fused_sampler, max(1, sync_every)
         self.stats = {"preemptions": 0, "resumed_rows": 0, "swap_recomputed_rows": 0, "prefill_tokens": 0,
-                      "prefill_tokens_saved": 0, "max_running_rows": 0}
+                      "prefill_tokens_saved": 0, "max_running_rows": 0, "decode_steps": 0, "decode_syncs": 0}
         self.graphs = self._graphs(max_model_len) if cuda_graphs else None
         self.pins = EpisodePins(self.pool)
         # Held by decode(); episodes that end while a decode runs queue here and are let go at its next step.
@@ -120,8 +87,9 @@ class PagedDecoder:
         if not (attention.available(self.device) and attention.supports(bs, hd)):
             raise ValueError("rollout.kv_cache_cuda_graphs: true needs CUDA, Triton, and kv_block_size and head_dim "
                              f"powers of two >= 16 (here {self.device}, block {bs}, head_dim {hd}); set it to false")
-        return PagedGraphs(self.model, self.kv, width=-(-max_model_len // bs), scratch_block=self.pool.allocate(),
-                           max_batch_size=self.max_batch_size)
+        # Wide enough for a window's tokens past the longest row (window.py).
+        return PagedGraphs(self.model, self.kv, width=-(-(max_model_len + self.sync_every) // bs),
+                           scratch_block=self.pool.allocate(), max_batch_size=self.max_batch_size)
 
     def metrics(self) -> dict:
         return {**self.pool.metrics(), **self.stats, **self.pins.metrics()}
@@ -182,8 +150,10 @@ class PagedDecoder:
         if version != self._version:      # a version set without a swap (the HTTP API's update_weight_version)
             self.set_version(version)
         self.eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
-        seqs = [_Seq(i, list(r.prompt), len(r.prompt), episode=r.episode, slot=r.slot) for i, r in enumerate(rows)]
-        self._host = _HostTables(rows, self.pool.block_size)
+        seqs = [Seq(i, list(r.prompt), len(r.prompt), episode=r.episode, slot=r.slot) for i, r in enumerate(rows)]
+        self.sampler = StepSampler(rows, self.device, self.eos, fused=fused_applies(rows, self.device,
+                                                                                    self.fused_sampler))
+        self._host = HostTables(rows, self.pool.block_size, self.sync_every, self.spill)
         waiting, running = deque(seqs), []
         tops: list[list] = [[] for _ in rows]
         logps: list[list[float]] = [[] for _ in rows]
@@ -198,16 +168,18 @@ class PagedDecoder:
                                      f"({len(waiting[0].tokens)} tokens in {self.pool.num_blocks} blocks of "
                                      f"{self.pool.block_size}); raise it")
                 self.stats["max_running_rows"] = max(self.stats["max_running_rows"], len(running))
-                self._sample(rows, running, logps, tops, stop_check)
-                for s in running:
-                    if s.done:
-                        self._finish(s)
-                running = [s for s in running if not s.done]
-                running = self._grow(running, waiting)
+                k = self._window_size(rows, running, waiting)
+                running, fed = self._window(rows, running, k, logps, tops, stop_check)
+                if not fed:
+                    running = self._grow(running, waiting)
                 now = swap_point() if swap_point is not None else version
                 if now != version:
+                    if fed:          # the step ran ahead with the old weights: the new ones feed that token again
+                        for s in running:
+                            s.table.num_tokens -= 1
+                        fed = False
                     running, version = self._swapped(rows, seqs, running, waiting, now, pause)
-                if running:
+                if running and not fed:
                     logits = self._step(running)
                     for i, s in enumerate(running):
                         s.table.num_tokens += 1
@@ -221,7 +193,7 @@ class PagedDecoder:
             r.top = top if r.sampling.top_logprobs else None
             r.cached = max(s.cached_prompt, 0)
 
-    def _step(self, running: list[_Seq]) -> torch.Tensor:
+    def _step(self, running: list[Seq]) -> torch.Tensor:
         """The running rows' last tokens through the model (a graph replay with kv_cache_cuda_graphs)."""
         tables, starts = self._host.of(running), [s.table.num_tokens for s in running]
         slots = [s.slot for s in running]
@@ -232,15 +204,17 @@ class PagedDecoder:
 
     # ---- admission and prefill
 
-    def _admit(self, waiting: deque, num_running: int) -> list[_Seq]:
+    def _admit(self, waiting: deque, num_running: int) -> list[Seq]:
         """Takes waiting rows (in order) while the batch and the pool have room, prefills them: each distinct
         (key, sequence) once, from the end of its cached prefix; its copies (same tokens, same adapter) fork its
         blocks."""
-        leaders: dict[tuple, _Seq] = {}
-        followers: list[tuple[_Seq, _Seq]] = []
-        admitted: list[_Seq] = []
-        # One free block per running row stays in reserve, so admitting does not preempt at the next step.
-        reserve = num_running
+        leaders: dict[tuple, Seq] = {}
+        followers: list[tuple[Seq, Seq]] = []
+        admitted: list[Seq] = []
+        # Free blocks per running row stay in reserve, so admitting does not preempt at the next step: one, and with
+        # windows one more (a window's blocks beside that spare, window.py).
+        per_row = 2 if self.sync_every > 1 else 1
+        reserve = num_running * per_row
         while waiting and num_running + len(admitted) < self.max_batch_size:
             s = waiting[0]
             s.key = self._key(s.slot)
@@ -271,7 +245,7 @@ class PagedDecoder:
                 if s.cached_prompt < 0:
                     s.cached_prompt = cached.num_tokens
                 leaders[key] = s
-            reserve += 1
+            reserve += per_row
             if s.preempted:
                 s.preempted = False
                 self.stats["resumed_rows"] += 1
@@ -287,7 +261,7 @@ class PagedDecoder:
             self.stats["prefill_tokens_saved"] += len(s.tokens)
         return admitted
 
-    def _prefill(self, seqs: list[_Seq]) -> None:
+    def _prefill(self, seqs: list[Seq]) -> None:
         """Feeds each sequence's tokens past its cached prefix (groups of up to PREFILL_TOKENS), then caches its
         full blocks."""
         i = 0
@@ -310,32 +284,7 @@ class PagedDecoder:
 
     # ---- one decode step
 
-    def _sample(self, rows, running: list[_Seq], logps, tops, stop_check: StopCheck | None) -> None:
-        """Samples each running row's next token, records its raw log-prob (and top-k); marks rows that ended."""
-        dev = self.device
-        logits = _batch_logits(running)                                              # [B, V] fp32
-        rs = [rows[s.index] for s in running]
-        tok = sample_tokens(logits, temperature=torch.tensor([r.sampling.temperature for r in rs], device=dev),
-                            top_p=torch.tensor([r.sampling.top_p for r in rs], device=dev),
-                            generators=[r.generator for r in rs])
-        logp = F.log_softmax(logits, dim=-1)
-        lp = logp.gather(-1, tok[:, None])[:, 0].tolist()
-        hit = torch.isin(tok, self.eos).tolist()
-        k = max(r.sampling.top_logprobs for r in rs)
-        top = logp.topk(min(k, logp.size(-1)), dim=-1) if k else None
-        top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
-        for b, (s, r, t) in enumerate(zip(running, rs, tok.tolist())):
-            s.tokens.append(t)
-            logps[s.index].append(lp[b])
-            if r.sampling.top_logprobs:
-                kk = r.sampling.top_logprobs
-                tops[s.index].append(list(zip(top_i[b][:kk], top_v[b][:kk])))
-            stopped = hit[b] or (stop_check is not None and r.sampling.stop and stop_check(s.index, s.response))
-            if stopped or len(s.response) >= r.budget:
-                s.done = True
-                r.finish_reason = "stop" if stopped else "length"
-
-    def _register(self, s: _Seq) -> bool:
+    def _register(self, s: Seq) -> bool:
         """Caches s's full blocks under its key, unless its KV is of weights no longer served (a partial rollout's
         row over an older version's KV, or an adapter reloaded meanwhile); whether it did."""
         if s.key != self._key(s.slot):
@@ -344,7 +293,7 @@ class PagedDecoder:
         self.pool.register(s.tokens, s.table, epoch, adapter=adapter)
         return True
 
-    def _finish(self, s: _Seq) -> None:
+    def _finish(self, s: Seq) -> None:
         """A row ended: its full blocks stay cached, then it lets go; an episode's turn pins its whole table for the
         episode's next turn instead (pins.py)."""
         if self._register(s) and s.episode:
@@ -353,16 +302,15 @@ class PagedDecoder:
         else:
             self.pool.free(s.table)
 
-    def _grow(self, running: list[_Seq], waiting: deque) -> list[_Seq]:
+    def _grow(self, running: list[Seq], waiting: deque) -> list[Seq]:
         """Room for each running row's next token; when the pool is dry, the latest admitted rows are preempted
         (their blocks cached, then let go) and wait to resume. Returns the rows still running."""
         kept = list(running)
         i = 0
         while i < len(kept):
             s = kept[i]
-            before = len(s.table.blocks)
             try:
-                copy = self.pool.reserve(s.table, s.table.num_tokens + 1)
+                self._reserve(s, s.table.num_tokens + 1)
             except NoFreeBlock:
                 if len(kept) == 1 and self.pins.evict_one():     # running rows first: unpin before the last goes
                     continue
@@ -372,13 +320,10 @@ class PagedDecoder:
                                      f"({len(s.tokens)} tokens in {self.pool.num_blocks} blocks); raise it")
                 self._preempt(victim, waiting)
                 continue
-            if copy is not None:
-                self.kv.copy_block(*copy)
-            self._host.write(s, before - 1 if copy is not None else before)
             i += 1
         return kept
 
-    def _preempt(self, s: _Seq, waiting: deque, *, count: bool = True) -> None:
+    def _preempt(self, s: Seq, waiting: deque, *, count: bool = True) -> None:
         self._register(s)
         self.pool.free(s.table)
         s.logits = None
@@ -386,7 +331,7 @@ class PagedDecoder:
         waiting.appendleft(s)
         self.stats["preemptions" if count else "swap_recomputed_rows"] += 1
 
-    def _swapped(self, rows, seqs: list[_Seq], running: list[_Seq], waiting: deque, version: int, pause: bool):
+    def _swapped(self, rows, seqs: list[Seq], running: list[Seq], waiting: deque, version: int, pause: bool):
         """Partial rollouts: a weight swap landed between two steps (the engine's swap already dropped the cache's
         and the pins' older blocks). Each unfinished row's tokens from the next one on are the new version's; with
         pause the running rows let go of their KV and resume at once, prefilled by the new weights (as a preempted
@@ -403,19 +348,3 @@ class PagedDecoder:
             self._preempt(s, waiting, count=False)
         return [], version
 
-
-def _batch_logits(running: list[_Seq]) -> torch.Tensor:
-    """The running rows' logits as one [B, V] batch: the last decode forward's tensor itself when the rows are its
-    rows in order (most steps), else rows picked from each source (after admissions and ends)."""
-    src0 = running[0].logits[0]
-    if len(running) == src0.size(0) and all(s.logits[0] is src0 and s.logits[1] == i for i, s in enumerate(running)):
-        return src0
-    parts, i = [], 0
-    while i < len(running):
-        src, j = running[i].logits[0], i
-        while j < len(running) and running[j].logits[0] is src:
-            j += 1
-        idx = torch.tensor([s.logits[1] for s in running[i:j]], dtype=torch.long, device=src.device)
-        parts.append(src.index_select(0, idx))
-        i = j
-    return torch.cat(parts)

@@ -27,20 +27,25 @@ def slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> 
 
 @torch.inference_mode()
 def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, starts: list[int],
-                  new: list[list[int]], *, kernel: bool | None = None) -> torch.Tensor:
+                  new: list[list[int]] | torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
     """Feeds row b's tokens new[b] at positions starts[b]..; its blocks tables[b] (lists, or a host tensor
-    [B, width] padded with any block) must cover them. Returns the fp32
+    [B, width] padded with any block) must cover them. new: lists, or a device tensor [B, Q] (every row Q tokens:
+    a window's sampled tokens fed back without a host round trip). Returns the fp32
     logits after each row's last new token, [B, V]. kernel: decode steps (one token per row) attend with the
     Triton kernel of attention.py, reading the pool in place (None: where it runs, on CUDA)."""
     dev = kv.k[0].device
-    B, Q = len(new), max(len(t) for t in new)
-    # One host tensor each (a decode step at batch 512 builds these every token), then one copy to the device.
-    ids = torch.tensor([t + [0] * (Q - len(t)) for t in new], dtype=torch.long).to(dev, non_blocking=True)
+    if isinstance(new, torch.Tensor):
+        ids, lens = new.to(dev), [new.size(1)] * new.size(0)
+    else:
+        # One host tensor each (a decode step at batch 512 builds these every token), then one copy to the device.
+        lens = [len(t) for t in new]
+        ids = torch.tensor([t + [0] * (max(lens) - len(t)) for t in new], dtype=torch.long).to(dev, non_blocking=True)
+    B, Q = len(lens), max(lens)
     if not isinstance(tables, torch.Tensor):
         width = max(len(t) for t in tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
     tab = tables.to(dev, non_blocking=True)
-    qlen = torch.tensor([len(t) for t in new], dtype=torch.long, device=dev)
+    qlen = torch.tensor(lens, dtype=torch.long, device=dev)
     start = torch.tensor(starts, dtype=torch.long, device=dev)
     pos = start[:, None] + torch.arange(Q, device=dev)                              # [B, Q]
     live = torch.arange(Q, device=dev)[None, :] < qlen[:, None]                      # [B, Q]
@@ -50,7 +55,7 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, st
         kernel = attention.available(dev) and attention.supports(kv.block_size, hd)
     if Q == 1 and kernel:
         return decode_step(model, kv, ids, pos, tab, start + 1)
-    C = int((start + qlen).max())
+    C = max(p + n for p, n in zip(starts, lens))                                    # host ints: no sync
     keys = torch.arange(C, device=dev)
     write = slots_of(tab, pos, kv.block_size)[live]                                  # [N]
     read = slots_of(tab, keys.expand(B, C), kv.block_size)                           # [B, C]

@@ -1,7 +1,9 @@
 """CUDA graphs of the paged decode step's forward (rollout.kv_cache_cuda_graphs): one captured graph per batch
 bucket runs the model on one token per row, attention by the Triton kernel over block tables, from static
-buffers; each step the host copies in the rows' tokens, positions, block tables and context lengths, then replays.
-Sampling stays eager (decoder.py), so tokens and log-probs are the eager paged step's.
+buffers; each step the host copies in the rows' tokens, positions, block tables and context lengths, then replays;
+inside a window of steps (window.py) the sampled tokens are copied in on the device and positions and context
+lengths advance there, so a step needs nothing from the host. Sampling is outside the graph (sample.py), as on
+the eager paged step.
 
 Rows are padded up to the bucket with dummy rows that read and write one scratch block the pool never hands out.
 With LoRA adapters served (lora.py), each row's adapter slot is copied into the bank's static row buffer before the
@@ -48,45 +50,64 @@ class PagedGraphs:
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._signature = self._weights()
         self.stats = {"graphs_captured": 0, "replays": 0}
+        self._last: tuple[int, int] | None = None       # (rows, bucket) of the last forward
 
     def _weights(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self.model.parameters())
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], pos: list[int], tables: torch.Tensor, slots: list[int] | None = None
-                ) -> torch.Tensor:
+    def forward(self, ids: list[int] | torch.Tensor, pos: list[int] | None, tables: torch.Tensor | None,
+                slots: list[int] | None = None) -> torch.Tensor:
         """fp32 logits [R, V] after feeding ids[r] at pos[r] of row r, whose blocks are tables[r] (host, [R, w]),
-        with adapter slots[r] (None: the base model's rows)."""
-        if self.use_graphs and self._weights() != self._signature:
+        with adapter slots[r] (None: the base model's rows). ids: host ints, or a device tensor [R] (a window's
+        sampled tokens, fed back without a host round trip). pos and tables None: the previous call's rows, each one
+        token further (a window's next step: positions and context lengths advanced on the device, tables kept)."""
+        if self.use_graphs and pos is not None and self._weights() != self._signature:   # not inside a window
             log.info("paged KV graphs: parameters moved; capturing again")
             self._buckets.clear()
             self._pool = torch.cuda.graph_pool_handle()
             self._signature = self._weights()
         R = len(ids)
         B = bucket_batch(R, max(self.max_batch_size, R))
-        if self.adapters is not None:
+        if self.adapters is not None and pos is not None:
             # A capture (and a replay) reads the bank's static rows, all B of them: rows past R (dummies) are
             # zeroed, the base model's.
             assert self.adapters.current is self.adapters.rows and B <= self.adapters.rows.numel()
             self.adapters.set_decode_rows(slots if slots is not None else [])
         b = self._bucket(B)
-        ids_h = torch.zeros((B, 1), dtype=torch.long)
-        pos_h = torch.zeros((B, 1), dtype=torch.long)
-        ids_h[:R, 0] = torch.tensor(ids, dtype=torch.long)
-        pos_h[:R, 0] = torch.tensor(pos, dtype=torch.long)
-        b.ids.copy_(ids_h)
-        b.pos.copy_(pos_h)
-        b.ctx.copy_(pos_h[:, 0] + 1)
-        # Only the rows' own blocks are copied (a table entry past a row's context is never read); dummy rows
-        # (position 0) read their first entry, the scratch block.
-        b.tab[:R, :tables.size(1)].copy_(tables)
-        b.tab[R:, 0].fill_(self.scratch)
+        if pos is None:
+            assert self._last == (R, B), "a window's next step needs the previous step's rows"
+            b.ids[:R, 0].copy_(ids)
+            b.pos[:R] += 1
+            b.ctx[:R] += 1
+        else:
+            self._load(b, R, ids, pos, tables)
+        self._last = (R, B)
         if b.graph is None:
             b.out = self._step(b)
         else:
             b.graph.replay()
             self.stats["replays"] += 1
         return b.out[:R]
+
+    def _load(self, b: _Bucket, R: int, ids, pos: list[int], tables: torch.Tensor) -> None:
+        """The rows' inputs into the bucket's static buffers (one copy each from the host; device ids copied)."""
+        B = b.ids.size(0)
+        pos_h = torch.zeros((B, 1), dtype=torch.long)
+        pos_h[:R, 0] = torch.tensor(pos, dtype=torch.long)
+        if isinstance(ids, torch.Tensor):
+            b.ids[R:].zero_()
+            b.ids[:R, 0].copy_(ids)
+        else:
+            ids_h = torch.zeros((B, 1), dtype=torch.long)
+            ids_h[:R, 0] = torch.tensor(ids, dtype=torch.long)
+            b.ids.copy_(ids_h)
+        b.pos.copy_(pos_h)
+        b.ctx.copy_(pos_h[:, 0] + 1)
+        # Only the rows' own blocks are copied (a table entry past a row's context is never read); dummy rows
+        # (position 0) read their first entry, the scratch block.
+        b.tab[:R, :tables.size(1)].copy_(tables)
+        b.tab[R:, 0].fill_(self.scratch)
 
     def _step(self, b: _Bucket) -> torch.Tensor:
         return decode_step(self.model, self.kv, b.ids, b.pos, b.tab, b.ctx, kernel=self.kernel)
