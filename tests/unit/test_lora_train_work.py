@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 from services.common.config import load_config
 from services.trainer.config import LoraSection, TrainerSettings
 from services.trainer.engine import TrainerEngine
+from services.trainer.model import lora_linear
 from services.trainer.model.lora import ADAPTER, apply_lora
 from services.trainer.testing import make_tiny_model
 from services.trainer.types import ActorLoss, TrainSample
@@ -87,8 +88,10 @@ def test_a_lora_step_runs_no_gemm_that_forms_a_frozen_base_weights_gradient(mode
     assert len(weight_grad_gemms(events, adapters, tokens)) >= 2 * 7 * 2
 
 
+@pytest.mark.parametrize("base_first", [True, False], ids=["cpu_order", "cuda_order"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_an_adapted_layer_makes_one_pass_over_each_activation_and_its_gradient(bias):
+def test_an_adapted_layer_makes_one_pass_over_each_activation_and_its_gradient(bias, base_first, monkeypatch):
+    monkeypatch.setattr(lora_linear, "base_first", lambda x: base_first)
     T, d_in, d_out, r = 37, 48, 80, 4
     torch.manual_seed(0)
     model = nn.Module()
@@ -107,11 +110,15 @@ def test_an_adapted_layer_makes_one_pass_over_each_activation_and_its_gradient(b
 
     events = profiled(run)
     gemms = [gemm_mkn(n, s) for n, s in events if n in GEMMS]
-    # Forward: z = x A^T, the adapter's part, the base GEMM onto it. Backward: dz, dB, dA, dz A and dy W onto it.
-    assert sorted(gemms) == sorted([(T, d_in, r), (T, r, d_out), (T, d_in, d_out),
+    # Forward: z = x A^T, the adapter's part and the base's. Backward: z again, dz, dB, dA, dz A and dy W (one of each
+    # pair adds onto the other).
+    assert sorted(gemms) == sorted([(T, d_in, r), (T, r, d_out), (T, d_in, d_out), (T, d_in, r),
                                     (T, d_out, r), (d_out, T, r), (r, T, d_in), (T, r, d_in), (T, d_out, d_in)])
-    assert ("aten::addmm_", [[T, d_out], [T, d_in], [d_in, d_out], [], []]) in events
-    assert ("aten::addmm_", [[T, d_in], [T, d_out], [d_out, d_in], [], []]) in events
+    # One GEMM of each pair accumulates onto the other's output in place (which one: lora_linear.base_first).
+    small, big_k = (r, r) if base_first else (d_in, d_out)
+    onto = [("aten::addmm_", [[T, d_out], [T, small], [small, d_out], [], []]),
+            ("aten::addmm_", [[T, d_in], [T, big_k], [big_k, d_in], [], []])]
+    assert all(e in events for e in onto)
     # Outside the GEMMs nothing reads or writes a [tokens, features] tensor (a bias's broadcast copy inside addmm
     # aside): no separate scale, add or copy of the output or of x's gradient.
     big = {(T, d_in), (T, d_out)}
