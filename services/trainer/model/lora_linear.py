@@ -6,13 +6,14 @@ saved on a GPU. Its GEMMs have an inner size of the rank (16), so they run at me
 passes over [tokens, features] tensors: ATen's out-of-place addmm copies C, then the GEMM reads and writes it (four
 passes over [tokens, out]; inductor on CUDA turns it into mm + an add fused into the consumer where every consumer is
 pointwise: o, gate, up, down; two passes), each twice with checkpointing; and backward added a separate [tokens, in]
-gradient to the base's. About 220 GB of traffic per step at the 1.5B shape (28 blocks, 16k tokens): as long as the
-frozen weight-gradient GEMMs it skips took on an H100 (LoRA measured 0.994x a full step).
+gradient to the base's. About 205 GB of traffic per step at the 1.5B shape (28 blocks, 16k tokens), some 70 ms at
+an H100's bandwidth: about what the frozen weight-gradient GEMMs it skips took (LoRA measured 0.994x a full step).
 
 Here (on CUDA; see base_first) the adapter goes first and the base GEMM accumulates onto it (beta = 1, in place):
 cuBLAS reads C in the epilogue of a GEMM that is compute-bound, so the adapter costs one pass over [tokens, in] (A)
 and one over [tokens, out] (B) in forward; in backward dz and dB each read dy once, z and dA read x, and x's
-gradient is dz A with the base's dy W accumulated onto it (one [tokens, in] write): about 150 GB at that shape.
+gradient is dz A with the base's dy W accumulated onto it (one [tokens, in] write): about 160 GB at that shape (the
+forward's passes are what it saves; the backward's stay as many).
 Inductor cannot see inside (it would copy C again: its extern addmm is out of place), so the op is registered with
 torch.library; compiled blocks call it as one node. Sums run in fp32 inside each GEMM and round once, as the base
 GEMM alone would.
