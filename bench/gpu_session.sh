@@ -148,7 +148,8 @@ for what in "$@"; do
       part fit 560 python3 bench/trainer_fit.py --sizes "${FIT_SIZES:-0.5b,1.5b,3b,7b}" --out "$OUT/trainer_fit_gpu.json" ;;
     loratrain) # LoRA (rank 16) vs full actor steps through TrainerEngine at the 1.5B Qwen2.5 shape, 8 x 2,048 tokens:
          # step seconds and peak memory of full, lora and lora_peft (peft's own forward), one process each
-         # (LORA_VARIANTS=full,lora drops the peft-forward row when the 560 s run out: each variant compiles cold)
+         # (LORA_VARIANTS=full,lora drops the peft-forward row when the 560 s run out: each variant compiles cold;
+         # LORA_VARIANTS=full,lora,lora_addmm sets the meshrl::lora_linear op beside the addmm forward it replaced)
       part loratrain 560 python3 bench/lora_train.py --shape "${LORA_SHAPE:-qwen2.5-1.5b}" --rank 16 \
         --variants "${LORA_VARIANTS:-full,lora,lora_peft}" --out "$OUT/lora_train_gpu.json" ;;
     wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py -s ;;

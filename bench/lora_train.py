@@ -5,8 +5,9 @@ activation checkpointing, master weights and AdamW): seconds per actor step and 
     python bench/lora_train.py --shape tiny --batch 2 --prompt 8 --response 24 --steps 3   # CPU smoke
 
 Each variant runs in its own process (a clean peak): `full` (fp32 master weights, bf16 compute), `lora` (the frozen
-bf16 base, fp32 adapters, the trainer's lean adapter forward: services/trainer/model/lora.py lean_forward) and
-`lora_peft` (the same with peft's own LoraLayer.forward: what the trainer ran before). One step = one TrainActor
+bf16 base, fp32 adapters, the trainer's lean adapter forward: services/trainer/model/lora.py lean_forward, one
+meshrl::lora_linear op a layer), `lora_addmm` (the lean forward before that op: nn.Linear + addmm with the base
+output as C, autograd's backward) and `lora_peft` (peft's own LoraLayer.forward). One step = one TrainActor
 call of `batch` sequences (prompt + response tokens each) in one optimizer step; the median of the steps after
 `--warmup` (compiles happen there). Peak = torch.cuda.max_memory_allocated over the steps, weights and optimizer
 state included.
@@ -24,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "protos"), str(REPO / "bench")]
 
-VARIANTS = ("full", "lora", "lora_peft")
+VARIANTS = ("full", "lora", "lora_addmm", "lora_peft")
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=True)
 
@@ -37,6 +38,27 @@ def model_folder(shape: str, root: Path, device: str) -> Path:
         make_random_model(out, dtype="bfloat16", shape=TINY if shape == "tiny" else QWEN25[shape],
                           init_in_dtype=True, device=device)
     return out
+
+
+def addmm_lean_forward(layer):
+    """The trainer's lean adapter forward before meshrl::lora_linear (commit f66f66d): base(x), A, then one addmm
+    with the base output as C; autograd's backward."""
+    import torch
+
+    base = layer.base_layer
+
+    def forward(x, *args, **kwargs):
+        result = base(x, *args, **kwargs)
+        if layer.disable_adapters:
+            return result
+        name = layer.active_adapters[0]
+        lora_a, lora_b, scaling = layer.lora_A[name], layer.lora_B[name], float(layer.scaling[name])
+        h = x if torch.is_autocast_enabled(x.device.type) else x.to(lora_a.weight.dtype)
+        z = lora_a(h)
+        out = torch.addmm(result.reshape(-1, result.shape[-1]), z.reshape(-1, z.shape[-1]).to(result.dtype),
+                          lora_b.weight.to(result.dtype).t(), alpha=scaling)
+        return out.view(result.shape)
+    return forward
 
 
 def one(args) -> dict:
@@ -52,6 +74,10 @@ def one(args) -> dict:
         from services.trainer.model import lora
 
         lora.lean_forward = lambda layer: type(layer).forward.__get__(layer)        # peft's own forward
+    if args.variant == "lora_addmm":
+        from services.trainer.model import lora
+
+        lora.lean_forward = addmm_lean_forward
     cuda = args.device.startswith("cuda")
     actor = {"lr": 1e-5, "activation_checkpointing": args.checkpointing,
              "micro_batch_token_budget": args.batch * (args.prompt + args.response)}
@@ -102,7 +128,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"])
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="full,lora,lora_peft")
     ap.add_argument("--models", default="/tmp/meshrl-gpu-work/models")
     ap.add_argument("--out", default=None)
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)      # the child process's one variant
@@ -126,7 +152,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     by = {r["variant"]: r for r in rows if "step_s" in r}
     ratios = {}
-    for v in ("lora", "lora_peft"):
+    for v in ("lora", "lora_addmm", "lora_peft"):
         if v in by and "full" in by:
             ratios[f"{v}_step_vs_full"] = by[v]["step_s"] / by["full"]["step_s"]
             if cuda:

@@ -16,6 +16,7 @@ from torch import nn
 
 from services.common.tensors.weights import named_weights
 from services.trainer.config import LoraSection
+from services.trainer.model.lora_linear import adapted_linear
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -43,38 +44,31 @@ def apply_lora(model: nn.Module, cfg: LoraSection, *, adapter_dtype: torch.dtype
 
 
 def lean_forward(layer: nn.Module):
-    """The adapted layer's forward for training: base(x) + scaling * B(A(dropout(x))), in the compute dtype.
+    """The adapted layer's forward for training: base(x) + scaling * B(A(x)) in the compute dtype, through one op
+    (services/trainer/model/lora_linear.py) whose backward never forms the frozen base's weight gradient and makes
+    one pass over each [tokens, features] tensor it needs, where nn.Linear + addmm made four over the output.
 
-    Why not peft's own: it casts the layer's input to the adapters' fp32 before A (under autocast A casts it back
-    to bf16): two extra [tokens, in] copies per adapted layer, q, k and v each their own, kept for backward
-    (113 -> 101 KiB a token a block saved for backward at the 1.5B shape without it); and B's output is a separate
-    [tokens, out] tensor, scaled, then added: four passes over [tokens, out] per layer. Here A reads the block's
-    own activation (shared by q, k, v and the frozen base layer) and B's product is added to the base output by one
-    addmm (base output as its C: read once, written once; scale as alpha). Installed on the instance: module names,
-    state dicts and peft's other methods (merge, get_delta_weight, enable_adapters) stay.
+    Why not peft's own forward: it casts the layer's input to the adapters' fp32 before A (two extra [tokens, in]
+    copies per adapted layer kept for backward), and adds B's scaled output in separate passes. Installed on the
+    instance: module names, state dicts and peft's other methods (merge, get_delta_weight, enable_adapters) stay.
+    A layer this op does not cover (a LoRA bias, dropout, DoRA, a base that trains) keeps peft's forward.
     """
     base = layer.base_layer
-    if layer.lora_B[ADAPTER].bias is not None:      # peft's lora_bias: not what this path computes
-        return type(layer).forward.__get__(layer)
+    peft_forward = type(layer).forward.__get__(layer)
+    if not isinstance(base, nn.Linear):
+        return peft_forward
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        result = base(x, *args, **kwargs)
         if layer.disable_adapters:
-            return result
+            return base(x, *args, **kwargs)
         # The layer's active adapter, read per call: a trainer holding several named adapters
         # (services/trainer/model/adapter_set.py) switches it with peft's set_adapter.
         name = layer.active_adapters[0]
-        lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-        dropout, scaling = layer.lora_dropout[name], float(layer.scaling[name])
-        h = x
-        # Without autocast the adapters' dtype decides A's matmul (an fp32 adapter over a bf16 base); under
-        # autocast (or FSDP's mixed precision) the matmuls already run in the compute dtype.
-        if h.dtype != lora_a.weight.dtype and not torch.is_autocast_enabled(h.device.type):
-            h = h.to(lora_a.weight.dtype)
-        z = lora_a(dropout(h))
-        out = torch.addmm(result.reshape(-1, result.shape[-1]), z.reshape(-1, z.shape[-1]).to(result.dtype),
-                          lora_b.weight.to(result.dtype).t(), alpha=scaling)
-        return out.view(result.shape)
+        if (args or kwargs or base.weight.requires_grad or layer.lora_B[name].bias is not None
+                or name in getattr(layer, "lora_variant", {}) or not isinstance(layer.lora_dropout[name], nn.Identity)):
+            return peft_forward(x, *args, **kwargs)
+        return adapted_linear(x, base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight,
+                              float(layer.scaling[name]))
     return forward
 
 

@@ -1,0 +1,95 @@
+"""GPU tests of the trainer's LoRA layer op (services/trainer/model/lora_linear.py) at the 1.5B MLP shape: values and
+gradients of the unfused nn.Linear + addmm formula it replaced (bf16 rounding), no GEMM over the frozen weight's
+gradient under torch.compile, and less time a layer than that formula, both compiled. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from services.trainer.model.lora_linear import adapted_linear
+from tests.unit.test_lora_train_work import GEMMS, gemm_mkn
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+TOKENS, D_IN, D_OUT, RANK, SCALE = 16384, 1536, 8960, 16, 2.0       # gate_proj of Qwen2.5-1.5B, 8 x 2,048 tokens
+
+
+def operands(seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(TOKENS, D_IN, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(D_OUT, D_IN, device="cuda", generator=g) * D_IN ** -0.5).bfloat16()
+    a = (torch.randn(RANK, D_IN, device="cuda", generator=g) * D_IN ** -0.5).requires_grad_()   # fp32 masters
+    b = (torch.randn(D_OUT, RANK, device="cuda", generator=g) * 0.01).requires_grad_()
+    return x, w, a, b
+
+
+def unfused(x, w, a, b):
+    """What the trainer ran before: base linear, A, then addmm with the base output as C."""
+    res = torch.nn.functional.linear(x, w)
+    z = torch.nn.functional.linear(x, a)
+    return torch.addmm(res, z.to(res.dtype), b.to(res.dtype).t(), alpha=SCALE)
+
+
+def fused(x, w, a, b):
+    return adapted_linear(x, w, None, a, b, SCALE)
+
+
+def step(fn, x, w, a, b, dy):
+    x.grad = a.grad = b.grad = None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = fn(x, w, a, b)
+    y.backward(dy)
+    return y
+
+
+def test_the_layer_op_matches_the_unfused_formula_in_values_and_gradients():
+    x, w, a, b = operands()
+    dy = torch.randn(TOKENS, D_OUT, device="cuda").bfloat16()
+    ref = step(unfused, x, w, a, b, dy).float()
+    ref_grads = [t.grad.float().clone() for t in (x, a, b)]
+    out = step(fused, x, w, a, b, dy).float()
+    assert (out - ref).abs().max() <= 2e-2 * ref.abs().max()
+    for got, want in zip((x.grad, a.grad, b.grad), ref_grads):
+        assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_compiled_backward_forms_no_gradient_of_the_frozen_weight():
+    from torch.profiler import ProfilerActivity, profile
+
+    x, w, a, b = operands(1)
+    dy = torch.randn(TOKENS, D_OUT, device="cuda").bfloat16()
+    compiled = torch.compile(fused)
+    step(compiled, x, w, a, b, dy)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step(compiled, x, w, a, b, dy)
+        torch.cuda.synchronize()
+    gemms = [gemm_mkn(e.name, e.input_shapes) for e in prof.events() if e.name in GEMMS]
+    assert (TOKENS, D_IN, D_OUT) in gemms                  # the profiler sees the op's GEMMs (its base forward)
+    weight_grads = [g for g in gemms if g[1] == TOKENS and {g[0], g[2]} == {D_OUT, D_IN}]
+    assert weight_grads == [] and w.grad is None and a.grad is not None and b.grad is not None
+
+
+def test_the_layer_op_takes_less_time_than_the_unfused_formula_both_compiled():
+    """As in a compiled block: SiLU reads the output (inductor then turns the unfused addmm into mm + an add fused
+    into the SiLU: two passes over the adapter's [tokens, out], not four)."""
+    x, w, a, b = operands(2)
+    dy = torch.randn(TOKENS, D_OUT, device="cuda").bfloat16()
+    times = {}
+    for name, fn in (("unfused", unfused), ("fused", fused)):
+        compiled = torch.compile(lambda x, w, a, b, fn=fn: torch.nn.functional.silu(fn(x, w, a, b)))
+        for _ in range(3):
+            step(compiled, x, w, a, b, dy)
+        samples = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(compiled, x, w, a, b, dy)
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+        times[name] = statistics.median(samples)
+    print(f"gate_proj + SiLU fwd+bwd ms, compiled: {times}")
+    assert times["fused"] < times["unfused"]

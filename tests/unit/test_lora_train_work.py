@@ -1,0 +1,136 @@
+"""A LoRA actor step does strictly less work than a full one: no GEMM of the step forms a frozen base weight's
+gradient (the profiler lists every matmul with its shapes, inside the adapter op too), and an adapted layer makes
+one pass over each [tokens, features] tensor it needs (no copy or add over its output, no second GEMM over it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from services.common.config import load_config
+from services.trainer.config import LoraSection, TrainerSettings
+from services.trainer.engine import TrainerEngine
+from services.trainer.model import lora_linear
+from services.trainer.model.lora import ADAPTER, apply_lora
+from services.trainer.testing import make_tiny_model
+from services.trainer.types import ActorLoss, TrainSample
+
+GEMMS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
+PASSES = ("aten::add", "aten::add_", "aten::mul", "aten::mul_", "aten::copy_", "aten::clone", "aten::sum")
+# 3 sequences of 5 + 12 tokens: 51 tokens (padded rows on CPU), 36 response tokens through the fused head; neither
+# is a model dimension, so a GEMM over either is one that sums over tokens.
+BATCH, PROMPT, RESPONSE = 3, 5, 12
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("lora_work") / "model", vocab_size=VOCAB)
+
+
+def gemm_mkn(name: str, shapes: list) -> tuple[int, int, int]:
+    a, b = (shapes[0], shapes[1]) if name in ("aten::mm", "aten::bmm") else (shapes[1], shapes[2])
+    return a[-2], a[-1], b[-1]
+
+
+def profiled(fn) -> list[tuple[str, list]]:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [(e.name, e.input_shapes) for e in prof.events()]
+
+
+def weight_grad_gemms(events, frozen: dict[str, torch.Size], tokens: set[int]) -> list:
+    """GEMMs that sum over tokens into a frozen weight's shape ([out, in] or its transpose): a weight gradient."""
+    shapes = {t for s in frozen.values() if len(s) == 2 for t in (tuple(s), tuple(s)[::-1])}
+    hits = []
+    for name, s in events:
+        if name in GEMMS:
+            m, k, n = gemm_mkn(name, s)
+            if k in tokens and (m, n) in shapes:
+                hits.append((name, s))
+    return hits
+
+
+def one_step(model_path: str, lora: bool, compile: bool):
+    actor = {"lr": 1e-3, "activation_checkpointing": "full", "compile": compile, "warmup": False,
+             "micro_batch_token_budget": BATCH * (PROMPT + RESPONSE)}
+    if lora:
+        actor["lora"] = {"rank": 4, "alpha": 8}
+    e = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": model_path, "dtype": "bfloat16"},
+                                                         "actor": actor}))
+    g = torch.Generator().manual_seed(0)
+    samples = [TrainSample(prompt_ids=torch.randint(3, VOCAB, (PROMPT,), generator=g).tolist(),
+                           response_ids=torch.randint(3, VOCAB, (RESPONSE,), generator=g).tolist(),
+                           advantages=torch.randn(RESPONSE, generator=g).tolist(), old_logprobs=[0.0] * RESPONSE,
+                           ref_logprobs=[]) for _ in range(BATCH)]
+    step = lambda: e.train_actor(samples, ActorLoss(mini_batch_size=BATCH))     # noqa: E731
+    if compile:
+        step()                                                                   # compiles outside the profile
+    return e, profiled(step)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_lora_step_runs_no_gemm_that_forms_a_frozen_base_weights_gradient(model_path, compile):
+    tokens = {BATCH * (PROMPT + RESPONSE), BATCH * RESPONSE}
+    if not compile:            # the detector sees a full step's weight gradients: each linear of both blocks, the head
+        full, full_events = one_step(model_path, lora=False, compile=False)
+        weights = {n: p.shape for n, p in full.rank.actor.module.named_parameters()}
+        assert len(weight_grad_gemms(full_events, weights, tokens)) >= 2 * 7 + 1
+    e, events = one_step(model_path, lora=True, compile=compile)
+    frozen = {n: p for n, p in e.rank.actor.module.named_parameters() if ".lora_" not in n}
+    assert weight_grad_gemms(events, {n: p.shape for n, p in frozen.items()}, tokens) == []
+    assert all(p.grad is None for p in frozen.values())
+    # The adapters did train: every A and B got its gradient GEMM over the tokens (compiled: inside the compiled
+    # backward's op, which the profiler sees as it would see the base's).
+    adapters = {n: p.shape for n, p in e.rank.actor.module.named_parameters() if ".lora_" in n}
+    assert len(weight_grad_gemms(events, adapters, tokens)) >= 2 * 7 * 2
+
+
+@pytest.mark.parametrize("base_first", [True, False], ids=["cpu_order", "cuda_order"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_adapted_layer_makes_one_pass_over_each_activation_and_its_gradient(bias, base_first, monkeypatch):
+    monkeypatch.setattr(lora_linear, "base_first", lambda x: base_first)
+    T, d_in, d_out, r = 37, 48, 80, 4
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.q_proj = nn.Linear(d_in, d_out, bias=bias).to(torch.bfloat16)
+    apply_lora(model, LoraSection(rank=r, alpha=2 * r, target_modules=["q_proj"]), adapter_dtype=torch.float32)
+    layer = model.q_proj
+    a, b_lora = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight          # fp32 master adapters
+    nn.init.normal_(b_lora)                                                          # B = 0 would hide the path
+    x = torch.randn(T, d_in, dtype=torch.bfloat16, requires_grad=True)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.backward(torch.ones_like(y))
+        return y
+
+    events = profiled(run)
+    gemms = [gemm_mkn(n, s) for n, s in events if n in GEMMS]
+    # Forward: z = x A^T, the adapter's part and the base's. Backward: z again, dz, dB, dA, dz A and dy W (one of each
+    # pair adds onto the other).
+    assert sorted(gemms) == sorted([(T, d_in, r), (T, r, d_out), (T, d_in, d_out), (T, d_in, r),
+                                    (T, d_out, r), (d_out, T, r), (r, T, d_in), (T, r, d_in), (T, d_out, d_in)])
+    # One GEMM of each pair accumulates onto the other's output in place (which one: lora_linear.base_first).
+    small, big_k = (r, r) if base_first else (d_in, d_out)
+    onto = [("aten::addmm_", [[T, d_out], [T, small], [small, d_out], [], []]),
+            ("aten::addmm_", [[T, d_in], [T, big_k], [big_k, d_in], [], []])]
+    assert all(e in events for e in onto)
+    # Outside the GEMMs nothing reads or writes a [tokens, features] tensor (a bias's broadcast copy inside addmm
+    # aside): no separate scale, add or copy of the output or of x's gradient.
+    big = {(T, d_in), (T, d_out)}
+    passes = [(n, s) for n, s in events if n in PASSES and any(tuple(t) in big for t in s)]
+    assert passes == ([("aten::copy_", [[T, d_out], [T, d_out], []])] if bias else [])
+    assert layer.base_layer.weight.grad is None and a.grad.dtype == b_lora.grad.dtype == torch.float32
+    # The values of the unfused formula (fp32 reference of the bf16 operands).
+    xf, wf = x.detach().float(), layer.base_layer.weight.float()
+    bf = lambda t: t.detach().to(torch.bfloat16).float()                            # noqa: E731
+    ref = xf @ wf.t() + layer.scaling[ADAPTER] * (xf @ bf(a).t()) @ bf(b_lora).t()
+    if bias:
+        ref = ref + layer.base_layer.bias.float()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert (y.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
