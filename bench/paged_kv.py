@@ -42,8 +42,8 @@ def engine(model, args, variant: str, **rollout) -> TorchEngine:
     """none: today's engine (CUDA graphs on a GPU); paged: eager paged steps; paged_graphs: + kv_cache_cuda_graphs."""
     cuda = args.device.startswith("cuda")
     kv_cache = "none" if variant == "none" else "paged"
-    if variant == "paged_graphs":
-        rollout["kv_cache_cuda_graphs"] = True
+    if kv_cache == "paged":             # explicit both ways: auto turns the graphs on with CUDA
+        rollout["kv_cache_cuda_graphs"] = variant == "paged_graphs"
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     settings = RolloutSettings(model={"path": "random-init", "device": args.device, "dtype": dtype},
                                rollout={"cuda_graphs": cuda and kv_cache == "none", "kv_cache": kv_cache,

@@ -149,10 +149,10 @@ class RolloutConfig(PoolConfig):
     kv_cache: Literal["paged", "none"] | Auto = AUTO
     # kv_cache paged: tokens per KV block.
     kv_block_size: int = Field(16, ge=1, le=1024)
-    # kv_cache paged on CUDA: each decode step's forward is a captured CUDA graph per batch bucket (sampling stays
-    # eager; services/rollout/engine_torch/paged/graphs.py). Off by default: not yet run on a GPU at the commit that
-    # added it (bench/gpu_session.sh paged_kv measures it; tests/gpu/test_paged_kv_gpu.py checks it).
-    kv_cache_cuda_graphs: bool = False
+    # kv_cache paged on CUDA: each decode step's forward is a captured CUDA graph per batch bucket
+    # (services/rollout/engine_torch/paged/graphs.py). auto: on with CUDA, Triton and power-of-two kv_block_size and
+    # head_dim (the Triton paged kernel), where it decodes ~6x the eager paged steps (bench/results/paged_kv_gpu.json).
+    kv_cache_cuda_graphs: bool | Auto = AUTO
     # engine "vllm": more vllm.AsyncEngineArgs ({tensor_parallel_size: 2, enforce_eager: false, ...}); they
     # override the ones meshrl sets.
     vllm_engine_args: dict[str, Any] = Field(default_factory=dict)
@@ -217,7 +217,7 @@ class RolloutConfig(PoolConfig):
 
     @model_validator(mode="after")
     def _paged_needs_torch(self):
-        if self.kv_cache_cuda_graphs and self.kv_cache != "paged":
+        if self.kv_cache_cuda_graphs is True and self.kv_cache != "paged":
             raise ValueError("kv_cache_cuda_graphs: true needs kv_cache: paged (today's cache has its own graphs: "
                              "cuda_graphs)")
         if self.kv_cache == "paged" and self.engine != "torch":

@@ -1,10 +1,9 @@
 """GPU tests of the trainer's LoRA layer op (services/trainer/model/lora_linear.py) at the 1.5B MLP shape: values and
 gradients of the unfused nn.Linear + addmm formula it replaced (bf16 rounding), no GEMM over the frozen weight's
-gradient under torch.compile, and less time a layer than that formula, both compiled. Skipped without CUDA."""
+gradient under torch.compile. Skipped without CUDA. (Which is faster is a benchmark's question, not a test's:
+`LORA_VARIANTS=full,lora,lora_addmm bench/gpu_session.sh loratrain`.)"""
 
 from __future__ import annotations
-
-import statistics
 
 import pytest
 import torch
@@ -70,26 +69,3 @@ def test_compiled_backward_forms_no_gradient_of_the_frozen_weight():
     assert (TOKENS, D_IN, D_OUT) in gemms                  # the profiler sees the op's GEMMs (its base forward)
     weight_grads = [g for g in gemms if g[1] == TOKENS and {g[0], g[2]} == {D_OUT, D_IN}]
     assert weight_grads == [] and w.grad is None and a.grad is not None and b.grad is not None
-
-
-def test_the_layer_op_takes_less_time_than_the_unfused_formula_both_compiled():
-    """As in a compiled block: SiLU reads the output (inductor then turns the unfused addmm into mm + an add fused
-    into the SiLU: two passes over the adapter's [tokens, out], not four)."""
-    x, w, a, b = operands(2)
-    dy = torch.randn(TOKENS, D_OUT, device="cuda").bfloat16()
-    times = {}
-    for name, fn in (("unfused", unfused), ("fused", fused)):
-        compiled = torch.compile(lambda x, w, a, b, fn=fn: torch.nn.functional.silu(fn(x, w, a, b)))
-        for _ in range(3):
-            step(compiled, x, w, a, b, dy)
-        samples = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(compiled, x, w, a, b, dy)
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end))
-        times[name] = statistics.median(samples)
-    print(f"gate_proj + SiLU fwd+bwd ms, compiled: {times}")
-    assert times["fused"] < times["unfused"]

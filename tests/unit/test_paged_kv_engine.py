@@ -307,8 +307,16 @@ def test_the_static_padded_decode_step_of_the_graph_path_decodes_as_the_eager_on
     assert eng.info()["kv_blocks_used"] == 1 and dec.graphs.scratch not in dec.pool._free
 
 
+def test_paged_cuda_graphs_auto_resolves_off_on_cpu_and_says_why(model_dir):
+    eng = paged(model_dir)
+    choice = eng.resolved.choices["rollout.kv_cache_cuda_graphs"]
+    assert (choice.value, choice.asked, choice.why) == (False, "auto", "model.device is 'cpu', not CUDA")
+    assert eng._paged.graphs is None
+
+
 def test_paged_cuda_graphs_are_refused_without_paged_or_without_cuda(model_dir):
     with pytest.raises(ValueError, match="kv_cache_cuda_graphs: true needs kv_cache: paged"):
         RolloutSettings(model={"path": model_dir}, rollout={"kv_cache_cuda_graphs": True})
-    with pytest.raises(ValueError, match="rollout.kv_cache_cuda_graphs: true needs CUDA"):
+    with pytest.raises(ValueError, match=r"rollout.kv_cache_cuda_graphs: true cannot work here \(model.device is 'cpu', "
+                                         r"not CUDA\)"):
         paged(model_dir, kv_cache_cuda_graphs=True)

@@ -37,14 +37,33 @@ def resolve_speed(r, device: str, model) -> Resolved:
     paged_reason = unsupported_reason(model)
     if r.kv_cache == "paged" and paged_reason is not None:
         raise ValueError(f"rollout.kv_cache: paged cannot work here ({paged_reason}); set it to auto or none")
-    # auto stays on today's cache everywhere: on a GPU the paged path decodes eagerly (no CUDA graphs) and is not
-    # measured against the graph decode yet; on CPU it is tested, but the CPU suites and benches pin today's loop
+    # auto stays on today's cache everywhere: on an H100 the paged decode step is still slower than the graph decoder's
+    # (bench/results/paged_kv_gpu.json); on CPU it is tested, but the CPU suites and benches pin today's loop
     # (docs/rollout.md lists what a CPU switch to paged changed).
-    out.pick("rollout.kv_cache", r.kv_cache, "none", "paged KV is opt-in until bench/gpu_session.sh paged_kv "
-             "measures it beside today's decode (docs/rollout.md)")
+    paged = out.pick("rollout.kv_cache", r.kv_cache, "none", "paged KV is opt-in: its decode step is slower than "
+                     "the CUDA-graph decoder's on a GPU (docs/rollout.md)") == "paged"
+    kernel = ("kv_cache is none" if not paged else f"model.device is {device!r}, not CUDA" if not cuda
+              else _paged_graphs_reason(model, r.kv_block_size))
+    if r.kv_cache_cuda_graphs is True and paged and kernel is not None:
+        raise ValueError(f"rollout.kv_cache_cuda_graphs: true cannot work here ({kernel}); set it to auto or false")
+    out.pick("rollout.kv_cache_cuda_graphs", r.kv_cache_cuda_graphs, kernel is None,
+             "paged cache on CUDA with the Triton paged kernel" if kernel is None else kernel)
     out.pick("rollout.max_batch_size", r.max_batch_size, AUTO_MAX_BATCH_SIZE[graphs],
              "CUDA-graph decode: the KV cache follows each batch's rows" if graphs else "eager decode loop")
     return out
+
+
+def _paged_graphs_reason(model, block_size: int) -> str | None:
+    """Why the paged decode step cannot be captured here (paged/graphs.py needs the Triton paged kernel), or None."""
+    from services.rollout.engine_torch.paged import attention
+
+    p = next(model.parameters())
+    hd = model.model.layers[0].self_attn.head_dim
+    if not attention.available(p.device):
+        return "no Triton"
+    if not attention.supports(block_size, hd):
+        return f"kv_block_size {block_size} and head_dim {hd} must be powers of two >= 16"
+    return None
 
 
 def _triton_available() -> bool:
