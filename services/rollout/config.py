@@ -151,7 +151,7 @@ class RolloutConfig(PoolConfig):
     kv_block_size: int = Field(16, ge=1, le=1024)
     # kv_cache paged on CUDA: each decode step's forward is a captured CUDA graph per batch bucket
     # (services/rollout/engine_torch/paged/graphs.py). auto: on with CUDA, Triton and power-of-two kv_block_size and
-    # head_dim (the Triton paged kernel), where it decodes ~6x the eager paged steps (bench/results/paged_kv_gpu.json).
+    # head_dim (the Triton paged kernel), where it decodes 3-6x the eager paged steps (bench/results/paged_kv_gpu.json).
     kv_cache_cuda_graphs: bool | Auto = AUTO
     # engine "vllm": more vllm.AsyncEngineArgs ({tensor_parallel_size: 2, enforce_eager: false, ...}); they
     # override the ones meshrl sets.
