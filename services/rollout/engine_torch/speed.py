@@ -19,6 +19,7 @@ def resolve_speed(r, device: str, model) -> Resolved:
     """The torch engine's `auto` switches: CUDA graphs (and their compile) on a CUDA device with a model the graph
     decoder supports, 512 rows per batch there (64 elsewhere). An explicit true that cannot work is refused."""
     from services.rollout.engine_torch.graph_step import unsupported_reason
+    from services.rollout.engine_torch.paged import attention
 
     out = Resolved("rollout", log)
     cuda = str(device).startswith("cuda")
@@ -43,7 +44,8 @@ def resolve_speed(r, device: str, model) -> Resolved:
     paged = out.pick("rollout.kv_cache", r.kv_cache, "none", "paged KV is opt-in: its decode step is slower than "
                      "the CUDA-graph decoder's on a GPU (docs/rollout.md)") == "paged"
     kernel = ("kv_cache is none" if not paged else f"model.device is {device!r}, not CUDA" if not cuda
-              else _paged_graphs_reason(model, r.kv_block_size))
+              else attention.graphs_reason(next(model.parameters()).device, r.kv_block_size,
+                                           model.model.layers[0].self_attn.head_dim))
     if r.kv_cache_cuda_graphs is True and paged and kernel is not None:
         raise ValueError(f"rollout.kv_cache_cuda_graphs: true cannot work here ({kernel}); set it to auto or false")
     out.pick("rollout.kv_cache_cuda_graphs", r.kv_cache_cuda_graphs, kernel is None,
@@ -51,19 +53,6 @@ def resolve_speed(r, device: str, model) -> Resolved:
     out.pick("rollout.max_batch_size", r.max_batch_size, AUTO_MAX_BATCH_SIZE[graphs],
              "CUDA-graph decode: the KV cache follows each batch's rows" if graphs else "eager decode loop")
     return out
-
-
-def _paged_graphs_reason(model, block_size: int) -> str | None:
-    """Why the paged decode step cannot be captured here (paged/graphs.py needs the Triton paged kernel), or None."""
-    from services.rollout.engine_torch.paged import attention
-
-    p = next(model.parameters())
-    hd = model.model.layers[0].self_attn.head_dim
-    if not attention.available(p.device):
-        return "no Triton"
-    if not attention.supports(block_size, hd):
-        return f"kv_block_size {block_size} and head_dim {hd} must be powers of two >= 16"
-    return None
 
 
 def _triton_available() -> bool:

@@ -25,6 +25,15 @@ def available(device) -> bool:
     return triton is not None and torch.device(device).type == "cuda"
 
 
+def graphs_reason(device, block_size: int, head_dim: int) -> str | None:
+    """Why the paged decode step cannot run its Triton kernel (and so its CUDA graphs) here, or None."""
+    if not available(device):
+        return f"device {device} has no CUDA with Triton"
+    if not supports(block_size, head_dim):
+        return f"kv_block_size {block_size} and head_dim {head_dim} must be powers of two >= 16"
+    return None
+
+
 def supports(block_size: int, head_dim: int) -> bool:
     """tl.dot needs power-of-two tiles of >= 16 on each side."""
     return all(x >= 16 and x & (x - 1) == 0 for x in (block_size, head_dim))

@@ -84,9 +84,9 @@ class PagedDecoder(Windows):
         from services.rollout.engine_torch.paged.graphs import PagedGraphs
 
         hd, bs = self.kv.k[0].size(-1), self.pool.block_size
-        if not (attention.available(self.device) and attention.supports(bs, hd)):
-            raise ValueError("rollout.kv_cache_cuda_graphs: true needs CUDA, Triton, and kv_block_size and head_dim "
-                             f"powers of two >= 16 (here {self.device}, block {bs}, head_dim {hd}); set it to false")
+        why = attention.graphs_reason(self.device, bs, hd)
+        if why is not None:
+            raise ValueError(f"rollout.kv_cache_cuda_graphs: true cannot work here ({why}); set it to false")
         # Wide enough for a window's tokens past the longest row (window.py).
         return PagedGraphs(self.model, self.kv, width=-(-(max_model_len + self.sync_every) // bs),
                            scratch_block=self.pool.allocate(), max_batch_size=self.max_batch_size)
