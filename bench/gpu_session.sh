@@ -151,7 +151,7 @@ for what in "$@"; do
          # (LORA_VARIANTS=full,lora drops the peft-forward row when the 560 s run out: each variant compiles cold;
          # LORA_VARIANTS=full,lora,lora_addmm sets the meshrl::lora_linear op beside the addmm forward it replaced)
       part loratrain 560 python3 bench/lora_train.py --shape "${LORA_SHAPE:-qwen2.5-1.5b}" --rank 16 \
-        --variants "${LORA_VARIANTS:-full,lora,lora_peft}" --out "$OUT/lora_train_gpu.json" ;;
+        --variants "${LORA_VARIANTS:-full,lora,lora_peft}" ${LORA_PROFILE:+--profile} --out "$OUT/lora_train_gpu.json" ;;
     wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py -s ;;
     reference) part reference 240 python3 bench/reference_gpu.py --out "$OUT/reference_gpu.json" ;;
     ipcbench) # CUDA IPC between two processes on one GPU vs a same-process copy (bench/weight_sync_ipc.py)

@@ -70,18 +70,19 @@ def one(args) -> dict:
     from services.trainer.engine import TrainerEngine
     from services.trainer.types import ActorLoss, TrainSample
 
-    if args.variant == "lora_peft":
+    name, _, checkpointing = args.variant.partition("@")        # "lora@none": that variant without checkpointing
+    if name == "lora_peft":
         from services.trainer.model import lora
 
         lora.lean_forward = lambda layer: type(layer).forward.__get__(layer)        # peft's own forward
-    if args.variant == "lora_addmm":
+    if name == "lora_addmm":
         from services.trainer.model import lora
 
         lora.lean_forward = addmm_lean_forward
     cuda = args.device.startswith("cuda")
-    actor = {"lr": 1e-5, "activation_checkpointing": args.checkpointing,
+    actor = {"lr": 1e-5, "activation_checkpointing": checkpointing or args.checkpointing,
              "micro_batch_token_budget": args.batch * (args.prompt + args.response)}
-    if args.variant != "full":
+    if name != "full":
         actor["lora"] = {"rank": args.rank, "alpha": 2 * args.rank}
     settings = load_config(TrainerSettings, data={"model": {"path": args.model, "dtype": "bfloat16",
                                                              "device": args.device}, "actor": actor})
@@ -106,6 +107,7 @@ def one(args) -> dict:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    profile = kernel_table(e, samples, ActorLoss(mini_batch_size=args.batch)) if cuda and args.profile else None
     tokens = args.batch * (args.prompt + args.response)
     step_s = statistics.median(times[args.warmup:])
     return {"variant": args.variant, "step_s": step_s, "tokens_per_s": tokens / step_s,
@@ -114,8 +116,19 @@ def one(args) -> dict:
             "trainable_params": sum(p.numel() for p in module.parameters() if p.requires_grad),
             "resident_bytes": resident if cuda else None,
             "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "activation_checkpointing": actor["activation_checkpointing"], "kernels_top": profile,
             "compiled": e.rank.compiled, "fused_logprobs": e.rank.fused_logprobs, "packed": e.rank.layout.packed,
             "param_dtype": e.rank.param_dtype, "compute_dtype": e.rank.compute_dtype}
+
+
+def kernel_table(e, samples, loss, top: int = 25) -> list:
+    """One more step under torch.profiler: the GPU kernels that took the most time, [name, ms, calls]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        e.train_actor(samples, loss)
+    rows = sorted(prof.key_averages(), key=lambda r: r.device_time_total, reverse=True)[:top]
+    return [[r.key[:90], round(r.device_time_total / 1e3, 2), r.count] for r in rows]
 
 
 def main() -> None:
@@ -128,7 +141,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"])
-    ap.add_argument("--variants", default="full,lora,lora_peft")
+    ap.add_argument("--variants", default="full,lora,lora_peft",
+                    help="comma-separated; NAME@CHECKPOINTING runs that variant with its own activation_checkpointing")
+    ap.add_argument("--profile", action="store_true", help="each variant's top GPU kernels of one more step")
     ap.add_argument("--models", default="/tmp/meshrl-gpu-work/models")
     ap.add_argument("--out", default=None)
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)      # the child process's one variant
@@ -152,8 +167,8 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     by = {r["variant"]: r for r in rows if "step_s" in r}
     ratios = {}
-    for v in ("lora", "lora_addmm", "lora_peft"):
-        if v in by and "full" in by:
+    for v in by:
+        if v != "full" and "full" in by:
             ratios[f"{v}_step_vs_full"] = by[v]["step_s"] / by["full"]["step_s"]
             if cuda:
                 ratios[f"{v}_peak_vs_full"] = by[v]["peak_bytes"] / by["full"]["peak_bytes"]
