@@ -70,7 +70,9 @@ def one(args) -> dict:
     from services.trainer.engine import TrainerEngine
     from services.trainer.types import ActorLoss, TrainSample
 
-    name, _, checkpointing = args.variant.partition("@")        # "lora@none": that variant without checkpointing
+    # "lora@selective:4096": that variant with its own activation_checkpointing and micro_batch_token_budget
+    name, _, rest = args.variant.partition("@")
+    checkpointing, _, budget = rest.partition(":")
     if name == "lora_peft":
         from services.trainer.model import lora
 
@@ -81,7 +83,7 @@ def one(args) -> dict:
         lora.lean_forward = addmm_lean_forward
     cuda = args.device.startswith("cuda")
     actor = {"lr": 1e-5, "activation_checkpointing": checkpointing or args.checkpointing,
-             "micro_batch_token_budget": args.batch * (args.prompt + args.response)}
+             "micro_batch_token_budget": int(budget or args.batch * (args.prompt + args.response))}
     if name != "full":
         actor["lora"] = {"rank": args.rank, "alpha": 2 * args.rank}
     settings = load_config(TrainerSettings, data={"model": {"path": args.model, "dtype": "bfloat16",
@@ -116,7 +118,8 @@ def one(args) -> dict:
             "trainable_params": sum(p.numel() for p in module.parameters() if p.requires_grad),
             "resident_bytes": resident if cuda else None,
             "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-            "activation_checkpointing": actor["activation_checkpointing"], "kernels_top": profile,
+            "activation_checkpointing": actor["activation_checkpointing"],
+            "micro_batch_token_budget": actor["micro_batch_token_budget"], "kernels_top": profile,
             "compiled": e.rank.compiled, "fused_logprobs": e.rank.fused_logprobs, "packed": e.rank.layout.packed,
             "param_dtype": e.rank.param_dtype, "compute_dtype": e.rank.compute_dtype}
 
@@ -142,7 +145,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"])
     ap.add_argument("--variants", default="full,lora,lora_peft",
-                    help="comma-separated; NAME@CHECKPOINTING runs that variant with its own activation_checkpointing")
+                    help="comma-separated; NAME@CHECKPOINTING[:TOKENS] runs that variant with its own "
+                         "activation_checkpointing (and micro_batch_token_budget)")
     ap.add_argument("--profile", action="store_true", help="each variant's top GPU kernels of one more step")
     ap.add_argument("--models", default="/tmp/meshrl-gpu-work/models")
     ap.add_argument("--out", default=None)
