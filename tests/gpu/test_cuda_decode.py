@@ -346,3 +346,38 @@ def test_concurrent_requests_of_mixed_lengths_join_a_graph_decode_and_all_comple
         for x, y in zip(flat(g), flat(a)):
             assert x.response_ids == y.response_ids
             assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+
+
+def test_captures_survive_another_thread_allocating(model_dir):
+    """A process that also trains (the in-process mesh, several runs on one mesh) allocates and frees device memory
+    on other threads while the decoder captures: in the default global capture mode any such cudaMalloc fails the
+    capture ('operation not permitted when stream is capturing'); graph_step.capture uses thread-local mode."""
+    import threading
+
+    engine = make_engine(model_dir, graphs=True, max_batch_size=16)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn():
+        try:
+            while not stop.is_set():
+                x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")   # a fresh cudaMalloc each time
+                x.fill_(1)
+                del x
+                torch.cuda.empty_cache()
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    t = threading.Thread(target=churn, daemon=True)
+    t.start()
+    try:
+        for n in (1, 3, 9, 16):            # each batch bucket captures its own graph
+            batch = GenerateBatch([PromptInput(id=str(i), prompt_ids=PROMPTS[i % 3]) for i in range(n)],
+                                  SamplingParams(n=1, temperature=0.0, max_tokens=12))
+            out = asyncio.run(engine.generate(batch))
+            assert [len(s.response_ids) for r in out for s in r.samples] == [12] * n
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    assert not errors, errors
+    assert engine._graph_decoder.stats["graphs_captured"] >= 4

@@ -40,7 +40,7 @@ import torch
 
 from services.rollout.engine_torch import decode_join
 from services.rollout.engine_torch.decode_join import Joiner, Room
-from services.rollout.engine_torch.graph_step import GraphStep, State, unsupported_reason
+from services.rollout.engine_torch.graph_step import GraphStep, State, capture, unsupported_reason
 from services.rollout.engine_torch.lora import adapter_rows
 from services.rollout.engine_torch.sampling import left_padded
 from services.rollout.types import bucket_batch, bucket_len
@@ -268,7 +268,7 @@ class GraphDecoder(GraphStep):
         st.step.zero_()
         st.slot.zero_()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool):
+        with capture(g, self._pool):
             self._step(st, mode)
         st.graphs[mode] = g
         self.stats["graphs_captured"] += 1

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.rollout.engine_torch.graph_step import capture
 from services.rollout.engine_torch.lora import bank_of
 from services.rollout.engine_torch.paged.forward import decode_step
 from services.rollout.engine_torch.paged.kv import PagedKV
@@ -128,7 +129,7 @@ class PagedGraphs:
                     self._step(b)
             torch.cuda.current_stream(self.device).wait_stream(side)
             b.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(b.graph, pool=self._pool):
+            with capture(b.graph, self._pool):
                 b.out = self._step(b)
             self.stats["graphs_captured"] += 1
             log.info("paged KV graphs: captured the decode forward for batch=%d", B)
