@@ -98,10 +98,11 @@ for what in "$@"; do
     paged_kv) # issue 44: the paged KV cache (rollout.kv_cache: paged) beside today's engine in the same process:
               # GRPO 64 x 1,024-token prompts n=8, plain decode at batch 256, a long-tailed mix at the same KV bytes
               # (bench/paged_kv.py), then the tool episodes of bench/episodes.py with either cache
-      part paged_kv 420 python3 bench/paged_kv.py --out "$OUT/paged_kv_gpu.json"
+      # (PAGED_KV_ARGS: more flags, e.g. --variants none,paged_graphs; PAGED_EPISODES_CACHES: the episodes' caches)
+      part paged_kv 420 python3 bench/paged_kv.py ${PAGED_KV_ARGS:-} --out "$OUT/paged_kv_gpu.json"
       stamp "$OUT/paged_kv_gpu.json" paged_kv_gpu
       part paged_episodes 540 python3 bench/episodes.py --device cuda --shape qwen2.5-0.5b --prompts 32 --n 8 --rounds 3 \
-        --kv-caches none,paged,paged_graphs --out "$OUT/paged_episodes_gpu.json" ;;
+        --kv-caches "${PAGED_EPISODES_CACHES:-none,paged,paged_graphs}" --out "$OUT/paged_episodes_gpu.json" ;;
     decode) part decode 240 python3 bench/decode_step.py --variants "${DECODE_VARIANTS:-torch,fused,fused_bn64,fused_bn128}" \
               --out "$OUT/decode_step_gpu.json"
             stamp "$OUT/decode_step_gpu.json" decode_step_gpu ;;
