@@ -3,9 +3,10 @@ read in place from the pool, so a decode step copies no cache (the torch path ga
 
 One program per (row, kv head) handles that head's G query heads together (grouped query attention: each block
 of K/V is read once for all of them), walking the row's block table up to its context length with an online
-softmax in fp32 (decode_attention.py's kernel, over a block table instead of a static cache). Used by
-forward.paged_forward for decode steps on CUDA; tests/unit/test_paged_kv_attention.py runs it in Triton's CPU
-interpreter against the torch path.
+softmax in fp32 (decode_attention.py's kernel, over a block table instead of a static cache). Used by the paged
+decode step (forward.DecodeStep) on CUDA; tests/unit/test_paged_kv_attention.py runs it in Triton's CPU interpreter
+against the torch path. Exposed as the custom op `meshrl::paged_decode_attention` so torch.compile (the step's
+compiled layer) treats it as one opaque call.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ if triton is not None:
                  mask=live[:, None])
 
 
+@torch.library.custom_op("meshrl::paged_decode_attention", mutates_args=())
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                            ctx: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale) v over the first ctx[b] positions of row b's blocks: q [B, H, hd] -> [B, H, hd].
@@ -92,3 +94,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
         G=G, GP=max(16, triton.next_power_of_2(G)), HD=hd, BS=block_size, PREC=prec, num_warps=NUM_WARPS)
     return out
+
+
+@paged_decode_attention.register_fake
+def _(q, k_pool, v_pool, tables, ctx, block_size, scale):
+    return q.new_empty(q.shape)             # contiguous, as the kernel's output
