@@ -121,9 +121,12 @@ class TorchEngine(TorchAdapters, LocalModelEngine):
         self._paged = None
         if self.resolved.value("rollout.kv_cache") == "paged":
             from services.rollout.engine_torch.paged.decoder import PagedDecoder
+            # The paged step's layers are the graph decoder's (one set of fused buffers), compiled as its are.
             self._paged = PagedDecoder(self.model, block_size=r.kv_block_size, budget_gib=r.kv_cache_gib,
                                        max_model_len=self.max_model_len, max_batch_size=self.max_batch_size,
-                                       cuda_graphs=self.resolved.value("rollout.kv_cache_cuda_graphs"), fused_sampler=r.cuda_graph_fused_sampler)
+                                       cuda_graphs=self.resolved.value("rollout.kv_cache_cuda_graphs"),
+                                       fused_sampler=r.cuda_graph_fused_sampler,
+                                       compile=self.resolved.value("rollout.cuda_graph_compile"))
         self.warmup_seconds = 0.0
         log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer: %s",
                  self.model_path, self.device, self.dtype, self.max_model_len, self.max_batch_size, self.tokenizer is not None)

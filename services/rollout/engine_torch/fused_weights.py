@@ -5,7 +5,10 @@ own for the same reason). One GEMM gives every member's base output and the adap
 
 No copy of the weights is kept: updates copy into the parameters in place (engine.swap_in), so they land in the
 buffer and captured graphs see them. A parameter given other storage (swapped by reference) is copied back into its
-rows and re-pointed by refresh(), which the decoder runs at every decode call and after every swap.
+rows and re-pointed by refresh(), which the decoders run at every decode call and after every swap.
+
+Fusing is per model, not per decoder: the unpaged graph decoder and the paged KV cache's step on one model get the same
+buffer (fuse again: the one already built), as parameters can be views of one buffer only.
 """
 
 from __future__ import annotations
@@ -27,23 +30,41 @@ class FusedLinear:
     bias: torch.Tensor | None       # [rows + k * W], zeros under A; None when no member has a bias
     members: list[nn.Linear]
     rows: int                       # the members' out features summed: the base output's width
+    group: LoraGroup | None = None  # the adapters whose A is under the rows
+
+
+# The attribute of each member that holds its FusedLinear.
+_FUSED = "_meshrl_fused"
 
 
 def fuse(members: Sequence[nn.Linear], group: LoraGroup | None) -> FusedLinear | None:
     """members in one buffer over group's A (None: none); None when they cannot share one (some with a bias and some
-    without, or other input sizes, dtypes or devices)."""
+    without, or other input sizes, dtypes or devices). Members fused already: the same FusedLinear (fusing them
+    otherwise, in another grouping or over other adapters, is refused: it would leave the first buffer stale)."""
     members = list(members)
+    held = {id(f): f for f in (getattr(m, _FUSED, None) for m in members) if f is not None}
+    if held:
+        f = next(iter(held.values()))
+        if len(held) > 1 or len(f.members) != len(members) or any(a is not b for a, b in zip(f.members, members)) \
+                or f.group is not group:
+            raise ValueError("fuse: these linear layers are fused already in another group")
+        refresh(f)
+        return f
     if len({m.bias is not None for m in members}) != 1 or len(
             {(m.in_features, m.weight.dtype, m.weight.device) for m in members}) != 1:
         return None
     rows = sum(m.out_features for m in members)
     ref = members[0].weight
-    with torch.no_grad():
+    # Normal tensors even when built under inference mode (a decode step built inside a decode): the parameters
+    # become views of them, and refresh writes them outside it.
+    with torch.no_grad(), torch.inference_mode(False):
         w = group.under_base_rows(rows) if group is not None else torch.empty(
             (rows, ref.shape[1]), dtype=ref.dtype, device=ref.device)
         b = torch.zeros(w.shape[0], dtype=ref.dtype, device=ref.device) if members[0].bias is not None else None
-    f = FusedLinear(w, b, members, rows)
+    f = FusedLinear(w, b, members, rows, group)
     refresh(f)
+    for m in members:
+        setattr(m, _FUSED, f)
     return f
 
 

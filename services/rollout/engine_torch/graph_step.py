@@ -7,26 +7,20 @@ projections, MLPs, rotary embedding), attention replaced by the query of one tok
 slots outside [pad, current] masked (decode_attention.py's kernel, or torch ops). No host sync anywhere, so the
 whole step is one graph; the host side (buckets, capture, replay, prefill, stop strings) is cuda_decode.py.
 
-The projections run by group, each one GEMM on a buffer that holds the members' weights (their parameters are views
-of it, fused_weights.py): q/k/v and gate/up. With LoRA adapters served (lora.py) the step builds the rows' slot mask
-once and every group (o and down alone) has its adapters' A under its weights, so the same GEMM gives the shrink;
-then one mask multiply and one block-diagonal expand GEMM, lined up with the group's outputs, added before the split.
-The layers' own forwards (and their per-layer adapter deltas) never run here.
+The layers (fused q/k/v and gate/up projections, LoRA by group, the compiled layer body) are decode_layers.py's
+DecodeLayers, shared with the paged KV cache's step; this step gives them its KV write and attention (_attend).
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from services.rollout.engine_torch import decode_attention, fused_sample
+from services.rollout.engine_torch.decode_layers import DecodeLayers
 from services.rollout.engine_torch.sampling import top_p_filter
-from services.rollout.engine_torch.fused_weights import fuse, refresh
-from services.rollout.engine_torch.lora import GATE_UP, QKV, LoraLinear, bank_of, grouped_delta, masked_expand
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
@@ -89,41 +83,20 @@ class State:
     top_lp: torch.Tensor | None = None    # [B, S, TOP_K] their raw log-probs
 
 
-class GraphStep:
+class GraphStep(DecodeLayers):
     """One decode step for one token per row over a bucket's static buffers, graph-safe (no host syncs)."""
 
     def __init__(self, model, *, eos_ids: Sequence[int], compile: bool, fused_sampler: bool,
                  triton_attention: bool):
-        self.model = model
+        super().__init__(model, compile=compile)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.fused_sampler = fused_sampler and fused_sample.available(self.device)
-        cfg = model.config
-        attn = model.model.layers[0].self_attn
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv = cfg.num_key_value_heads
-        self.head_dim = attn.head_dim
-        self.scaling = attn.scaling
         hd = self.head_dim
         self.triton_attention = (triton_attention and decode_attention.available(self.device) and hd >= 16
                                  and hd & (hd - 1) == 0)
-        self.vocab_size = int(cfg.vocab_size)
-        # The model module's own rotary helper (Llama and Qwen2 share the formula).
-        self._apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.vocab_size = int(model.config.vocab_size)
         self._eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
-        # torch.compile fuses the ~40 small kernels of each layer (norms, rope, softmax, SiLU, casts) into a few;
-        # in a graph every launch still costs a few microseconds, and at decode sizes launches are the time.
-        # One layer is compiled and reused by all (regional compilation: seconds, not minutes); default mode,
-        # no inductor cudagraphs: the decoder captures the whole step. After the first change of bucket the
-        # sizes are compiled dynamic.
-        self._layer_fn = torch.compile(self._layer, fullgraph=True) if compile else self._layer
-        # LoRA adapters served on this model (rollout.enable_lora): each row's slot is in adapters.rows.
-        self.adapters = bank_of(model)
-        # q/k/v as one GEMM per layer (three small ones were ~10% of a step at batch 512), gate/up likewise: the
-        # parameters re-pointed into one buffer each (fused_weights.py; no copies). With adapters, each group's A
-        # sits under its buffer, o's and down's too, so the base GEMM is the shrink as well.
-        self._fused = []
-        self._proj = [self._layer_projections(i, layer) for i, layer in enumerate(model.model.layers)]
 
     def _new_state(self, B: int, S: int) -> State:
         """The static buffers of a (batch, length) bucket."""
@@ -144,31 +117,6 @@ class GraphStep:
             slots=torch.arange(S, **kw), seed=torch.zeros(B, dtype=torch.long, **kw),
             tok=torch.zeros(B, dtype=torch.long, **kw), lp=torch.zeros(B, dtype=torch.float32, **kw),
             sample_scratch=fused_sample.make_scratch(B, d) if self.fused_sampler else ())
-
-    def _layer_projections(self, i: int, layer) -> tuple:
-        """The layer's four projection groups (q/k/v, o, gate/up, down) as the step applies them: each
-        (fused weight, its bias, A when not under it, the adapters' B), None where absent."""
-        bank, a, mlp = self.adapters, layer.self_attn, layer.mlp
-        out, covered = [], 0
-        for parent, names in ((a, QKV), (a, ("o_proj",)), (mlp, GATE_UP), (mlp, ("down_proj",))):
-            group = bank.group(parent, names) if bank is not None else None
-            f = fuse([getattr(parent, n) for n in names], group) if group is not None or len(names) > 1 else None
-            if f is not None:
-                self._fused.append(f)
-            out.append((f.weight if f else None, f.bias if f else None,
-                        group.A if group is not None and f is None else None, group.B if group is not None else None))
-            covered += 0 if group is None else group.A.shape[0] // bank.width
-        adapted = sum(isinstance(m, LoraLinear) for m in layer.modules())
-        if covered != adapted:          # an adapted layer the step would skip: refuse rather than drop its delta
-            raise ValueError(f"rollout.lora_target_modules: layer {i} adapts {adapted} linear layers, the CUDA-graph "
-                             f"step applies {covered} (q/k/v/o/gate/up/down only); set rollout.cuda_graphs: false")
-        return tuple(out)
-
-    def refresh_weights(self) -> None:
-        """After weights were copied into the model (a swap): parameters given other storage go back into the fused
-        buffers (in-place copies are there already)."""
-        for f in self._fused:
-            refresh(f)
 
     def _step(self, st: State, mode: tuple[str, bool]) -> None:
         """Samples token `step` from st.logits, records it, then feeds it through the model (graph-safe: no syncs).
@@ -227,10 +175,9 @@ class GraphStep:
             valid = (st.slots >= st.pad.unsqueeze(-1)) & (st.slots <= st.slot)     # [B, S]
             bias = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill_(~valid, float("-inf"))
             bias = bias[:, None, None, :]                                           # [B, 1, 1, S]
-        # The rows' adapter mask, once per step for every group of every layer (None: base rows only).
-        mask = None if self.adapters is None or self.adapters.base_only(x) else self.adapters.step_mask(x.shape[0])
+        mask = self._step_mask(x)
         for i, layer in enumerate(m.layers):
-            x = self._layer_fn(layer, x, cos, sin, bias, st.k[i], st.v[i], st.slot, st.pad, self._proj[i], mask)
+            x = self._layer_fn(layer, x, cos, sin, self._proj[i], mask, bias, st.k[i], st.v[i], st.slot, st.pad)
         x = m.norm(x)[:, 0]
         head = self.model.lm_head
         if head.bias is None and x.dtype == st.logits.dtype:
@@ -238,44 +185,21 @@ class GraphStep:
         else:
             st.logits.copy_(head(x))
 
-    def _layer(self, layer, x, cos, sin, bias, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
-               pad: torch.Tensor, proj: tuple, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """One decoder layer for one token per row; writes its k/v at `slot` of the layer's cache. proj: the layer's
-        projection groups (_layer_projections), mask: the step's adapter row mask (None: base rows only)."""
-        B, H, KV, hd = x.shape[0], self.num_heads, self.num_kv, self.head_dim
-        a, mlp = layer.self_attn, layer.mlp
-        q, k, v = self._project(layer.input_layernorm(x), (a.q_proj, a.k_proj, a.v_proj), proj[0], mask)
-        q = q.reshape(B, 1, H, hd).transpose(1, 2)                               # [B, H, 1, hd]
-        k = k.reshape(B, 1, KV, hd).transpose(1, 2)
-        v = v.reshape(B, 1, KV, hd).transpose(1, 2)
-        q, k = self._apply_rope(q, k, cos, sin)
+    def _layer(self, layer, x, cos, sin, proj: tuple, mask: torch.Tensor | None, bias: torch.Tensor | None,
+               kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """One decoder layer (decode_layers.py) against the layer's static cache kc, vc."""
+        return self._layer_body(layer, x, cos, sin, proj, mask, (bias, kc, vc, slot, pad))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """Writes k/v at `slot` of the layer's cache kc, vc [B, KV, S, hd], then attends over slots [pad, slot]: the
+        Triton kernel (bias None), or torch ops with bias [B, 1, 1, S] masking the rest."""
+        B, H, KV, hd = q.shape[0], self.num_heads, self.num_kv, self.head_dim
         kc.index_copy_(2, slot, k)
         vc.index_copy_(2, slot, v)
         if bias is None:                                                         # slots [pad, slot] only
-            o = decode_attention.decode_attention(q[:, :, 0], kc, vc, pad, slot, self.scaling).reshape(B, 1, H * hd)
-        else:
-            # Grouped query heads against their kv head: [B, KV, G, hd] x [B, KV, hd, S].
-            scores = torch.matmul(q.reshape(B, KV, H // KV, hd), kc.transpose(-1, -2)).float()
-            probs = torch.softmax(scores * self.scaling + bias, dim=-1).to(x.dtype)
-            o = torch.matmul(probs, vc).reshape(B, 1, H * hd)
-        x = x + self._project(o, (a.o_proj,), proj[1], mask)[0]
-        # Llama's and Qwen2's MLP: down(act(gate h) * up h).
-        g, u = self._project(layer.post_attention_layernorm(x), (mlp.gate_proj, mlp.up_proj), proj[2], mask)
-        return x + self._project(mlp.act_fn(g) * u, (mlp.down_proj,), proj[3], mask)[0]
-
-    @staticmethod
-    def _project(x: torch.Tensor, members: tuple, group: tuple, mask: torch.Tensor | None) -> Sequence[torch.Tensor]:
-        """Each member's output on x, plus its adapter delta when mask is set. group: (fused weight, bias, A, B) of
-        _layer_projections; without a fused weight, each member's own GEMM and the group's shrink."""
-        w, b, A, B = group
-        sizes = [m.out_features for m in members]
-        if w is not None:
-            y = F.linear(x, w, b)                          # the members' base outputs, then (with adapters) x A^T
-            out = y[..., :sum(sizes)]
-            if B is not None and mask is not None:         # the block-diagonal expand, lined up with the outputs
-                out = out + masked_expand(y[..., sum(sizes):], B, mask)
-            return out.split(sizes, dim=-1)
-        outs = [F.linear(x, m.weight, m.bias) for m in members]
-        if B is not None and mask is not None:
-            outs = [y + d for y, d in zip(outs, grouped_delta(x, A, B, mask).split(sizes, dim=-1))]
-        return outs
+            return decode_attention.decode_attention(q[:, :, 0], kc, vc, pad, slot, self.scaling).reshape(B, 1, H * hd)
+        # Grouped query heads against their kv head: [B, KV, G, hd] x [B, KV, hd, S].
+        scores = torch.matmul(q.reshape(B, KV, H // KV, hd), kc.transpose(-1, -2)).float()
+        probs = torch.softmax(scores * self.scaling + bias, dim=-1).to(q.dtype)
+        return torch.matmul(probs, vc).reshape(B, 1, H * hd)

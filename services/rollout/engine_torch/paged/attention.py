@@ -13,8 +13,9 @@ unnormalised output to scratch, and a small second kernel combines them. P depen
 (rows, kv heads, table width: static per CUDA-graph capture, no sync on device data); each row splits its own
 context length on the device, so a partition past a short row's context is empty and exits at once.
 
-Used by forward.decode_step on CUDA; tests/unit/test_paged_kv_attention.py runs it in Triton's CPU interpreter
-against torch.
+Used by the paged decode step (forward.DecodeStep) on CUDA; tests/unit/test_paged_kv_attention.py runs it in Triton's
+CPU interpreter against torch. Exposed as the custom op `meshrl::paged_decode_attention` so torch.compile (the step's
+compiled layer) treats it as one opaque call.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ if triton is not None:
         tl.store(o_ptr + b * so_b + h * so_h + d, o.to(o_ptr.dtype.element_ty))
 
 
+@torch.library.custom_op("meshrl::paged_decode_attention", mutates_args=())
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                            ctx: torch.Tensor, block_size: int, scale: float, *, tile: int | None = None,
                            partitions: int | None = None) -> torch.Tensor:
@@ -179,3 +181,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     _combine_kernel[(B, H)](part_o, part_m, part_l, out, out.stride(0), out.stride(1), H, P,
                             PP=triton.next_power_of_2(P), HD=hd, num_warps=NUM_WARPS)
     return out
+
+
+@paged_decode_attention.register_fake
+def _(q, k_pool, v_pool, tables, ctx, block_size, scale, *, tile=None, partitions=None):
+    return q.new_empty(q.shape)             # contiguous, as the kernel's output

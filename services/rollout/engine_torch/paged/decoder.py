@@ -27,9 +27,9 @@ from typing import Callable, Sequence
 import torch
 
 from services.rollout.engine_torch.lora import adapter_rows, bank_of
-from services.rollout.engine_torch.paged import metrics
+from services.rollout.engine_torch.paged import attention, metrics
 from services.rollout.engine_torch.paged.blocks import BlockPool, BlockTable, NoFreeBlock
-from services.rollout.engine_torch.paged.forward import paged_forward
+from services.rollout.engine_torch.paged.forward import DecodeStep, paged_forward
 from services.rollout.engine_torch.paged.kv import PagedKV, num_blocks_for
 from services.rollout.engine_torch.paged.pins import EpisodePins
 from services.rollout.engine_torch.paged.sample import StepSampler, fused_applies
@@ -47,7 +47,8 @@ class PagedDecoder(Windows):
     """Decodes rows over a paged KV cache shared by every call (the prefix cache lives across calls)."""
 
     def __init__(self, model, *, block_size: int, budget_gib: float | None, max_model_len: int, max_batch_size: int,
-                 cuda_graphs: bool = False, fused_sampler: bool = True, sync_every: int = SYNC_EVERY):
+                 cuda_graphs: bool = False, fused_sampler: bool = True, sync_every: int = SYNC_EVERY,
+                 compile: bool = False):
         cfg = model.config
         p = next(model.parameters())
         attn = model.model.layers[0].self_attn
@@ -69,6 +70,11 @@ class PagedDecoder(Windows):
         self.fused_sampler, self.sync_every = fused_sampler, max(1, sync_every)
         self.stats = {"preemptions": 0, "resumed_rows": 0, "swap_recomputed_rows": 0, "prefill_tokens": 0,
                       "prefill_tokens_saved": 0, "max_running_rows": 0, "decode_steps": 0, "decode_syncs": 0}
+        # The decode step with the Triton kernel (forward.DecodeStep: the graph decoder's fused, grouped, compiled
+        # layers), eager or captured; None where the kernel cannot run (the eager paged forward attends then).
+        self.decode_step = None
+        if attention.graphs_reason(self.device, block_size, attn.head_dim) is None:
+            self.decode_step = DecodeStep(model, self.kv, kernel=True, compile=compile)
         self.graphs = self._graphs(max_model_len) if cuda_graphs else None
         self.pins = EpisodePins(self.pool)
         # Held by decode(); episodes that end while a decode runs queue here and are let go at its next step.
@@ -80,7 +86,6 @@ class PagedDecoder(Windows):
 
     def _graphs(self, max_model_len: int):
         """The CUDA-graph decode forward (graphs.py) over one scratch block held for good by its dummy rows."""
-        from services.rollout.engine_torch.paged import attention
         from services.rollout.engine_torch.paged.graphs import PagedGraphs
 
         hd, bs = self.kv.k[0].size(-1), self.pool.block_size
@@ -89,7 +94,8 @@ class PagedDecoder(Windows):
             raise ValueError(f"rollout.kv_cache_cuda_graphs: true cannot work here ({why}); set it to false")
         # Wide enough for a window's tokens past the longest row (window.py).
         return PagedGraphs(self.model, self.kv, width=-(-(max_model_len + self.sync_every) // bs),
-                           scratch_block=self.pool.allocate(), max_batch_size=self.max_batch_size)
+                           scratch_block=self.pool.allocate(), max_batch_size=self.max_batch_size,
+                           step=self.decode_step)
 
     def metrics(self) -> dict:
         return {**self.pool.metrics(), **self.stats, **self.pins.metrics()}
@@ -107,9 +113,15 @@ class PagedDecoder(Windows):
         """The base weights were swapped (now `version`): every cached block and pin of the old ones goes (KV is never
         reused across weights)."""
         with self._busy:
+            self.refresh_weights()
             self._version, self._epoch = version, self._epoch + 1
             self.pool.set_version(self._epoch)
             self.pins.set_version(self._epoch)
+
+    def refresh_weights(self) -> None:
+        """Fused parameters swapped by reference go back into the decode step's buffers (fused_weights.py)."""
+        if self.decode_step is not None:
+            self.decode_step.refresh_weights()
 
     def adapters_changed(self, version: int) -> None:
         """An adapter was loaded, reloaded or unloaded (the engine's weight version is now `version`; the base weights
@@ -149,6 +161,7 @@ class PagedDecoder(Windows):
                 swap_point: Callable[[], int] | None, pause: bool) -> None:
         if version != self._version:      # a version set without a swap (the HTTP API's update_weight_version)
             self.set_version(version)
+        self.refresh_weights()
         self.eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
         seqs = [Seq(i, list(r.prompt), len(r.prompt), episode=r.episode, slot=r.slot) for i, r in enumerate(rows)]
         self.sampler = StepSampler(rows, self.device, self.eos, fused=fused_applies(rows, self.device,
@@ -200,7 +213,8 @@ class PagedDecoder(Windows):
         if self.graphs is not None:
             return self.graphs.forward([s.tokens[-1] for s in running], starts, tables, slots)
         with adapter_rows(self.adapters, slots):
-            return paged_forward(self.model, self.kv, tables, starts, [s.tokens[-1:] for s in running])
+            return paged_forward(self.model, self.kv, tables, starts, [s.tokens[-1:] for s in running],
+                                 step=self.decode_step)
 
     # ---- admission and prefill
 

@@ -2,10 +2,14 @@
 history, a tool response, or one decode token) at its own positions, writes their K/V into its blocks and attends to
 every earlier token of its sequence through its block table.
 
-The model's own modules do everything but attention (embedding, RMSNorms, projections, rotary embedding, MLP),
-as in the CUDA-graph step (graph_step.py); attention gathers each row's K/V slots by block table and runs
-scaled_dot_product_attention with a causal mask over positions. Rows are right-padded to the longest new-token
-count; a padded query attends to the row's first key only, and its output is never read.
+The model's own modules do everything but attention (embedding, RMSNorms, projections, rotary embedding, MLP);
+attention gathers each row's K/V slots by block table and runs scaled_dot_product_attention with a causal mask over
+positions. Rows are right-padded to the longest new-token count; a padded query attends to the row's first key only,
+and its output is never read.
+
+A decode step (one token per row) with the Triton kernel, and the CUDA graphs' step (graphs.py), is DecodeStep:
+the CUDA-graph decoder's layers (decode_layers.py: fused q/k/v and gate/up GEMMs, LoRA by group, the compiled layer
+body), with this cache's KV write (index_copy_ into each row's pool slot) and attention over block tables.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from services.rollout.engine_torch.decode_layers import DecodeLayers
 from services.rollout.engine_torch.paged import attention
 from services.rollout.engine_torch.paged.kv import PagedKV
 
@@ -27,12 +32,14 @@ def slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> 
 
 @torch.inference_mode()
 def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, starts: list[int],
-                  new: list[list[int]] | torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
+                  new: list[list[int]] | torch.Tensor, *, kernel: bool | None = None,
+                  step: DecodeStep | None = None) -> torch.Tensor:
     """Feeds row b's tokens new[b] at positions starts[b]..; its blocks tables[b] (lists, or a host tensor
     [B, width] padded with any block) must cover them. new: lists, or a device tensor [B, Q] (every row Q tokens:
     a window's sampled tokens fed back without a host round trip). Returns the fp32
     logits after each row's last new token, [B, V]. kernel: decode steps (one token per row) attend with the
-    Triton kernel of attention.py, reading the pool in place (None: where it runs, on CUDA)."""
+    Triton kernel of attention.py, reading the pool in place (None: where it runs, on CUDA), through `step` (a
+    DecodeStep over kv with the kernel; None: one built for this call)."""
     dev = kv.k[0].device
     if isinstance(new, torch.Tensor):
         ids, lens = new.to(dev), [new.size(1)] * new.size(0)
@@ -54,7 +61,8 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, st
     if kernel is None:
         kernel = attention.available(dev) and attention.supports(kv.block_size, hd)
     if Q == 1 and kernel:
-        return decode_step(model, kv, ids, pos, tab, start + 1)
+        step = step if step is not None else DecodeStep(model, kv, kernel=True, compile=False)
+        return step(ids, pos, tab, start + 1)
     C = max(p + n for p, n in zip(starts, lens))                                    # host ints: no sync
     keys = torch.arange(C, device=dev)
     write = slots_of(tab, pos, kv.block_size)[live]                                  # [N]
@@ -73,40 +81,55 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, st
     return model.lm_head(last).float()
 
 
-def decode_step(model, kv: PagedKV, ids, pos, tab, ctx, *, kernel: bool = True) -> torch.Tensor:
-    """One token per row from device tensors only (graph-safe: no host sync, static shapes): ids, pos [B, 1],
-    tab [B, width], ctx [B] (tokens with K/V once this one is written). Attention by the Triton kernel over the
-    block tables, or (kernel=False) torch ops over every slot the tables can name, masked by ctx."""
-    m = model.model
-    slot = slots_of(tab, pos, kv.block_size)[:, 0]                                   # [B]
-    read = mask = None
-    if not kernel:
-        keys = torch.arange(tab.size(1) * kv.block_size, device=tab.device)
-        read = slots_of(tab, keys.expand(tab.size(0), -1), kv.block_size)            # [B, C]
-        groups = model.config.num_attention_heads // model.config.num_key_value_heads
-        mask = (keys[None, :] < ctx[:, None])[:, None, None, :].expand(-1, 1, groups, -1)  # [B, 1, G, C]
-    x = m.embed_tokens(ids)
-    cos, sin = m.rotary_emb(x, pos)
-    B = ids.size(0)
-    for i, layer in enumerate(m.layers):
-        a = layer.self_attn
-        hd = a.head_dim
-        h = layer.input_layernorm(x)
-        q = a.q_proj(h).view(B, 1, -1, hd).transpose(1, 2)
-        k = a.k_proj(h).view(B, 1, -1, hd).transpose(1, 2)
-        v = a.v_proj(h).view(B, 1, -1, hd)
-        q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(q, k, cos, sin)
-        kv.k[i].index_copy_(0, slot, k[:, :, 0])
-        kv.v[i].index_copy_(0, slot, v[:, 0])
-        if kernel:
-            o = attention.paged_decode_attention(q[:, :, 0], kv.k[i], kv.v[i], tab, ctx, kv.block_size, a.scaling)
+class DecodeStep(DecodeLayers):
+    """One token per row from device tensors only (graph-safe: no host sync, static shapes) through the shared
+    decode layers. Attention by the Triton kernel over the block tables, or (kernel=False: the CPU tests of the
+    graph path) torch ops over every slot the tables can name, masked by the context lengths."""
+
+    off_setting = "rollout.kv_cache: none"
+
+    def __init__(self, model, kv: PagedKV, *, kernel: bool, compile: bool):
+        super().__init__(model, compile=compile)
+        self.kv, self.kernel = kv, kernel
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, tab: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, V] after ids [B, 1] at pos [B, 1] of rows whose blocks are tab [B, width], ctx [B] tokens
+        with K/V once this one is written. LoRA rows: the bank's current ones (a graph's: its static rows)."""
+        m, kv = self.model.model, self.kv
+        slot = slots_of(tab, pos, kv.block_size)[:, 0]                                   # [B]
+        read = mask = None
+        if not self.kernel:
+            keys = torch.arange(tab.size(1) * kv.block_size, device=tab.device)
+            read = slots_of(tab, keys.expand(tab.size(0), -1), kv.block_size)            # [B, C]
+            groups = self.num_heads // self.num_kv
+            mask = (keys[None, :] < ctx[:, None])[:, None, None, :].expand(-1, 1, groups, -1)  # [B, 1, G, C]
+        x = m.embed_tokens(ids)
+        cos, sin = m.rotary_emb(x, pos)
+        lora = self._step_mask(x)
+        for i, layer in enumerate(m.layers):
+            x = self._layer_fn(layer, x, cos, sin, self._proj[i], lora, kv.k[i], kv.v[i], slot, tab, ctx, read, mask)
+        return self.model.lm_head(m.norm(x)[:, 0]).float()
+
+    def _layer(self, layer, x, cos, sin, proj: tuple, lora: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor,
+               slot: torch.Tensor, tab: torch.Tensor, ctx: torch.Tensor, read: torch.Tensor | None,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """One decoder layer (decode_layers.py) against the layer's pool kc, vc."""
+        return self._layer_body(layer, x, cos, sin, proj, lora, (kc, vc, slot, tab, ctx, read, mask))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                slot: torch.Tensor, tab: torch.Tensor, ctx: torch.Tensor, read: torch.Tensor | None,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """k, v into each row's pool slot of kc, vc [slots, KV, hd], then q against the row's first ctx tokens."""
+        B = q.size(0)
+        kc.index_copy_(0, slot, k[:, :, 0])
+        vc.index_copy_(0, slot, v[:, :, 0])
+        if read is None:
+            o = attention.paged_decode_attention(q[:, :, 0], kc, vc, tab, ctx, self.kv.block_size, self.scaling)
         else:
-            keys, values = kv.k[i][read].transpose(1, 2), kv.v[i][read].transpose(1, 2)   # [B, KV, C, hd]
-            qg = q.reshape(B, keys.size(1), -1, hd)                                    # [B, KV, G, hd]
-            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=a.scaling)
-        x = x + a.o_proj(o.reshape(B, 1, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(m.norm(x)[:, 0]).float()
+            keys, values = kc[read].transpose(1, 2), vc[read].transpose(1, 2)           # [B, KV, C, hd]
+            qg = q.reshape(B, self.num_kv, -1, self.head_dim)                           # [B, KV, G, hd]
+            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
+        return o.reshape(B, 1, -1)
 
 
 def _layer(layer, x, cos, sin, kc: torch.Tensor, vc: torch.Tensor, write: torch.Tensor, read: torch.Tensor,

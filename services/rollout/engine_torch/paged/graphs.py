@@ -5,10 +5,14 @@ inside a window of steps (window.py) the sampled tokens are copied in on the dev
 lengths advance there, so a step needs nothing from the host. Sampling is outside the graph (sample.py), as on
 the eager paged step.
 
+The step is forward.DecodeStep: the unpaged graph decoder's layers (fused q/k/v and gate/up GEMMs, LoRA by group,
+the layer body compiled with `compile`), this cache's KV write and paged attention.
+
 Rows are padded up to the bucket with dummy rows that read and write one scratch block the pool never hands out.
 With LoRA adapters served (lora.py), each row's adapter slot is copied into the bank's static row buffer before the
-replay (the captured projections read it by address; dummy rows are the base model's, slot 0).
-Graphs read parameters by address: weights swapped by reference (not copied in place) drop them (captured again).
+replay (the captured step builds its adapter mask from it by address; dummy rows are the base model's, slot 0).
+Graphs read parameters by address: fused parameters swapped by reference go back into their buffers first
+(refresh_weights); other weights swapped by reference drop the graphs (captured again).
 use_graphs=False runs the same static step without capture (the CPU tests of the padding, with torch attention).
 """
 
@@ -21,7 +25,7 @@ import torch
 
 from services.rollout.engine_torch.graph_step import capture
 from services.rollout.engine_torch.lora import bank_of
-from services.rollout.engine_torch.paged.forward import decode_step
+from services.rollout.engine_torch.paged.forward import DecodeStep
 from services.rollout.engine_torch.paged.kv import PagedKV
 from services.rollout.types import bucket_batch
 
@@ -42,9 +46,12 @@ class PagedGraphs:
     """The decode step's forward per batch bucket, captured once and replayed."""
 
     def __init__(self, model, kv: PagedKV, *, width: int, scratch_block: int, max_batch_size: int,
-                 use_graphs: bool = True, kernel: bool = True):
+                 use_graphs: bool = True, kernel: bool = True, compile: bool = False, step: DecodeStep | None = None):
         self.model, self.kv, self.width, self.scratch = model, kv, width, scratch_block
         self.max_batch_size, self.use_graphs, self.kernel = max_batch_size, use_graphs, kernel
+        # The step the graphs capture (one the decoder's eager steps share, when given: same fused buffers).
+        self.step = step if step is not None else DecodeStep(model, kv, kernel=kernel, compile=compile)
+        assert self.step.kv is kv and self.step.kernel == kernel
         self.device = kv.k[0].device
         self.adapters = bank_of(model)                  # its `rows` buffer: each batch row's adapter slot
         self._buckets: dict[int, _Bucket] = {}
@@ -63,7 +70,9 @@ class PagedGraphs:
         with adapter slots[r] (None: the base model's rows). ids: host ints, or a device tensor [R] (a window's
         sampled tokens, fed back without a host round trip). pos and tables None: the previous call's rows, each one
         token further (a window's next step: positions and context lengths advanced on the device, tables kept)."""
-        if self.use_graphs and pos is not None and self._weights() != self._signature:   # not inside a window
+        if pos is not None:                                                # not inside a window
+            self.step.refresh_weights()                 # before the pointers are compared: they move back there
+        if self.use_graphs and pos is not None and self._weights() != self._signature:
             log.info("paged KV graphs: parameters moved; capturing again")
             self._buckets.clear()
             self._pool = torch.cuda.graph_pool_handle()
@@ -111,7 +120,7 @@ class PagedGraphs:
         b.tab[R:, 0].fill_(self.scratch)
 
     def _step(self, b: _Bucket) -> torch.Tensor:
-        return decode_step(self.model, self.kv, b.ids, b.pos, b.tab, b.ctx, kernel=self.kernel)
+        return self.step(b.ids, b.pos, b.tab, b.ctx)
 
     def _bucket(self, B: int) -> _Bucket:
         b = self._buckets.get(B)

@@ -162,7 +162,8 @@ class Windows:
                 return self.graphs.forward(tok, starts, tables, slots)
             return self.graphs.forward(tok, None, None, slots)              # ids, positions advanced on the device
         with adapter_rows(self.adapters, slots):
-            return paged_forward(self.model, self.kv, tables, [p + j for p in starts], tok[:, None])
+            return paged_forward(self.model, self.kv, tables, [p + j for p in starts], tok[:, None],
+                                 step=self.decode_step)
 
     def _settle(self, rows, running: list[Seq], tok, lp, hit, top, logps, tops, stop_check) -> None:
         """The window's tokens into each row up to its end (eos, stop string, budget: the row is done and lets go of
