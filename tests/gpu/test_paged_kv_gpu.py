@@ -79,6 +79,20 @@ def test_paged_cuda_graph_steps_sample_what_the_eager_paged_steps_sample(model_d
     assert graphs._paged.graphs.stats["graphs_captured"] >= 1 and graphs._paged.graphs.stats["replays"] > 0
 
 
+def test_compiled_paged_graph_steps_give_the_compiled_unpaged_decoders_tokens(model_dir):
+    """The paged step runs GraphStep's compiled layer (fused q/k/v and gate/up, meshrl::paged_decode_attention as one
+    node), captured per bucket: greedy rows decode what the compiled unpaged CUDA-graph decoder decodes."""
+    unpaged = make_engine(model_dir, cuda_graphs=True, cuda_graph_compile=True, max_batch_size=16)
+    paged = make_engine(model_dir, kv_cache="paged", kv_block_size=16, kv_cache_cuda_graphs=True,
+                        cuda_graph_compile=True)
+    a = gen(unpaged, n=2, temperature=0.0, max_tokens=48)
+    b = gen(paged, n=2, temperature=0.0, max_tokens=48)
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    for x, y in zip(a, b):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3, rtol=0)
+    assert paged._paged.graphs.stats["graphs_captured"] >= 1 and paged._paged.graphs.stats["replays"] > 0
+
+
 # ---- device-side sampling in windows of steps (paged/sample.py, paged/window.py)
 
 @pytest.mark.parametrize("graphs", [False, True])
