@@ -162,8 +162,8 @@ class RolloutConfig(PoolConfig):
     # on a CUDA device whose model the graph decoder supports (Qwen2, Llama), off elsewhere; true where it cannot
     # work is refused when the replica starts.
     cuda_graphs: bool | Auto = AUTO
-    # With cuda_graphs: torch.compile the decode step's layers first (fewer, fused kernels; compiled during the
-    # replica's warm-up). auto: on where Triton runs (inductor's GPU backend), off elsewhere.
+    # With cuda_graphs or kv_cache_cuda_graphs: torch.compile the decode step's layers first (fewer, fused kernels;
+    # compiled during the replica's warm-up). auto: on where Triton runs (inductor's GPU backend), off elsewhere.
     cuda_graph_compile: bool | Auto = AUTO
     # Warm up before serving (the replica reports SERVING after it): with cuda_graphs, compile the decode step and
     # capture graphs on a small batch at rollout.max_tokens, so a run's first step costs what later ones do.

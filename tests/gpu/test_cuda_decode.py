@@ -380,4 +380,6 @@ def test_captures_survive_another_thread_allocating(model_dir):
         stop.set()
         t.join(timeout=30)
     assert not errors, errors
-    assert engine._graph_decoder.stats["graphs_captured"] >= 4
+    from services.rollout.types import bucket_batch
+
+    assert engine._graph_decoder.stats["graphs_captured"] >= len({bucket_batch(n, 16) for n in (1, 3, 9, 16)})

@@ -143,3 +143,25 @@ def test_a_bad_value_for_a_key_of_choice_or_auto_names_the_key_once_with_every_a
         assert str(err.value) == message
     with pytest.raises(ValueError, match=r"^config: rollout.max_loras: Input should be a valid integer"):
         load_config(RolloutSettings, data={"rollout": {"max_loras": "x"}})
+
+
+@pytest.mark.parametrize("cuda_graphs,kv_cache,compiled", [(False, "paged", True), (True, "none", True),
+                                                          (False, "none", False)])
+def test_the_decode_layer_compiles_for_either_graph_path(monkeypatch, arith_model_path, cuda_graphs, kv_cache,
+                                                         compiled):
+    """cuda_graph_compile: auto is on wherever a captured step runs the compiled layer: the unpaged graph decoder or
+    the paged cache's graphs (a paged recipe with cuda_graphs off once got uncompiled paged steps). The CUDA
+    checks are patched: this machine has none."""
+    from transformers import AutoModelForCausalLM
+
+    from services.rollout.engine_torch import speed
+    from services.rollout.engine_torch.paged import attention
+
+    monkeypatch.setattr(attention, "graphs_reason", lambda *a: None)
+    monkeypatch.setattr(speed, "_triton_available", lambda: True)
+    monkeypatch.setattr(speed, "keep_compile_cache", lambda: None)
+    model = AutoModelForCausalLM.from_pretrained(arith_model_path)
+    r = RolloutConfig(cuda_graphs=cuda_graphs, kv_cache=kv_cache)
+    out = speed.resolve_speed(r, "cuda:0", model)
+    assert out.value("rollout.cuda_graph_compile") is compiled
+    assert out.value("rollout.kv_cache_cuda_graphs") is (kv_cache == "paged")

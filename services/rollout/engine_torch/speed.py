@@ -28,13 +28,6 @@ def resolve_speed(r, device: str, model) -> Resolved:
         raise ValueError(f"rollout.cuda_graphs: true cannot work here ({reason}); set it to auto or false")
     graphs = out.pick("rollout.cuda_graphs", r.cuda_graphs, reason is None,
                       "CUDA device, torch engine" if reason is None else reason)
-    triton_ok = _triton_available() if graphs else False
-    if graphs and r.cuda_graph_compile is True and not triton_ok:
-        raise ValueError("rollout.cuda_graph_compile: true needs Triton (inductor's GPU backend), which does not "
-                         "import here; set it to auto or false")
-    if out.pick("rollout.cuda_graph_compile", r.cuda_graph_compile, graphs and triton_ok,
-                "Triton available" if triton_ok else ("no Triton" if graphs else "no CUDA graphs")):
-        keep_compile_cache()
     paged_reason = unsupported_reason(model)
     if r.kv_cache == "paged" and paged_reason is not None:
         raise ValueError(f"rollout.kv_cache: paged cannot work here ({paged_reason}); set it to auto or none")
@@ -48,8 +41,17 @@ def resolve_speed(r, device: str, model) -> Resolved:
                                            model.model.layers[0].self_attn.head_dim))
     if r.kv_cache_cuda_graphs is True and paged and kernel is not None:
         raise ValueError(f"rollout.kv_cache_cuda_graphs: true cannot work here ({kernel}); set it to auto or false")
-    out.pick("rollout.kv_cache_cuda_graphs", r.kv_cache_cuda_graphs, kernel is None,
-             "paged cache on CUDA with the Triton paged kernel" if kernel is None else kernel)
+    paged_graphs = out.pick("rollout.kv_cache_cuda_graphs", r.kv_cache_cuda_graphs, kernel is None,
+                            "paged cache on CUDA with the Triton paged kernel" if kernel is None else kernel)
+    # Either graph path's step runs the compiled layer (graph_step.py, paged/forward.py DecodeStep).
+    any_graphs = graphs or (paged and paged_graphs)
+    triton_ok = _triton_available() if any_graphs else False
+    if any_graphs and r.cuda_graph_compile is True and not triton_ok:
+        raise ValueError("rollout.cuda_graph_compile: true needs Triton (inductor's GPU backend), which does not "
+                         "import here; set it to auto or false")
+    if out.pick("rollout.cuda_graph_compile", r.cuda_graph_compile, any_graphs and triton_ok,
+                "Triton available" if triton_ok else ("no Triton" if any_graphs else "no CUDA graphs")):
+        keep_compile_cache()
     out.pick("rollout.max_batch_size", r.max_batch_size, AUTO_MAX_BATCH_SIZE[graphs],
              "CUDA-graph decode: the KV cache follows each batch's rows" if graphs else "eager decode loop")
     return out
