@@ -19,7 +19,8 @@ import torch
 
 from services.common.errors import FailedPrecondition
 from services.common.tensors.weight_transport import (abort_communicator, device_checksum, device_uuid, init_communicator,
-                                              local_device_of, nccl_unique_id_from_bytes, tensors_from_flat,
+                                              in_process_buffer, local_device_of, nccl_unique_id_from_bytes,
+                                              tensors_from_flat,
                                               wait_stream_done)
 from services.common.tensors.weights import Manifest, PayloadAssembler
 
@@ -91,7 +92,10 @@ class IpcReceiver:
 
     def _source(self, h: IpcHandle) -> torch.Tensor:
         t = self._open.get(h.buffer_id)
+        if t is None:
+            t = in_process_buffer(h.buffer_id)          # the trainer runs in this process: its buffer itself
         if t is not None:
+            self._open[h.buffer_id] = t
             return t
         index = local_device_of(h.device_uuid)
         if index is None:

@@ -213,3 +213,15 @@ def test_nccl_broadcast_reaches_two_replicas_and_a_killed_one_is_left_out_cleanl
     assert by_target[first_target].ok, by_target[first_target].error
     assert survivor[0].weight_version == 2
     assert_parity(survivor[1], want_after)
+
+
+def test_a_replica_in_the_trainers_process_reads_the_ipc_buffer_itself():
+    """An in-process mesh (bench/many_runs.py on one GPU) pushes over ipc to a replica of its own process, which
+    cannot open its own process's CUDA IPC handles ('invalid device context'): it reads the sender's buffer."""
+    from services.rollout.weight_receivers import IpcReceiver
+    from services.trainer.weights.ipc_sender import IpcSender
+
+    buf = torch.arange(4096, device="cuda").to(torch.uint8)
+    handle = IpcSender._share(buf, buf.device)
+    src = IpcReceiver("cuda:0")._source(handle)
+    assert src.data_ptr() == buf.data_ptr() and torch.equal(src[:buf.numel()], buf)

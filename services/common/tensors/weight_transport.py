@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -286,6 +287,22 @@ async def receive_host(manifest: Manifest, buckets, *, buffer: torch.Tensor | No
 
 # --------------------------------------------------------------------------------------------------
 # Device payloads (transports ipc and nccl)
+
+
+# The ipc transport's shared buffers of this process, by buffer id. A replica in the trainer's own process (an
+# in-process mesh: bench/many_runs.py, tests) cannot open them by handle (cudaIpcOpenMemHandle refuses a handle of its
+# own process: "invalid device context"), and needs not: it reads the buffer itself. Weak: the sender owns them.
+_LOCAL_IPC_BUFFERS: "weakref.WeakValueDictionary[str, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def share_in_process(buffer_id: str, buf: torch.Tensor) -> None:
+    """Registers an ipc sender's shared buffer for replicas in this process (IpcReceiver looks here first)."""
+    _LOCAL_IPC_BUFFERS[buffer_id] = buf
+
+
+def in_process_buffer(buffer_id: str) -> torch.Tensor | None:
+    """The shared buffer `buffer_id` when this process's ipc sender made it, else None (open its handle)."""
+    return _LOCAL_IPC_BUFFERS.get(buffer_id)
 
 
 def device_checksum(flat: torch.Tensor) -> torch.Tensor:

@@ -46,8 +46,9 @@ def unsupported_reason(model) -> str | None:
 
 def capture(graph: "torch.cuda.CUDAGraph", pool) -> "torch.cuda.graph":
     """torch.cuda.graph in thread-local capture mode. The default (global) mode makes any unsafe CUDA call from any
-    thread of the process (a cudaMalloc, a synchronize) fail the capture: a process that also trains (the in-process
-    mesh of `meshrl up`, several runs on one mesh) would fail captures whenever its trainer thread allocated.
+    thread of the process (a cudaMalloc, a synchronize) fail the capture: a process that also trains (an in-process
+    mesh, services/local.py: several runs on one GPU in bench/many_runs.py) failed captures whenever its trainer
+    thread allocated.
     Captures here run on the capturing thread's own stream, so other threads' work is not recorded into them."""
     return torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
 

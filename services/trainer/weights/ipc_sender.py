@@ -10,7 +10,8 @@ import uuid
 import torch
 
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
-from services.common.tensors.weight_transport import DevicePlan, device_checksum, device_uuid, flat_bytes
+from services.common.tensors.weight_transport import (DevicePlan, device_checksum, device_uuid, flat_bytes,
+                                                       share_in_process)
 from services.trainer.weights.senders import (COMMIT, DEVICE_BUCKET_BYTES, NO_TAGS, ManifestTags, PushOutcome,
                                               RpcSender, device_bucket_bytes, device_manifest, device_of, error_text)
 
@@ -52,12 +53,14 @@ class IpcSender(RpcSender):
 
         # The same call torch.multiprocessing makes when it sends a CUDA tensor to another process.
         _, args = reduce_tensor(buf)
+        buffer_id = uuid.uuid4().hex
+        share_in_process(buffer_id, buf)                 # a replica in this very process reads it directly
         (_, _, _, _, _, _, _, handle, storage_bytes, storage_offset, _, rc_handle, rc_offset, ev_handle,
          ev_sync) = args
         return common_pb2.CudaIpcHandle(
             device_uuid=device_uuid(device), handle=handle, storage_bytes=storage_bytes,
             storage_offset=storage_offset, ref_counter_handle=rc_handle or b"", ref_counter_offset=rc_offset or 0,
-            event_handle=ev_handle or b"", event_sync_required=bool(ev_sync), buffer_id=uuid.uuid4().hex)
+            event_handle=ev_handle or b"", event_sync_required=bool(ev_sync), buffer_id=buffer_id)
 
     def _messages(self, plan: DevicePlan, sums: list[int], tags: ManifestTags):
         yield common_pb2.WeightBucket(manifest=device_manifest(plan, "ipc", tags=tags))
