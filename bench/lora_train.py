@@ -6,11 +6,12 @@ activation checkpointing, master weights and AdamW): seconds per actor step and 
 
 Each variant runs in its own process (a clean peak): `full` (fp32 master weights, bf16 compute), `lora` (the frozen
 bf16 base, fp32 adapters, the trainer's lean adapter forward: services/trainer/model/lora.py lean_forward, one
-meshrl::lora_linear op a layer), `lora_addmm` (the lean forward before that op: nn.Linear + addmm with the base
-output as C, autograd's backward) and `lora_peft` (peft's own LoraLayer.forward). One step = one TrainActor
-call of `batch` sequences (prompt + response tokens each) in one optimizer step; the median of the steps after
-`--warmup` (compiles happen there). Peak = torch.cuda.max_memory_allocated over the steps, weights and optimizer
-state included.
+meshrl::lora_linear op a layer, q/k/v and gate/up through one meshrl::lora_group op each), `lora_ungrouped` (that
+forward with every layer on its own op: before lora_group), `lora_addmm` (the lean forward before lora_linear:
+nn.Linear + addmm with the base output as C, autograd's backward) and `lora_peft` (peft's own LoraLayer.forward).
+One step = one TrainActor call of `batch` sequences (prompt + response tokens each) in one optimizer step; the median
+of the steps after `--warmup` (compiles happen there). Peak = torch.cuda.max_memory_allocated over the steps, weights
+and optimizer state included.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "protos"), str(REPO / "bench")]
 
-VARIANTS = ("full", "lora", "lora_addmm", "lora_peft")
+VARIANTS = ("full", "lora", "lora_ungrouped", "lora_addmm", "lora_peft")
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=True)
 
@@ -40,7 +41,7 @@ def model_folder(shape: str, root: Path, device: str) -> Path:
     return out
 
 
-def addmm_lean_forward(layer):
+def addmm_lean_forward(layer, group=None):
     """The trainer's lean adapter forward before meshrl::lora_linear (commit f66f66d): base(x), A, then one addmm
     with the base output as C; autograd's backward."""
     import torch
@@ -76,11 +77,15 @@ def one(args) -> dict:
     if name == "lora_peft":
         from services.trainer.model import lora
 
-        lora.lean_forward = lambda layer: type(layer).forward.__get__(layer)        # peft's own forward
+        lora.lean_forward = lambda layer, group=None: type(layer).forward.__get__(layer)     # peft's own forward
     if name == "lora_addmm":
         from services.trainer.model import lora
 
         lora.lean_forward = addmm_lean_forward
+    if name == "lora_ungrouped":
+        from services.trainer.model import lora
+
+        lora.sibling_groups = lambda model, layers: {}
     cuda = args.device.startswith("cuda")
     actor = {"lr": 1e-5, "activation_checkpointing": checkpointing or args.checkpointing,
              "micro_batch_token_budget": int(budget or args.batch * (args.prompt + args.response))}

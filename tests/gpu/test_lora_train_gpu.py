@@ -1,13 +1,14 @@
-"""GPU tests of the trainer's LoRA layer op (services/trainer/model/lora_linear.py) at the 1.5B MLP shape: values and
-gradients of the unfused nn.Linear + addmm formula it replaced (bf16 rounding), no GEMM over the frozen weight's
-gradient under torch.compile. Skipped without CUDA. (Which is faster is a benchmark's question, not a test's:
-`LORA_VARIANTS=full,lora,lora_addmm bench/gpu_session.sh loratrain`.)"""
+"""GPU tests of the trainer's LoRA layer ops (services/trainer/model/lora_linear.py, lora_group.py) at the 1.5B
+MLP shape: values and gradients of the unfused nn.Linear + addmm formula they replaced (bf16 rounding), no GEMM over
+the frozen weight's gradient under torch.compile. Skipped without CUDA. (Which is faster is a benchmark's question,
+not a test's: `LORA_VARIANTS=full,lora,lora_ungrouped,lora_addmm bench/gpu_session.sh loratrain`.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from services.trainer.model.lora_group import grouped_linear
 from services.trainer.model.lora_linear import adapted_linear
 from tests.unit.test_lora_train_work import GEMMS, gemm_mkn
 
@@ -69,3 +70,24 @@ def test_compiled_backward_forms_no_gradient_of_the_frozen_weight():
     assert (TOKENS, D_IN, D_OUT) in gemms                  # the profiler sees the op's GEMMs (its base forward)
     weight_grads = [g for g in gemms if g[1] == TOKENS and {g[0], g[2]} == {D_OUT, D_IN}]
     assert weight_grads == [] and w.grad is None and a.grad is not None and b.grad is not None
+
+
+def test_the_group_op_matches_the_unfused_formula_for_gate_and_up():
+    (x, w_gate, a_gate, b_gate), (_, w_up, a_up, b_up) = operands(2), operands(3)
+    dys = [torch.randn(TOKENS, D_OUT, device="cuda").bfloat16() for _ in range(2)]
+    params = (x, a_gate, b_gate, a_up, b_up)
+
+    def run(fn):
+        for t in params:
+            t.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ys = fn()
+        torch.autograd.backward(ys, dys)
+        return [y.float() for y in ys], [t.grad.float().clone() for t in params]
+
+    ref, ref_grads = run(lambda: [unfused(x, w_gate, a_gate, b_gate), unfused(x, w_up, a_up, b_up)])
+    out, grads = run(lambda: grouped_linear(x, [w_gate, w_up], [None, None], [a_gate, a_up], [b_gate, b_up],
+                                            [SCALE, SCALE]))
+    for got, want in zip(out + grads, ref + ref_grads):
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    assert a_gate.grad.dtype == b_up.grad.dtype == torch.float32

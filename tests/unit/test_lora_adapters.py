@@ -43,45 +43,89 @@ def trained(model_path: str, seed: int) -> tuple[TrainerEngine, list]:
     return e, samples
 
 
-@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, True)])
-def test_the_lean_adapter_forward_matches_peft_in_values_and_gradients(dtype, autocast):
+def tiny_qwen2(dtype: torch.dtype, lean: bool, blocks: int = 2) -> torch.nn.Module:
+    """A small Qwen2 with LoRA on every linear and B random (B = 0 would hide the adapter path); the trainer's lean
+    forward (q/k/v and gate/up grouped) or peft's own."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = Qwen2Config(vocab_size=64, hidden_size=64, num_hidden_layers=blocks, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=128)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).to(dtype)
     lora.apply_lora(model, LoraSection(rank=4, alpha=8), adapter_dtype=torch.float32)
     layers = lora.lora_layers(model)
-    assert len(layers) == 14 and all("forward" in m.__dict__ for m in layers.values())
+    assert len(layers) == 7 * blocks and all("forward" in m.__dict__ for m in layers.values())
+    assert len({id(g) for g, _ in lora.sibling_groups(model, layers).values()}) == 2 * blocks    # q/k/v, gate/up
     for m in layers.values():
-        torch.nn.init.normal_(m.lora_B[lora.ADAPTER].weight, std=0.1)       # B = 0 would hide the adapter path
-    x = torch.randint(0, 64, (2, 12))
+        torch.nn.init.normal_(m.lora_B[lora.ADAPTER].weight, std=0.1)
+        if not lean:
+            m.__dict__.pop("forward")                                        # peft's own LoraLayer.forward
+    return model
 
-    def run():
+
+def run_step(model, x, autocast: bool):
+    """Logits and the adapters' gradients of one backward, and how many grouped ops forward and backward ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = model(x).logits.float()
+            out = model(x, use_cache=False).logits.float()        # no KV cache: a recompute would append to it
         out.square().mean().backward()
-        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    ops = [e.name for e in prof.events() if e.name.startswith("meshrl::lora_group")]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out.detach(), grads, (ops.count("meshrl::lora_group"), ops.count("meshrl::lora_group_backward"))
 
-    lean_out, lean_grads = run()
-    for m in layers.values():
-        m.__dict__.pop("forward")                                            # peft's own LoraLayer.forward
-    peft_out, peft_grads = run()
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, True)])
+def test_the_lean_adapter_forward_matches_peft_in_values_and_gradients(dtype, autocast, checkpointing):
+    from services.trainer.parallel.parallelize import apply_activation_checkpointing
+
+    model = tiny_qwen2(dtype, lean=True)
+    apply_activation_checkpointing(model, checkpointing)
+    x = torch.randint(0, 64, (2, 12))
+    lean_out, lean_grads, (fwd, bwd) = run_step(model, x, autocast)
+    # Two groups a block, two blocks: one op each in forward, again in a full checkpoint's recompute, one backward
+    # each. (Under selective checkpointing the profiler also lists the op as its dispatch mode runs it again.)
+    assert bwd == 4 and fwd == {"none": 4, "full": 8}.get(checkpointing, fwd)
+    peft_out, peft_grads, _ = run_step(tiny_qwen2(dtype, lean=False), x, autocast)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(lean_out, peft_out, atol=tol, rtol=tol)
+    assert lean_grads.keys() == peft_grads.keys()
     for n in peft_grads:
+        assert lean_grads[n].dtype == torch.float32
         assert torch.allclose(lean_grads[n], peft_grads[n], atol=tol, rtol=tol), n
     # Adapters off (the reference pass) gives the base model's own output.
-    with lora.adapters_off(model), torch.no_grad():
-        for m in layers.values():
-            m.forward = lora.lean_forward(m)
-        off = model(x).logits
-    for m in layers.values():
-        m.__dict__.pop("forward")
-    with lora.adapters_off(model), torch.no_grad():
-        assert torch.equal(off, model(x).logits)
+    peft = tiny_qwen2(dtype, lean=False)
+    with lora.adapters_off(model), lora.adapters_off(peft), torch.no_grad():
+        assert torch.equal(model(x, use_cache=False).logits, peft(x, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+def test_compiled_blocks_run_the_grouped_op_as_one_node_and_match_peft(checkpointing):
+    from torch._dynamo.utils import counters
+
+    from services.common.tensors.compile import apply_compile
+    from services.trainer.parallel.parallelize import apply_activation_checkpointing
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_qwen2(torch.float32, lean=True, blocks=3)
+    apply_activation_checkpointing(model, checkpointing)
+    apply_compile(model, True)
+    x = torch.randint(0, 64, (2, 12))
+    run_step(model, x, autocast=False)                                       # compiles (outside the next count)
+    lean_out, lean_grads, (fwd, bwd) = run_step(model, x, autocast=False)
+    # No graph break (the groups' outputs, left on the normed hidden state, trace away, inside a checkpoint too),
+    # one graph for the first block (its input needs no gradient) and one for the others, and each group is one op
+    # of the compiled block.
+    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == 2
+    assert (fwd, bwd) == (6 * (2 if checkpointing == "full" else 1), 6)
+    peft_out, peft_grads, _ = run_step(tiny_qwen2(torch.float32, lean=False, blocks=3), x, autocast=False)
+    assert torch.allclose(lean_out, peft_out, atol=1e-5, rtol=1e-5)
+    for n in peft_grads:
+        assert torch.allclose(lean_grads[n], peft_grads[n], atol=1e-5, rtol=1e-5), n
 
 
 def test_export_is_a_peft_folder_that_peft_loads_to_the_trainers_logprobs(model_path, tmp_path):

@@ -1,6 +1,7 @@
 """A LoRA actor step does strictly less work than a full one: no GEMM of the step forms a frozen base weight's
-gradient (the profiler lists every matmul with its shapes, inside the adapter op too), and an adapted layer makes
-one pass over each [tokens, features] tensor it needs (no copy or add over its output, no second GEMM over it)."""
+gradient (the profiler lists every matmul with its shapes, inside the adapter op too), an adapted layer makes
+one pass over each [tokens, features] tensor it needs (no copy or add over its output, no second GEMM over it), and
+adapted layers that read one input (q/k/v, gate/up) read it once for all their adapters."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ PASSES = ("aten::add", "aten::add_", "aten::mul", "aten::mul_", "aten::copy_", "
 # is a model dimension, so a GEMM over either is one that sums over tokens.
 BATCH, PROMPT, RESPONSE = 3, 5, 12
 VOCAB = 96
+RANK = 4
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ def one_step(model_path: str, lora: bool, compile: bool):
     actor = {"lr": 1e-3, "activation_checkpointing": "full", "compile": compile, "warmup": False,
              "micro_batch_token_budget": BATCH * (PROMPT + RESPONSE)}
     if lora:
-        actor["lora"] = {"rank": 4, "alpha": 8}
+        actor["lora"] = {"rank": RANK, "alpha": 2 * RANK}
     e = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": model_path, "dtype": "bfloat16"},
                                                          "actor": actor}))
     g = torch.Generator().manual_seed(0)
@@ -82,10 +84,20 @@ def test_a_lora_step_runs_no_gemm_that_forms_a_frozen_base_weights_gradient(mode
     frozen = {n: p for n, p in e.rank.actor.module.named_parameters() if ".lora_" not in n}
     assert weight_grad_gemms(events, {n: p.shape for n, p in frozen.items()}, tokens) == []
     assert all(p.grad is None for p in frozen.values())
-    # The adapters did train: every A and B got its gradient GEMM over the tokens (compiled: inside the compiled
-    # backward's op, which the profiler sees as it would see the base's).
+    # The adapters did train: every B got its gradient GEMM over the tokens, every A too, in one GEMM for a group's
+    # A stacked (q/k/v [3r, in], gate/up [2r, in]: x read once) and one each for o_proj's and down_proj's (compiled:
+    # inside the compiled backward's op, which the profiler sees as it would see the base's).
     adapters = {n: p.shape for n, p in e.rank.actor.module.named_parameters() if ".lora_" in n}
-    assert len(weight_grad_gemms(events, adapters, tokens)) >= 2 * 7 * 2
+    hidden = e.rank.actor.module.config.hidden_size
+    stacked = {"qkv": torch.Size([3 * RANK, hidden]), "gate_up": torch.Size([2 * RANK, hidden])}
+    assert len(weight_grad_gemms(events, adapters | stacked, tokens)) == 2 * (7 + 4)
+    groups = [n for n, _ in events if n == "meshrl::lora_group_backward"]
+    assert len(groups) == 2 * 2                                       # one backward for each group of each block
+    # A group's z = x A^T: one GEMM over its input in forward and one in the checkpoint's recompute, none in
+    # backward (the op kept it).
+    shrinks = [gemm_mkn(n, s) for n, s in events if n in GEMMS and gemm_mkn(n, s)[1:] in ((hidden, 3 * RANK),
+                                                                                           (hidden, 2 * RANK))]
+    assert len(shrinks) == 2 * 2 * 2 and {m for m, _, _ in shrinks} <= tokens
 
 
 @pytest.mark.parametrize("base_first", [True, False], ids=["cpu_order", "cuda_order"])
@@ -134,3 +146,69 @@ def test_an_adapted_layer_makes_one_pass_over_each_activation_and_its_gradient(b
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)
     assert (y.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+class Siblings(nn.Module):
+    """q/k/v on one input, as an attention forward calls them."""
+
+    def __init__(self, d_in: int, outs: tuple[int, ...], bias: bool):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d_in, o, bias=bias).to(torch.bfloat16) for o in outs)
+
+    def forward(self, x):
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+@pytest.mark.parametrize("base_first", [True, False], ids=["cpu_order", "cuda_order"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_group_of_adapted_layers_reads_its_input_once_for_all_their_adapters(bias, base_first, monkeypatch):
+    monkeypatch.setattr(lora_linear, "base_first", lambda x: base_first)
+    T, d_in, outs, r = 37, 48, (80, 24, 24), 4
+    R = 3 * r
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.attn = Siblings(d_in, outs, bias)
+    apply_lora(model, LoraSection(rank=r, alpha=2 * r, target_modules=["q_proj", "k_proj", "v_proj"]),
+               adapter_dtype=torch.float32)
+    layers = [model.attn.q_proj, model.attn.k_proj, model.attn.v_proj]
+    for layer in layers:
+        nn.init.normal_(layer.lora_B[ADAPTER].weight)                               # B = 0 would hide the path
+    x = torch.randn(T, d_in, dtype=torch.bfloat16, requires_grad=True)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ys = model.attn(x)
+        torch.autograd.backward(ys, [torch.ones_like(y) for y in ys])
+        return ys
+
+    events = profiled(run)
+    gemms = [gemm_mkn(n, s) for n, s in events if n in GEMMS]
+    # Forward: one z = x A^T for the three (A stacked, [3r, in]), then each member's adapter part and base GEMM.
+    # Backward: each member's dz, dB and dy W; one dA of the stacked A (x read once) and one dz A; z is not
+    # recomputed (the op kept it).
+    forward = [(T, d_in, R)] + [g for o in outs for g in ((T, r, o), (T, d_in, o))]
+    backward = [g for o in outs for g in ((T, o, r), (o, T, r), (T, o, d_in))] + [(R, T, d_in), (T, R, d_in)]
+    assert sorted(gemms) == sorted(forward + backward)
+    assert [g for g in gemms if g[:2] == (T, d_in)] == [(T, d_in, R)] + [(T, d_in, o) for o in outs]
+    # Each member's output: one GEMM accumulates onto the other's in place; x's gradient: one [T, in] product that
+    # the other three accumulate onto (before: one per member, summed by autograd).
+    small = r if base_first else d_in
+    onto = [("aten::addmm_", [[T, o], [T, small], [small, o], [], []]) for o in outs]
+    assert all(e in events for e in onto)
+    assert len([1 for n, s in events if n == "aten::addmm_" and s[0] == [T, d_in]]) == 3
+    big = {(T, d_in)} | {(T, o) for o in outs}
+    passes = [(n, s) for n, s in events if n in PASSES and any(tuple(t) in big for t in s)]
+    assert passes == ([("aten::copy_", [[T, o], [T, o], []]) for o in outs] if bias else [])
+    assert all(layer.base_layer.weight.grad is None for layer in layers)
+    # The values of the unfused formula (fp32 reference of the bf16 operands), and nothing left on x.
+    xf = x.detach().float()
+    bf = lambda t: t.detach().to(torch.bfloat16).float()                            # noqa: E731
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = model.attn(x)
+    for layer, y in zip(layers, ys):
+        ref = xf @ layer.base_layer.weight.float().t() + layer.scaling[ADAPTER] * (
+            xf @ bf(layer.lora_A[ADAPTER].weight).t()) @ bf(layer.lora_B[ADAPTER].weight).t()
+        if bias:
+            ref = ref + layer.base_layer.bias.float()
+        assert (y.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    assert [v for k, v in vars(x).items() if k.startswith("_meshrl_lora")] == [None, None]

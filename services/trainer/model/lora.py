@@ -16,6 +16,7 @@ from torch import nn
 
 from services.common.tensors.weights import named_weights
 from services.trainer.config import LoraSection
+from services.trainer.model.lora_group import grouped_linear
 from services.trainer.model.lora_linear import adapted_linear
 
 log = logging.getLogger("meshrl.trainer")
@@ -30,8 +31,10 @@ def apply_lora(model: nn.Module, cfg: LoraSection, *, adapter_dtype: torch.dtype
     config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                         target_modules=list(cfg.target_modules), bias="none")
     inject_adapter_in_model(config, model, adapter_name=ADAPTER)
-    for layer in lora_layers(model).values():
-        layer.forward = lean_forward(layer)
+    layers = lora_layers(model)
+    groups = sibling_groups(model, layers)
+    for name, layer in layers.items():
+        layer.forward = lean_forward(layer, groups.get(name))
     trainable = 0
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
@@ -43,10 +46,12 @@ def apply_lora(model: nn.Module, cfg: LoraSection, *, adapter_dtype: torch.dtype
              trainable, total, 100.0 * trainable / max(1, total))
 
 
-def lean_forward(layer: nn.Module):
+def lean_forward(layer: nn.Module, group: tuple[SiblingGroup, int] | None = None):
     """The adapted layer's forward for training: base(x) + scaling * B(A(x)) in the compute dtype, through one op
     (services/trainer/model/lora_linear.py) whose backward never forms the frozen base's weight gradient and makes
-    one pass over each [tokens, features] tensor it needs, where nn.Linear + addmm made four over the output.
+    one pass over each [tokens, features] tensor it needs, where nn.Linear + addmm made four over the output. A
+    member of a SiblingGroup (q/k/v, gate/up: `group` is it and the layer's index in it) goes through the group's one
+    op (services/trainer/model/lora_group.py), which reads their shared input once.
 
     Why not peft's own forward: it casts the layer's input to the adapters' fp32 before A (two extra [tokens, in]
     copies per adapted layer kept for backward), and adds B's scaled output in separate passes. Installed on the
@@ -61,15 +66,78 @@ def lean_forward(layer: nn.Module):
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if layer.disable_adapters:
             return base(x, *args, **kwargs)
-        # The layer's active adapter, read per call: a trainer holding several named adapters
-        # (services/trainer/model/adapter_set.py) switches it with peft's set_adapter.
-        name = layer.active_adapters[0]
-        if (args or kwargs or base.weight.requires_grad or layer.lora_B[name].bias is not None
-                or name in getattr(layer, "lora_variant", {}) or not isinstance(layer.lora_dropout[name], nn.Identity)):
+        adapter = None if args or kwargs else lean_adapter(layer)
+        if adapter is None:
             return peft_forward(x, *args, **kwargs)
-        return adapted_linear(x, base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight,
-                              float(layer.scaling[name]))
+        y = None if group is None else group[0].output(group[1], x, adapter)
+        return adapted_linear(x, base.weight, base.bias, *adapter) if y is None else y
     return forward
+
+
+def lean_adapter(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A, B, scaling) of the layer's active adapter, or None where the lean ops do not cover it (peft's forward)."""
+    # Read per call: a trainer holding several named adapters (services/trainer/model/adapter_set.py) switches the
+    # active one with peft's set_adapter.
+    name = layer.active_adapters[0]
+    if (not isinstance(layer.base_layer, nn.Linear) or layer.base_layer.weight.requires_grad
+            or layer.lora_B[name].bias is not None or name in getattr(layer, "lora_variant", {})
+            or not isinstance(layer.lora_dropout[name], nn.Identity)):
+        return None
+    return layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name])
+
+
+# Sibling linears a decoder calls one after another on one input, in the order it calls them (transformers' Llama,
+# Qwen2/3, Mistral, Gemma, OLMo... attention and MLP forwards).
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class SiblingGroup:
+    """Adapted linears of one module that read one input, first to last in the order the module calls them. The
+    first (the leader) computes every member's output through one meshrl::lora_group op and leaves each other's on
+    the input tensor itself, as an attribute under that member's key; a member called with that tensor takes its
+    output off it. The attention and MLP forwards of transformers stay as they are (each of their shapes calls
+    q/k/v on one hidden_states), and nothing outlives the input: the outputs go with it. Under torch.compile the
+    stash is a side effect on a tensor made inside the traced block (the normed hidden state), which dynamo traces
+    away, checkpointed blocks included (an attribute of an object from outside a checkpoint would graph-break). The
+    keys are the members' names, the same in every block (dynamo guards on them: one compiled graph serves all
+    blocks). A member called on another tensor, or whose output the leader did not make, computes alone."""
+
+    def __init__(self, members: list[nn.Module], names: list[str]):
+        self.members = members
+        self.keys = [f"_meshrl_lora_{n}" for n in names]
+
+    def output(self, index: int, x: torch.Tensor, adapter: tuple) -> torch.Tensor | None:
+        """Member `index`'s output for x (its `adapter` as lean_adapter gives it), or None: it computes alone."""
+        if index:
+            y = getattr(x, self.keys[index], None)
+            if y is not None:
+                setattr(x, self.keys[index], None)
+            return y
+        rest = [(i, lean_adapter(m)) for i, m in enumerate(self.members) if i and not m.disable_adapters]
+        rest = [(i, a) for i, a in rest if a is not None]
+        if not rest:
+            return None
+        bases = [self.members[0].base_layer] + [self.members[i].base_layer for i, _ in rest]
+        adapters = [adapter] + [a for _, a in rest]
+        ys = grouped_linear(x, [b.weight for b in bases], [b.bias for b in bases], [a[0] for a in adapters],
+                            [a[1] for a in adapters], [a[2] for a in adapters])
+        for (i, _), y in zip(rest, ys[1:]):
+            setattr(x, self.keys[i], y)
+        return ys[0]
+
+
+def sibling_groups(model: nn.Module, layers: dict[str, nn.Module]) -> dict[str, tuple[SiblingGroup, int]]:
+    """{layer name: (its group, its index in it)} for the adapted linears of each module that read one input (two
+    or more of a SIBLINGS set, nn.Linear bases)."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for names in SIBLINGS:
+            full = [f"{prefix}.{n}" if prefix else n for n in names]
+            members = [f for f in full if f in layers and isinstance(layers[f].base_layer, nn.Linear)]
+            if len(members) > 1:
+                group = SiblingGroup([layers[f] for f in members], [f.rpartition(".")[2] for f in members])
+                out.update({f: (group, i) for i, f in enumerate(members)})
+    return out
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -39,8 +39,12 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     dtype. Only y comes out (z = x A^T is recomputed in backward): a recomputed forward whose output backward does not
     need (the block's last layer, down_proj, under checkpointing) is then dead code that the compiler drops, as it
     drops a plain linear's; an op that also returned z would run its whole base GEMM again for it."""
-    z = torch.mm(x, lora_a.t())                                                       # [T, r]
-    scaled_b = lora_b * scaling                                                      # [out, r]
+    return project(x, weight, bias, torch.mm(x, lora_a.t()), lora_b * scaling)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor,
+            scaled_b: torch.Tensor) -> torch.Tensor:
+    """x W^T + b + z (sB)^T [T, out] for z = x A^T [T, r]: one GEMM accumulates onto the other's output in place."""
     if base_first(x):
         y = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
         return y.addmm_(z, scaled_b.t())

@@ -18,13 +18,13 @@ log = logging.getLogger("meshrl.trainer")
 
 
 # Ops whose outputs selective checkpointing keeps: the matmuls and attention (the expensive part of a
-# block), the LoRA-adapted linear included; everything else (norms, activations, rotary, residual adds) is
-# recomputed in backward.
+# block), the LoRA-adapted linears included (alone and grouped); everything else (norms, activations, rotary,
+# residual adds) is recomputed in backward.
 def _saved_ops() -> set:
-    import services.trainer.model.lora_linear  # noqa: F401  (registers meshrl::lora_linear)
+    import services.trainer.model.lora_group  # noqa: F401  (registers meshrl::lora_linear and meshrl::lora_group)
 
     ops = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-           torch.ops.aten.linear.default, torch.ops.meshrl.lora_linear.default}
+           torch.ops.aten.linear.default, torch.ops.meshrl.lora_linear.default, torch.ops.meshrl.lora_group.default}
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
         if hasattr(torch.ops.aten, name):
