@@ -36,8 +36,8 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, st
                   step: DecodeStep | None = None) -> torch.Tensor:
     """Feeds row b's tokens new[b] at positions starts[b]..; its blocks tables[b] (lists, or a host tensor
     [B, width] padded with any block) must cover them. new: lists, or a device tensor [B, Q] (every row Q tokens:
-    a window's sampled tokens fed back without a host round trip). Returns the fp32
-    logits after each row's last new token, [B, V]. kernel: decode steps (one token per row) attend with the
+    a window's sampled tokens fed back without a host round trip). Returns the
+    logits after each row's last new token, [B, V]: fp32, or the model's dtype from a decode step's DecodeStep. kernel: decode steps (one token per row) attend with the
     Triton kernel of attention.py, reading the pool in place (None: where it runs, on CUDA), through `step` (a
     DecodeStep over kv with the kernel; None: one built for this call)."""
     dev = kv.k[0].device
@@ -93,8 +93,10 @@ class DecodeStep(DecodeLayers):
         self.kv, self.kernel = kv, kernel
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, tab: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [B, V] after ids [B, 1] at pos [B, 1] of rows whose blocks are tab [B, width], ctx [B] tokens
-        with K/V once this one is written. LoRA rows: the bank's current ones (a graph's: its static rows)."""
+        """Logits [B, V] in the model's dtype (as the unpaged graph step keeps them: an fp32 copy of a [256, 151936]
+        batch cost a pass of its own each step, and the samplers read either) after ids [B, 1] at pos [B, 1] of rows
+        whose blocks are tab [B, width], ctx [B] tokens with K/V once this one is written. LoRA rows: the bank's
+        current ones (a graph's: its static rows)."""
         m, kv = self.model.model, self.kv
         slot = slots_of(tab, pos, kv.block_size)[:, 0]                                   # [B]
         read = mask = None
@@ -108,7 +110,7 @@ class DecodeStep(DecodeLayers):
         lora = self._step_mask(x)
         for i, layer in enumerate(m.layers):
             x = self._layer_fn(layer, x, cos, sin, self._proj[i], lora, kv.k[i], kv.v[i], slot, tab, ctx, read, mask)
-        return self.model.lm_head(m.norm(x)[:, 0]).float()
+        return self.model.lm_head(m.norm(x)[:, 0])
 
     def _layer(self, layer, x, cos, sin, proj: tuple, lora: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor,
                slot: torch.Tensor, tab: torch.Tensor, ctx: torch.Tensor, read: torch.Tensor | None,

@@ -66,7 +66,7 @@ class PagedGraphs:
     @torch.inference_mode()
     def forward(self, ids: list[int] | torch.Tensor, pos: list[int] | None, tables: torch.Tensor | None,
                 slots: list[int] | None = None) -> torch.Tensor:
-        """fp32 logits [R, V] after feeding ids[r] at pos[r] of row r, whose blocks are tables[r] (host, [R, w]),
+        """Logits [R, V] (the model's dtype) after feeding ids[r] at pos[r] of row r, whose blocks are tables[r] (host, [R, w]),
         with adapter slots[r] (None: the base model's rows). ids: host ints, or a device tensor [R] (a window's
         sampled tokens, fed back without a host round trip). pos and tables None: the previous call's rows, each one
         token further (a window's next step: positions and context lengths advanced on the device, tables kept)."""

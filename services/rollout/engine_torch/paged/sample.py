@@ -71,13 +71,15 @@ class StepSampler:
             self.tops = [r.sampling.top_logprobs for r in rs]
 
     def draw(self, logits: torch.Tensor, j: int) -> Drawn:
-        """Step j of the window from fp32 logits [R, V] (no host sync on the fused path)."""
+        """Step j of the window from logits [R, V], fp32 or the model's dtype (no host sync on the fused path, which
+        reads either and works in fp32; the torch path takes an fp32 copy)."""
         if self.fused:
             tok = torch.empty(self.R, dtype=torch.long, device=self.device)
             lp = torch.empty(self.R, dtype=torch.float32, device=self.device)
             fused_sample.sample(logits.contiguous(), self.temp, self.seed, self.step + j if j else self.step, tok, lp,
                                 self.scratch)
             return Drawn(tok, lp, torch.isin(tok, self.eos))
+        logits = logits.float()
         tok = sample_tokens(logits, temperature=self.temp, top_p=self.top_p, generators=self.gens)
         logp = F.log_softmax(logits, dim=-1)
         top = None
