@@ -1,5 +1,5 @@
 """An adapter push over grpc loopback on the CPU, this tree beside another checkout in the same run (issue 43's adapter
-sync, its host side: the per-tensor Python/torch work, not bytes): bench/results/adapter_sync_cpu.json.
+sync, its host side): bench/results/adapter_sync_cpu.json.
 
 Each round runs in a child process of its own, importing services/ from one tree: it spawns a real rollout replica
 (servicer, receivers, TorchEngine with rollout.enable_lora, max_loras 1) around a Qwen2.5-1.5B-shaped model (bf16 by
@@ -8,9 +8,12 @@ adapter (rank 16 on all 7 projections of 28 layers: 392 tensors, 36.9 MB in bf16
 with the trainer's own grpc sender, new values every push. Per push: `push_s`, from the call to the replica's version
 reply, and `replica_s`, the replica's own share (UpdateWeightsResponse.seconds: received, checked, loaded); medians
 over the pushes after the first, then over rounds. Rounds alternate the trees, so machine noise hits both alike.
+Each round then times the push's parts in process, without the network (`phases`: the sender's payload, the
+replica's receive, the bank's load); what the replica's share holds beyond its two parts is the gRPC stream.
 
     git archive <commit> | tar -x -C /tmp/base        # the baseline tree (no git metadata needed)
-    OMP_NUM_THREADS=1 PYTHONPATH=.:protos python bench/adapter_sync.py --baseline /tmp/base [--rounds 5 --shared]
+    OMP_NUM_THREADS=1 PYTHONPATH=.:protos python bench/adapter_sync.py --baseline /tmp/base --baseline-commit <commit> \
+        [--rounds 5 --shared]
     PYTHONPATH=.:protos python bench/adapter_sync.py --tiny --out /tmp/adapter_sync.json    # smoke test
 """
 
@@ -129,14 +132,69 @@ def child(args) -> dict:
             await sender.aclose()
 
         asyncio.run(main())
-        return {"push_s": statistics.median(push[1:]), "replica_s": statistics.median(replica[1:]),
-                "first_push_s": push[0], "num_tensors": len(state),
-                "adapter_bytes": sum(t.numel() * t.element_size() for t in state.values())}
     finally:
         parent.send("exit")
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()
+    return {"push_s": statistics.median(push[1:]), "replica_s": statistics.median(replica[1:]),
+            "first_push_s": push[0], **phases(args, state, tags), "num_tensors": len(state),
+            "adapter_bytes": sum(t.numel() * t.element_size() for t in state.values())}
+
+
+def phases(args, state: dict, tags) -> dict:
+    """A push's parts in this process, without the network (medians, first apart): `payload_s`, the sender's work (its
+    manifest message, every bucket's CRC and wire bytes); `receive_s`, the replica's (decoding, checking and staging
+    the buckets, the tensors' views: what its servicer calls for an adapter over grpc); `load_s`, the bank's load."""
+    import torch
+    from meshrl.v1 import common_pb2
+    from services.common.tensors.weight_transport import HostPayload, decode_bucket, receive_host
+    from services.rollout import convert
+    from services.rollout.engine_torch.lora import AdapterBank, adapter_targets
+    from services.trainer.convert import manifest_to_pb
+
+    try:
+        from services.rollout.weight_receivers import HostReceiver
+        receiver = HostReceiver("cpu")
+    except ImportError:         # a tree before it: the servicer called receive_host
+        receiver = None
+    with torch.device("meta"):
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPES[args.size])).to(getattr(torch, args.dtype))
+    for m in [model.model.embed_tokens, *adapter_targets(model, TARGETS).values()]:
+        m.to_empty(device="cpu")               # the bank's layers (and its device and dtype), nothing else
+    bank = AdapterBank(model, max_loras=1, max_rank=args.rank, targets=TARGETS, max_rows=8)
+    config = json.loads(tags.adapter_config)
+    times: dict[str, list[float]] = {"payload_s": [], "receive_s": [], "load_s": []}
+
+    async def main():
+        for i in range(args.repeats + 1):
+            t0 = time.perf_counter()
+            payload = HostPayload(state, i + 1, int(args.bucket_mib * MIB))
+            manifest_message = common_pb2.WeightBucket(manifest=tags.apply(manifest_to_pb(payload.manifest))
+                                                       ).SerializeToString()
+            payload.start()
+            messages = [m async for m in payload.messages(manifest_message)]
+            payload.close()
+            t1 = time.perf_counter()
+            manifest = convert.manifest_from_pb(decode_bucket(messages[0]).manifest)
+
+            async def buckets():
+                for raw in messages[1:-1]:
+                    b = decode_bucket(raw)
+                    yield b.data, b.crc32
+            received = await (receiver.receive(manifest, buckets()) if receiver else receive_host(manifest, buckets()))
+            t2 = time.perf_counter()
+            bank.load("default", config, dict(received.tensors))
+            t3 = time.perf_counter()
+            if receiver:
+                receiver.keep(received)
+            for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                times[k].append(dt)
+
+    asyncio.run(main())
+    return {k: statistics.median(v[1:]) for k, v in times.items()}
 
 
 def run_round(tree: Path, args) -> dict:
@@ -153,6 +211,7 @@ def run_round(tree: Path, args) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default="", help="a checkout of the commit to compare with (measured alike)")
+    parser.add_argument("--baseline-commit", default="", help="the commit that checkout holds (recorded)")
     parser.add_argument("--tiny", action="store_true", help="tiny shape (a smoke test of the code paths)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rank", type=int, default=16)
@@ -181,11 +240,13 @@ def main(argv=None) -> None:
               "num_tensors": rounds["head"][0]["num_tensors"], "adapter_bytes": rounds["head"][0]["adapter_bytes"],
               "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
     for name, rs in rounds.items():
-        result[name] = {k: round(statistics.median(x[k] for x in rs), 5) for k in ("push_s", "replica_s")}
+        result[name] = {k: round(statistics.median(x[k] for x in rs), 5)
+                        for k in ("push_s", "replica_s", "payload_s", "receive_s", "load_s")}
         result[name]["rounds"] = rs
     if "baseline" in rounds:
-        result["baseline"]["tree"] = args.baseline
-        result["speedup"] = {k: round(result["baseline"][k] / result["head"][k], 2) for k in ("push_s", "replica_s")}
+        result["baseline"]["commit"] = args.baseline_commit or "?"
+        result["speedup"] = {k: round(result["baseline"][k] / result["head"][k], 2)
+                             for k in ("push_s", "replica_s", "payload_s", "receive_s", "load_s")}
     sys.path[:0] = [str(REPO / "bench")]
     from provenance import stamp
 
