@@ -168,15 +168,21 @@ def phases(args, state: dict, tags) -> dict:
     config = json.loads(tags.adapter_config)
     times: dict[str, list[float]] = {"payload_s": [], "receive_s": [], "load_s": []}
 
+    async def wire(version: int, keep: bool) -> list[bytes]:
+        """The sender's messages of one push; like the stream, it lets each go once made unless asked to keep them."""
+        payload = HostPayload(state, version, int(args.bucket_mib * MIB))
+        manifest_message = common_pb2.WeightBucket(manifest=tags.apply(manifest_to_pb(payload.manifest))
+                                                   ).SerializeToString()
+        payload.start()
+        messages = [m async for m in payload.messages(manifest_message) if keep]
+        payload.close()
+        return messages
+
     async def main():
+        messages = await wire(0, keep=True)
         for i in range(args.repeats + 1):
             t0 = time.perf_counter()
-            payload = HostPayload(state, i + 1, int(args.bucket_mib * MIB))
-            manifest_message = common_pb2.WeightBucket(manifest=tags.apply(manifest_to_pb(payload.manifest))
-                                                       ).SerializeToString()
-            payload.start()
-            messages = [m async for m in payload.messages(manifest_message)]
-            payload.close()
+            await wire(i + 1, keep=False)
             t1 = time.perf_counter()
             manifest = convert.manifest_from_pb(decode_bucket(messages[0]).manifest)
 
