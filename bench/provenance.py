@@ -91,6 +91,11 @@ SOURCES: dict[str, list[str]] = {
     "lora_gpu": ["services/trainer/weights", "services/common/tensors/weight_transport.py",
                  "services/common/base_identity.py", "services/rollout/weight_receivers.py",
                  "services/rollout/servicer.py", "services/rollout/engine_torch", "bench/lora_gpu.py"],
+    # An adapter push over grpc on the CPU (issue 43's host-side costs), beside a baseline checkout.
+    "adapter_sync_cpu": ["services/trainer/weights", "services/common/tensors/weight_transport.py",
+                         "services/common/tensors/weights.py", "services/rollout/weight_receivers.py",
+                         "services/rollout/servicer.py", "services/rollout/engine_torch/lora.py",
+                         "services/rollout/engine_torch/engine.py", "bench/adapter_sync.py"],
     "payloads": ["services/common/tensors/packed.py", "protos/meshrl/v1/common.proto", "protos/meshrl/v1/rollout.proto",
                  "protos/meshrl/v1/reference.proto", "protos/meshrl/v1/trainer.proto", "bench/payloads.py"],
     "multi_gpu": [*_MESH, "bench/multi_gpu.py"],

@@ -17,7 +17,7 @@ from services.common.config import settings_json
 from services.common.rpc.server import MeshServer, create_server
 from services.common.base_identity import base_id
 from services.common.errors import FailedPrecondition
-from services.common.tensors.weight_transport import decode_bucket, placement_of, receive_host
+from services.common.tensors.weight_transport import decode_bucket, placement_of
 from services.rollout import convert
 from services.rollout.agents.env_client import EnvClient
 from services.rollout.agents.episodes import EpisodeRunner
@@ -99,21 +99,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             self.base_id = manifest.base_id
             return common_pb2.UpdateWeightsResponse(**done)
         start = time.perf_counter()
+        received = None
         if transport == "grpc":       # an adapter: small, received whole on the host
-            received = await receive_host(manifest, _buckets(request_iterator))
+            received = await self.receivers.host.receive(manifest, _buckets(request_iterator))
             tensors, num_bytes = received.tensors, received.num_bytes
         else:
             tensors, num_bytes = await self.receivers.get(transport).receive(
                 manifest, _device_buckets(request_iterator), group_id=first.manifest.group_id)
+        received_s = time.perf_counter() - start
         if manifest.adapter:
             await self.engine.apply_adapter(manifest.adapter, manifest.version, json.loads(manifest.adapter_config),
                                             dict(tensors))
         else:
             await self.engine.apply_update(manifest.version, tensors)
             self.base_id = manifest.base_id
+        if received is not None:
+            self.receivers.host.keep(received)
         seconds = time.perf_counter() - start
-        log.info("%s version %d applied over %s: %d tensors, %.1f MiB in %.3fs", f"adapter {manifest.adapter!r}" if manifest.adapter else "weights", manifest.version, transport,
-                 len(tensors), num_bytes / 2**20, seconds)
+        log.info("%s version %d applied over %s: %d tensors, %.1f MiB in %.3fs (received and checked in %.3fs)",
+                 f"adapter {manifest.adapter!r}" if manifest.adapter else "weights", manifest.version, transport,
+                 len(tensors), num_bytes / 2**20, seconds, received_s)
         return common_pb2.UpdateWeightsResponse(weight_version=self.engine.weight_version, num_bytes=num_bytes,
                                                 seconds=seconds)
 

@@ -17,7 +17,6 @@ import os
 import socket
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -182,17 +181,36 @@ class HostPayload:
 
 
 def tensors_from_flat(flat: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
-    """The manifest's tensors as views of a flat uint8 buffer (a copy only where an offset is misaligned)."""
+    """The manifest's tensors as views of a flat uint8 buffer (a copy only where an offset is misaligned).
+
+    One strided view of the buffer's words per tensor (an adapter has hundreds of small tensors: slicing and
+    re-viewing each costs three torch calls)."""
+    if any(m.offset + m.nbytes > flat.numel() for m in manifest.tensors):
+        raise ValueError(f"payload truncated: the manifest's tensors reach past its {flat.numel()} bytes")
     out = {}
+    words: dict[torch.dtype, torch.Tensor] = {}       # the buffer as each dtype's words, made once per dtype
     for m in manifest.tensors:
         dtype = dtype_from_name(m.dtype, field=m.name)
-        part = flat[m.offset:m.offset + m.nbytes]
-        size = torch.empty((), dtype=dtype).element_size()
-        if m.offset % size:
-            part = part.clone()
-        out[m.name] = part.view(dtype).view(m.shape) if m.nbytes else torch.empty(m.shape, dtype=dtype,
-                                                                                  device=flat.device)
+        size = dtype.itemsize
+        if not m.nbytes:
+            out[m.name] = torch.empty(m.shape, dtype=dtype, device=flat.device)
+        elif m.offset % size or flat.numel() % size or flat.storage_offset() % size:
+            out[m.name] = flat[m.offset:m.offset + m.nbytes].clone().view(dtype).view(m.shape)
+        else:
+            if dtype not in words:
+                words[dtype] = flat.view(dtype)
+            typed = words[dtype]          # as_strided's offset counts from the storage's start, not the view's
+            out[m.name] = typed.as_strided(m.shape, _contiguous_strides(m.shape), typed.storage_offset() +
+                                           m.offset // size)
     return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for s in reversed(shape):
+        strides.append(step)
+        step *= max(s, 1)
+    return tuple(reversed(strides))
 
 
 def _check_and_copy(dst, data: memoryview, crc: int, index: int) -> None:
@@ -212,13 +230,14 @@ class HostStaging:
 
     MAX_PENDING = 8     # buckets checked ahead of the stream before add() waits (bounds memory held)
 
-    def __init__(self, manifest: Manifest, buffer: torch.Tensor | None = None):
+    def __init__(self, manifest: Manifest, buffer: torch.Tensor | None = None, *, pin_memory: bool = False):
         PayloadAssembler(manifest)           # validates names, dtypes, shapes, offsets and total_bytes
         self.manifest = manifest
-        # A buffer of the right size from an earlier update is reused: its pages are already mapped.
+        # A buffer of the right size from an earlier update is reused: its pages are already mapped. A new one is
+        # pinned on request (a CUDA replica copies it to the device whole).
         reuse = buffer is not None and buffer.dtype == torch.uint8 and buffer.device.type == "cpu" \
             and buffer.numel() == manifest.total_bytes and buffer.is_contiguous()
-        self.buffer = buffer if reuse else torch.empty(manifest.total_bytes, dtype=torch.uint8)
+        self.buffer = buffer if reuse else torch.empty(manifest.total_bytes, dtype=torch.uint8, pin_memory=pin_memory)
         self._np = self.buffer.numpy()
         self.num_bytes = 0
         self.num_buckets = 0
@@ -267,16 +286,19 @@ class HostStaging:
 
 @dataclass
 class Received:
-    """One update that arrived whole and checked out: its tensors are views of `buffer`."""
+    """One update that arrived whole and checked out: its tensors are views of `buffer` (or of its copy on a
+    replica's device: HostReceiver)."""
 
     tensors: dict[str, torch.Tensor]
     num_bytes: int
     buffer: torch.Tensor
 
 
-async def receive_host(manifest: Manifest, buckets, *, buffer: torch.Tensor | None = None) -> Received:
-    """Every bucket of a grpc update, checked and staged in one buffer (`buffer` when it fits)."""
-    staging = HostStaging(manifest, buffer)
+async def receive_host(manifest: Manifest, buckets, *, buffer: torch.Tensor | None = None,
+                       pin_memory: bool = False) -> Received:
+    """Every bucket of a grpc update, checked and staged in one buffer (`buffer` when it fits, else a new one,
+    pinned when asked)."""
+    staging = HostStaging(manifest, buffer, pin_memory=pin_memory)
     try:
         async for data, crc in buckets:
             await staging.add(data, crc)
@@ -287,22 +309,6 @@ async def receive_host(manifest: Manifest, buckets, *, buffer: torch.Tensor | No
 
 # --------------------------------------------------------------------------------------------------
 # Device payloads (transports ipc and nccl)
-
-
-# The ipc transport's shared buffers of this process, by buffer id. A replica in the trainer's own process (an
-# in-process mesh: bench/many_runs.py, tests) cannot open them by handle (cudaIpcOpenMemHandle refuses a handle of its
-# own process: "invalid device context"), and needs not: it reads the buffer itself. Weak: the sender owns them.
-_LOCAL_IPC_BUFFERS: "weakref.WeakValueDictionary[str, torch.Tensor]" = weakref.WeakValueDictionary()
-
-
-def share_in_process(buffer_id: str, buf: torch.Tensor) -> None:
-    """Registers an ipc sender's shared buffer for replicas in this process (IpcReceiver looks here first)."""
-    _LOCAL_IPC_BUFFERS[buffer_id] = buf
-
-
-def in_process_buffer(buffer_id: str) -> torch.Tensor | None:
-    """The shared buffer `buffer_id` when this process's ipc sender made it, else None (open its handle)."""
-    return _LOCAL_IPC_BUFFERS.get(buffer_id)
 
 
 def device_checksum(flat: torch.Tensor) -> torch.Tensor:

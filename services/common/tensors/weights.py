@@ -68,7 +68,7 @@ class PayloadAssembler:
                 if s < 0:
                     raise ValueError(f"manifest.tensors[{i}].shape ({m.name}): negative dimension")
                 numel *= s
-            if m.offset != offset or m.nbytes != numel * torch.empty((), dtype=dtype).element_size():
+            if m.offset != offset or m.nbytes != numel * dtype.itemsize:
                 raise ValueError(f"manifest.tensors[{i}] ({m.name}): offset/nbytes do not match its shape and dtype")
             offset += m.nbytes
             expected += m.nbytes

@@ -10,8 +10,8 @@ import uuid
 import torch
 
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
-from services.common.tensors.weight_transport import (DevicePlan, device_checksum, device_uuid, flat_bytes,
-                                                       share_in_process)
+from services.common.tensors.in_process import share_in_process
+from services.common.tensors.weight_transport import DevicePlan, device_checksum, device_uuid, flat_bytes
 from services.trainer.weights.senders import (COMMIT, DEVICE_BUCKET_BYTES, NO_TAGS, ManifestTags, PushOutcome,
                                               RpcSender, device_bucket_bytes, device_manifest, device_of, error_text)
 

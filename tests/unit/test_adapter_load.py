@@ -1,0 +1,197 @@
+"""An adapter update's batched path on the replica (issue 43): AdapterBank.load writes its slot bit for bit as the
+per-layer load it replaced, refuses bad adapters by name with the bank untouched; tensors_from_flat gives the views
+slicing gave; HostReceiver keeps its staging buffer only across updates that were applied."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from services.common.tensors.weight_transport import HostPayload, decode_bucket, encode_bucket, tensors_from_flat
+from services.common.tensors.weights import build_manifest
+from services.rollout.engine_torch.lora import AdapterBank
+from services.rollout.weight_receivers import HostReceiver
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MAX_RANK = 8
+
+
+def tiny_model(dtype: torch.dtype, device: str = "cpu"):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=48, max_position_embeddings=32, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def make_bank(dtype: torch.dtype, max_loras: int = 2, device: str = "cpu") -> AdapterBank:
+    return AdapterBank(tiny_model(dtype, device), max_loras=max_loras, max_rank=MAX_RANK, targets=TARGETS, max_rows=4)
+
+
+def adapter(bank: AdapterBank, rank: int, dtype: torch.dtype, seed: int, targets=TARGETS,
+            device: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for path, m in bank.layers.items():
+        if path.rsplit(".", 1)[-1] in targets:
+            out[f"base_model.model.{path}.lora_A.weight"] = torch.randn(rank, m.in_features, generator=g)
+            out[f"base_model.model.{path}.lora_B.weight"] = torch.randn(m.out_features, rank, generator=g)
+    return {k: v.to(device=device, dtype=dtype) for k, v in out.items()}
+
+
+def per_layer_load(bank: AdapterBank, slot: int, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """The load as it was before batching: zero the slot, then copy A and b.to(float32).mul(scale) layer by layer."""
+    rank = int(config["r"])
+    scale = float(config["lora_alpha"]) / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    lo, hi, r = slot * bank.max_rank, slot * bank.max_rank + rank, bank.max_rank
+    with torch.no_grad():
+        for path, m in bank.layers.items():
+            m.lora_A_cat[slot * r:(slot + 1) * r].zero_()
+            m.lora_B_cat[:, slot * r:(slot + 1) * r].zero_()
+            a = tensors.get(f"base_model.model.{path}.lora_A.weight")
+            if a is not None:
+                b = tensors[f"base_model.model.{path}.lora_B.weight"]
+                m.lora_A_cat[lo:hi].copy_(a.to(bank.device, bank.dtype))
+                m.lora_B_cat[:, lo:hi].copy_(b.to(bank.device).to(torch.float32).mul(scale))
+
+
+def snapshot(bank: AdapterBank) -> list[torch.Tensor]:
+    return [t.clone() for t in bank.buffers()]
+
+
+def assert_bitwise_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):       # bits, not values: -0.0 and 0.0 differ
+        assert g.dtype == w.dtype and torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+
+
+DTYPE_PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16),
+               (torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float64)]
+
+
+def check_batched_load(bank_dtype: torch.dtype, src_dtype: torch.dtype, device: str = "cpu", src_device: str = "cpu"):
+    batched, reference = make_bank(bank_dtype, device=device), make_bank(bank_dtype, device=device)
+    # A full-rank adapter, then over it in the same slot one of a smaller rank on fewer layers (its gaps must be
+    # zeroed), an rsLoRA one in the other slot; scales that are no power of two, so every rounding shows.
+    loads = [("a", 1, {"r": MAX_RANK, "lora_alpha": 11.0}, dict(rank=MAX_RANK, seed=1)),
+             ("a", 1, {"r": 3, "lora_alpha": 7.0}, dict(rank=3, seed=2, targets=["q_proj", "up_proj"])),
+             ("b", 2, {"r": 5, "lora_alpha": 3.0, "use_rslora": True}, dict(rank=5, seed=3))]
+    for name, slot, config, kw in loads:
+        tensors = adapter(batched, dtype=src_dtype, device=src_device, **kw)
+        assert batched.load(name, config, tensors) == slot
+        per_layer_load(reference, slot, config, tensors)
+        assert_bitwise_equal(snapshot(batched), snapshot(reference))
+    assert any(t.count_nonzero() for t in batched.buffers())
+
+
+@pytest.mark.parametrize("bank_dtype,src_dtype", DTYPE_PAIRS, ids=lambda d: str(d).removeprefix("torch."))
+def test_a_batched_load_writes_every_slot_bit_for_bit_as_the_per_layer_load(bank_dtype, src_dtype):
+    check_batched_load(bank_dtype, src_dtype)
+
+
+@pytest.mark.parametrize("change,error", [
+    (lambda t: {**t, "model.layers.0.self_attn.q_proj.lora_A.weight": t[next(iter(t))]}, "PEFT's saved names"),
+    (lambda t: {**t, "base_model.model.model.layers.0.mlp.act.lora_A.weight": t[next(iter(t))]},
+     "not a LoRA layer of this replica"),
+    (lambda t: {k: v for k, v in t.items() if k != "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"},
+     "model.layers.1.mlp.down_proj has lora_A or lora_B alone"),
+    (lambda t: {**t, "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight": torch.zeros(16, 3)},
+     r"model.layers.0.self_attn.k_proj lora_A \(4, 32\) / lora_B \(16, 3\) do not fit rank 4"),
+])
+def test_a_bad_adapter_is_refused_by_name_and_leaves_the_bank_as_it_was(change, error):
+    bank = make_bank(torch.bfloat16)
+    good = adapter(bank, 4, torch.bfloat16, seed=4)
+    bank.load("a", {"r": 4, "lora_alpha": 8}, good)
+    before = snapshot(bank)
+    with pytest.raises(ValueError, match=error):
+        bank.load("a", {"r": 4, "lora_alpha": 8}, change(adapter(bank, 4, torch.bfloat16, seed=5)))
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        bank.load("a", {"r": MAX_RANK + 1, "lora_alpha": 8}, adapter(bank, MAX_RANK + 1, torch.bfloat16, seed=6))
+    assert_bitwise_equal(snapshot(bank), before)
+    assert bank.slots == {"a": 1}
+
+
+def sliced_views(flat: torch.Tensor, manifest) -> dict[str, torch.Tensor]:
+    """tensors_from_flat as it was: slice, re-view, reshape."""
+    out = {}
+    for m in manifest.tensors:
+        dtype = getattr(torch, m.dtype)
+        part = flat[m.offset:m.offset + m.nbytes]
+        if m.offset % dtype.itemsize:
+            part = part.clone()
+        out[m.name] = part.view(dtype).view(m.shape) if m.nbytes else torch.empty(m.shape, dtype=dtype)
+    return out
+
+
+@pytest.mark.parametrize("lead", [0, 2, 1])
+def test_the_flat_payloads_tensors_are_the_views_slicing_gave(lead):
+    # lead: where the payload starts in its buffer; slicing refused a misaligned one (a copy is made now).
+    g = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(3, 5, generator=g).to(torch.bfloat16), "b": torch.randint(0, 255, (7,), dtype=torch.uint8),
+             "c": torch.randn(2, 3, generator=g), "empty": torch.zeros(0, 4), "d": torch.randn(4, generator=g).double(),
+             "e": torch.tensor([True, False, True])}
+    manifest = build_manifest(state, 1)
+    payload = torch.cat([torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values() if t.numel()])])
+    # The payload at an offset inside a bigger buffer: views must count from the payload, not the storage.
+    storage = torch.zeros(lead + payload.numel() + 8, dtype=torch.uint8)
+    flat = storage[lead:lead + payload.numel()]
+    flat.copy_(payload)
+    got = tensors_from_flat(flat, manifest)
+    assert list(got) == list(state)
+    for name, t in got.items():
+        assert t.dtype == state[name].dtype and t.shape == state[name].shape and t.is_contiguous()
+        assert torch.equal(t, state[name])
+    if lead == 0:                       # views where slicing gave views (aligned offsets), of the same bytes
+        sliced = sliced_views(flat, manifest)
+        views = [m.name for m in manifest.tensors if m.nbytes and m.offset % state[m.name].dtype.itemsize == 0]
+        assert views and all(got[n].data_ptr() == sliced[n].data_ptr() == flat.data_ptr() + manifest.tensors[
+            list(state).index(n)].offset for n in views)
+    with pytest.raises(ValueError, match="payload truncated"):
+        tensors_from_flat(flat[:-1], manifest)
+
+
+def stream(state: dict[str, torch.Tensor], version: int):
+    """(manifest, buckets) of an update as the grpc servicer hands them over: the sender's wire bytes, decoded."""
+    payload = HostPayload(state, version, bucket_bytes=1000)
+
+    async def buckets():
+        payload.start()
+        for i, parts in enumerate(payload.buckets):
+            b = decode_bucket(encode_bucket(parts, await payload.crc(i)))
+            yield b.data, b.crc32
+        payload.close()
+
+    return payload.manifest, buckets()
+
+
+def test_the_host_receiver_stages_each_adapter_in_the_buffer_of_the_last_one_applied():
+    receiver = HostReceiver("cpu")
+    first = {"x.lora_A.weight": torch.randn(4, 300), "x.lora_B.weight": torch.randn(300, 4)}
+    second = {k: v + 1 for k, v in first.items()}
+
+    async def main():
+        got = await receiver.receive(*stream(first, 1))
+        assert all(torch.equal(got.tensors[k], v) for k, v in first.items())
+        receiver.keep(got)
+        again = await receiver.receive(*stream(second, 2))
+        assert again.buffer.data_ptr() == got.buffer.data_ptr()         # the kept buffer, not a new one
+        assert all(torch.equal(again.tensors[k], v) for k, v in second.items())
+        # Not kept (the update failed to apply): the next one gets a buffer of its own.
+        third = await receiver.receive(*stream(first, 3))
+        assert third.buffer.data_ptr() != again.buffer.data_ptr()
+        # A corrupted bucket is refused, and the kept buffer is not handed out twice meanwhile.
+        receiver.keep(third)
+        manifest, buckets = stream(second, 4)
+
+        async def corrupt():
+            async for data, crc in buckets:
+                yield data, crc ^ 1
+        with pytest.raises(ValueError, match="checksum mismatch"):
+            await receiver.receive(manifest, corrupt())
+        assert receiver._spare is None
+
+    asyncio.run(main())
