@@ -159,7 +159,9 @@ for what in "$@"; do
       part ipcbench 240 python3 bench/weight_sync_ipc.py --out "$OUT/weight_sync_ipc.json"
       stamp "$OUT/weight_sync_ipc.json" weight_sync_ipc ;;
     pagedtests) part pagedtests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_paged_attention_gpu.py tests/gpu/test_paged_kv_gpu.py tests/gpu/test_paged_kv_lora_gpu.py ;;
-    loratests) part loratests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_lora_decode_gpu.py tests/gpu/test_lora_train_gpu.py ;;
+    loratests) # LORATESTS_EXTRA: more test ids in the same pytest run
+      part loratests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_lora_decode_gpu.py tests/gpu/test_lora_train_gpu.py \
+        tests/gpu/test_adapter_load_gpu.py ${LORATESTS_EXTRA:-} ;;
     lora) # LoRA at 1.5B, rank 16 (bench/lora_gpu.py): weight sync per step of the adapter vs the full weights over
       # grpc loopback and ipc, decode tokens/s with 4 adapters in a batch vs 1 vs the base. LORA_PARTS picks parts;
       # the parts already in bench/results/lora_gpu.json are kept beside the new ones.
