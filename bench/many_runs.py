@@ -97,6 +97,12 @@ async def main_async(args) -> dict:
         mesh = await start_local_mesh(config, num_rollout=args.replicas, num_reference=0)
         manager = RunManager(MemoryStore())
         try:
+            if args.warmup:
+                # One untimed step of K runs at once first: the compiles, CUDA-graph captures and adapter slots a
+                # cold mesh makes on its first steps would otherwise fall on whichever phase runs first.
+                warm = {**mesh.config, "run": {**mesh.config["run"], "num_steps": 1}}
+                print(json.dumps({"warmup_s": (await phase(manager, warm, args.runs, True, "warm"))["seconds"]}),
+                      flush=True)
             phases = []
             order = (False, True, True, False) if args.rounds == 2 else (True, False)
             for i, concurrent in enumerate(order):
@@ -113,7 +119,7 @@ async def main_async(args) -> dict:
             "kv_cache": config["rollout"].get("kv_cache", "auto"),
             "actor_compile": config.get("actor", {}).get("compile", "auto"),
             "samples_per_step": config["data"]["rollout_batch_size"] * config["rollout"]["n"],
-            "rounds": args.rounds, "phases": phases, "median_samples_per_s": rate,
+            "rounds": args.rounds, "warmup": args.warmup, "phases": phases, "median_samples_per_s": rate,
             "ratio_concurrent_over_sequential": round(rate["concurrent"] / rate["sequential"], 3)}
 
 
@@ -123,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=None, help="runs per phase (default 2 on cpu, 4 on cuda)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 8 on cpu, 4 on cuda)")
     ap.add_argument("--rounds", type=int, default=2, choices=(1, 2), help="1: concurrent then sequential (the concurrent phase pays the warm-up); 2: ABBA")
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="one untimed step of the runs at once before the timed phases (default on)")
     ap.add_argument("--replicas", type=int, default=None, help="rollout replicas (default 2 on cpu, 1 on cuda)")
     ap.add_argument("--model-path", type=Path, default=REPO / "examples/gpu/models/qwen2.5-0.5b",
                     help="cuda: a Hugging Face folder (examples/gpu/make_model.py builds the default)")
