@@ -64,11 +64,24 @@ def run_yaml(config: dict, name: str, lr: float) -> str:
     return yaml.safe_dump({**config, "run": {**config["run"], "name": name}, "actor": {**config["actor"], "lr": lr}})
 
 
+def step_times(run_dir: str) -> dict:
+    """The mean of each time/* metric over the run's steps (metrics.jsonl): where a step's seconds went."""
+    from coordinator.client import metrics_file
+
+    try:
+        rows = metrics_file(run_dir)
+    except OSError:
+        return {}
+    keys = sorted({k for r in rows for k in r if k.startswith("time/")})
+    return {k: round(statistics.mean(r[k] for r in rows if k in r), 4) for k in keys}
+
+
 async def finished(manager: RunManager, run_id: str) -> dict:
     while True:
         rec = await manager.get(run_id)
         if rec.state in DONE:
-            return {"run_id": run_id, "state": rec.state, "steps": rec.step, "message": rec.message}
+            return {"run_id": run_id, "state": rec.state, "steps": rec.step, "message": rec.message,
+                    "time_mean": step_times(rec.run_dir)}
         await asyncio.sleep(0.1)
 
 
@@ -87,8 +100,10 @@ async def phase(manager: RunManager, config: dict, runs: int, concurrent: bool, 
     per_step = config["data"]["rollout_batch_size"] * config["rollout"]["n"]
     samples = sum(e["steps"] for e in ends) * per_step
     assert all(e["state"] == "COMPLETED" for e in ends), ends
+    keys = sorted({k for e in ends for k in e["time_mean"]})
+    times = {k: round(statistics.mean(e["time_mean"][k] for e in ends if k in e["time_mean"]), 4) for k in keys}
     return {"mode": "concurrent" if concurrent else "sequential", "seconds": round(seconds, 2), "samples": samples,
-            "samples_per_s": round(samples / seconds, 2), "runs": ends}
+            "samples_per_s": round(samples / seconds, 2), "step_time_means": times, "runs": ends}
 
 
 async def main_async(args) -> dict:
