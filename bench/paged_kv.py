@@ -150,7 +150,8 @@ def main() -> None:
         lt = results["longtail"]
         lt["budgets"] = {"median": statistics.median(budgets), "max": max(budgets), "rows": rows,
                          "kv_gib": round(same_bytes / 2**30, 3)}
-        peak = lt.get("paged", {}).get("max_running_rows", 0)
+        paged = next((lt[v] for v in ("paged_graphs", "paged") if "max_running_rows" in lt.get(v, {})), {})
+        peak = paged.get("max_running_rows", 0)
         lt["concurrent_rows"] = {"none": today_rows, "paged": peak, "paged_vs_none": round(peak / today_rows, 2)}
     save()
     print(json.dumps(results, indent=1))
