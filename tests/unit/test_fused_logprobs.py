@@ -3,11 +3,7 @@ and the host syncs of a TrainActor step: each against the plain code it replaces
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +18,8 @@ from services.trainer.model.optim import adamw_impl, build_adamw, clip_grad_norm
 from services.trainer.types import ActorLoss
 from services.common.tensors.compile import apply_compile, transformer_blocks
 from services.trainer.testing import make_tiny_model, random_samples
+from tests.interpreted import assert_printed_ok, run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +127,7 @@ def test_triton_kernels_match_the_torch_row_math_in_the_interpreter(tmp_path):
             assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (got - want).abs().max()
         print("ok")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}:{REPO / 'protos'}"}
-    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    if "ok" not in r.stdout and ("interpret" in r.stderr.lower() and "not supported" in r.stderr.lower()):
-        pytest.skip(f"this Triton has no CPU interpreter: {r.stderr[-300:]}")
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    assert_printed_ok(run_interpreted(script))
 
 
 def test_adamw_is_foreach_on_cpu_and_a_per_parameter_loop_for_mixed_meshes():

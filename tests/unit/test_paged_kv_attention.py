@@ -4,15 +4,11 @@ CPU interpreter: a decode step over block tables equals the torch path (gather +
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.interpreted import assert_printed_ok, run_interpreted
 
 
 @pytest.mark.slow
@@ -50,11 +46,7 @@ def test_the_triton_paged_decode_step_equals_the_torch_path_in_the_interpreter(t
         assert (got - full).abs().max() < 1e-3, (got - full).abs().max()
         print("ok")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}:{REPO / 'protos'}"}
-    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    if "ok" not in r.stdout and ("interpret" in r.stderr.lower() and "not supported" in r.stderr.lower()):
-        pytest.skip(f"this Triton has no CPU interpreter: {r.stderr[-300:]}")
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    assert_printed_ok(run_interpreted(script))
 
 
 # Kernel-level cases, run in one interpreter per dtype: (block_size, head_dim, heads, kv heads, context lengths,
@@ -123,9 +115,7 @@ print(json.dumps(errors))
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 1e-2)])
 def test_the_paged_decode_kernel_equals_attention_over_gathered_slots_for_every_tile_and_split(dtype, tolerance):
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}:{REPO / 'protos'}"}
-    r = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT, dtype, json.dumps(KERNEL_CASES)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = run_interpreted(KERNEL_SCRIPT, dtype, json.dumps(KERNEL_CASES))
     assert r.returncode == 0, r.stderr[-3000:]
     errors = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(errors) == len(KERNEL_CASES)

@@ -7,11 +7,7 @@ with torch ops; the Triton kernel's custom op runs in Triton's CPU interpreter (
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +21,8 @@ from services.rollout.engine_torch.paged.forward import paged_forward
 from services.rollout.engine_torch.paged.graphs import PagedGraphs
 from services.rollout.engine_torch.paged.kv import PagedKV
 from services.rollout.testing import make_tiny_model
+from tests.interpreted import assert_printed_ok, run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 BS, WIDTH, BUCKET = 16, 4, 8
 LENGTHS = (5, 40, 17, 33, 40)
 
@@ -236,8 +232,4 @@ def test_the_paged_kernels_custom_op_is_one_opaque_node_and_the_kernel_step_equa
         assert len(graphs) == 1 and ops.count(torch.ops.meshrl.paged_decode_attention.default) == 1, ops
         print("ok")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}:{REPO / 'protos'}"}
-    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if "ok" not in r.stdout and ("interpret" in r.stderr.lower() and "not supported" in r.stderr.lower()):
-        pytest.skip(f"this Triton has no CPU interpreter: {r.stderr[-300:]}")
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    assert_printed_ok(run_interpreted(script, timeout=900))

@@ -7,11 +7,7 @@ interpreter) sample what the non-paged CUDA-graph decoder samples."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +18,8 @@ from services.rollout.engine_torch.engine import TorchEngine, _Job
 from services.rollout.engine_torch.paged.kv import block_bytes
 from services.rollout.testing import Gate, make_tiny_model, random_state_like
 from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
+from tests.interpreted import assert_printed_ok, run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[4, 5, 13, 6, 15], [7, 3, 9, 12, 8, 10, 11, 14, 16, 4, 4, 5], [20]]
 
 
@@ -221,8 +217,4 @@ def test_fused_sampler_windows_sample_what_the_unpaged_graph_decoder_samples_in_
         assert paged._paged.sampler.fused and st["decode_steps"] >= 2 * st["decode_syncs"], st
         print("ok")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}:{REPO / 'protos'}"}
-    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if "ok" not in r.stdout and ("interpret" in r.stderr.lower() and "not supported" in r.stderr.lower()):
-        pytest.skip(f"this Triton has no CPU interpreter: {r.stderr[-300:]}")
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    assert_printed_ok(run_interpreted(script, timeout=900))
