@@ -52,8 +52,10 @@ class LoraLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
-        if self._lora_bank.base_only(x) or y.requires_grad:
-            return y if self._lora_bank.base_only(x) else y + self.lora_delta(x)
+        if self._lora_bank.base_only(x):
+            return y
+        if y.requires_grad:                      # autograd: no in-place update of a tensor it may save
+            return y + self.lora_delta(x)
         # The expand GEMM accumulates onto the base output in place (beta = 1: read in its epilogue), instead of
         # writing a delta and adding it in a pass of its own: a prefill of 16k tokens made 196 such passes over
         # [tokens, out] tensors at the 1.5B shape.
