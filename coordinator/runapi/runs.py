@@ -201,6 +201,7 @@ class RunManager:
             await self.store.put(record)
         except Exception as e:  # noqa: BLE001 - the run fails with its reason, the coordinator keeps serving
             log.exception("run %s failed", run_id)
+            await self._release(run_id, ctx)
             record = await self.store.get(run_id)
             record.state, record.message = "FAILED", f"{type(e).__name__}: {e}"
             await self.store.put(record)
@@ -211,6 +212,13 @@ class RunManager:
                 sinks.close()
             self._detach(run_id, ctx)
             await self._notify(run_id)
+
+    async def _release(self, run_id: str, ctx: RunContext) -> None:
+        """Frees what the run holds (its adapter on the trainer and the replicas, its pools, its trainer claim, its
+        share of the schedulers) before its end state is written: a client that reads COMPLETED, STOPPED or FAILED
+        and starts the next run finds them free (else a fifth run's adapter could meet a replica's slots still full)."""
+        await ctx.close()
+        self._detach(run_id, ctx)
 
     def _detach(self, run_id: str, ctx: RunContext) -> None:
         # A ResumeRun may already have launched the run's next task: leave that one in place.
@@ -233,6 +241,7 @@ class RunManager:
         while ctx.step < cfg.run.num_steps:
             record = await self.store.get(run_id)
             if record.command == "stop":
+                await self._release(run_id, ctx)
                 record.state, record.command = "STOPPED", ""
                 await self.store.put(record)
                 return
@@ -262,10 +271,11 @@ class RunManager:
         evals = await ctx.algorithm.evaluate(ctx)
         acc = evals["heldout_accuracy"]
         summary = write_summary(ctx, record, acc, time.time() - started, evals)
+        await self._release(run_id, ctx)
         record.state = "COMPLETED"
         record.last_metrics = {**record.last_metrics, "heldout_accuracy_after": acc,
                                "heldout_accuracy_before": summary["heldout_accuracy_before"]}
-        await self._record(record, {"step": ctx.step, **evals, "final": 1.0})
+        await self._record(record, {"step": ctx.step, **evals, "final": 1.0}, ctx)
 
     async def _record(self, record: RunRecord, metrics: dict, ctx: RunContext | None = None) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}

@@ -178,6 +178,7 @@ class RunContext:
     said: set = field(default_factory=set)
     # Its named adapter on the trainer when it runs beside other LoRA runs ("" = the trainer's run adapter).
     adapter: str = ""
+    closed: bool = False
 
     @property
     def sampling(self) -> SamplingParams:
@@ -195,6 +196,10 @@ class RunContext:
         return r.sampling(seed=seed)
 
     async def close(self) -> None:
+        """Frees what the run holds (its in-flight batches, named adapter, pools, trainer channel); once."""
+        if self.closed:
+            return
+        self.closed = True
         if self.prefetched:
             self.prefetched.cancel()
         if self.adapter:        # its weights and optimizer state leave the trainer with the run

@@ -60,14 +60,14 @@ def test_a_paused_or_failed_run_leaves_the_others_running_and_a_named_run_resume
             # b runs to its end while a is paused and c has failed.
             await _until(lambda: _state(manager, b, "COMPLETED"))
             done_b = await manager.get(b)
-            # Once its task has wound down (just after the state), a run leaves the schedulers.
-            await _until(lambda: _left(manager, b, c))
+            # A run frees what it holds before its end state is written: a client that reads COMPLETED or FAILED
+            # and starts another run at once finds the schedulers, the trainer's and the replicas' slots free.
+            assert await _left(manager, b, c)
+            assert await _named(manager.contexts[a].trainer, "")
             assert done_b.step == 3 and done_b.checkpoint_step == 3 and done_b.last_metrics["actor/lr"] == 3e-4
             assert (await manager.get(a)).step == paused_at
             await manager.command(a, "resume")
             await _until(lambda: _steps_past(manager, a, paused_at))
-            # b's and c's adapters left the trainer with them.
-            await _until(lambda: _named(manager.contexts[a].trainer, ""))
             await manager.command(a, "stop")
             await _until(lambda: _state(manager, a, "STOPPED"))
             return done_b
@@ -147,6 +147,9 @@ def test_a_second_run_beside_a_full_parameter_run_is_refused_by_name(tmp_path):
                 await manager.start_run(_run(mesh.config, "second", 2, 1e-5))
             await manager.command(first, "stop")
             await _until(lambda: _state(manager, first, "STOPPED"))
+            # The stopped run let go of its trainer before it read STOPPED: the next run starts at once.
+            second = await manager.start_run(_run(mesh.config, "second", 1, 1e-5))
+            await _until(lambda: _state(manager, second, "COMPLETED"))
         finally:
             await manager.close()
             await mesh.stop()
