@@ -4,7 +4,7 @@ and bench/paged_kv.py):
 
   lora    Qwen2.5-1.5B shape, 128 prompts of 128 tokens, 64 new tokens: an engine without LoRA (`nolora`, the
           baseline), the LoRA engine's base rows (`lora_base`) and rows of 4 adapters (`lora_4`)
-  paged   Qwen2.5-0.5B shape, 256 prompts of 64 tokens, 64 new tokens: kv_cache none (the baseline) and paged with
+  paged   Qwen2.5-0.5B shape, 256 prompts of 64 tokens (--prompt-len), 64 new tokens: kv_cache none (the baseline) and paged with
           its CUDA graphs (`paged_graphs`)
 
 For each variant: one untimed call (compile, capture), one timed call, then one call under the profiler: wall
@@ -110,7 +110,7 @@ def paged_part(args) -> dict:
     for variant in args.variants.split(","):
         eng = engine(model, args, variant)
         g = torch.Generator().manual_seed(0)
-        shape = (2 * args.batch, 64)
+        shape = (2 * args.batch, args.prompt_len)
 
         def call():
             prompts = torch.randint(3, model.config.vocab_size, shape, generator=g).tolist()
@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64, help="the paged part's prompt tokens")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -71,9 +71,11 @@ def one(args) -> dict:
     from services.trainer.engine import TrainerEngine
     from services.trainer.types import ActorLoss, TrainSample
 
-    # "lora@selective:4096": that variant with its own activation_checkpointing and micro_batch_token_budget
+    # "lora@selective:4096": that variant with its own activation_checkpointing and micro_batch_token_budget;
+    # "lora@full/2": checkpointing every 2nd block (actor.activation_checkpointing_every)
     name, _, rest = args.variant.partition("@")
     checkpointing, _, budget = rest.partition(":")
+    checkpointing, _, every = checkpointing.partition("/")
     if name == "lora_peft":
         from services.trainer.model import lora
 
@@ -88,7 +90,8 @@ def one(args) -> dict:
         lora.sibling_groups = lambda model, layers: {}
     cuda = args.device.startswith("cuda")
     actor = {"lr": 1e-5, "activation_checkpointing": checkpointing or args.checkpointing,
-             "micro_batch_token_budget": int(budget or args.batch * (args.prompt + args.response))}
+             "micro_batch_token_budget": int(budget or args.batch * (args.prompt + args.response)),
+             "activation_checkpointing_every": int(every or 1)}
     if name != "full":
         actor["lora"] = {"rank": args.rank, "alpha": 2 * args.rank}
     settings = load_config(TrainerSettings, data={"model": {"path": args.model, "dtype": "bfloat16",
@@ -150,7 +153,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"])
     ap.add_argument("--variants", default="full,lora,lora_peft",
-                    help="comma-separated; NAME@CHECKPOINTING[:TOKENS] runs that variant with its own "
+                    help="comma-separated; NAME@CHECKPOINTING[/EVERY][:TOKENS] runs that variant with its own "
                          "activation_checkpointing (and micro_batch_token_budget)")
     ap.add_argument("--profile", action="store_true", help="each variant's top GPU kernels of one more step")
     ap.add_argument("--models", default="/tmp/meshrl-gpu-work/models")

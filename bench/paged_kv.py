@@ -3,7 +3,8 @@ decode), in one process on one GPU, on a random Qwen2.5-0.5B-shaped model in bf1
 
   grpo      64 prompts of 1,024 random tokens, n=8, 256 new tokens: rows/s and tokens/s (goal: paged >= 1.5x)
   decode    256 prompts of 64 tokens, n=1, 256 new tokens: plain decode (goal: paged no slower)
-  (each case runs the variants none, paged and paged_graphs: paged with rollout.kv_cache_cuda_graphs)
+  (each case runs the variants none, paged and paged_graphs: paged with rollout.kv_cache_cuda_graphs;
+  VARIANT/K: that variant with windows of K decode steps per host sync, e.g. paged_graphs/32)
   longtail  512 rows with lognormal budgets (median 96, cap 1,024): today's engine decodes 64 rows at a time, its
             cache holding each at prompt + the longest budget; paged gets those bytes (kv_cache_gib) and runs as many
             rows as their lengths fit: its peak running rows vs 64, and tokens/s (goal: >= 2x the rows)
@@ -92,15 +93,22 @@ def case(model, args, name: str, shape: tuple[int, int], n: int, budgets, none_r
     """Both engines on the same calls; each call's prompts are new random ones (a GRPO step's prompts are new,
     so no call finds the previous one's prompts in the prefix cache)."""
     out = {}
+    from services.rollout.engine_torch.paged import decoder
+
+    default_window = decoder.SYNC_EVERY
     for kv in args.variants.split(","):
         try:
-            eng = engine(model, args, kv, **(dict(paged_rollout) if kv != "none" else none_rollout or {}))
+            # "paged_graphs/32": that variant with windows of 32 decode steps per host sync (default 16)
+            base, _, window = kv.partition("/")
+            decoder.SYNC_EVERY = int(window or default_window)
+            eng = engine(model, args, base, **(dict(paged_rollout) if base != "none" else none_rollout or {}))
             g = torch.Generator().manual_seed(0)
             fresh = lambda: torch.randint(3, model.config.vocab_size, shape, generator=g).tolist()  # noqa: E731
             out[kv] = timed(eng, lambda: batches(fresh(), n, budgets), args.repeats, args.device)
         except Exception as e:            # one variant failing (paged_graphs: first GPU run) keeps the others
             out[kv] = {"error": f"{type(e).__name__}: {e}"[:500]}
         eng = None
+        decoder.SYNC_EVERY = default_window
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
         print(name, kv, out[kv], flush=True)

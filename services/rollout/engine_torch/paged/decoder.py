@@ -47,7 +47,7 @@ class PagedDecoder(Windows):
     """Decodes rows over a paged KV cache shared by every call (the prefix cache lives across calls)."""
 
     def __init__(self, model, *, block_size: int, budget_gib: float | None, max_model_len: int, max_batch_size: int,
-                 cuda_graphs: bool = False, fused_sampler: bool = True, sync_every: int = SYNC_EVERY,
+                 cuda_graphs: bool = False, fused_sampler: bool = True, sync_every: int | None = None,
                  compile: bool = False):
         cfg = model.config
         p = next(model.parameters())
@@ -67,7 +67,7 @@ class PagedDecoder(Windows):
                           num_blocks=num_blocks + 1, block_size=block_size, dtype=p.dtype, device=p.device)
         self.spill = num_blocks
         self.max_batch_size = max_batch_size
-        self.fused_sampler, self.sync_every = fused_sampler, max(1, sync_every)
+        self.fused_sampler, self.sync_every = fused_sampler, max(1, SYNC_EVERY if sync_every is None else sync_every)
         self.stats = {"preemptions": 0, "resumed_rows": 0, "swap_recomputed_rows": 0, "prefill_tokens": 0,
                       "prefill_tokens_saved": 0, "max_running_rows": 0, "decode_steps": 0, "decode_syncs": 0}
         # The decode step with the Triton kernel (forward.DecodeStep: the graph decoder's fused, grouped, compiled

@@ -105,11 +105,12 @@ class StepSampler:
         pack, event, steps = pending
         if event is not None:
             event.synchronize()
-        tok, lp, hit = pack.tolist()                                               # [3, R, k]
+        tok = pack[0].long().tolist()                                              # [R, k] ints
+        lp, hit = pack[1:].tolist()                                                # [2, R, k]
         top = None
         if self.top_k and not self.fused:
             vals = torch.stack([d.top[0] for d in steps], 1).tolist()             # [R, k, top_k]
             ids = torch.stack([d.top[1] for d in steps], 1).tolist()
             top = [[list(zip(ids[b][j][:kk], vals[b][j][:kk])) for j in range(len(steps))] if kk else None
                    for b, kk in enumerate(self.tops)]
-        return [[int(t) for t in row] for row in tok], lp, hit, top
+        return tok, lp, hit, top

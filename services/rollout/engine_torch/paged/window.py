@@ -61,26 +61,40 @@ class HostTables:
     """Every row's block table mirrored in one host tensor [rows, width], written where a table changed (admission,
     a new block, a copy on write), so a decode step's [B, width] tables are one index_select, not B lists. Entries
     past a row's blocks name the spill block (a window's writes past a row's end go there); wide enough for a
-    window past each row's budget."""
+    window past each row's budget. A table's new entries wait in a dict and land in one index_put_ before the next
+    read or cut (a window's reservations are one per row: hundreds of single-entry writes otherwise)."""
 
     def __init__(self, rows, block_size: int, window: int, spill: int):
         width = max(-(-(len(r.prompt) + r.budget + window) // block_size) for r in rows)
         self.t = torch.full((len(rows), width), spill, dtype=torch.long)
         self.spill = spill
+        self._pending: dict[tuple[int, int], int] = {}
 
     def write(self, s: Seq, start: int = 0) -> None:
         blocks = s.table.blocks
-        if start < len(blocks):
-            self.t[s.index, start:len(blocks)] = torch.tensor(blocks[start:], dtype=torch.long)
         if start == 0:                   # a whole table (an admission, a resume): none of an older one's entries
+            self._flush()
+            if blocks:
+                self.t[s.index, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
             self.t[s.index, len(blocks):] = self.spill
+            return
+        for c in range(start, len(blocks)):
+            self._pending[s.index, c] = blocks[c]
 
     def cut(self, s: Seq) -> None:
         """s's table lost its blocks past len(blocks)."""
+        self._flush()
         self.t[s.index, len(s.table.blocks):] = self.spill
 
     def of(self, running: list[Seq]) -> torch.Tensor:
+        self._flush()
         return self.t.index_select(0, torch.tensor([s.index for s in running], dtype=torch.long))
+
+    def _flush(self) -> None:
+        if self._pending:
+            at = torch.tensor(list(self._pending), dtype=torch.long)
+            self.t.index_put_((at[:, 0], at[:, 1]), torch.tensor(list(self._pending.values()), dtype=torch.long))
+            self._pending.clear()
 
 
 class Windows:
