@@ -170,10 +170,12 @@ for what in "$@"; do
     profile) # where a decode step's GPU time goes: LoRA engine vs none, paged vs none (bench/decode_profile.py)
       part profile 300 python3 bench/decode_profile.py --parts "${PROFILE_PARTS:-lora,paged}" ${PROFILE_ARGS:-} --out "$OUT/decode_profile_gpu.json"
       stamp "$OUT/decode_profile_gpu.json" decode_profile_gpu ;;
-    manyruns) # issue 45: 4 LoRA runs (0.5B shape, random weights) at once on one in-process mesh vs one after another
+    manyruns) # issue 45: 4 LoRA runs (0.5B shape, random weights) at once on one mesh vs one after another; the mesh
+      # in process (MANY_MESH=inprocess, the default) or as `meshrl mesh` processes (MANY_MESH=processes)
       part manyrunsmodel 240 python3 examples/gpu/make_model.py --shape qwen2.5-0.5b   # no-op when already built
       part manyruns 420 python3 bench/many_runs.py --device cuda --runs "${MANY_RUNS:-4}" --steps "${MANY_STEPS:-4}" --rounds "${MANY_ROUNDS:-1}" \
-        --max-tokens "${MANY_MAX_TOKENS:-128}" --kv-cache "${MANY_KV:-auto}" --out "$OUT/many_runs_gpu.json" ;;
+        --max-tokens "${MANY_MAX_TOKENS:-128}" --kv-cache "${MANY_KV:-auto}" --mesh "${MANY_MESH:-inprocess}" \
+        --threads "$OMP_NUM_THREADS" --out "$OUT/many_runs_gpu.json" ;;
     wsipc) part wsipc 240 python3 bench/weight_sync.py --transport ipc --device cuda:0 --repeats 10 \
              --out "$OUT/weight_sync.json" ;;
     meshrl) TORCH_LOGS="${TORCH_LOGS:-recompiles}" part meshrl 560 python3 bench/e2e_grpo.py run --device cuda --shape qwen2.5-0.5b --steps "$STEPS" \

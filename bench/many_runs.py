@@ -1,10 +1,15 @@
-"""Several LoRA runs on one mesh at once against the same runs one after another, on the same mesh, in one process
-(issue #45's measure): aggregate samples/s of K concurrent runs over that of K sequential runs.
+"""Several LoRA runs on one mesh at once against the same runs one after another, on the same mesh (issue #45's
+measure): aggregate samples/s of K concurrent runs over that of K sequential runs.
 
-One in-process mesh of the arith LoRA recipe (trainer, reward, rollout replicas: services/local.py) serves every
-phase; a RunManager drives the runs as the coordinator does. Phases alternate (sequential, concurrent, concurrent,
-sequential) so a drift of the machine falls on both; each phase's runs are K copies of the recipe with their own
-learning rates. The JSON holds every phase's wall time and samples, and the ratio of the medians.
+One mesh of the arith LoRA recipe serves every phase. `--mesh inprocess` (the default): trainer, reward and rollout
+replicas as servers in this process (services/local.py), the runs driven by a RunManager here, as the coordinator
+does; every service shares this process's GIL (and, on a GPU, its CUDA default stream). `--mesh processes`: the mesh
+as a user starts it, `meshrl mesh RECIPE` (coordinator/cli/mesh.py: every service its own process, its record in a
+mesh file under a temporary XDG_CACHE_HOME, never the user's), the runs started and followed through its
+coordinator's run API (coordinator/client.py: StartRun, StreamMetrics, GetRun), the mesh stopped at the end, on
+error too. Phases alternate (sequential, concurrent, concurrent, sequential) so a drift of the machine falls on both;
+each phase's runs are K copies of the recipe with their own learning rates. The JSON holds the mesh kind, every
+phase's wall time and samples, and the ratio of the medians.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/many_runs.py --shared     # -> bench/results/many_runs_cpu.json
 
@@ -13,14 +18,19 @@ On a GPU (`--device cuda`), the same recipe over a random-weight Qwen2.5-shaped 
 an adapter slot per run, and longer answers (`--max-tokens`), 4 runs:
 
     python bench/many_runs.py --device cuda --runs 4 --out $OUT/many_runs_gpu.json   # bench/gpu_session.sh manyruns
+    python bench/many_runs.py --device cuda --runs 4 --mesh processes ...       # MANY_MESH=processes there
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +42,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "protos")]
 
 from bench.provenance import stamp  # noqa: E402
+from coordinator.cli.launcher import _die_with_parent  # noqa: E402
+from coordinator.cli.mesh import DETACH_WAIT_S, STOP_WAIT_S  # noqa: E402
+from coordinator.client import Client  # noqa: E402
 from coordinator.runapi.runs import RunManager  # noqa: E402
 from coordinator.runapi.store import MemoryStore  # noqa: E402
 from services.local import start_local_mesh  # noqa: E402
@@ -76,16 +89,43 @@ def step_times(run_dir: str) -> dict:
     return {k: round(statistics.mean(r[k] for r in rows if k in r), 4) for k in keys}
 
 
-async def finished(manager: RunManager, run_id: str) -> dict:
-    while True:
-        rec = await manager.get(run_id)
-        if rec.state in DONE:
-            return {"run_id": run_id, "state": rec.state, "steps": rec.step, "message": rec.message,
-                    "time_mean": step_times(rec.run_dir)}
-        await asyncio.sleep(0.1)
+class LocalRuns:
+    """The runs of the in-process mesh: a RunManager in this process, polled until a run ends."""
+
+    def __init__(self, manager: RunManager):
+        self.manager = manager
+
+    async def start_run(self, text: str) -> str:
+        return await self.manager.start_run(text)
+
+    async def wait(self, run_id: str):
+        while (rec := await self.manager.get(run_id)).state not in DONE:
+            await asyncio.sleep(0.1)
+        return rec
 
 
-async def phase(manager: RunManager, config: dict, runs: int, concurrent: bool, tag: str) -> dict:
+class MeshRuns:
+    """The runs of a process mesh, through its coordinator's run API as a script drives them: StartRun, then
+    StreamMetrics until the run ends (the coordinator closes the stream once the run has freed what it held) and
+    GetRun. The client blocks: each call runs in a thread, so the runs of a phase are followed at once."""
+
+    def __init__(self, client: Client):
+        self.client = client
+
+    async def start_run(self, text: str) -> str:
+        return await asyncio.to_thread(self.client.start_run, text)
+
+    async def wait(self, run_id: str):
+        return await asyncio.to_thread(self.client.wait, run_id)
+
+
+async def finished(runs: LocalRuns | MeshRuns, run_id: str) -> dict:
+    rec = await runs.wait(run_id)
+    return {"run_id": run_id, "state": rec.state, "steps": rec.step, "message": rec.message,
+            "time_mean": step_times(rec.run_dir)}
+
+
+async def phase(manager: LocalRuns | MeshRuns, config: dict, runs: int, concurrent: bool, tag: str) -> dict:
     """K runs, all at once or one after another; wall time from the first StartRun to the last run's end."""
     lrs = [1e-3, 3e-4, 5e-4, 2e-3][:runs]
     t0 = time.perf_counter()
@@ -106,36 +146,110 @@ async def phase(manager: RunManager, config: dict, runs: int, concurrent: bool, 
             "samples_per_s": round(samples / seconds, 2), "step_time_means": times, "runs": ends}
 
 
+@contextlib.asynccontextmanager
+async def inprocess_mesh(config: dict, args):
+    """Every service a server in this process; yields the runs' driver and the runs' config (the servers' addresses
+    in it)."""
+    mesh = await start_local_mesh(config, num_rollout=args.replicas, num_reference=0)
+    manager = RunManager(MemoryStore())
+    try:
+        yield LocalRuns(manager), mesh.config
+    finally:
+        await manager.close()
+        await mesh.stop()
+
+
+@contextlib.asynccontextmanager
+async def process_mesh(config: dict, work: Path, threads: int):
+    """`meshrl mesh RECIPE` as a child of this process, as a user starts it; yields the runs' driver and the runs'
+    config (the recipe: the coordinator fills in its services, as for `meshrl run`). The recipe file carries every
+    setting of recipe(). The mesh records its coordinator in `work`/cache (XDG_CACHE_HOME), not the user's mesh file.
+    It is stopped on the way out, error or not (SIGTERM: it stops its services, coordinator/cli/launcher.py); if this
+    process dies first, the kernel SIGTERMs it (setpriv's death signal, as the launcher's own children get)."""
+    path = work / "recipe.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    # XDG_CACHE_HOME moves the mesh file; Hugging Face's cache (which follows it by default) stays where it was.
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    env = dict(os.environ, XDG_CACHE_HOME=str(work / "cache"),
+               HF_HOME=os.environ.get("HF_HOME") or f"{cache}/huggingface", PYTHONUNBUFFERED="1", COLUMNS="1000",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), str(REPO / "protos"), os.environ.get("PYTHONPATH"))
+                                          if p))
+    log = work / "mesh.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(_die_with_parent([sys.executable, "-m", "coordinator.cli", "mesh", str(path),
+                                                  "--threads", str(threads)]),
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        address = await asyncio.to_thread(recorded_coordinator, proc, work / "cache" / "meshrl" / "mesh.json", log)
+        print(json.dumps({"mesh": "processes", "coordinator": address, "pid": proc.pid}), flush=True)
+        with Client(address) as client:
+            yield MeshRuns(client), config
+    finally:
+        stop_mesh(proc)
+
+
+def recorded_coordinator(proc: subprocess.Popen, record: Path, log: Path) -> str:
+    """The coordinator's address once the mesh has recorded it (it serves then), as `meshrl mesh --detach` waits."""
+    deadline = time.monotonic() + DETACH_WAIT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+            raise RuntimeError(f"the mesh exited with code {proc.returncode} before serving: "
+                               f"{lines[-1] if lines else 'no output'}\n" + "\n".join(lines[-30:]))
+        try:
+            found = json.loads(record.read_text())
+            if found.get("pid") == proc.pid:
+                return found["coordinator"]
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the mesh did not record its coordinator within {DETACH_WAIT_S:g}s (output: {log})")
+
+
+def stop_mesh(proc: subprocess.Popen) -> None:
+    """SIGTERM, as `meshrl mesh --stop` sends: the mesh stops every service (SIGKILL for one that lingers) and
+    exits; SIGKILL to the mesh itself only if it has not within STOP_WAIT_S (its services then get the death signal)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def timed_phases(runs: LocalRuns | MeshRuns, config: dict, args) -> list[dict]:
+    if args.warmup:
+        # One untimed step of K runs at once first: the compiles, CUDA-graph captures and adapter slots a cold mesh
+        # makes on its first steps would otherwise fall on whichever phase runs first.
+        warm = {**config, "run": {**config["run"], "num_steps": 1}}
+        print(json.dumps({"warmup_s": (await phase(runs, warm, args.runs, True, "warm"))["seconds"]}), flush=True)
+    phases = []
+    order = (False, True, True, False) if args.rounds == 2 else (True, False)
+    for i, concurrent in enumerate(order):
+        phases.append(await phase(runs, config, args.runs, concurrent, f"p{i}"))
+        print(json.dumps({k: v for k, v in phases[-1].items() if k != "runs"}), flush=True)
+    return phases
+
+
 async def main_async(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         config = recipe(Path(tmp) / "runs", args)
-        mesh = await start_local_mesh(config, num_rollout=args.replicas, num_reference=0)
-        manager = RunManager(MemoryStore())
-        try:
-            if args.warmup:
-                # One untimed step of K runs at once first: the compiles, CUDA-graph captures and adapter slots a
-                # cold mesh makes on its first steps would otherwise fall on whichever phase runs first.
-                warm = {**mesh.config, "run": {**mesh.config["run"], "num_steps": 1}}
-                print(json.dumps({"warmup_s": (await phase(manager, warm, args.runs, True, "warm"))["seconds"]}),
-                      flush=True)
-            phases = []
-            order = (False, True, True, False) if args.rounds == 2 else (True, False)
-            for i, concurrent in enumerate(order):
-                phases.append(await phase(manager, mesh.config, args.runs, concurrent, f"p{i}"))
-                print(json.dumps({k: v for k, v in phases[-1].items() if k != "runs"}), flush=True)
-        finally:
-            await manager.close()
-            await mesh.stop()
+        mesh = (process_mesh(config, Path(tmp), args.threads) if args.mesh == "processes"
+                else inprocess_mesh(config, args))
+        async with mesh as (runs, run_config):
+            phases = await timed_phases(runs, run_config, args)
     rate = {m: statistics.median(p["samples_per_s"] for p in phases if p["mode"] == m)
             for m in ("sequential", "concurrent")}
-    return {"bench": args.stem, "recipe": "examples/arith/grpo_lora.yaml", "runs": args.runs,
+    return {"bench": args.stem, "recipe": "examples/arith/grpo_lora.yaml", "mesh": args.mesh, "runs": args.runs,
             "steps_per_run": args.steps, "rollout_replicas": args.replicas, "device": device_name(args.device),
             "model": config["model"], "max_tokens": config["rollout"]["max_tokens"],
             "kv_cache": config["rollout"].get("kv_cache", "auto"),
             "actor_compile": config.get("actor", {}).get("compile", "auto"),
             "samples_per_step": config["data"]["rollout_batch_size"] * config["rollout"]["n"],
             "rounds": args.rounds, "warmup": args.warmup, "phases": phases, "median_samples_per_s": rate,
-            "ratio_concurrent_over_sequential": round(rate["concurrent"] / rate["sequential"], 3)}
+            "ratio_concurrent_over_sequential": round(rate["concurrent"] / rate["sequential"], 3),
+            **({"threads_per_service": args.threads} if args.mesh == "processes" else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128, help="cuda: rollout.max_tokens")
     ap.add_argument("--batch", type=int, default=16, help="cuda: prompts per step (data.rollout_batch_size), n = 8")
     ap.add_argument("--kv-cache", default="auto", help="cuda: rollout.kv_cache (auto, paged, none)")
+    ap.add_argument("--mesh", default="inprocess", choices=("inprocess", "processes"),
+                    help="inprocess: every service in this process; processes: `meshrl mesh` (each service its own "
+                         "process), runs through its coordinator's run API")
+    ap.add_argument("--threads", type=int, default=1, help="processes: OMP threads per service (meshrl mesh --threads)")
     ap.add_argument("--shared", action="store_true", help="the machine runs other jobs too (recorded)")
     ap.add_argument("--out", default=None, help="default bench/results/many_runs_<cpu|gpu>.json")
     args = ap.parse_args(argv)
