@@ -202,7 +202,8 @@ def test_random_mixes_under_a_tight_budget_match_todays_decode_and_leak_no_block
     small = paged(model_dir, kv_cache_gib=blocks_gib(probe, 24 + static))
     if static:           # the graph path's static padded step (uncaptured): buckets change as rows end and resume
         from services.rollout.engine_torch.paged.graphs import PagedGraphs
-        small._paged.graphs = PagedGraphs(small.model, small._paged.kv, width=16,
+        # As wide as the decoder makes it: the longest row (under 128 tokens here) plus a window of steps.
+        small._paged.graphs = PagedGraphs(small.model, small._paged.kv, width=-(-(128 + small._paged.sync_every) // 4),
                                           scratch_block=small._paged.pool.allocate(), max_batch_size=64,
                                           use_graphs=False, kernel=False)
     want = make_engine(model_dir)._generate_jobs(jobs())

@@ -67,6 +67,8 @@ async def generate_with_update_at(engine: TorchEngine, mode: str, new_weights) -
 @pytest.mark.parametrize("mode", ["continue", "pause"])
 def test_a_weight_update_lands_mid_generation_and_versions_switch_once_at_the_swap(model_dir, mode, kv_cache):
     engine = TorchEngine(RolloutSettings(model={"path": model_dir}, rollout={"kv_cache": kv_cache}))
+    if kv_cache == "paged":
+        engine._paged.sync_every = 16       # windows that end before HOLD_AT_CALL (the default 32 would not)
     reference = samples_of(asyncio.run(engine.generate(batch(mode))))      # no update: all version 0
     assert all(s.weight_versions is None and s.weight_version == 0 for s in reference)
     old = {k: v.clone() for k, v in engine.model.state_dict().items()}
