@@ -170,7 +170,13 @@ class Commands:
 
     def run(self, name: str, *args) -> Any:
         """Broadcasts the command and runs it here too; the lock keeps every rank's command order equal."""
+        return self.run_built(name, lambda: args)
+
+    def run_built(self, name: str, build: Callable[[], tuple]) -> Any:
+        """run() with the args built once the lock is held: what queued for it meanwhile can join the command
+        (services/trainer/coalesce.py). build runs whenever the lock was taken, even on a shut-down trainer."""
         with self._lock:
+            args = build()
             if self._closed:
                 raise FailedPrecondition("trainer is shut down")
             self.channel.send((name, args))

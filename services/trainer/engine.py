@@ -19,6 +19,7 @@ import torch
 from services.common.errors import FailedPrecondition
 from services.common.tensors.modeling import validate_sequences
 from services.trainer.batch import validate_actor_batch, validate_critic_batch, validate_dpo_batch
+from services.trainer.coalesce import Coalescer
 from services.trainer.commands import Commands
 from services.trainer.config import OptimSection, RunOptim, TrainerSettings
 from services.trainer.model import adapter_set, adapters, checkpoint
@@ -44,6 +45,11 @@ class TrainerEngine:
         self.warmup_seconds = 0.0
         # ForwardBackward calls whose gradients wait for an OptimStep (the training API).
         self.pending_gradients = 0
+        # Concurrent log-prob calls of one model and temperature share a command (several runs' reference calls
+        # on one LoRA trainer), up to the request-size limit (services/trainer/coalesce.py).
+        limit = self.rank.cfg.max_batch_size
+        self.reference = Coalescer(self.commands, "compute_logprobs", True, max_rows=limit)
+        self.actor_logprobs = Coalescer(self.commands, "compute_logprobs", False, max_rows=limit)
 
     # ---- log-probs and values ---------------------------------------------------------------------
 
@@ -70,20 +76,20 @@ class TrainerEngine:
         self._check_sequences(prompts, responses, temperature)
         if adapter:
             adapter_set.get(self.rank, adapter)
+            # Not merged: rows of different adapters would need a per-row adapter in the forward.
             return self.commands.run("adapter_logprobs", adapter, [list(p) for p in prompts],
                                      [list(r) for r in responses], temperature)
-        return self.commands.run("compute_logprobs", [list(p) for p in prompts], [list(r) for r in responses],
-                                 temperature)
+        return self.actor_logprobs.logprobs(prompts, responses, temperature)
 
     def compute_reference_logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                                    temperature: float = 1.0) -> list[list[float]]:
-        """Log-probs of the reference policy: the base model with the LoRA adapters off (actor.lora only)."""
+        """Log-probs of the reference policy: the base model with the LoRA adapters off (actor.lora only).
+        Concurrent calls (several runs' on one trainer) of one temperature share a command (coalesce.py)."""
         if self.rank.cfg.lora is None:
             raise FailedPrecondition("reference log-probs from the trainer need actor.lora (the base model is the "
                                      "reference only while adapters train); use a reference service")
         self._check_sequences(prompts, responses, temperature)
-        return self.commands.run("compute_logprobs", [list(p) for p in prompts], [list(r) for r in responses],
-                                 temperature, True)
+        return self.reference.logprobs(prompts, responses, temperature)
 
     def compute_values(self, prompts, responses) -> list[list[float]]:
         self._require_critic()
@@ -322,6 +328,7 @@ class TrainerEngine:
                 "fused_logprobs": r.fused_logprobs, "use_remove_padding": r.layout.packed,
                 "lora_rank": cfg.lora.rank if cfg.lora else 0, "named_adapters": ",".join(self.adapter_names()),
                 "compile": r.compiled, "warmup_seconds": round(self.warmup_seconds, 3),
+                **self.reference.info("reference"), **self.actor_logprobs.info("logprobs"),
                 **self.steps.details(), "run_step_metrics": self._run_step_metrics()}
 
     def _run_step_metrics(self) -> str:
