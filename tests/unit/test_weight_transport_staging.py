@@ -1,9 +1,9 @@
 """The device transports' staging (services/common/tensors/device_staging.py) against the per-tensor path it replaces
-(`DevicePlan.pack` over `flat_bytes` of each tensor): the same bytes in every staging buffer and so the same
-checksums a replica of today verifies, for mixed dtypes and shapes, tensors cut by bucket edges, pieces not aligned
-to their dtype, a cast folded into the copy, and buffers taken in turn (nccl); the plan and the views are kept while
-the layout stays and remade when it or the buffers change. On CPU here; tests/gpu/test_weight_sync.py runs the same
-checks on CUDA, whose foreach copy takes another kernel."""
+(each bucket packed from byte slices of `flat_bytes` of each tensor): the same bytes in every staging buffer and so
+the same checksums a replica of today verifies, for mixed dtypes and shapes, tensors cut by bucket edges, pieces not
+aligned to their dtype, a cast folded into the copy, and buffers taken in turn (nccl); the plan and the views are kept
+while the layout stays and remade when it or the buffers change. On CPU here; tests/gpu/test_weight_sync.py runs the
+same checks on CUDA, whose foreach copy takes another kernel."""
 
 from __future__ import annotations
 
@@ -35,10 +35,13 @@ def mixed_state(device="cpu", seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def per_tensor(plan: DevicePlan, state, buffers, buckets=None) -> None:
-    """The path before: a flat uint8 view (a copy where not contiguous) per tensor, each bucket packed from them."""
+    """The path before (DevicePlan.pack): a flat uint8 view (a copy where not contiguous) per tensor, and each bucket
+    packed from byte slices of them."""
     flats = [flat_bytes(t) for t in state.values()]
     for k in (range(len(plan.buckets)) if buckets is None else buckets):
-        plan.pack(k, flats, buffers[k % len(buffers)])
+        dst = buffers[k % len(buffers)]
+        for i, start, n, at in plan.buckets[k][2]:
+            dst[at:at + n].copy_(flats[i][start:start + n])
 
 
 def empty_buffers(plan: DevicePlan, device, fill: int) -> list[torch.Tensor]:

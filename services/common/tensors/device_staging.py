@@ -5,8 +5,9 @@ that copies, slices and checksums them one by one costs kernel launches and Pyth
 tensor lands in its place in the staging buffers through one `torch._foreach_copy_` per (wire dtype, source dtype)
 pair, over views of the buffers made once per layout (`StagingCopy`); `DeviceStaging` keeps the plan and those views
 across pushes and rebuilds them only when the layout or the buffers change; `cast_copies` snapshots a state in the
-wire dtype with one foreach copy on a CUDA device. The bytes staged, and so the wire format and every bucket's checksum, are those of
-`DevicePlan.pack` over `flat_bytes` of each tensor cast to its manifest dtype.
+wire dtype with one foreach copy on a CUDA device. The bytes staged, and so the wire format and every bucket's
+checksum, are each bucket's slices of `flat_bytes` of every tensor cast to its manifest dtype, as the per-tensor
+packing before did (tests/unit/test_weight_transport_staging.py keeps it as the reference).
 """
 
 from __future__ import annotations

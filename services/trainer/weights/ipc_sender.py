@@ -39,10 +39,11 @@ class IpcSender(RpcSender):
         device = device_of(state)
         plan = self._staging.plan(state, version, bucket_bytes)
         with torch.cuda.device(device):
-            if plan.signature() != self._signature:
+            signature = plan.signature()
+            if signature != self._signature:
                 self._buffers = [torch.empty(n, dtype=torch.uint8, device=device) for _, n, _ in plan.buckets]
                 self._handles = [self._share(b, device) for b in self._buffers]
-                self._signature = plan.signature()
+                self._signature = signature
             # One foreach copy into every bucket, one checksum per bucket, one host sync for them all.
             sums = self._staging.stage(list(state.values()), self._buffers)
             torch.cuda.current_stream(device).synchronize()    # the bytes are there before any handle is read
