@@ -84,13 +84,13 @@ SOURCES: dict[str, list[str]] = {
     "weight_sync": ["services/trainer/weights/senders.py", "services/trainer/weights/grpc_sender.py",
                     "services/trainer/weights/ipc_sender.py", "services/trainer/weights/nccl_sender.py",
                     "services/trainer/weights/choice.py",
-                    "services/common/tensors/weight_transport.py",
+                    "services/common/tensors/weight_transport.py", "services/common/tensors/device_staging.py",
                     "services/rollout/weight_receivers.py", "bench/weight_sync.py"],
     "weight_sync_ipc": ["services/common/tensors/weight_transport.py", "bench/weight_sync_ipc.py"],
     # LoRA at the 1.5B shape: adapter vs full weight sync (every transport's code) and multi-adapter decode.
     "lora_gpu": ["services/trainer/weights", "services/common/tensors/weight_transport.py",
-                 "services/common/base_identity.py", "services/rollout/weight_receivers.py",
-                 "services/rollout/servicer.py", "services/rollout/engine_torch", "bench/lora_gpu.py"],
+                 "services/common/tensors/device_staging.py", "services/common/base_identity.py",
+                 "services/rollout/weight_receivers.py", "services/rollout/servicer.py", "services/rollout/engine_torch", "bench/lora_gpu.py"],
     # An adapter push over grpc on the CPU (issue 43's host-side costs), beside a baseline checkout.
     "adapter_sync_cpu": ["services/trainer/weights", "services/common/tensors/weight_transport.py",
                          "services/common/tensors/weights.py", "services/rollout/weight_receivers.py",

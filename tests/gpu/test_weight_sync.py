@@ -225,3 +225,77 @@ def test_a_replica_in_the_trainers_process_reads_the_ipc_buffer_itself():
     handle = IpcSender._share(buf, buf.device)
     src = IpcReceiver("cuda:0")._source(handle)
     assert src.data_ptr() == buf.data_ptr() and torch.equal(src[:buf.numel()], buf)
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 1 << 20])
+def test_staging_on_cuda_writes_the_bytes_and_checksums_of_the_per_tensor_path(bucket_bytes):
+    """CUDA's foreach copy (its multi-tensor kernel, casts included) stages what the per-tensor path did, and
+    cast_copies (foreach on CUDA only) snapshots what a .to() per tensor did."""
+    from tests.unit.test_weight_transport_staging import (check_buffers_in_turn, check_cast_copies,
+                                                          check_cast_folded_into_the_copy,
+                                                          check_same_bytes_as_per_tensor)
+
+    check_same_bytes_as_per_tensor("cuda", bucket_bytes)
+    check_cast_copies("cuda")
+    check_cast_folded_into_the_copy("cuda")
+    check_buffers_in_turn("cuda")
+
+
+def test_an_adapter_pushed_over_ipc_lands_in_a_replica_of_this_process_as_the_trainers_tensors(model_dir):
+    """The trainer's float32 adapter, snapshot in bfloat16 as state_for_sync does (cast_copies), pushed twice over ipc
+    with new values in between: each time the replica loads exactly the trainer's tensors (the kept staging views
+    read the new values), under the push's version."""
+    import json
+
+    from services.common.base_identity import base_id
+    from services.common.tensors.device_staging import cast_copies
+    from services.rollout.config import RolloutSettings
+    from services.rollout.engine_torch.engine import TorchEngine
+    from services.rollout.servicer import start as start_rollout
+    from services.trainer.weights.ipc_sender import IpcSender
+    from services.trainer.weights.senders import ManifestTags
+    from tests.unit.test_rollout_lora import trained_adapter
+
+    master, config, _ = trained_adapter(model_dir, seed=3)
+    master = {k: v.cuda() for k, v in master.items()}
+    settings = RolloutSettings(model={"path": model_dir, "device": "cuda"},
+                               rollout={"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "warmup": False})
+    engine = TorchEngine(settings)
+    loaded, load = [], engine.load_adapter
+
+    def spy(name, version, cfg, tensors):
+        loaded.append((name, version, {k: v.clone() for k, v in tensors.items()}))
+        return load(name, version, cfg, tensors)
+
+    engine.load_adapter = spy
+    tags = ManifestTags(adapter="default", adapter_config=json.dumps(config), base_id=base_id(model_dir))
+
+    async def main():
+        mesh, port, replica = await start_rollout(settings, "127.0.0.1:0", engine=engine)
+        target, sender, wants = f"127.0.0.1:{port}", IpcSender(), []
+        try:
+            for version in (1, 2):
+                wants.append({k: v.to(torch.bfloat16) for k, v in master.items()})
+                state = cast_copies(master, torch.bfloat16, "cuda")
+                outcome = (await sender.push(state, version, [target], tags=tags))[0]
+                assert outcome.ok, outcome.error
+                for v in master.values():
+                    v.mul_(-0.5)                      # the trainer steps: the next push carries new values
+            async with create_channel(target) as ch:
+                info = await rollout_pb2_grpc.RolloutStub(ch).GetInfo(common_pb2.GetInfoRequest())
+            return wants, info
+        finally:
+            await sender.aclose()
+            sender.close()
+            await mesh.stop(0)
+            await replica.close()
+
+    wants, info = asyncio.run(main())
+    assert [(name, version) for name, version, _ in loaded] == [("default", 1), ("default", 2)]
+    for (_, _, got), want in zip(loaded, wants, strict=True):
+        assert list(got) == list(want)
+        for k, t in got.items():
+            assert t.is_cuda and t.dtype == torch.bfloat16 and torch.equal(t, want[k]), k
+    first = next(iter(wants[0]))
+    assert not torch.equal(loaded[0][2][first], loaded[1][2][first])
+    assert json.loads(info.details["adapters"]) == {"default": 2}

@@ -6,7 +6,8 @@ bucket's CRC once per update (off the event loop, ahead of the stream) and encod
 with one copy; `decode_bucket` reads a bucket message as a memoryview of the received bytes; and
 `HostStaging` checks and copies buckets into one preallocated buffer off the event loop, whose
 slices become the update's tensors. The device transports ("ipc", "nccl") share `DevicePlan`, the
-payload cut into fixed-size buckets packed on the device, and `device_checksum`.
+payload cut into fixed-size buckets (packed on the device: services/common/tensors/device_staging.py), and
+`device_checksum`.
 """
 
 from __future__ import annotations
@@ -349,13 +350,6 @@ class DevicePlan:
     def signature(self) -> tuple:
         """What must match for staging buffers to be reused across updates: layout, not version."""
         return (self.bucket_bytes, tuple((m.name, m.dtype, m.shape) for m in self.manifest.tensors))
-
-    def pack(self, index: int, flats: Sequence[torch.Tensor], dst: torch.Tensor) -> None:
-        """Copies bucket `index` of the payload into dst (uint8, >= its size); flats = the tensors as flat uint8."""
-        _, _, pieces = self.buckets[index]
-        srcs = [flats[i][s:s + n] for i, s, n, _ in pieces]
-        dsts = [dst[b:b + n] for _, _, n, b in pieces]
-        torch._foreach_copy_(dsts, srcs)
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:

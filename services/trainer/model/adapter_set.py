@@ -28,6 +28,7 @@ from services.common.auto import is_auto
 from services.common.errors import FailedPrecondition, NotFound
 from services.common.tensors.compile import remove_compile
 from services.common.tensors.codec import DTYPES
+from services.common.tensors.device_staging import cast_copies
 from services.trainer.model.lora import ADAPTER, adapter_state, lora_layers, merged_weights
 from services.trainer.model.optim import DynamicLossScaler, build_adamw, lr_lambda
 from services.trainer.model.trained import Trained
@@ -157,7 +158,7 @@ def for_sync(rank, name: str, on_device: bool, kind: str = "adapter") -> dict[st
     state = adapter_state(module, name) if kind == "adapter" else merged_weights(module, name)
     dtype = DTYPES[rank.cfg.weight_sync_dtype or rank.settings.model.dtype]
     where = rank.device if on_device else "cpu"
-    return {k: v.detach().to(where, dtype=dtype, copy=True) for k, v in state.items()}
+    return cast_copies(state, dtype, where)
 
 
 def save(rank, name: str, path: str, base: dict) -> None:

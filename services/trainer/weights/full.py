@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from services.common.tensors.codec import DTYPES
+from services.common.tensors.device_staging import cast_copies
 from services.common.tensors.weights import named_weights
 from services.trainer.model.lora import adapter_state, base_weights, merged_weights
 from services.trainer.parallel.mesh import gather_to_rank0
@@ -54,7 +55,7 @@ def full_weights(rank: Rank, on_device: bool = False, kind: str = "full") -> dic
     where = rank.device if on_device and rank.dims.pp == 1 else "cpu"
     weights = sync_source(rank, kind)
     if rank.dims.world_size == 1:
-        return {name: t.detach().to(where, dtype=dtype, copy=True) for name, t in weights.items()}
+        return cast_copies(weights, dtype, where)        # one foreach copy, not a .to() per tensor
     if rank.gatherer is None:
         rank.gatherer = stage_gatherers(rank.layout.mesh)
     mine = rank.gatherer.gather(weights, dtype=dtype, where=where,

@@ -10,10 +10,11 @@ import uuid
 import torch
 
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
+from services.common.tensors.device_staging import DeviceStaging
 from services.common.tensors.in_process import share_in_process
-from services.common.tensors.weight_transport import DevicePlan, device_checksum, device_uuid, flat_bytes
-from services.trainer.weights.senders import (COMMIT, DEVICE_BUCKET_BYTES, NO_TAGS, ManifestTags, PushOutcome,
-                                              RpcSender, device_bucket_bytes, device_manifest, device_of, error_text)
+from services.common.tensors.weight_transport import DevicePlan, device_uuid
+from services.trainer.weights.senders import (COMMIT, DEVICE_BUCKET_BYTES, NO_TAGS, ManifestMessage, ManifestTags,
+                                              PushOutcome, RpcSender, device_bucket_bytes, device_of, error_text)
 
 
 class IpcSender(RpcSender):
@@ -31,19 +32,20 @@ class IpcSender(RpcSender):
         self._signature = None
         self._buffers: list[torch.Tensor] = []
         self._handles: list[common_pb2.CudaIpcHandle] = []
+        self._staging = DeviceStaging()            # the plan and the buffers' views, kept while the layout stays
+        self._manifest = ManifestMessage()
 
     def _stage(self, state, version: int, bucket_bytes: int) -> tuple[DevicePlan, list[int]]:
         device = device_of(state)
-        plan = DevicePlan.build(state, version, bucket_bytes)
+        plan = self._staging.plan(state, version, bucket_bytes)
         with torch.cuda.device(device):
-            if plan.signature() != self._signature:
+            signature = plan.signature()
+            if signature != self._signature:
                 self._buffers = [torch.empty(n, dtype=torch.uint8, device=device) for _, n, _ in plan.buckets]
                 self._handles = [self._share(b, device) for b in self._buffers]
-                self._signature = plan.signature()
-            flats = [flat_bytes(t) for t in state.values()]
-            for k, buf in enumerate(self._buffers):
-                plan.pack(k, flats, buf)
-            sums = torch.stack([device_checksum(b) for b in self._buffers]).tolist()
+                self._signature = signature
+            # One foreach copy into every bucket, one checksum per bucket, one host sync for them all.
+            sums = self._staging.stage(list(state.values()), self._buffers)
             torch.cuda.current_stream(device).synchronize()    # the bytes are there before any handle is read
         return plan, sums
 
@@ -63,7 +65,7 @@ class IpcSender(RpcSender):
             event_handle=ev_handle or b"", event_sync_required=bool(ev_sync), buffer_id=buffer_id)
 
     def _messages(self, plan: DevicePlan, sums: list[int], tags: ManifestTags):
-        yield common_pb2.WeightBucket(manifest=device_manifest(plan, "ipc", tags=tags))
+        yield self._manifest(plan, "ipc", tags=tags)
         for (offset, nbytes, _), checksum, handle in zip(plan.buckets, sums, self._handles):
             yield common_pb2.WeightBucket(device=common_pb2.DeviceBucket(offset=offset, nbytes=nbytes,
                                                                          checksum=checksum, ipc=handle))
@@ -90,6 +92,7 @@ class IpcSender(RpcSender):
 
     def close(self) -> None:
         self._buffers, self._handles, self._signature = [], [], None
+        self._staging.clear()
 
 
 async def _aiter(items):

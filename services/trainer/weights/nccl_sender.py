@@ -14,10 +14,11 @@ from typing import Sequence
 import torch
 
 from meshrl.v1 import common_pb2, rollout_pb2_grpc
-from services.common.tensors.weight_transport import (DevicePlan, abort_communicator, device_checksum, flat_bytes,
-                                              init_communicator, nccl_unique_id_bytes, wait_stream_done)
-from services.trainer.weights.senders import (COMMIT, DEVICE_BUCKET_BYTES, NO_TAGS, ManifestTags, PushOutcome,
-                                              RpcSender, device_bucket_bytes, device_manifest, device_of, error_text)
+from services.common.tensors.device_staging import DeviceStaging
+from services.common.tensors.weight_transport import (DevicePlan, abort_communicator, device_checksum,
+                                                      init_communicator, nccl_unique_id_bytes, wait_stream_done)
+from services.trainer.weights.senders import (COMMIT, DEVICE_BUCKET_BYTES, NO_TAGS, ManifestMessage, ManifestTags,
+                                              PushOutcome, RpcSender, device_bucket_bytes, device_of, error_text)
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -42,6 +43,8 @@ class NcclSender(RpcSender):
         self.collective_timeout = collective_timeout
         self.group: _Group | None = None
         self._buffers: list[torch.Tensor] = []
+        self._staging = DeviceStaging()            # the plan and the buffers' views, kept while the layout stays
+        self._manifest = ManifestMessage()
 
     # ---- group formation
 
@@ -114,14 +117,14 @@ class NcclSender(RpcSender):
                 self._buffers = [torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
             pack_stream, comm_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
             pack_stream.wait_stream(torch.cuda.current_stream(device))     # the weights are final
-            flats = [flat_bytes(t) for t in state.values()]
+            tensors = list(state.values())
             done: list[torch.cuda.Event | None] = [None, None]
             for k, (offset, nbytes, _) in enumerate(plan.buckets):
                 buf = self._buffers[k % 2]
                 if done[k % 2] is not None:                   # bucket k-2 left this buffer
                     wait_stream_done(done[k % 2], deadline, f"broadcast of bucket {k - 2}")
                 with torch.cuda.stream(pack_stream):
-                    plan.pack(k, flats, buf)
+                    self._staging.pack(tensors, self._buffers, (k,))       # bucket k goes to buffer k % 2
                     checksum = int(device_checksum(buf[:nbytes]))     # syncs the pack stream only
                 packed = torch.cuda.Event()
                 packed.record(pack_stream)
@@ -142,7 +145,7 @@ class NcclSender(RpcSender):
         group = self.group
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in group.members]
-        manifest = common_pb2.WeightBucket(manifest=device_manifest(plan, "nccl", group.group_id, tags))
+        manifest = self._manifest(plan, "nccl", group.group_id, tags)
 
         async def stream(q):
             yield manifest
@@ -182,7 +185,7 @@ class NcclSender(RpcSender):
         t0 = time.perf_counter()
         try:
             device = device_of(state)
-            plan = DevicePlan.build(state, version, device_bucket_bytes(bucket_bytes))
+            plan = self._staging.plan(state, version, device_bucket_bytes(bucket_bytes))
         except Exception as e:  # noqa: BLE001
             return self._report(version, [PushOutcome(t, False, error_text(e)) for t in targets])
         failed: dict[str, PushOutcome] = {}
@@ -222,6 +225,7 @@ class NcclSender(RpcSender):
     def close(self) -> None:
         self._drop_group()
         self._buffers = []
+        self._staging.clear()
 
 
 def nccl_importable() -> bool:
