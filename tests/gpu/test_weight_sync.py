@@ -299,3 +299,64 @@ def test_an_adapter_pushed_over_ipc_lands_in_a_replica_of_this_process_as_the_tr
     first = next(iter(wants[0]))
     assert not torch.equal(loaded[0][2][first], loaded[1][2][first])
     assert json.loads(info.details["adapters"]) == {"default": 2}
+
+
+def test_adapters_pushed_at_once_over_ipc_each_land_as_their_own_tensors(model_dir):
+    """Several runs push their adapters over ipc at the same moment (many runs on one mesh): the sender's staging
+    buffers are shared, so each push must be read by the replica before the next one stages (else the replica reads
+    another adapter's bytes: a checksum mismatch). Each adapter lands as its own trainer's tensors, every round."""
+    import json
+
+    from services.common.base_identity import base_id
+    from services.common.tensors.device_staging import cast_copies
+    from services.rollout.config import RolloutSettings
+    from services.rollout.engine_torch.engine import TorchEngine
+    from services.rollout.servicer import start as start_rollout
+    from services.trainer.weights.ipc_sender import IpcSender
+    from services.trainer.weights.senders import ManifestTags
+    from tests.unit.test_rollout_lora import trained_adapter
+
+    names = ["a", "b", "c", "d"]
+    masters = {}
+    for i, name in enumerate(names):
+        master, config, _ = trained_adapter(model_dir, seed=10 + i)
+        masters[name] = {k: v.cuda() for k, v in master.items()}
+    settings = RolloutSettings(model={"path": model_dir, "device": "cuda"},
+                               rollout={"enable_lora": True, "max_loras": 4, "max_lora_rank": 8, "warmup": False})
+    engine = TorchEngine(settings)
+    loaded, load = [], engine.load_adapter
+
+    def spy(name, version, cfg, tensors):
+        loaded.append((name, version, {k: v.clone() for k, v in tensors.items()}))
+        return load(name, version, cfg, tensors)
+
+    engine.load_adapter = spy
+
+    async def main():
+        mesh, port, replica = await start_rollout(settings, "127.0.0.1:0", engine=engine)
+        target, sender = f"127.0.0.1:{port}", IpcSender()
+        try:
+            for version in (1, 2, 3):
+                states = {n: cast_copies(m, torch.bfloat16, "cuda") for n, m in masters.items()}
+                outcomes = await asyncio.gather(*(
+                    sender.push(states[n], version, [target],
+                                tags=ManifestTags(adapter=n, adapter_config=json.dumps(config),
+                                                  base_id=base_id(model_dir))) for n in names))
+                assert all(o[0].ok for o in outcomes), [o[0].error for o in outcomes]
+                for m in masters.values():
+                    for v in m.values():
+                        v.mul_(-0.5)
+        finally:
+            await sender.aclose()
+            sender.close()
+            await mesh.stop(0)
+            await replica.close()
+
+    asyncio.run(main())
+    assert sorted((n, v) for n, v, _ in loaded) == sorted((n, v) for n in names for v in (1, 2, 3))
+    for name, version, got in loaded:
+        # The masters were scaled by -0.5 after each of the 3 rounds (exact in floating point): back to this push's.
+        scale = (-0.5) ** (version - 1 - 3)
+        want = {k: (v * scale).to(torch.bfloat16) for k, v in masters[name].items()}
+        for k, t in got.items():
+            assert torch.equal(t, want[k]), (name, version, k)

@@ -30,6 +30,7 @@ class IpcSender(RpcSender):
     def __init__(self, *, token: str | None = None, timeout: float | None = 600.0):
         super().__init__(token=token, timeout=timeout)
         self._signature = None
+        self._one_push = asyncio.Lock()
         self._buffers: list[torch.Tensor] = []
         self._handles: list[common_pb2.CudaIpcHandle] = []
         self._staging = DeviceStaging()            # the plan and the buffers' views, kept while the layout stays
@@ -83,6 +84,12 @@ class IpcSender(RpcSender):
 
     async def push(self, state, version, targets, *, bucket_bytes=DEVICE_BUCKET_BYTES,
                    tags: ManifestTags = NO_TAGS) -> list[PushOutcome]:
+        # One push at a time: concurrent ones (several runs' adapters) would overwrite each other's staging
+        # buffers before the replicas read them (a checksum mismatch at best).
+        async with self._one_push:
+            return await self._push(state, version, targets, bucket_bytes=bucket_bytes, tags=tags)
+
+    async def _push(self, state, version, targets, *, bucket_bytes: int, tags: ManifestTags) -> list[PushOutcome]:
         try:
             plan, sums = await asyncio.to_thread(self._stage, state, version, device_bucket_bytes(bucket_bytes))
         except Exception as e:  # noqa: BLE001

@@ -41,6 +41,7 @@ class NcclSender(RpcSender):
                  collective_timeout: float = 120.0):
         super().__init__(token=token, timeout=timeout)
         self.collective_timeout = collective_timeout
+        self._one_push = asyncio.Lock()
         self.group: _Group | None = None
         self._buffers: list[torch.Tensor] = []
         self._staging = DeviceStaging()            # the plan and the buffers' views, kept while the layout stays
@@ -182,6 +183,12 @@ class NcclSender(RpcSender):
 
     async def push(self, state, version, targets, *, bucket_bytes=DEVICE_BUCKET_BYTES,
                    tags: ManifestTags = NO_TAGS) -> list[PushOutcome]:
+        # One push at a time: concurrent ones (several runs' adapters) would overwrite each other's staging
+        # buffers before the replicas read them (a checksum mismatch at best).
+        async with self._one_push:
+            return await self._push(state, version, targets, bucket_bytes=bucket_bytes, tags=tags)
+
+    async def _push(self, state, version, targets, *, bucket_bytes: int, tags: ManifestTags) -> list[PushOutcome]:
         t0 = time.perf_counter()
         try:
             device = device_of(state)
