@@ -27,13 +27,8 @@ from services.rollout.engine_torch.lora import adapter_rows
 from services.rollout.engine_torch.paged.blocks import BlockTable
 from services.rollout.engine_torch.paged.forward import paged_forward
 
-# Decode steps per host sync: up to SYNC_EVERY while no row waits for admission, up to ADMIT_EVERY (cuda_decode's
-# sync_every) while one does, so a waiting row is admitted as soon as with the unpaged decoder. A window boundary
-# costs the host a few milliseconds (the window's tokens read and settled, the next one's blocks reserved) while the
-# GPU has one step queued: on one H100 (0.5B shape, 256 rows) windows of 16 left it idle 0.3 ms a step, of 32 half
-# that (bench/results/paged_kv_gpu.json `earlier_calls`).
-SYNC_EVERY = 32
-ADMIT_EVERY = 16
+# Decode steps per host sync (cuda_decode's sync_every).
+SYNC_EVERY = 16
 
 
 @dataclass
@@ -115,13 +110,12 @@ class Windows:
 
     def _window_size(self, rows, running: list[Seq], waiting) -> int:
         """k steps for this window, their blocks reserved (the k - 1 tokens fed inside it and the last one, fed by
-        the loop's step after it, up to the row's budget: later writes go to the spill block): sync_every (ADMIT_EVERY
-        while rows wait; no more than the longest remaining budget), else the most steps whose blocks the pool holds beside one spare block
+        the loop's step after it, up to the row's budget: later writes go to the spill block): sync_every (no more
+        than the longest remaining budget), else the most steps whose blocks the pool holds beside one spare block
         per running row (often up to the rows' next block boundary, which needs none), else 1. While a preempted row
         waits, a window takes unused blocks only (never the cached blocks that row resumes from); else it may evict
         cached ones, as the one-step loop does a step later."""
-        limit = min(self.sync_every, ADMIT_EVERY) if waiting else self.sync_every
-        k = min(limit, max(rows[s.index].budget - s.num_response for s in running))
+        k = min(self.sync_every, max(rows[s.index].budget - s.num_response for s in running))
         if k <= 1:
             return 1
         bs, pool = self.pool.block_size, self.pool
