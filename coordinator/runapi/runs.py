@@ -216,7 +216,10 @@ class RunManager:
     async def _release(self, run_id: str, ctx: RunContext) -> None:
         """Frees what the run holds (its adapter on the trainer and the replicas, its pools, its trainer claim, its
         share of the schedulers) before its end state is written: a client that reads COMPLETED, STOPPED or FAILED
-        and starts the next run finds them free (else a fifth run's adapter could meet a replica's slots still full)."""
+        and starts the next run finds them free (else a fifth run's adapter could meet a replica's slots still full).
+        A LoRA run on the trainer's own adapter that ends beside other runs also takes it off the replicas."""
+        if not ctx.adapter and ctx.cfg.actor.lora is not None and self.claims.others(run_id, ctx.cfg.trainer.address):
+            await phases.unload_run_adapter(ctx)
         await ctx.close()
         self._detach(run_id, ctx)
 

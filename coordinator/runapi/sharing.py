@@ -80,6 +80,10 @@ class TrainerClaims:
         self.release(run_id)
         self.holders.setdefault(address, []).append(Holder(run_id, adapter, lora))
 
+    def others(self, run_id: str, address: str) -> list[str]:
+        """The runs beside `run_id` on the trainer at `address`."""
+        return [h.run_id for h in self.holders.get(address, []) if h.run_id != run_id]
+
     def release(self, run_id: str) -> None:
         for address, holders in list(self.holders.items()):
             holders[:] = [h for h in holders if h.run_id != run_id]

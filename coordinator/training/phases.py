@@ -111,6 +111,23 @@ async def push_to_replicas(ctx: RunContext, targets: list[str]) -> remote.PushOu
     return outcome
 
 
+async def unload_run_adapter(ctx: RunContext) -> None:
+    """The trainer's own adapter leaves the rollout replicas (UnloadAdapter) when its run ends beside other runs, so
+    its slot is free for the next run's named adapter; a run that takes the trainer's adapter again pushes it anew
+    (its start moves the version past every earlier one). A replica that cannot be reached keeps it until it
+    restarts."""
+
+    async def one(rep) -> None:
+        try:
+            await remote.unload_adapter(rep.stub, rep.adapter)
+            rep.adapter = ""
+        except Exception as e:  # noqa: BLE001 - that replica keeps the slot; the run still ends
+            log.warning("UnloadAdapter %r on %s failed: %s", rep.adapter, rep.address, e)
+
+    if ctx.rollout is not None:
+        await asyncio.gather(*(one(r) for r in ctx.rollout.replicas.values() if r.adapter))
+
+
 async def refresh_pools(ctx: RunContext) -> None:
     """Re-discovers every pool's replicas and re-checks their health (restarted replicas rejoin)."""
     await asyncio.gather(*(pool.refresh() for pool in (ctx.rollout, ctx.reward, ctx.reference) if pool is not None))

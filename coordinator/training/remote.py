@@ -234,6 +234,11 @@ async def push_weights(stub, targets: Sequence[str]) -> PushOutcome:
                        {r.target: r.adapter for r in response.results if r.ok})
 
 
+async def unload_adapter(stub, name: str) -> bool:
+    """A rollout replica's adapter `name` off its slots; False when it did not hold it."""
+    return (await stub.UnloadAdapter(rollout_pb2.UnloadAdapterRequest(name=name), timeout=30.0)).unloaded
+
+
 async def info(stub) -> common_pb2.ServiceInfo:
     return await stub.GetInfo(common_pb2.GetInfoRequest())
 

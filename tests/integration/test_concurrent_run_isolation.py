@@ -155,3 +155,33 @@ def test_a_second_run_beside_a_full_parameter_run_is_refused_by_name(tmp_path):
             await mesh.stop()
 
     asyncio.run(main())
+
+
+def test_runs_that_start_as_others_end_find_adapter_slots_on_a_replica_of_two(tmp_path):
+    """A replica serving 2 adapters: a (the trainer's own adapter) and b (named) run at once; a ends, c starts beside
+    b and gets a slot (a's left the replica with it); once both end, d runs alone on the trainer's adapter again,
+    pushed anew, and learns from the base like any run."""
+    recipe = lora_recipe(tmp_path / "runs")
+    recipe["rollout"]["max_loras"] = 2
+
+    async def main():
+        mesh = await start_local_mesh(recipe, num_rollout=1, num_reference=0)
+        manager = RunManager(MemoryStore())
+        try:
+            a = await manager.start_run(_run(mesh.config, "a", 2, 1e-3))
+            b = await manager.start_run(_run(mesh.config, "b", 40, 1e-3))
+            await _until(lambda: _state(manager, a, "COMPLETED"))
+            c = await manager.start_run(_run(mesh.config, "c", 2, 1e-3))
+            await _until(lambda: _state(manager, c, "COMPLETED"))
+            await manager.command(b, "stop")
+            await _until(lambda: _state(manager, b, "STOPPED"))
+            d = await manager.start_run(_run(mesh.config, "d", 2, 1e-3))
+            await _until(lambda: _state(manager, d, "COMPLETED"))
+            return [await manager.get(r) for r in (a, b, c, d)]
+        finally:
+            await manager.close()
+            await mesh.stop()
+
+    a, b, c, d = asyncio.run(main())
+    assert a.adapter == "" and b.adapter and c.adapter and d.adapter == ""
+    assert c.step == 2 and d.step == 2, (c.message, d.message)
