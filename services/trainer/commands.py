@@ -5,6 +5,9 @@ SPMD: rank 0 checks a request (services/trainer/engine.py), broadcasts the comma
 CommandChannel and runs it like every other rank; ranks > 0 wait in `Commands.serve`. A command is a function
 `(rank, *args)` of the module that does its work (services/trainer/forward.py, weights/full.py), or one of the
 few-line ones below; `COMMANDS` is the one place a name maps to it.
+
+A command that changes a LoRA adapter's weights stores that adapter's push before it returns, so a push runs no
+command (services/trainer/weights/snapshots.py lists them).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from services.trainer.updates.critic import CriticUpdate
 from services.trainer.updates.dpo import DPOUpdate
 from services.trainer.updates import primitive
 from services.trainer.updates.runner import Update, run_update
-from services.trainer.weights import full
+from services.trainer.weights import full, snapshots
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -47,12 +50,14 @@ def train_actor(rank: Rank, samples: list[TrainSample], loss: ActorLoss, adapter
         adapter_set.get(rank, adapter).weight_version += 1
     else:
         rank.weight_version += 1
+    snapshots.store(rank, adapter)
     return metrics
 
 
 def train_dpo(rank: Rank, pairs: list[PreferencePair], loss: DPOLoss) -> dict[str, float]:
     metrics = _update(rank, DPOUpdate(rank.layout, rank.actor, pairs, loss, fused=rank.fused_logprobs))
     rank.weight_version += 1
+    snapshots.store(rank)
     return metrics
 
 
@@ -68,16 +73,18 @@ def start_from_model(rank: Rank) -> None:
         fresh.clear_optimizer(trained, rank.settings.actor)
     rank.weight_version += 1
     rank.pristine = True
+    snapshots.store(rank)
 
 
 def start_from_checkpoint(rank: Rank, path: str) -> None:
     """A run starts from a checkpoint's weights, optimizer state cleared, under a weight version past both the
     trainer's and the checkpoint's (a replica may hold either for other weights)."""
     before = rank.weight_version
-    load_checkpoint(rank, path)
+    _load_checkpoint(rank, path)
     for trained in rank.models():
         fresh.clear_optimizer(trained, rank.settings.actor)
     rank.weight_version = max(before, rank.weight_version) + 1
+    snapshots.store(rank)
 
 
 def configure_run(rank: Rank, actor: ActorConfig, critic: CriticConfig | None, reset_schedule: bool) -> None:
@@ -109,6 +116,12 @@ def save_checkpoint(rank: Rank, path: str, weight_version: int) -> None:
 
 
 def load_checkpoint(rank: Rank, path: str) -> None:
+    _load_checkpoint(rank, path)
+    # Stored whatever the version: a checkpoint's may equal the one before the load, for other weights.
+    snapshots.store(rank)
+
+
+def _load_checkpoint(rank: Rank, path: str) -> None:
     aliases = {"lm_head.weight": "model.embed_tokens.weight"} if rank.hf_config.tie_word_embeddings else {}
     rank.weight_version = checkpoint.load(path, rank.models(), rank=rank.index, aliases=aliases)
     rank.pristine = False
@@ -117,21 +130,59 @@ def load_checkpoint(rank: Rank, path: str) -> None:
         trained.optimizer.zero_grad(set_to_none=True)
 
 
+def optim_step(rank: Rank, actor_cfg: ActorConfig, adapter: str = "") -> dict[str, float]:
+    metrics = primitive.optim_step(rank, actor_cfg, adapter)
+    snapshots.store(rank, adapter)
+    return metrics
+
+
+def create_adapter(rank: Rank, name: str) -> None:
+    adapter_set.create(rank, name)
+    snapshots.store(rank, name)                 # its initial state (the base: B = 0), version 0
+
+
+def load_adapter(rank: Rank, name: str, state: dict) -> None:
+    adapter_set.load(rank, name, state)
+    snapshots.store(rank, name)
+
+
+def delete_adapter(rank: Rank, name: str) -> None:
+    adapter_set.delete(rank, name)
+    snapshots.drop(rank, name)
+
+
+def state_for_sync(rank: Rank, on_device: bool = False, kind: str = "full") -> tuple[dict | None, int]:
+    """A push's state (weights/full.py) and its version, read in the command (no update lands between them); of kind
+    "adapter", also kept as the run's adapter's snapshot."""
+    state = full.full_weights(rank, on_device, kind)
+    if kind == "adapter" and state is not None:
+        snapshots.keep(rank, "", state, on_device)
+    return state, rank.weight_version
+
+
+def adapter_for_sync(rank: Rank, name: str, on_device: bool, kind: str = "adapter") -> tuple[dict, int]:
+    """A named adapter's push (model/adapter_set.py) and its version; of kind "adapter", also kept as its snapshot."""
+    state = adapter_set.for_sync(rank, name, on_device, kind)
+    if kind == "adapter":
+        snapshots.keep(rank, name, state, on_device)
+    return state, adapter_set.get(rank, name).weight_version
+
+
 # The commands rank 0 broadcasts and every rank runs: the channel carries the name, this table is the one place a
 # name maps to code.
 COMMANDS: dict[str, Callable[..., Any]] = {
     "warm_up": forward.warm_up, "compute_logprobs": forward.compute_logprobs,
     "compute_values": forward.compute_values, "train_actor": train_actor, "train_dpo": train_dpo,
     "train_critic": train_critic, "configure_run": configure_run, "configure_adapter": configure_adapter,
-    "adapter_logprobs": adapter_logprobs, "state_for_sync": full.full_weights,
+    "adapter_logprobs": adapter_logprobs, "state_for_sync": state_for_sync,
     "save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint, "export_hf": full.export_hf,
     "export_adapter": adapters.export_adapter,
     "start_from_model": start_from_model, "start_from_checkpoint": start_from_checkpoint,
     # The training API's primitives (docs/training_api.md): gradients accumulate over calls, a step applies them.
-    "forward_backward": primitive.forward_backward, "optim_step": primitive.optim_step,
+    "forward_backward": primitive.forward_backward, "optim_step": optim_step,
     # Named adapters beside the run's (several training-API clients; services/trainer/model/adapter_set.py).
-    "create_adapter": adapter_set.create, "delete_adapter": adapter_set.delete,
-    "adapter_for_sync": adapter_set.for_sync, "save_adapter": adapter_set.save, "load_adapter": adapter_set.load}
+    "create_adapter": create_adapter, "delete_adapter": delete_adapter,
+    "adapter_for_sync": adapter_for_sync, "save_adapter": adapter_set.save, "load_adapter": load_adapter}
 
 # Commands that are one profiling phase as a whole (nvtx.PHASES); training commands mark forward_backward and
 # optimizer inside.

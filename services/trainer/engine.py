@@ -29,6 +29,7 @@ from services.trainer.steps import StepRecord
 from services.trainer.types import (ActorLoss, AdamParams, CriticLoss, CriticSample, Datum, DPOLoss, PreferencePair,
                                     PrimitiveLoss, RunStep, TrainSample)
 from services.trainer.updates.primitive import validate_datums
+from services.trainer.weights import snapshots
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -263,14 +264,20 @@ class TrainerEngine:
                        adapter: str = "") -> tuple[dict[str, torch.Tensor], int]:
         """Full copies of the actor's weights (HF names, no tied duplicates) and their version: on CPU, or on
         rank 0's device for the device transports (ipc, nccl). kind (under actor.lora): "full" merged, "base" the
-        frozen base alone, "adapter" the adapter alone (services/trainer/weights/full.py SYNC_KINDS)."""
+        frozen base alone, "adapter" the adapter alone (services/trainer/weights/full.py SYNC_KINDS). An adapter
+        whose last change stored its push is sent from that, without a command (weights/snapshots.py)."""
         if on_device and self.rank.device.type != "cuda":
             raise FailedPrecondition(f"weight_sync.transport: ipc and nccl need the trainer on a CUDA device, "
                                      f"it runs on {self.rank.device}")
+        if kind == "adapter":
+            if adapter:
+                adapter_set.get(self.rank, adapter)
+            held = snapshots.held(self.rank, adapter, on_device)
+            if held is not None:
+                return held
         if adapter and kind != "base":          # a named adapter (alone or merged), under its own version
-            return self.commands.run("adapter_for_sync", adapter, on_device, kind), adapter_set.get(
-                self.rank, adapter).weight_version
-        return self.commands.run("state_for_sync", on_device, kind), self.rank.weight_version
+            return self.commands.run("adapter_for_sync", adapter, on_device, kind)
+        return self.commands.run("state_for_sync", on_device, kind)
 
     def save_checkpoint(self, path: str, adapter: str = "") -> dict:
         checkpoint.check_target(path, "save checkpoint")
