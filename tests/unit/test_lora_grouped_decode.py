@@ -85,6 +85,16 @@ def test_each_groups_delta_equals_the_per_projection_deltas_and_the_merged_weigh
     assert B[:out_q, :W].any() and not B[out_q:, :W].any() and not B[:out_q, W:].any()
 
 
+def assert_same_as_merged(a, b):
+    """Same tokens; log-probs within fp32 noise of the merged weights (W + s*B@A summed before the GEMM, where the
+    grouped step adds x@A then @B after it): the trained adapters' deltas are large, so the two orders differ by a few
+    1e-5 and by how the CPU's kernels block the sums (2.8e-5 on one machine, under 2e-5 on another); the bound of
+    tests/unit/test_paged_kv_lora.py's assert_same, for the same two orders."""
+    for x, y in zip(samples(a), samples(b), strict=True):
+        assert x.response_ids == y.response_ids
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_mixed_batch_on_the_grouped_graph_step_equals_the_eager_loop_and_the_merged_models(model_dir, adapters,
                                                                                             fused):
@@ -114,7 +124,8 @@ def test_a_mixed_batch_on_the_grouped_graph_step_equals_the_eager_loop_and_the_m
                          strict=True):
         assert_same(got, want)
     for got, merged in zip(mixed, (adapters["a"][2], None, adapters["b"][2])):
-        assert_same(got, merged_engine(model_dir, merged).generate_sync(batch(greedy(n=len(samples(got)) // 3))))
+        want = merged_engine(model_dir, merged).generate_sync(batch(greedy(n=len(samples(got)) // 3)))
+        assert_same_as_merged(got, want)
     lp = [samples(m)[0].logprobs for m in mixed]
     assert lp[0] != lp[1] and lp[1] != lp[2] and lp[0] != lp[2]      # each row got its own adapter
     assert not graph.adapters.rows.any()                              # forwards after the decode read base rows
