@@ -241,25 +241,15 @@ def test_staging_on_cuda_writes_the_bytes_and_checksums_of_the_per_tensor_path(b
     check_buffers_in_turn("cuda")
 
 
-def test_an_adapter_pushed_over_ipc_lands_in_a_replica_of_this_process_as_the_trainers_tensors(model_dir):
-    """The trainer's float32 adapter, snapshot in bfloat16 as state_for_sync does (cast_copies), pushed twice over ipc
-    with new values in between: each time the replica loads exactly the trainer's tensors (the kept staging views
-    read the new values), under the push's version."""
-    import json
-
-    from services.common.base_identity import base_id
-    from services.common.tensors.device_staging import cast_copies
+def _recording_lora_replica(model_dir: str, *, max_loras: int):
+    """A CUDA rollout engine serving LoRA adapters that records every adapter it loads: (name, version, a copy of
+    its tensors)."""
     from services.rollout.config import RolloutSettings
     from services.rollout.engine_torch.engine import TorchEngine
-    from services.rollout.servicer import start as start_rollout
-    from services.trainer.weights.ipc_sender import IpcSender
-    from services.trainer.weights.senders import ManifestTags
-    from tests.unit.test_rollout_lora import trained_adapter
 
-    master, config, _ = trained_adapter(model_dir, seed=3)
-    master = {k: v.cuda() for k, v in master.items()}
     settings = RolloutSettings(model={"path": model_dir, "device": "cuda"},
-                               rollout={"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "warmup": False})
+                               rollout={"enable_lora": True, "max_loras": max_loras, "max_lora_rank": 8,
+                                        "warmup": False})
     engine = TorchEngine(settings)
     loaded, load = [], engine.load_adapter
 
@@ -268,6 +258,25 @@ def test_an_adapter_pushed_over_ipc_lands_in_a_replica_of_this_process_as_the_tr
         return load(name, version, cfg, tensors)
 
     engine.load_adapter = spy
+    return settings, engine, loaded
+
+
+def test_an_adapter_pushed_over_ipc_lands_in_a_replica_of_this_process_as_the_trainers_tensors(model_dir):
+    """The trainer's float32 adapter, snapshot in bfloat16 as state_for_sync does (cast_copies), pushed twice over ipc
+    with new values in between: each time the replica loads exactly the trainer's tensors (the kept staging views
+    read the new values), under the push's version."""
+    import json
+
+    from services.common.base_identity import base_id
+    from services.common.tensors.device_staging import cast_copies
+    from services.rollout.servicer import start as start_rollout
+    from services.trainer.weights.ipc_sender import IpcSender
+    from services.trainer.weights.senders import ManifestTags
+    from tests.unit.test_rollout_lora import trained_adapter
+
+    master, config, _ = trained_adapter(model_dir, seed=3)
+    master = {k: v.cuda() for k, v in master.items()}
+    settings, engine, loaded = _recording_lora_replica(model_dir, max_loras=2)
     tags = ManifestTags(adapter="default", adapter_config=json.dumps(config), base_id=base_id(model_dir))
 
     async def main():
@@ -309,8 +318,6 @@ def test_adapters_pushed_at_once_over_ipc_each_land_as_their_own_tensors(model_d
 
     from services.common.base_identity import base_id
     from services.common.tensors.device_staging import cast_copies
-    from services.rollout.config import RolloutSettings
-    from services.rollout.engine_torch.engine import TorchEngine
     from services.rollout.servicer import start as start_rollout
     from services.trainer.weights.ipc_sender import IpcSender
     from services.trainer.weights.senders import ManifestTags
@@ -321,16 +328,7 @@ def test_adapters_pushed_at_once_over_ipc_each_land_as_their_own_tensors(model_d
     for i, name in enumerate(names):
         master, config, _ = trained_adapter(model_dir, seed=10 + i)
         masters[name] = {k: v.cuda() for k, v in master.items()}
-    settings = RolloutSettings(model={"path": model_dir, "device": "cuda"},
-                               rollout={"enable_lora": True, "max_loras": 4, "max_lora_rank": 8, "warmup": False})
-    engine = TorchEngine(settings)
-    loaded, load = [], engine.load_adapter
-
-    def spy(name, version, cfg, tensors):
-        loaded.append((name, version, {k: v.clone() for k, v in tensors.items()}))
-        return load(name, version, cfg, tensors)
-
-    engine.load_adapter = spy
+    settings, engine, loaded = _recording_lora_replica(model_dir, max_loras=4)
 
     async def main():
         mesh, port, replica = await start_rollout(settings, "127.0.0.1:0", engine=engine)
