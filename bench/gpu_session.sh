@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
 #   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench paged_kv spy loratrain
-#          loratests pagedtests lora manyruns profile
+#          loratests pagedtests lora manyruns profile trainscale
 #          mfuautotune upgpu
 #          meshrl trl trl15 trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
@@ -153,7 +153,15 @@ for what in "$@"; do
          # LORA_VARIANTS=full,lora,lora_addmm sets the meshrl::lora_linear op beside the addmm forward it replaced)
       part loratrain 560 python3 bench/lora_train.py --shape "${LORA_SHAPE:-qwen2.5-1.5b}" --rank 16 \
         --variants "${LORA_VARIANTS:-full,lora,lora_peft}" ${LORA_PROFILE:+--profile} --out "$OUT/lora_train_gpu.json" ;;
-    wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py -s ;;
+    wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py \
+              tests/gpu/test_adapter_push_snapshots_gpu.py -s ;;
+    trainscale) # the eager LoRA trainer (as it runs beside several runs' adapters) at the many-runs bench's shape
+      # (0.5B, rank 8, 24 + 128 tokens, budget 16,384): a step of 128 rows beside one of 512, with the kernel table
+      for b in ${TRAINSCALE_BATCHES:-128 512}; do
+        part "trainscale_$b" 300 python3 bench/lora_train.py --shape qwen2.5-0.5b --rank 8 --batch "$b" --prompt 24 \
+          --response 128 --compile false --variants "${TRAINSCALE_VARIANTS:-lora@full:16384}" --profile \
+          --out "$OUT/trainscale_$b.json"
+      done ;;
     reference) part reference 240 python3 bench/reference_gpu.py --out "$OUT/reference_gpu.json" ;;
     ipcbench) # CUDA IPC between two processes on one GPU vs a same-process copy (bench/weight_sync_ipc.py)
       part ipcbench 240 python3 bench/weight_sync_ipc.py --out "$OUT/weight_sync_ipc.json"

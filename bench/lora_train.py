@@ -91,7 +91,7 @@ def one(args) -> dict:
     cuda = args.device.startswith("cuda")
     actor = {"lr": 1e-5, "activation_checkpointing": checkpointing or args.checkpointing,
              "micro_batch_token_budget": int(budget or args.batch * (args.prompt + args.response)),
-             "activation_checkpointing_every": int(every or 1)}
+             "activation_checkpointing_every": int(every or 1), "compile": args.compile}
     if name != "full":
         actor["lora"] = {"rank": args.rank, "alpha": 2 * args.rank}
     settings = load_config(TrainerSettings, data={"model": {"path": args.model, "dtype": "bfloat16",
@@ -155,6 +155,8 @@ def main() -> None:
     ap.add_argument("--variants", default="full,lora,lora_peft",
                     help="comma-separated; NAME@CHECKPOINTING[/EVERY][:TOKENS] runs that variant with its own "
                          "activation_checkpointing (and micro_batch_token_budget)")
+    ap.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+                    help="actor.compile (false: the eager trainer that serves several runs' adapters)")
     ap.add_argument("--profile", action="store_true", help="each variant's top GPU kernels of one more step")
     ap.add_argument("--models", default="/tmp/meshrl-gpu-work/models")
     ap.add_argument("--out", default=None)
@@ -186,7 +188,7 @@ def main() -> None:
                 ratios[f"{v}_peak_vs_full"] = by[v]["peak_bytes"] / by["full"]["peak_bytes"]
     result = {"benchmark": "lora_train", "device": torch.cuda.get_device_name() if cuda else "cpu",
               "shape": args.shape, "lora_rank": args.rank, "batch": args.batch, "prompt": args.prompt,
-              "response": args.response, "activation_checkpointing": args.checkpointing,
+              "response": args.response, "activation_checkpointing": args.checkpointing, "compile": args.compile,
               "goal": "lora step <= 0.7 x full, lora peak <= 0.5 x full", "ratios": ratios, "results": rows}
     from provenance import stamp
 
