@@ -1,13 +1,17 @@
-"""Concurrent log-prob calls of equal settings share one command: the calls that queue while one of them waits for
-the trainer's command lock ride in its command, over their rows concatenated, and each caller gets its own rows back.
+"""Concurrent trainer calls that can share a command do: the calls that queue while one of them waits for the
+trainer's command lock ride in its command, and each caller gets its own answer back.
 
 The rollout engine's coalesced Generate (services/rollout/engine_torch/engine.py, `_Job` and `_deliver`) in threads:
 the trainer's commands run one at a time (services/trainer/commands.py), so with several runs on one trainer their
-reference calls (the base model, adapters off, the very same forward) would queue one after another. Calls merge only
-where the command's arguments other than the rows are equal (same temperature, same model); the command micro-batches
-the rows itself. Each call is checked before it queues, so a bad one fails alone; a failure of the merged command
-reaches every call in it. A caller that gives up (a gRPC deadline) leaves its thread to finish: the others are
-answered either way.
+calls would queue one after another. Two kinds merge:
+- log-prob calls (`Coalescer`): the reference calls (the base model, adapters off, the very same forward) or the
+  actor's, where the command's arguments other than the rows are equal (same temperature, same model), up to
+  `max_rows` rows; the command micro-batches the rows itself;
+- TrainActor calls of different LoRA adapters (`TrainMerger`): one pass over all their rows, each row under its own
+  adapter (services/trainer/updates/merged.py), where their update loops have one shape (merged.merge_key); never
+  two calls of one adapter (its updates apply in order).
+Each call is checked before it queues, so a bad one fails alone; a failure of the merged command reaches every call
+in it. A caller that gives up (a gRPC deadline) leaves its thread to finish: the others are answered either way.
 """
 
 from __future__ import annotations
@@ -17,35 +21,37 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from services.trainer.commands import Commands
+from services.trainer.types import ActorLoss, TrainSample
 
 
 @dataclass(eq=False)
 class _Call:
-    """One queued log-prob call: its checked rows, the settings a command's partners must share, its outcome."""
+    """One queued call: the key a command's partners must share (None: it runs alone), what it brings, its rows
+    (against max_rows), the owner no partner may share (None: any), its outcome."""
 
-    settings: tuple
-    prompts: list[list[int]]
-    responses: list[list[int]]
+    key: tuple | None
+    payload: Any
+    size: int
+    owner: Any = None
     taken: bool = False                     # in a command (running or waiting for the lock)
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
 
-    def outcome(self) -> list[list[float]]:
+    def outcome(self) -> Any:
         self.done.wait()
         if self.error is not None:
             raise self.error
         return self.result
 
 
-class Coalescer:
-    """Runs command `name(prompts, responses, temperature, *extra)` for concurrent calls, merged up to `max_rows` rows
-    a command (the trainer's request-size limit, actor.max_batch_size)."""
+class _Merger:
+    """Runs command `name` for concurrent calls, merged where their keys are equal, up to `max_rows` rows a command;
+    a subclass says what the command's arguments are and which part of its answer is each call's."""
 
-    def __init__(self, commands: Commands, name: str, *extra, max_rows: int):
+    def __init__(self, commands: Commands, name: str, *, max_rows: float):
         self.commands = commands
         self.name = name
-        self.extra = extra
         self.max_rows = max_rows
         self._cond = threading.Condition()
         self._pending: list[_Call] = []
@@ -53,14 +59,19 @@ class Coalescer:
         # calls run, commands run for them, and calls that shared their command with another call
         self.stats = {"calls": 0, "commands": 0, "merged_calls": 0}
 
-    def logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                 temperature: float) -> list[list[float]]:
-        """The command's answer for these rows (checked by the caller), run alone or merged with concurrent calls."""
-        call = _Call((float(temperature),), [list(p) for p in prompts], [list(r) for r in responses])
+    def args(self, batch: list[_Call]) -> tuple:
+        raise NotImplementedError
+
+    def split(self, out: Any, batch: list[_Call]) -> list[Any]:
+        """Each call's answer (an exception: that call's error), in order."""
+        raise NotImplementedError
+
+    def submit(self, call: _Call) -> Any:
+        """The command's answer for `call` (checked by the caller), run alone or merged with concurrent calls."""
         with self._cond:
             self._pending.append(call)
-            # Another call leads a command: wait until it takes this one, or leaves it behind (other settings, or
-            # past max_rows) and this one may lead the next.
+            # Another call leads a command: wait until it takes this one, or leaves it behind (another key, an
+            # owner already in it, or past max_rows) and this one may lead the next.
             while self._leading and not call.taken:
                 self._cond.wait()
             lead = not call.taken
@@ -75,29 +86,30 @@ class Coalescer:
 
         def build() -> tuple:
             batch.extend(self._take(call))
-            return ([p for c in batch for p in c.prompts], [r for c in batch for r in c.responses],
-                    *call.settings, *self.extra)
+            return self.args(batch)
 
         try:
             out = self.commands.run_built(self.name, build)
         except BaseException as e:          # noqa: BLE001 - handed to every call of the command
             if not batch:                   # the lock was never taken: this call alone
                 batch.extend(self._take(call, alone=True))
-            _deliver(batch, None, e)
+            _deliver(batch, [e] * len(batch))
         else:
-            assert len(out) == sum(len(c.prompts) for c in batch), "a merged command answered other rows"
-            _deliver(batch, out, None)
+            _deliver(batch, self.split(out, batch))
 
     def _take(self, call: _Call, *, alone: bool = False) -> list[_Call]:
-        """`call` and the pending calls of its settings, in arrival order, within max_rows rows; the rest wait for
-        the next command (one of them leads it)."""
+        """`call` and the pending calls of its key, in arrival order, within max_rows rows and one call per owner;
+        the rest wait for the next command (one of them leads it)."""
         with self._cond:
-            batch, rows = [call], len(call.prompts)
+            batch, rows = [call], call.size
+            owners = {call.owner} - {None}
             for other in self._pending:
-                if not alone and other is not call and other.settings == call.settings \
-                        and rows + len(other.prompts) <= self.max_rows:
-                    batch.append(other)
-                    rows += len(other.prompts)
+                if (alone or other is call or call.key is None or other.key != call.key
+                        or rows + other.size > self.max_rows or other.owner in owners):
+                    continue
+                batch.append(other)
+                rows += other.size
+                owners |= {other.owner} - {None}
             for c in batch:
                 c.taken = True
                 self._pending.remove(c)
@@ -118,13 +130,56 @@ class Coalescer:
             return {f"{prefix}_{k}": v for k, v in self.stats.items()}
 
 
-def _deliver(batch: list[_Call], out: list[list[float]] | None, error: BaseException | None) -> None:
-    """Hands each call of a command its own rows, in order, or the command's error."""
-    start = 0
-    for c in batch:
-        if error is not None:
-            c.error = error
+class Coalescer(_Merger):
+    """Runs log-prob command `name(prompts, responses, temperature, *extra)` for concurrent calls, merged up to
+    `max_rows` rows a command (the trainer's request-size limit, actor.max_batch_size)."""
+
+    def __init__(self, commands: Commands, name: str, *extra, max_rows: int):
+        super().__init__(commands, name, max_rows=max_rows)
+        self.extra = extra
+
+    def logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                 temperature: float) -> list[list[float]]:
+        """The command's answer for these rows (checked by the caller), run alone or merged with concurrent calls."""
+        return self.submit(_Call((float(temperature),), ([list(p) for p in prompts], [list(r) for r in responses]),
+                                 len(prompts)))
+
+    def args(self, batch: list[_Call]) -> tuple:
+        return ([p for c in batch for p in c.payload[0]], [r for c in batch for r in c.payload[1]],
+                *batch[0].key, *self.extra)
+
+    def split(self, out: list[list[float]], batch: list[_Call]) -> list[Any]:
+        assert len(out) == sum(c.size for c in batch), "a merged command answered other rows"
+        parts, start = [], 0
+        for c in batch:
+            parts.append(out[start:start + c.size])
+            start += c.size
+        return parts
+
+
+class TrainMerger(_Merger):
+    """TrainActor calls (command train_actors): concurrent calls of different adapters and one `key`
+    (updates/merged.merge_key, None: alone) share one pass; the command gives each call its metrics or error."""
+
+    def __init__(self, commands: Commands):
+        super().__init__(commands, "train_actors", max_rows=float("inf"))
+
+    def train(self, samples: list[TrainSample], loss: ActorLoss, adapter: str, key: tuple | None) -> dict[str, float]:
+        return self.submit(_Call(key, (samples, loss, adapter), len(samples), owner=adapter))
+
+    def args(self, batch: list[_Call]) -> tuple:
+        return ([c.payload for c in batch],)
+
+    def split(self, out: list[Any], batch: list[_Call]) -> list[Any]:
+        assert len(out) == len(batch), "a merged update answered other calls"
+        return out
+
+
+def _deliver(batch: list[_Call], answers: list[Any]) -> None:
+    """Hands each call of a command its own answer, or its error."""
+    for c, answer in zip(batch, answers):
+        if isinstance(answer, BaseException):
+            c.error = answer
         else:
-            c.result = out[start:start + len(c.prompts)]
-            start += len(c.prompts)
+            c.result = answer
         c.done.set()

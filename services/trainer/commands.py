@@ -30,7 +30,7 @@ from services.trainer.types import ActorLoss, CriticLoss, CriticSample, DPOLoss,
 from services.trainer.updates.actor import ActorUpdate
 from services.trainer.updates.critic import CriticUpdate
 from services.trainer.updates.dpo import DPOUpdate
-from services.trainer.updates import primitive
+from services.trainer.updates import merged, primitive
 from services.trainer.updates.runner import Update, run_update
 from services.trainer.weights import full, snapshots
 
@@ -46,12 +46,39 @@ def train_actor(rank: Rank, samples: list[TrainSample], loss: ActorLoss, adapter
     """One policy update of the actor, or of named adapter `adapter` alone (its optimizer, its weight version)."""
     with adapter_set.using(rank, adapter) as trained:
         metrics = _update(rank, ActorUpdate(rank.layout, trained, samples, loss, fused=rank.fused_logprobs))
+    _updated(rank, adapter)
+    return metrics
+
+
+def _updated(rank: Rank, adapter: str) -> None:
+    """After an update of `adapter` ("" = the run's): its new weight version, and its push stored."""
     if adapter:
         adapter_set.get(rank, adapter).weight_version += 1
     else:
         rank.weight_version += 1
     snapshots.store(rank, adapter)
-    return metrics
+
+
+def train_actors(rank: Rank, calls: list[tuple[list[TrainSample], ActorLoss, str]]) -> list[dict[str, float]]:
+    """TrainActor calls that queued together (services/trainer/coalesce.py TrainMerger), each (samples, loss,
+    adapter): one alone is train_actor; several, of distinct adapters, run in one pass (updates/merged.py)."""
+    if len(calls) == 1:
+        return [train_actor(rank, *calls[0])]
+    if merged.unmergeable(rank, [adapter for _, _, adapter in calls]) is None:
+        rank.pristine = False
+        metrics = merged.train_together(rank, calls, seed=rank.cfg.seed if rank.cfg.shuffle else None)
+        for _, _, adapter in calls:
+            _updated(rank, adapter)
+        return metrics
+    return [_alone(rank, call) for call in calls]
+
+
+def _alone(rank: Rank, call: tuple) -> dict[str, float] | Exception:
+    """One call of a batch that cannot run in one pass: its metrics, or its own error (the others still run)."""
+    try:
+        return train_actor(rank, *call)
+    except Exception as e:  # noqa: BLE001 - that call's answer (coalesce.TrainMerger hands it over)
+        return e
 
 
 def train_dpo(rank: Rank, pairs: list[PreferencePair], loss: DPOLoss) -> dict[str, float]:
@@ -172,7 +199,8 @@ def adapter_for_sync(rank: Rank, name: str, on_device: bool, kind: str = "adapte
 # name maps to code.
 COMMANDS: dict[str, Callable[..., Any]] = {
     "warm_up": forward.warm_up, "compute_logprobs": forward.compute_logprobs,
-    "compute_values": forward.compute_values, "train_actor": train_actor, "train_dpo": train_dpo,
+    "compute_values": forward.compute_values, "train_actor": train_actor,
+    "train_actors": train_actors, "train_dpo": train_dpo,
     "train_critic": train_critic, "configure_run": configure_run, "configure_adapter": configure_adapter,
     "adapter_logprobs": adapter_logprobs, "state_for_sync": state_for_sync,
     "save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint, "export_hf": full.export_hf,

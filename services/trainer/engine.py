@@ -19,7 +19,7 @@ import torch
 from services.common.errors import FailedPrecondition
 from services.common.tensors.modeling import validate_sequences
 from services.trainer.batch import validate_actor_batch, validate_critic_batch, validate_dpo_batch
-from services.trainer.coalesce import Coalescer
+from services.trainer.coalesce import Coalescer, TrainMerger
 from services.trainer.commands import Commands
 from services.trainer.config import OptimSection, RunOptim, TrainerSettings
 from services.trainer.model import adapter_set, adapters, checkpoint
@@ -28,6 +28,7 @@ from services.trainer.rank import Rank
 from services.trainer.steps import StepRecord
 from services.trainer.types import (ActorLoss, AdamParams, CriticLoss, CriticSample, Datum, DPOLoss, PreferencePair,
                                     PrimitiveLoss, RunStep, TrainSample)
+from services.trainer.updates import merged
 from services.trainer.updates.primitive import validate_datums
 from services.trainer.weights import snapshots
 
@@ -51,6 +52,8 @@ class TrainerEngine:
         limit = self.rank.cfg.max_batch_size
         self.reference = Coalescer(self.commands, "compute_logprobs", True, max_rows=limit)
         self.actor_logprobs = Coalescer(self.commands, "compute_logprobs", False, max_rows=limit)
+        # Concurrent TrainActor calls of different adapters (several runs' updates) share one pass.
+        self.train_merger = TrainMerger(self.commands)
 
     # ---- log-probs and values ---------------------------------------------------------------------
 
@@ -111,10 +114,11 @@ class TrainerEngine:
         r = self.rank
         self._check_batch_size("samples", len(samples))
         validate_actor_batch(samples, loss, vocab_size=r.vocab_size, max_len=r.max_len, dp_size=r.dims.dp)
+        key = merged.merge_key(r, samples, loss)
         if adapter:
             adapter_set.get(r, adapter)
-            return self.commands.run("train_actor", list(samples), loss, adapter), False
-        return self.steps.apply(run_step, lambda: self.commands.run("train_actor", list(samples), loss),
+            return self.train_merger.train(list(samples), loss, adapter, key), False
+        return self.steps.apply(run_step, lambda: self.train_merger.train(list(samples), loss, "", key),
                                 lambda: r.weight_version)
 
     def train_dpo(self, pairs: Sequence[PreferencePair], loss: DPOLoss,
@@ -336,6 +340,7 @@ class TrainerEngine:
                 "lora_rank": cfg.lora.rank if cfg.lora else 0, "named_adapters": ",".join(self.adapter_names()),
                 "compile": r.compiled, "warmup_seconds": round(self.warmup_seconds, 3),
                 **self.reference.info("reference"), **self.actor_logprobs.info("logprobs"),
+                **self.train_merger.info("train"),
                 **self.steps.details(), "run_step_metrics": self._run_step_metrics()}
 
     def _run_step_metrics(self) -> str:

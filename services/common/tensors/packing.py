@@ -151,6 +151,21 @@ def _to(x: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
+def packs(total: np.ndarray, packed: bool) -> bool:
+    """Whether rows of these total lengths run as one packed row. Rows of one length have no padding to remove: they
+    run as [B, L], where the padded path's attention kernel (cuDNN's on Hopper, faster than varlen flash attention)
+    applies. Same values either way."""
+    return packed and len(total) > 1 and bool((total != total[0]).any())
+
+
+def token_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, packed: bool) -> np.ndarray:
+    """The row of each token of token_layout's input_ids, flattened (padding belongs to its row): what a forward
+    that treats rows differently (services/trainer/model/lora_mixed.py) indexes by."""
+    total = np.fromiter((len(p) + len(r) for p, r in zip(prompts, responses)), np.int64, len(prompts))
+    rows = np.arange(len(total))
+    return np.repeat(rows, total) if packs(total, packed) else np.repeat(rows, int(total.max()))
+
+
 def token_layout(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_id: int,
                  device: torch.device, packed: bool) -> TokenLayout:
     """The TokenLayout of prompts + responses, built on the host with numpy and copied without a sync; `packed`
@@ -160,9 +175,7 @@ def token_layout(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[
     rlen = np.fromiter((len(r) for r in responses), np.int64, B)
     total = plen + rlen
     R = int(rlen.max())
-    # Rows of one length have no padding to remove: they run as [B, L], where the padded path's attention kernel
-    # (cuDNN's on Hopper, faster than varlen flash attention) applies. Same values either way.
-    packed = packed and B > 1 and bool((total != total[0]).any())
+    packed = packs(total, packed)
     if packed:
         starts = np.concatenate([[0], np.cumsum(total)])                                # [B + 1]
         ids = np.concatenate([np.concatenate([p, r]) for p, r in zip(prompts, responses)]).astype(np.int64)

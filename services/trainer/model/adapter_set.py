@@ -108,6 +108,37 @@ def using(rank, name: str):
         _activate(rank.actor.module, ADAPTER)
 
 
+def adapter_name(name: str) -> str:
+    """The layers' name of a command's adapter ("" = the run's own)."""
+    return name or ADAPTER
+
+
+@contextmanager
+def together(rank, names: list[str]):
+    """The Trained of each of `names` ("" = the run's actor), every one of their adapters trainable at once for an
+    update that runs them in one pass (updates/merged.py); `step_of` makes one the active adapter for its optimizer
+    step. The run's adapter is the active one afterwards."""
+    trained = [rank.actor if not n else get(rank, n).trained for n in names]
+    try:
+        trainable(rank.actor.module, names)
+        yield trained
+    finally:
+        _activate(rank.actor.module, ADAPTER)
+
+
+def trainable(module, names: list[str]) -> None:
+    """Every adapter of `names` trainable (peft's set_adapter leaves only the active one so)."""
+    marks = tuple(f".lora_{ab}.{adapter_name(n)}." for n in names for ab in "AB")
+    for n, p in module.named_parameters():
+        if any(m in n for m in marks):
+            p.requires_grad_(True)
+
+
+def step_of(rank, name: str) -> None:
+    """Adapter `name` alone trainable (the optimizer step's clip reads the trainable parameters)."""
+    _activate(rank.actor.module, adapter_name(name))
+
+
 def create(rank, name: str) -> None:
     """Injects a fresh adapter `name` with the run's LoRA settings (peft's init: A random, B zero, so it starts as
     the base) and gives it its own AdamW (command: every rank)."""

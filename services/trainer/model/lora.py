@@ -16,6 +16,7 @@ from torch import nn
 
 from services.common.tensors.weights import named_weights
 from services.trainer.config import LoraSection
+from services.trainer.model import lora_mixed
 from services.trainer.model.lora_group import grouped_linear
 from services.trainer.model.lora_linear import adapted_linear
 
@@ -56,7 +57,8 @@ def lean_forward(layer: nn.Module, group: tuple[SiblingGroup, int] | None = None
     Why not peft's own forward: it casts the layer's input to the adapters' fp32 before A (two extra [tokens, in]
     copies per adapted layer kept for backward), and adds B's scaled output in separate passes. Installed on the
     instance: module names, state dicts and peft's other methods (merge, get_delta_weight, enable_adapters) stay.
-    A layer this op does not cover (a LoRA bias, dropout, DoRA, a base that trains) keeps peft's forward.
+    A layer this op does not cover (a LoRA bias, dropout, DoRA, a base that trains) keeps peft's forward. Inside
+    lora_mixed.rows, each token goes through its row's adapter (several runs' updates in one pass).
     """
     base = layer.base_layer
     peft_forward = type(layer).forward.__get__(layer)
@@ -66,6 +68,9 @@ def lean_forward(layer: nn.Module, group: tuple[SiblingGroup, int] | None = None
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if layer.disable_adapters:
             return base(x, *args, **kwargs)
+        mixed = lora_mixed.active()
+        if mixed is not None and not (args or kwargs):
+            return lora_mixed.mixed_linear(layer, x, mixed)
         adapter = None if args or kwargs else lean_adapter(layer)
         if adapter is None:
             return peft_forward(x, *args, **kwargs)

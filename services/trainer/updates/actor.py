@@ -83,16 +83,22 @@ class ActorUpdate(Update):
         return TrainSample([pad], [pad], [0.0], [0.0], [0.0])
 
     def loss(self, rows: list[TrainSample], denom: float):
-        layout, width = self.layout, max(len(s.response_ids) for s in rows)
-        with layout.amp():
-            logp, mask, entropy = self._logprobs([s.prompt_ids for s in rows], [s.response_ids for s in rows])
+        with self.layout.amp():
+            logp, mask, entropy = self.logprobs_of([s.prompt_ids for s in rows], [s.response_ids for s in rows])
+        return self.loss_of(rows, logp, mask, entropy, denom)
+
+    def loss_of(self, rows: list[TrainSample], logp: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor,
+                denom: float):
+        """`loss` from the rows' (logp, mask, entropy) [B, R] (R: at least their longest response), however
+        computed (alone, or beside other runs' rows: updates/merged.py)."""
+        layout, width = self.layout, logp.shape[1]
         mask = self.token_mask(rows, mask)
         ref = layout.padded([s.ref_logprobs for s in rows], width) if self.use_kl else None
         old = logp.detach() if self.on_policy else layout.padded([s.old_logprobs for s in rows], width)
         return actor_loss(logp, mask, entropy, old, layout.padded([s.advantages for s in rows], width), ref,
                           self.settings, denom)
 
-    def _logprobs(self, prompts, responses):
+    def logprobs_of(self, prompts, responses):
         """(logp, mask, entropy) [B, R] of one micro-batch, with gradients (packed rows and the fused head
         when on)."""
         return sequence_logprobs(self.trained.forward, prompts, responses, pad_id=self.layout.pad_id,

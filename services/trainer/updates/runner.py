@@ -79,7 +79,7 @@ def run_update(update: Update, *, seed: int | None, defer_last_step: bool) -> di
     trained, n = update.trained, len(update.items)
     # This rank's part, on the device; summed over ranks once at the end (every sum is linear).
     local = torch.zeros(len(update.stat_keys), dtype=torch.float64, device=update.layout.device)
-    steps = _Steps()
+    steps = StepLog()
     batches = mini_batches(n, update.mini_batch_size)
     for epoch in range(update.epochs):
         order = batch_order(n, seed=seed, step=trained.step, epoch=epoch)
@@ -93,7 +93,7 @@ def run_update(update: Update, *, seed: int | None, defer_last_step: bool) -> di
     return {**update.metrics(totals, steps.num_mini, seconds), **steps.metrics(trained, seconds)}
 
 
-class _Steps:
+class StepLog:
     """What the optimizer steps of one call did; the last one's norm may still be on the device (deferred)."""
 
     def __init__(self):

@@ -1,0 +1,99 @@
+"""Several LoRA adapters in one forward and backward: each token under the adapter of its row, so the updates of
+several runs on one trainer (services/trainer/updates/merged.py) run as one pass over all their rows, as the rollout
+engine's decode already serves every run's rows in one batch.
+
+An adapted linear in mixed mode computes y = x W^T + b + (z * M) B^T with z = x A^T, where A stacks the adapters'
+A's ([R, in], R the sum of their ranks), B holds their scaled B's side by side ([out, R]) and M [T, R] is 1 where
+column r belongs to token t's adapter, else 0. So the frozen base runs one GEMM over every row, and the adapters two
+GEMMs of inner size R (the k adapters' rank-r GEMMs as one), each adapter's gradient only from its own rows (M zeroes
+the others'). Plain autograd ops: this mode runs in the eager trainer that serves several runs (a compiled trainer
+goes eager at its first named adapter: model/adapter_set.py).
+
+The mode is a module-level state, set for one forward and its backward: commands run one at a time
+(services/trainer/commands.py), and on CUDA a checkpointed block's recompute runs on autograd's device thread, where
+a thread-local would not be seen.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVE: "MixedRows | None" = None
+
+
+class MixedRows:
+    """The adapters of one forward (`names`) and the index into them of each of its tokens ([T], flattened as the
+    model's input: services.common.tensors.packing.token_rows)."""
+
+    def __init__(self, names: Sequence[str], token_adapter: torch.Tensor):
+        self.names = list(names)
+        self.token_adapter = token_adapter
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def mask(self, ranks: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """M [T, R]: 1 where column r (of the adapters' ranks side by side) is token t's adapter's; one per layer
+        shape, shared by every layer of the forward."""
+        key = (ranks, dtype)
+        if key not in self._masks:
+            idx = self.token_adapter
+            onehot = idx[:, None] == torch.arange(len(ranks), device=idx.device)[None, :]
+            self._masks[key] = onehot.to(dtype).repeat_interleave(torch.tensor(ranks, device=idx.device), dim=1,
+                                                                  output_size=sum(ranks))
+        return self._masks[key]
+
+
+def active() -> MixedRows | None:
+    return _ACTIVE
+
+
+@contextmanager
+def rows(names: Sequence[str], token_adapter: torch.Tensor):
+    """Mixed mode for the forward and backward run inside: token t under adapter names[token_adapter[t]]."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        raise RuntimeError("lora_mixed: a mixed forward is already running")
+    _ACTIVE = MixedRows(names, token_adapter)
+    try:
+        yield _ACTIVE
+    finally:
+        _ACTIVE = None
+
+
+def unmixable(layers: dict[str, nn.Module], names: Sequence[str]) -> str | None:
+    """Why these adapters cannot run in one mixed forward, or None: each adapted layer must be a plain linear (a
+    frozen nn.Linear base, no LoRA bias, dropout or variant such as DoRA), as the lean forward covers."""
+    for layer_name, layer in layers.items():
+        base = layer.base_layer
+        if not isinstance(base, nn.Linear) or base.weight.requires_grad:
+            return f"{layer_name}: not a frozen linear"
+        for n in names:
+            if n not in layer.lora_A:
+                return f"{layer_name}: no adapter {n!r}"
+            if (layer.lora_B[n].bias is not None or n in getattr(layer, "lora_variant", {})
+                    or not isinstance(layer.lora_dropout[n], nn.Identity)):
+                return f"{layer_name}: adapter {n!r} has a bias, dropout or variant"
+    return None
+
+
+def mixed_linear(layer: nn.Module, x: torch.Tensor, mixed: MixedRows) -> torch.Tensor:
+    """base(x) + each token's adapter's scaled B(A(x)), in the compute dtype (the autocast dtype under autocast, else
+    x's; the fp32 adapters are cast to it and their gradients come back in fp32)."""
+    base = layer.base_layer
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+    if x2.shape[0] != mixed.token_adapter.shape[0]:
+        raise RuntimeError(f"lora_mixed: {layer.__class__.__name__} got {x2.shape[0]} tokens, the mixed rows have "
+                           f"{mixed.token_adapter.shape[0]}")
+    a = torch.cat([layer.lora_A[n].weight for n in mixed.names]).to(dtype)                     # [R, in]
+    b = torch.cat([layer.lora_B[n].weight * layer.scaling[n] for n in mixed.names], dim=1).to(dtype)  # [out, R]
+    ranks = tuple(layer.lora_A[n].weight.shape[0] for n in mixed.names)
+    z = torch.mm(x2, a.t()) * mixed.mask(ranks, dtype)                                        # [T, R]
+    y = F.linear(x2, base.weight.to(dtype), None if base.bias is None else base.bias.to(dtype))
+    return torch.addmm(y, z, b.t()).view(*lead, -1)

@@ -1,0 +1,131 @@
+"""Several runs' TrainActor calls in one pass (services/trainer/updates/merged.py, model/lora_mixed.py,
+coalesce.TrainMerger): each adapter ends where its update alone takes it (weights, metrics, weight version, stored
+push), concurrent calls of different adapters share one command, calls of one adapter or of another loop shape do
+not, and a batch that cannot run in one pass runs each call alone with its own answer.
+
+Compared with allclose at float32: a merged micro-batch holds other rows (other padded widths) than a call alone,
+which changes the kernels' reduction order (metrics about 1e-6 apart on CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.common.config import load_config
+from services.trainer.config import TrainerSettings
+from services.trainer.engine import TrainerEngine
+from services.trainer.model import adapter_set
+from services.trainer.model.lora import adapter_state
+from services.trainer.testing import make_tiny_model
+from services.trainer.types import ActorLoss, TrainSample
+from services.trainer.weights import snapshots
+from tests.unit.test_trainer_reference_coalescing import _held
+
+LORA = {"rank": 4, "alpha": 8}
+NAMES = ["", "a", "b"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("merged_updates") / "m")
+
+
+def _engine(model: str) -> TrainerEngine:
+    torch.manual_seed(0)            # the named adapters' A's start alike in every engine
+    engine = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": model},
+                                                              "actor": {"lr": 1e-2, "lora": LORA}}))
+    for name in NAMES[1:]:
+        engine.create_adapter(name)
+    for name in NAMES:
+        snapshots.held(engine.rank, name, False)    # as a push would: updates store their pushes from now on
+    return engine
+
+
+def _samples(engine: TrainerEngine, seed: int, n: int = 4) -> list[TrainSample]:
+    """n rows of random lengths, old log-probs the base's (every adapter starts as the base: B = 0)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 32) for _ in range(rng.randint(1, 6))] for _ in range(n)]
+    responses = [[rng.randrange(3, 32) for _ in range(rng.randint(2, 9))] for _ in range(n)]
+    old = engine.compute_logprobs(prompts, responses)
+    return [TrainSample(p, r, [rng.uniform(-1, 1) for _ in r], o) for p, r, o in zip(prompts, responses, old)]
+
+
+def _calls(engine: TrainerEngine) -> list[tuple]:
+    """(samples, loss, adapter) per adapter: two epochs of two mini-batches each, each run its own loss settings."""
+    losses = [ActorLoss(ppo_epochs=2, mini_batch_size=2),
+              ActorLoss(ppo_epochs=2, mini_batch_size=2, entropy_coef=0.01,
+                        policy_loss_settings={"clip_ratio_low": 0.1, "clip_ratio_high": 0.1}),
+              ActorLoss(ppo_epochs=2, mini_batch_size=3, loss_agg_mode="seq-mean-token-mean")]
+    return [(_samples(engine, seed), loss, name) for seed, (loss, name) in enumerate(zip(losses, NAMES))]
+
+
+def _weights(engine: TrainerEngine) -> dict[str, dict[str, torch.Tensor]]:
+    return {n: {k: v.clone() for k, v in adapter_state(engine.rank.actor.module, n or "default").items()}
+            for n in NAMES}
+
+
+def _close_metrics(got: dict, want: dict) -> None:
+    for key in ("loss", "pg_loss", "entropy", "grad_norm", "clip_frac", "approx_kl", "num_optimizer_steps", "lr"):
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+
+
+def test_merged_pass_equals_each_update_alone(model):
+    alone, together = _engine(model), _engine(model)
+    before = _weights(alone)
+    for n in NAMES:
+        for k, v in before[n].items():
+            torch.testing.assert_close(v, _weights(together)[n][k], rtol=0, atol=0)
+    calls = _calls(alone)
+    want = [alone.train_actor_step(samples, loss, None, name)[0] for samples, loss, name in calls]
+    got = together.commands.run("train_actors", calls)
+    for g, w in zip(got, want):
+        _close_metrics(g, w)
+    after_alone, after_together = _weights(alone), _weights(together)
+    for n in NAMES:
+        moved = max((after_together[n][k] - before[n][k]).abs().max().item() for k in before[n])
+        assert moved > 1e-4, f"adapter {n!r} did not train"
+        for k in before[n]:
+            # AdamW's steps are about lr (1e-2) whatever the gradient's size: on an entry whose gradient is tiny, the
+            # reduction order's 1e-7 moves its step by up to 1e-5 (seen: 9.5e-6); a wrong row or adapter moves 1e-2.
+            torch.testing.assert_close(after_together[n][k], after_alone[n][k], rtol=1e-4, atol=3e-5)
+    # Each adapter's own version moved once, and its push stored at it; only the run's adapter is active again.
+    assert together.rank.weight_version == alone.rank.weight_version
+    for n in NAMES[1:]:
+        assert adapter_set.get(together.rank, n).weight_version == adapter_set.get(alone.rank, n).weight_version == 1
+    for n in NAMES:
+        state, version = snapshots.held(together.rank, n, False)
+        assert version == (adapter_set.get(together.rank, n).weight_version if n else together.rank.weight_version)
+    trainable = {name for name, p in together.rank.actor.module.named_parameters() if p.requires_grad}
+    assert trainable and all(".default." in name for name in trainable)
+
+
+def test_concurrent_calls_of_different_adapters_share_a_pass(model):
+    engine = _engine(model)
+    calls = _calls(engine)
+    same = [(samples, ActorLoss(ppo_epochs=2, mini_batch_size=2), name) for samples, _, name in calls]
+    # Run 0 and a second call of adapter "a" (its updates apply in order), then one of another temperature.
+    extra = [(same[1][0], ActorLoss(ppo_epochs=2, mini_batch_size=2), "a"),
+             (same[2][0], ActorLoss(ppo_epochs=2, mini_batch_size=2, temperature=0.7), "b")]
+    jobs = [lambda c=c: engine.train_actor_step(c[0], c[1], None, c[2])[0] for c in same + extra]
+    out = _held(engine, engine.train_merger, jobs)
+    assert all(isinstance(m, dict) and m["num_optimizer_steps"] == 4 for m in out), out
+    info = engine.train_merger.info("train")
+    # The first three in one pass; the second "a" and the other temperature each wait for a command of their own
+    # (the second "a" may meet the other-temperature "b": different keys never merge).
+    assert info["train_merged_calls"] == 3 and info["train_calls"] == 5 and info["train_commands"] == 3, info
+    assert adapter_set.get(engine.rank, "a").weight_version == 2
+
+
+def test_a_batch_that_cannot_run_in_one_pass_runs_each_call_alone(model, monkeypatch):
+    engine = _engine(model)
+    calls = _calls(engine)
+    from services.trainer.updates import merged
+
+    monkeypatch.setattr(merged, "unmergeable", lambda rank, names: "test: no mixed forward")
+    bad = (calls[1][0], calls[1][1], "gone")              # an adapter deleted after its call was checked
+    out = engine.commands.run("train_actors", [calls[0], bad, calls[2]])
+    assert isinstance(out[1], Exception) and "gone" in str(out[1])
+    assert out[0]["num_optimizer_steps"] == 4 and out[2]["num_optimizer_steps"] == 4
+    assert adapter_set.get(engine.rank, "b").weight_version == 1
