@@ -183,7 +183,7 @@ for what in "$@"; do
       part manyrunsmodel 240 python3 examples/gpu/make_model.py --shape qwen2.5-0.5b   # no-op when already built
       part manyruns 420 python3 bench/many_runs.py --device cuda --runs "${MANY_RUNS:-4}" --steps "${MANY_STEPS:-4}" --rounds "${MANY_ROUNDS:-1}" \
         --max-tokens "${MANY_MAX_TOKENS:-128}" --kv-cache "${MANY_KV:-auto}" --mesh "${MANY_MESH:-inprocess}" \
-        --threads "$OMP_NUM_THREADS" --out "$OUT/many_runs_gpu.json" ;;
+        --threads "$OMP_NUM_THREADS" --mesh-log "$OUT/many_runs_logs" --out "$OUT/many_runs_gpu.json" ;;
     wsipc) part wsipc 240 python3 bench/weight_sync.py --transport ipc --device cuda:0 --repeats 10 \
              --out "$OUT/weight_sync.json" ;;
     meshrl) TORCH_LOGS="${TORCH_LOGS:-recompiles}" part meshrl 560 python3 bench/e2e_grpo.py run --device cuda --shape qwen2.5-0.5b --steps "$STEPS" \

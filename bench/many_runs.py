@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -160,11 +161,11 @@ async def inprocess_mesh(config: dict, args):
 
 
 @contextlib.asynccontextmanager
-async def process_mesh(config: dict, work: Path, threads: int):
+async def process_mesh(config: dict, work: Path, threads: int, keep_log: str | None = None):
     """`meshrl mesh RECIPE` as a child of this process, as a user starts it; yields the runs' driver and the runs'
     config (the recipe: the coordinator fills in its services, as for `meshrl run`). The recipe file carries every
     setting of recipe(). The mesh records its coordinator in `work`/cache (XDG_CACHE_HOME), not the user's mesh file.
-    It is stopped on the way out, error or not (SIGTERM: it stops its services, coordinator/cli/launcher.py); if this
+    Its output and its services' logs are copied to folder `keep_log` once it stops (--mesh-log). It is stopped on the way out, error or not (SIGTERM: it stops its services, coordinator/cli/launcher.py); if this
     process dies first, the kernel SIGTERMs it (setpriv's death signal, as the launcher's own children get)."""
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -186,6 +187,9 @@ async def process_mesh(config: dict, work: Path, threads: int):
             yield MeshRuns(client), config
     finally:
         stop_mesh(proc)
+        if keep_log:                # the mesh's output and its services' logs (run_dir/logs)
+            shutil.copytree(work / "runs" / "logs", keep_log, dirs_exist_ok=True)
+            shutil.copyfile(log, Path(keep_log, "mesh.log"))
 
 
 def recorded_coordinator(proc: subprocess.Popen, record: Path, log: Path) -> str:
@@ -235,7 +239,7 @@ async def timed_phases(runs: LocalRuns | MeshRuns, config: dict, args) -> list[d
 async def main_async(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         config = recipe(Path(tmp) / "runs", args)
-        mesh = (process_mesh(config, Path(tmp), args.threads) if args.mesh == "processes"
+        mesh = (process_mesh(config, Path(tmp), args.threads, args.mesh_log) if args.mesh == "processes"
                 else inprocess_mesh(config, args))
         async with mesh as (runs, run_config):
             phases = await timed_phases(runs, run_config, args)
@@ -256,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the model folder of --model-path in bfloat16")
     ap.add_argument("--runs", type=int, default=None, help="runs per phase (default 2 on cpu, 4 on cuda)")
+    ap.add_argument("--mesh-log", default=None, help="--mesh processes: a folder to copy the mesh's and its services' logs to at the end")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 8 on cpu, 4 on cuda)")
     ap.add_argument("--rounds", type=int, default=2, choices=(1, 2), help="1: concurrent then sequential (the concurrent phase pays the warm-up); 2: ABBA")
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

@@ -157,6 +157,25 @@ class Coalescer(_Merger):
         return parts
 
 
+class AdapterCoalescer(Coalescer):
+    """The actor's log-prob calls, each under its adapter ("" = the run's; command adapter_logprobs): calls of one
+    temperature merge, of different adapters too where `mixes` (the trainer runs rows of several adapters in one
+    forward: updates/merged.py), else only calls of one adapter."""
+
+    def __init__(self, commands: Commands, *, max_rows: int):
+        super().__init__(commands, "adapter_logprobs", max_rows=max_rows)
+
+    def adapter_logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                         temperature: float, adapter: str, *, mixes: bool) -> list[list[float]]:
+        key = (float(temperature),) if mixes else (float(temperature), adapter)
+        return self.submit(_Call(key, ([list(p) for p in prompts], [list(r) for r in responses], adapter),
+                                 len(prompts)))
+
+    def args(self, batch: list[_Call]) -> tuple:
+        return ([p for c in batch for p in c.payload[0]], [r for c in batch for r in c.payload[1]],
+                batch[0].key[0], [(c.payload[2], c.size) for c in batch])
+
+
 class TrainMerger(_Merger):
     """TrainActor calls (command train_actors): concurrent calls of different adapters and one `key`
     (updates/merged.merge_key, None: alone) share one pass; the command gives each call its metrics or error."""

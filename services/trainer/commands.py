@@ -17,6 +17,7 @@ import threading
 from contextlib import nullcontext
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from services.common.errors import FailedPrecondition, passes_through
@@ -67,6 +68,9 @@ def train_actors(rank: Rank, calls: list[tuple[list[TrainSample], ActorLoss, str
     if merged.unmergeable(rank, [adapter for _, _, adapter in calls]) is None:
         rank.pristine = False
         metrics = merged.train_together(rank, calls, seed=rank.cfg.seed if rank.cfg.shuffle else None)
+        if rank.index == 0:
+            log.info("one pass for %d adapters' updates (%s; %d rows)", len(calls),
+                     ", ".join(a or "the run's" for _, _, a in calls), sum(len(s) for s, _, _ in calls))
         for _, _, adapter in calls:
             _updated(rank, adapter)
         return metrics
@@ -129,10 +133,23 @@ def configure_adapter(rank: Rank, adapter: str, actor: ActorConfig, reset_schedu
     apply_hyperparams(trained.optimizer, trained.scheduler, actor, reset_schedule=reset_schedule)
 
 
-def adapter_logprobs(rank: Rank, adapter: str, prompts, responses, temperature: float):
-    """Log-probs under named adapter `adapter` (made the layers' active adapter for the call)."""
-    with adapter_set.using(rank, adapter):
-        return forward.actor_logprobs(rank, prompts, responses, temperature)
+@torch.no_grad()
+def adapter_logprobs(rank: Rank, prompts, responses, temperature: float, spans: list[tuple[str, int]]):
+    """Log-probs of calls merged on rank 0 (coalesce.AdapterCoalescer), each span (adapter, rows) of the rows under
+    its adapter ("" = the run's): one adapter's as before (made the layers' active adapter), several in one forward
+    where the trainer can mix them (updates/merged.py), else one adapter's rows after another's."""
+    names = list(dict.fromkeys(a for a, _ in spans))
+    if len(names) > 1 and merged.unmergeable(rank, names) is None:
+        of_row = [names.index(a) for a, n in spans for _ in range(n)]
+        return forward.actor_logprobs(rank, prompts, responses, temperature,
+                                      ([adapter_set.adapter_name(a) for a in names], of_row))
+    out, start = [], 0
+    for adapter, n in spans:
+        with adapter_set.using(rank, adapter):
+            part = forward.actor_logprobs(rank, prompts[start:start + n], responses[start:start + n], temperature)
+        out = None if part is None else out + part              # None: a rank > 0
+        start += n
+    return out
 
 
 def save_checkpoint(rank: Rank, path: str, weight_version: int) -> None:

@@ -19,7 +19,7 @@ import torch
 from services.common.errors import FailedPrecondition
 from services.common.tensors.modeling import validate_sequences
 from services.trainer.batch import validate_actor_batch, validate_critic_batch, validate_dpo_batch
-from services.trainer.coalesce import Coalescer, TrainMerger
+from services.trainer.coalesce import AdapterCoalescer, Coalescer, TrainMerger
 from services.trainer.commands import Commands
 from services.trainer.config import OptimSection, RunOptim, TrainerSettings
 from services.trainer.model import adapter_set, adapters, checkpoint
@@ -51,7 +51,7 @@ class TrainerEngine:
         # on one LoRA trainer), up to the request-size limit (services/trainer/coalesce.py).
         limit = self.rank.cfg.max_batch_size
         self.reference = Coalescer(self.commands, "compute_logprobs", True, max_rows=limit)
-        self.actor_logprobs = Coalescer(self.commands, "compute_logprobs", False, max_rows=limit)
+        self.actor_logprobs = AdapterCoalescer(self.commands, max_rows=limit)
         # Concurrent TrainActor calls of different adapters (several runs' updates) share one pass.
         self.train_merger = TrainMerger(self.commands)
 
@@ -80,10 +80,10 @@ class TrainerEngine:
         self._check_sequences(prompts, responses, temperature)
         if adapter:
             adapter_set.get(self.rank, adapter)
-            # Not merged: rows of different adapters would need a per-row adapter in the forward.
-            return self.commands.run("adapter_logprobs", adapter, [list(p) for p in prompts],
-                                     [list(r) for r in responses], temperature)
-        return self.actor_logprobs.logprobs(prompts, responses, temperature)
+        # Concurrent calls of one temperature share a command, several adapters' rows in one forward where this
+        # trainer runs them so (coalesce.AdapterCoalescer).
+        return self.actor_logprobs.adapter_logprobs(prompts, responses, temperature, adapter,
+                                                    mixes=merged.mixes(self.rank))
 
     def compute_reference_logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                                    temperature: float = 1.0) -> list[list[float]]:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 from services.common.tensors.compile import warm_up_forward
 from services.common.tensors.fused import sequence_logprobs
+from services.common.tensors.packing import token_rows
+from services.trainer.model import lora_mixed
 from services.trainer.model.lora import adapters_off
 from services.trainer.parallel.mesh import gather_to_rank0
 from services.trainer.parallel.pipeline import last_stage_head, stage_logprobs
@@ -44,7 +47,10 @@ def compute_logprobs(rank: Rank, prompts, responses, temperature: float, base: b
         return actor_logprobs(rank, prompts, responses, temperature)
 
 
-def actor_logprobs(rank: Rank, prompts, responses, temperature: float) -> list[list[float]] | None:
+def actor_logprobs(rank: Rank, prompts, responses, temperature: float,
+                   row_adapters: tuple[list[str], list[int]] | None = None) -> list[list[float]] | None:
+    """row_adapters (adapters' layer names, each row's index into them): each row under its own adapter, in one
+    forward (model/lora_mixed.py; a trainer of one process)."""
     # Same packing and forward as services.common.tensors.modeling.batched_logprobs, so a one-rank trainer
     # and the reference service agree bit for bit on the same weights.
     if rank.dims.pp > 1:
@@ -53,7 +59,7 @@ def actor_logprobs(rank: Rank, prompts, responses, temperature: float) -> list[l
     out: dict[int, list[float]] = {}
     for group in rank.layout.local_groups(range(len(prompts)), lengths, rank.cfg.micro_batch_token_budget):
         ps, rs = _group_ids(rank, group, prompts, responses)
-        with rank.layout.amp():
+        with _mixed(rank, row_adapters, group, ps, rs), rank.layout.amp():
             logp = sequence_logprobs(rank.actor.forward, ps, rs, pad_id=rank.pad_id, device=rank.device,
                                      temperature=temperature, packed=rank.layout.packed,
                                      fused=rank.fused_logprobs)[0]
@@ -97,6 +103,16 @@ def compute_values(rank: Rank, prompts, responses) -> list[list[float]] | None:
         for row, i in enumerate(group or []):
             out[i] = values[row, :len(responses[i])].tolist()
     return _merge_on_rank0(rank, out, len(prompts))
+
+
+def _mixed(rank: Rank, row_adapters: tuple[list[str], list[int]] | None, group, prompts, responses):
+    """The micro-batch's rows each under its own adapter (lora_mixed.rows), or nothing to set."""
+    if row_adapters is None:
+        return nullcontext()
+    names, of_row = row_adapters
+    rows = np.asarray([of_row[i] for i in group], dtype=np.int64)
+    token_adapter = rows[token_rows(prompts, responses, packed=rank.layout.packed)]
+    return lora_mixed.rows(names, torch.from_numpy(token_adapter).to(rank.device))
 
 
 def _group_ids(rank: Rank, group: list[int] | None, prompts, responses):

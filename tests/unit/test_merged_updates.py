@@ -32,10 +32,10 @@ def model(tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("merged_updates") / "m")
 
 
-def _engine(model: str) -> TrainerEngine:
+def _engine(model: str, device: str = "cpu") -> TrainerEngine:
     torch.manual_seed(0)            # the named adapters' A's start alike in every engine
-    engine = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": model},
-                                                              "actor": {"lr": 1e-2, "lora": LORA}}))
+    engine = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": model, "device": device},
+                                                              "actor": {"lr": 1e-2, "lora": LORA, "compile": False}}))
     for name in NAMES[1:]:
         engine.create_adapter(name)
     for name in NAMES:
@@ -72,7 +72,11 @@ def _close_metrics(got: dict, want: dict) -> None:
 
 
 def test_merged_pass_equals_each_update_alone(model):
-    alone, together = _engine(model), _engine(model)
+    merged_equals_alone(model, "cpu")
+
+
+def merged_equals_alone(model: str, device: str) -> None:
+    alone, together = _engine(model, device), _engine(model, device)
     before = _weights(alone)
     for n in NAMES:
         for k, v in before[n].items():
@@ -129,3 +133,24 @@ def test_a_batch_that_cannot_run_in_one_pass_runs_each_call_alone(model, monkeyp
     assert isinstance(out[1], Exception) and "gone" in str(out[1])
     assert out[0]["num_optimizer_steps"] == 4 and out[2]["num_optimizer_steps"] == 4
     assert adapter_set.get(engine.rank, "b").weight_version == 1
+
+
+def test_concurrent_logprob_calls_of_different_adapters_share_a_forward(model):
+    engine = _engine(model)
+    calls = _calls(engine)
+    engine.commands.run("train_actors", calls)              # three different adapters now
+    rows = [(samples, name) for samples, _, name in calls]
+    want = [engine.compute_logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                    adapter=name) for samples, name in rows]
+    before = engine.actor_logprobs.info("logprobs")
+    jobs = [lambda s=samples, n=name: engine.compute_logprobs([x.prompt_ids for x in s], [x.response_ids for x in s],
+                                                              adapter=n) for samples, name in rows]
+    got = _held(engine, engine.actor_logprobs, jobs)
+    info = engine.actor_logprobs.info("logprobs")
+    assert info["logprobs_commands"] - before["logprobs_commands"] == 1, info
+    for g, w in zip(got, want):
+        assert [len(r) for r in g] == [len(r) for r in w]
+        for gr, wr in zip(g, w):
+            torch.testing.assert_close(torch.tensor(gr), torch.tensor(wr), rtol=1.3e-6, atol=1e-5)
+    # Each adapter's own: the adapters trained apart, so their log-probs differ.
+    assert max(abs(a - b) for a, b in zip(want[1][0], want[2][0][:len(want[1][0])])) > 1e-4

@@ -71,10 +71,10 @@ def _close(got, want) -> None:
         torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=1.3e-6, atol=1e-5)
 
 
-def _spy(monkeypatch, fail: bool = False) -> list[int]:
-    """Records the rows of each compute_logprobs command (or fails it)."""
+def _spy(monkeypatch, fail: bool = False, name: str = "compute_logprobs") -> list[int]:
+    """Records the rows of each `name` command (or fails it)."""
     sizes: list[int] = []
-    real = commands.COMMANDS["compute_logprobs"]
+    real = commands.COMMANDS[name]
 
     def spied(rank, prompts, *args):
         sizes.append(len(prompts))
@@ -82,7 +82,7 @@ def _spy(monkeypatch, fail: bool = False) -> list[int]:
             raise RuntimeError("the device fell over")
         return real(rank, prompts, *args)
 
-    monkeypatch.setitem(commands.COMMANDS, "compute_logprobs", spied)
+    monkeypatch.setitem(commands.COMMANDS, name, spied)
     return sizes
 
 
@@ -101,6 +101,7 @@ def test_concurrent_reference_calls_share_one_command_per_temperature_and_each_g
     assert (info["reference_calls"], info["reference_commands"], info["reference_merged_calls"]) == (10, 7, 5)
     # The run's own adapter ("") merges the same way (the same weights for every call of a command).
     reqs = _requests([(2, 1.0), (3, 1.0), (1, 1.0)], seed=1)
+    sizes = _spy(monkeypatch, name="adapter_logprobs")
     alone = [e.compute_logprobs(*r) for r in reqs]
     got = _held(e, e.actor_logprobs, [lambda r=r: e.compute_logprobs(*r) for r in reqs])
     for g, want in zip(got, alone):

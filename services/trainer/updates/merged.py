@@ -33,9 +33,15 @@ from services.trainer.updates.runner import StepLog, batch_order
 def merge_key(rank, samples: list[TrainSample], loss: ActorLoss) -> tuple | None:
     """Calls of one key run their loops in step: one temperature (one forward), epochs and mini-batch count. None:
     this trainer runs every update alone."""
-    if _trainer_reason(rank):
+    if not mixes(rank):
         return None
     return (float(loss.temperature), int(loss.ppo_epochs), len(mini_batches(len(samples), loss.mini_batch_size)))
+
+
+def mixes(rank) -> bool:
+    """Whether this trainer may run rows of several adapters in one forward (each layer's adapters are checked in
+    the command: unmergeable)."""
+    return _trainer_reason(rank) is None
 
 
 def unmergeable(rank, names: list[str]) -> str | None:
