@@ -17,6 +17,7 @@ in it. A caller that gives up (a gRPC deadline) leaves its thread to finish: the
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -70,6 +71,7 @@ class _Merger:
         """The command's answer for `call` (checked by the caller), run alone or merged with concurrent calls."""
         with self._cond:
             self._pending.append(call)
+            self._cond.notify_all()                 # a leader gathering its partners (TrainMerger) sees it
             # Another call leads a command: wait until it takes this one, or leaves it behind (another key, an
             # owner already in it, or past max_rows) and this one may lead the next.
             while self._leading and not call.taken:
@@ -77,8 +79,12 @@ class _Merger:
             lead = not call.taken
             self._leading = self._leading or lead
         if lead:
+            self._gather(call)
             self._lead(call)
         return call.outcome()
+
+    def _gather(self, call: _Call) -> None:
+        """The leader, before it asks for the lock: waits for partners it expects (TrainMerger); nothing here."""
 
     def _lead(self, call: _Call) -> None:
         """Runs a command for `call` and the pending calls that join it once the lock is held; answers them all."""
@@ -178,20 +184,93 @@ class AdapterCoalescer(Coalescer):
 
 class TrainMerger(_Merger):
     """TrainActor calls (command train_actors): concurrent calls of different adapters and one `key`
-    (updates/merged.merge_key, None: alone) share one pass; the command gives each call its metrics or error."""
+    (updates/merged.merge_key, None: alone) share one pass; the command gives each call its metrics or error.
+
+    Runs on one trainer drift apart (one generates while another trains), so their calls seldom queue together by
+    chance. A leader therefore waits a little for the adapters whose next call is due (`Cadence`: each adapter's
+    calls come about one interval apart): at most half a pass (GATHER_MAX_S at most), and only for calls expected
+    within that time, so a run alone, or beside runs of another pace, waits for nothing. Once merged, the runs' next
+    steps start together and their generate, reference and log-prob calls meet too."""
 
     def __init__(self, commands: Commands):
         super().__init__(commands, "train_actors", max_rows=float("inf"))
+        self.cadence = Cadence()
+        self._pass_s = 0.0                  # the passes' seconds (a moving mean)
+        self._started = 0.0
+        self.stats.update(gathers=0, gather_timeouts=0)
 
     def train(self, samples: list[TrainSample], loss: ActorLoss, adapter: str, key: tuple | None) -> dict[str, float]:
+        with self._cond:
+            self.cadence.arrived(adapter, time.monotonic())
         return self.submit(_Call(key, (samples, loss, adapter), len(samples), owner=adapter))
 
+    def forget(self, adapter: str) -> None:
+        """Adapter `adapter` is gone: no call of it is waited for."""
+        with self._cond:
+            self.cadence.forget(adapter)
+
+    def _gather(self, call: _Call) -> None:
+        if call.key is None:
+            return
+        with self._cond:
+            within = min(GATHER_MAX_S, 0.5 * self._pass_s)
+            here = self._owners(call.key)
+            due = self.cadence.due(time.monotonic(), within) - here
+            if not due:
+                return
+            self.stats["gathers"] += 1
+            deadline = time.monotonic() + within
+            while not due <= self._owners(call.key):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.stats["gather_timeouts"] += 1
+                    return
+                self._cond.wait(left)
+
+    def _owners(self, key: tuple) -> set:
+        return {c.owner for c in self._pending if c.key == key}
+
     def args(self, batch: list[_Call]) -> tuple:
+        self._started = time.monotonic()
         return ([c.payload for c in batch],)
 
     def split(self, out: list[Any], batch: list[_Call]) -> list[Any]:
         assert len(out) == len(batch), "a merged update answered other calls"
+        took = time.monotonic() - self._started
+        self._pass_s = took if not self._pass_s else 0.5 * (self._pass_s + took)
         return out
+
+
+# The longest a TrainActor call waits for others due to join its pass (seconds).
+GATHER_MAX_S = 1.0
+
+
+class Cadence:
+    """When each adapter's calls come: its last arrival and the mean interval between its arrivals."""
+
+    def __init__(self):
+        self.last: dict[Any, float] = {}
+        self.interval: dict[Any, float] = {}
+
+    def arrived(self, owner: Any, now: float) -> None:
+        if owner in self.last:
+            gap = now - self.last[owner]
+            self.interval[owner] = 0.5 * (self.interval[owner] + gap) if owner in self.interval else gap
+        self.last[owner] = now
+
+    def due(self, now: float, within: float) -> set:
+        """The owners whose next call is expected within `within` seconds from `now` (or is up to half an interval
+        late: an owner later than that may have stopped)."""
+        out = set()
+        for owner, last in self.last.items():
+            gap = self.interval.get(owner)
+            if gap is not None and -0.5 * gap <= last + gap - now <= within:
+                out.add(owner)
+        return out
+
+    def forget(self, owner: Any) -> None:
+        self.last.pop(owner, None)
+        self.interval.pop(owner, None)
 
 
 def _deliver(batch: list[_Call], answers: list[Any]) -> None:

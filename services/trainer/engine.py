@@ -248,6 +248,7 @@ class TrainerEngine:
     def delete_adapter(self, name: str) -> None:
         adapter_set.get(self.rank, name)
         self.commands.run("delete_adapter", name)
+        self.train_merger.forget(name)
 
     def adapter_names(self) -> list[str]:
         return sorted(adapter_set.named(self.rank))

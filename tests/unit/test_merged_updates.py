@@ -1,7 +1,8 @@
 """Several runs' TrainActor calls in one pass (services/trainer/updates/merged.py, model/lora_mixed.py,
 coalesce.TrainMerger): each adapter ends where its update alone takes it (weights, metrics, weight version, stored
 push), concurrent calls of different adapters share one command, calls of one adapter or of another loop shape do
-not, and a batch that cannot run in one pass runs each call alone with its own answer.
+not, a call waits (a bounded time) for an adapter whose call is due, and a batch that cannot run in one pass runs
+each call alone with its own answer.
 
 Compared with allclose at float32: a merged micro-batch holds other rows (other padded widths) than a call alone,
 which changes the kernels' reduction order (metrics about 1e-6 apart on CPU)."""
@@ -9,6 +10,8 @@ which changes the kernels' reduction order (metrics about 1e-6 apart on CPU)."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -154,3 +157,36 @@ def test_concurrent_logprob_calls_of_different_adapters_share_a_forward(model):
             torch.testing.assert_close(torch.tensor(gr), torch.tensor(wr), rtol=1.3e-6, atol=1e-5)
     # Each adapter's own: the adapters trained apart, so their log-probs differ.
     assert max(abs(a - b) for a, b in zip(want[1][0], want[2][0][:len(want[1][0])])) > 1e-4
+
+
+def test_a_call_waits_for_an_adapter_whose_call_is_due_and_no_longer(model):
+    engine = _engine(model)
+    calls = _calls(engine)
+    same = [(samples, ActorLoss(ppo_epochs=2, mini_batch_size=2), name) for samples, _, name in calls]
+    merger = engine.train_merger
+    merger._pass_s = 2.0                                    # a pass took 2 s: a leader waits up to 1 s
+    now = time.monotonic()
+    merger.cadence.last["b"], merger.cadence.interval["b"] = now - 9.7, 10.0     # b's next call: in 0.3 s
+    out: list = []
+    first = threading.Thread(target=lambda: out.append(engine.train_actor_step(*same[1][:2], None, "a")[0]))
+    first.start()
+    time.sleep(0.2)
+    second = engine.train_actor_step(*same[2][:2], None, "b")[0]
+    first.join(30)
+    info = merger.info("train")
+    assert (info["train_commands"], info["train_merged_calls"], info["train_gathers"]) == (1, 2, 1), info
+    assert info["train_gather_timeouts"] == 0 and second["num_optimizer_steps"] == out[0]["num_optimizer_steps"] == 4
+    # b is due again (its cadence: about 10 s apart) but never comes: a's next call waits 1 s at most, then alone.
+    merger._pass_s = 2.0
+    merger.cadence.last["b"] = time.monotonic() - 9.7
+    t0 = time.monotonic()
+    engine.train_actor_step(*same[1][:2], None, "a")
+    assert time.monotonic() - t0 >= 0.9
+    info = merger.info("train")
+    assert (info["train_commands"], info["train_gathers"], info["train_gather_timeouts"]) == (2, 2, 1), info
+    # A deleted adapter is waited for no more; an adapter with no cadence yet neither.
+    engine.delete_adapter("b")
+    merger.cadence.last["b"] = time.monotonic() - 9.7     # as if it had not been forgotten: forget again
+    merger.forget("b")
+    engine.train_actor_step(*same[1][:2], None, "a")
+    assert merger.info("train")["train_gathers"] == 2
