@@ -37,12 +37,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "protos")]
 
 from bench.provenance import stamp  # noqa: E402
+from meshrl.v1 import common_pb2, trainer_pb2_grpc  # noqa: E402
 from coordinator.cli.launcher import _die_with_parent  # noqa: E402
 from coordinator.cli.mesh import DETACH_WAIT_S, STOP_WAIT_S  # noqa: E402
 from coordinator.client import Client  # noqa: E402
@@ -110,8 +112,18 @@ class MeshRuns:
     StreamMetrics until the run ends (the coordinator closes the stream once the run has freed what it held) and
     GetRun. The client blocks: each call runs in a thread, so the runs of a phase are followed at once."""
 
-    def __init__(self, client: Client):
+    def __init__(self, client: Client, trainer: str | None = None):
         self.client = client
+        self.trainer = trainer
+
+    def trainer_counts(self) -> dict[str, int]:
+        """The trainer's counts of calls, commands and merged calls (GetInfo: reference_*, logprobs_*, train_*)."""
+        if not self.trainer:
+            return {}
+        with grpc.insecure_channel(self.trainer) as channel:
+            info = trainer_pb2_grpc.TrainerStub(channel).GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+        return {k: int(v) for k, v in info.details.items()
+                if k.split("_")[0] in ("train", "reference", "logprobs") and v.isdigit()}
 
     async def start_run(self, text: str) -> str:
         return await asyncio.to_thread(self.client.start_run, text)
@@ -129,6 +141,8 @@ async def finished(runs: LocalRuns | MeshRuns, run_id: str) -> dict:
 async def phase(manager: LocalRuns | MeshRuns, config: dict, runs: int, concurrent: bool, tag: str) -> dict:
     """K runs, all at once or one after another; wall time from the first StartRun to the last run's end."""
     lrs = [1e-3, 3e-4, 5e-4, 2e-3][:runs]
+    counts = getattr(manager, "trainer_counts", dict)
+    before = await asyncio.to_thread(counts)
     t0 = time.perf_counter()
     ends = []
     if concurrent:
@@ -138,13 +152,15 @@ async def phase(manager: LocalRuns | MeshRuns, config: dict, runs: int, concurre
         for i, lr in enumerate(lrs):
             ends.append(await finished(manager, await manager.start_run(run_yaml(config, f"{tag}-{i}", lr))))
     seconds = time.perf_counter() - t0
+    after = await asyncio.to_thread(counts)
     per_step = config["data"]["rollout_batch_size"] * config["rollout"]["n"]
     samples = sum(e["steps"] for e in ends) * per_step
     assert all(e["state"] == "COMPLETED" for e in ends), ends
     keys = sorted({k for e in ends for k in e["time_mean"]})
     times = {k: round(statistics.mean(e["time_mean"][k] for e in ends if k in e["time_mean"]), 4) for k in keys}
     return {"mode": "concurrent" if concurrent else "sequential", "seconds": round(seconds, 2), "samples": samples,
-            "samples_per_s": round(samples / seconds, 2), "step_time_means": times, "runs": ends}
+            "samples_per_s": round(samples / seconds, 2), "step_time_means": times,
+            "trainer_counts": {k: v - before.get(k, 0) for k, v in after.items()}, "runs": ends}
 
 
 @contextlib.asynccontextmanager
@@ -184,7 +200,7 @@ async def process_mesh(config: dict, work: Path, threads: int, keep_log: str | N
         address = await asyncio.to_thread(recorded_coordinator, proc, work / "cache" / "meshrl" / "mesh.json", log)
         print(json.dumps({"mesh": "processes", "coordinator": address, "pid": proc.pid}), flush=True)
         with Client(address) as client:
-            yield MeshRuns(client), config
+            yield MeshRuns(client, mesh_trainer(log)), config
     finally:
         stop_mesh(proc)
         if keep_log:                # the mesh's output and its services' logs (run_dir/logs)
@@ -208,6 +224,14 @@ def recorded_coordinator(proc: subprocess.Popen, record: Path, log: Path) -> str
             pass
         time.sleep(0.5)
     raise RuntimeError(f"the mesh did not record its coordinator within {DETACH_WAIT_S:g}s (output: {log})")
+
+
+def mesh_trainer(log: Path) -> str | None:
+    """The trainer's address from the mesh's "mesh up: {...}" line."""
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("mesh up: "):
+            return json.loads(line[len("mesh up: "):].rsplit(" (logs in", 1)[0])["trainer"][0]
+    return None
 
 
 def stop_mesh(proc: subprocess.Popen) -> None:

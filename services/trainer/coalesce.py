@@ -188,7 +188,7 @@ class TrainMerger(_Merger):
 
     Runs on one trainer drift apart (one generates while another trains), so their calls seldom queue together by
     chance. A leader therefore waits a little for the adapters whose next call is due (`Cadence`: each adapter's
-    calls come about one interval apart): at most half a pass (GATHER_MAX_S at most), and only for calls expected
+    calls come about one gap apart): at most half a pass (GATHER_MAX_S at most), and only for calls expected
     within that time, so a run alone, or beside runs of another pace, waits for nothing. Once merged, the runs' next
     steps start together and their generate, reference and log-prob calls meet too."""
 
@@ -246,16 +246,15 @@ GATHER_MAX_S = 1.0
 
 
 class Cadence:
-    """When each adapter's calls come: its last arrival and the mean interval between its arrivals."""
+    """When each adapter's calls come: its last arrival and the gap before it."""
 
     def __init__(self):
         self.last: dict[Any, float] = {}
         self.interval: dict[Any, float] = {}
 
     def arrived(self, owner: Any, now: float) -> None:
-        if owner in self.last:
-            gap = now - self.last[owner]
-            self.interval[owner] = 0.5 * (self.interval[owner] + gap) if owner in self.interval else gap
+        if owner in self.last:              # the last gap: a run's first steps after an idle spell count at once
+            self.interval[owner] = now - self.last[owner]
         self.last[owner] = now
 
     def due(self, now: float, within: float) -> set:
