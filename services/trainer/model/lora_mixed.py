@@ -3,8 +3,8 @@ several runs on one trainer (services/trainer/updates/merged.py) run as one pass
 engine's decode already serves every run's rows in one batch.
 
 An adapted linear in mixed mode computes y = x W^T + b + (z * M) B^T with z = x A^T, where A stacks the adapters'
-A's ([R, in], R the sum of their ranks), B holds their scaled B's side by side ([out, R]) and M [T, R] is 1 where
-column r belongs to token t's adapter, else 0. So the frozen base runs one GEMM over every row, and the adapters two
+A's ([R, in], R the sum of their ranks), B holds their B's side by side ([out, R]) and M [T, R] is the adapter's
+scaling where column r belongs to token t's adapter, else 0. So the frozen base runs one GEMM over every row, and the adapters two
 GEMMs of inner size R (the k adapters' rank-r GEMMs as one), each adapter's gradient only from its own rows (M zeroes
 the others'). Plain autograd ops: this mode runs in the eager trainer that serves several runs (a compiled trainer
 goes eager at its first named adapter: model/adapter_set.py).
@@ -35,14 +35,15 @@ class MixedRows:
         self.token_adapter = token_adapter
         self._masks: dict[tuple, torch.Tensor] = {}
 
-    def mask(self, ranks: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """M [T, R]: 1 where column r (of the adapters' ranks side by side) is token t's adapter's; one per layer
-        shape, shared by every layer of the forward."""
-        key = (ranks, dtype)
+    def mask(self, ranks: tuple[int, ...], scalings: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
+        """M [T, R]: the adapter's scaling where column r (of the adapters' ranks side by side) is token t's
+        adapter's, else 0; one per layer shape, shared by every layer of the forward."""
+        key = (ranks, scalings, dtype)
         if key not in self._masks:
             idx = self.token_adapter
             onehot = idx[:, None] == torch.arange(len(ranks), device=idx.device)[None, :]
-            self._masks[key] = onehot.to(dtype).repeat_interleave(torch.tensor(ranks, device=idx.device), dim=1,
+            scaled = onehot * torch.tensor(scalings, dtype=torch.float32, device=idx.device)[None, :]
+            self._masks[key] = scaled.to(dtype).repeat_interleave(torch.tensor(ranks, device=idx.device), dim=1,
                                                                   output_size=sum(ranks))
         return self._masks[key]
 
@@ -92,8 +93,9 @@ def mixed_linear(layer: nn.Module, x: torch.Tensor, mixed: MixedRows) -> torch.T
         raise RuntimeError(f"lora_mixed: {layer.__class__.__name__} got {x2.shape[0]} tokens, the mixed rows have "
                            f"{mixed.token_adapter.shape[0]}")
     a = torch.cat([layer.lora_A[n].weight for n in mixed.names]).to(dtype)                     # [R, in]
-    b = torch.cat([layer.lora_B[n].weight * layer.scaling[n] for n in mixed.names], dim=1).to(dtype)  # [out, R]
+    b = torch.cat([layer.lora_B[n].weight for n in mixed.names], dim=1).to(dtype)              # [out, R]
     ranks = tuple(layer.lora_A[n].weight.shape[0] for n in mixed.names)
-    z = torch.mm(x2, a.t()) * mixed.mask(ranks, dtype)                                        # [T, R]
+    scalings = tuple(float(layer.scaling[n]) for n in mixed.names)
+    z = torch.mm(x2, a.t()) * mixed.mask(ranks, scalings, dtype)                              # [T, R]
     y = F.linear(x2, base.weight.to(dtype), None if base.bias is None else base.bias.to(dtype))
     return torch.addmm(y, z, b.t()).view(*lead, -1)
