@@ -112,6 +112,9 @@ SOURCES: dict[str, list[str]] = {
                    "bench/lora_train.py"],
     "lora_train_gpu": ["services/trainer", "services/common/tensors/fused.py", "services/common/tensors/compile.py",
                        "bench/lora_train.py"],
+    # The eager LoRA trainer's step at 128 and 512 rows (bench/gpu_session.sh trainscale: what merging runs saves).
+    "lora_train_scale_gpu": ["services/trainer", "services/common/tensors/fused.py",
+                             "services/common/tensors/compile.py", "bench/lora_train.py"],
 }
 
 
