@@ -67,7 +67,13 @@ def train_actors(rank: Rank, calls: list[tuple[list[TrainSample], ActorLoss, str
         return [train_actor(rank, *calls[0])]
     if merged.unmergeable(rank, [adapter for _, _, adapter in calls]) is None:
         rank.pristine = False
-        metrics = merged.train_together(rank, calls, seed=rank.cfg.seed if rank.cfg.shuffle else None)
+        try:
+            metrics = merged.train_together(rank, calls, seed=rank.cfg.seed if rank.cfg.shuffle else None)
+        except merged.BeforeAnyStep as e:
+            # One run's rows must not fail the others' updates (an out-of-memory of the bigger pass, say).
+            log.warning("a merged pass for %d adapters failed before any step (%s); each runs alone", len(calls),
+                        e.__cause__)
+            return [_alone(rank, call) for call in calls]
         if rank.index == 0:
             log.info("one pass for %d adapters' updates (%s; %d rows)", len(calls),
                      ", ".join(a or "the run's" for _, _, a in calls), sum(len(s) for s, _, _ in calls))

@@ -190,3 +190,21 @@ def test_a_call_waits_for_an_adapter_whose_call_is_due_and_no_longer(model):
     merger.forget("b")
     engine.train_actor_step(*same[1][:2], None, "a")
     assert merger.info("train")["train_gathers"] == 2
+
+
+def test_a_merged_pass_that_fails_before_any_step_runs_each_call_alone(model, monkeypatch):
+    alone, engine = _engine(model), _engine(model)
+    calls = _calls(engine)
+    want = [alone.train_actor_step(samples, loss, None, name)[0] for samples, loss, name in _calls(alone)]
+    from services.trainer.model import lora_mixed
+
+    def fail(*args):
+        raise torch.OutOfMemoryError("the merged pass did not fit")
+
+    monkeypatch.setattr(lora_mixed, "mixed_linear", fail)
+    got = engine.commands.run("train_actors", calls)
+    for g, w in zip(got, want):
+        _close_metrics(g, w)
+    for n in NAMES:
+        for k, v in _weights(engine)[n].items():
+            torch.testing.assert_close(v, _weights(alone)[n][k], rtol=1e-4, atol=3e-5)

@@ -59,7 +59,13 @@ def _trainer_reason(rank) -> str | None:
         return "compiled"
     if rank.actor.scaler is not None:
         return "fp16 loss scaling"
+    if any(a.pending for a in adapter_set.named(rank).values()):
+        return "a training-API client's gradients wait for its OptimStep"
     return None
+
+
+class BeforeAnyStep(Exception):
+    """A merged pass failed before any optimizer step: no adapter changed, so each call may run alone."""
 
 
 def train_together(rank, calls: list[tuple[list[TrainSample], ActorLoss, str]], *, seed: int | None) -> list[dict]:
@@ -78,7 +84,15 @@ def train_together(rank, calls: list[tuple[list[TrainSample], ActorLoss, str]], 
             for k in range(len(batches[0])):
                 idx = [[order[j] for j in b[k]] for order, b in zip(orders, batches)]
                 with phase("forward_backward"):
-                    for acc, st in zip(local, _mini_batch(rank, updates, names, idx)):
+                    try:
+                        stats = _mini_batch(rank, updates, names, idx)
+                    except Exception as e:
+                        if epoch or k:      # earlier mini-batches stepped: as an update alone failing there
+                            raise
+                        for u in updates:   # nothing applied yet: the calls can run alone
+                            u.trained.optimizer.zero_grad(set_to_none=True)
+                        raise BeforeAnyStep(e) from e
+                    for acc, st in zip(local, stats):
                         acc += st
                 for name, u, log in zip(names, updates, logs):
                     adapter_set.step_of(rank, name)
