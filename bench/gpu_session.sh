@@ -156,7 +156,8 @@ for what in "$@"; do
     wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py \
               tests/gpu/test_adapter_push_snapshots_gpu.py -s ;;
     trainscale) # the eager LoRA trainer (as it runs beside several runs' adapters) at the many-runs bench's shape
-      # (0.5B, rank 8, 24 + 128 tokens, budget 16,384): a step of 128 rows beside one of 512, with the kernel table
+      # (0.5B, rank 8, 24 + 128 tokens, budget 16,384, full checkpointing unless TRAINSCALE_VARIANTS says otherwise,
+      # e.g. lora@none:16384): a step of 128 rows beside one of 512, with the kernel table
       for b in ${TRAINSCALE_BATCHES:-128 512}; do
         part "trainscale_$b" 300 python3 bench/lora_train.py --shape qwen2.5-0.5b --rank 8 --batch "$b" --prompt 24 \
           --response 128 --compile false --variants "${TRAINSCALE_VARIANTS:-lora@full:16384}" --profile \
