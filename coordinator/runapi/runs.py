@@ -18,7 +18,6 @@ from coordinator.training import faults, phases, remote, reporting
 from coordinator.recipe.config import RunConfig
 from coordinator.recipe.preflight import check_run
 from coordinator.runapi import checkpoints, observe, recovery, sharing
-from coordinator.runapi.pace import StepAligner
 from coordinator.runapi.store import UNFINISHED, RunRecord, RunStore
 from coordinator.training.algorithms import open_context
 from coordinator.training.context import RunContext, TrainerUnavailable
@@ -57,7 +56,6 @@ class RunManager:
         # Many runs on one mesh (coordinator/runapi/sharing.py): who holds each trainer, and the shared pools' turns.
         self.claims = sharing.TrainerClaims()
         self.schedulers = {role: sharing.FairScheduler(pool_calls) for role in sharing.SHARED_ROLES}
-        self.pace = StepAligner()
 
     def _cond(self, run_id: str) -> asyncio.Condition:
         return self._changed.setdefault(run_id, asyncio.Condition())
@@ -134,7 +132,6 @@ class RunManager:
             if pool is not None and not isinstance(pool, sharing.ScheduledPool):
                 scheduler.join(record.run_id, r.priority, r.max_pool_calls)
                 setattr(ctx, role, sharing.ScheduledPool(pool, scheduler, record.run_id))
-        self.pace.join(record.run_id, ctx.cfg.trainer.address)
         self.tasks[record.run_id] = asyncio.create_task(self._drive(record.run_id, ctx))
 
     async def resume_unfinished(self) -> list[str]:
@@ -234,7 +231,6 @@ class RunManager:
             self.claims.release(run_id)
             for scheduler in self.schedulers.values():
                 scheduler.leave(run_id)
-            self.pace.leave(run_id)
 
     async def _drive_steps(self, run_id: str, ctx: RunContext) -> None:
         cfg = ctx.cfg
@@ -263,13 +259,8 @@ class RunManager:
                 # Replicas that restarted or joined come back into the pools between steps.
                 await phases.refresh_pools(ctx)
                 refreshed = time.monotonic()
-            # Runs sharing a trainer start their steps together, so their calls share batches (pace.py).
-            aligned = self.pace.aligned(run_id)
-            waited = await self.pace.align(run_id)
             with observe.step_span(ctx):
                 metrics = await ctx.algorithm.step(ctx)
-            if aligned:
-                metrics["time/align"] = waited
             if cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0 and ctx.step < cfg.run.num_steps:
                 metrics.update(await ctx.algorithm.evaluate(ctx))
             record = await self.store.get(run_id)
