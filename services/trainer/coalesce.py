@@ -214,6 +214,8 @@ class TrainMerger(_Merger):
             return
         with self._cond:
             within = min(GATHER_MAX_S, 0.5 * self._pass_s)
+            if within <= 0:                 # no pass yet: nothing says how long one takes
+                return
             here = self._owners(call.key)
             due = self.cadence.due(time.monotonic(), within) - here
             if not due:

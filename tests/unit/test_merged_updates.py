@@ -170,7 +170,10 @@ def test_a_call_waits_for_an_adapter_whose_call_is_due_and_no_longer(model):
     out: list = []
     first = threading.Thread(target=lambda: out.append(engine.train_actor_step(*same[1][:2], None, "a")[0]))
     first.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while merger.queued() < 1:                              # a's call waits for b's (its leader gathering)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     second = engine.train_actor_step(*same[2][:2], None, "b")[0]
     first.join(30)
     info = merger.info("train")
