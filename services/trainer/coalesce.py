@@ -201,7 +201,7 @@ class TrainMerger(_Merger):
 
     def train(self, samples: list[TrainSample], loss: ActorLoss, adapter: str, key: tuple | None) -> dict[str, float]:
         with self._cond:
-            self.cadence.arrived(adapter, time.monotonic())
+            self.cadence.arrived(adapter, time.monotonic(), key)
         return self.submit(_Call(key, (samples, loss, adapter), len(samples), owner=adapter))
 
     def forget(self, adapter: str) -> None:
@@ -217,7 +217,7 @@ class TrainMerger(_Merger):
             if within <= 0:                 # no pass yet: nothing says how long one takes
                 return
             here = self._owners(call.key)
-            due = self.cadence.due(time.monotonic(), within) - here
+            due = self.cadence.due(time.monotonic(), within, call.key) - here
             if not due:
                 return
             self.stats["gathers"] += 1
@@ -253,25 +253,28 @@ class Cadence:
     def __init__(self):
         self.last: dict[Any, float] = {}
         self.interval: dict[Any, float] = {}
+        self.keys: dict[Any, Any] = {}      # the key of each owner's last call: only calls of one key merge
 
-    def arrived(self, owner: Any, now: float) -> None:
+    def arrived(self, owner: Any, now: float, key: Any = None) -> None:
         if owner in self.last:              # the last gap: a run's first steps after an idle spell count at once
             self.interval[owner] = now - self.last[owner]
         self.last[owner] = now
+        self.keys[owner] = key
 
-    def due(self, now: float, within: float) -> set:
-        """The owners whose next call is expected within `within` seconds from `now` (or is up to half an interval
-        late: an owner later than that may have stopped)."""
+    def due(self, now: float, within: float, key: Any = None) -> set:
+        """The owners of calls of `key` whose next call is expected within `within` seconds from `now` (or is up to
+        half an interval late: an owner later than that may have stopped)."""
         out = set()
         for owner, last in self.last.items():
             gap = self.interval.get(owner)
-            if gap is not None and -0.5 * gap <= last + gap - now <= within:
+            if gap is not None and self.keys.get(owner) == key and -0.5 * gap <= last + gap - now <= within:
                 out.add(owner)
         return out
 
     def forget(self, owner: Any) -> None:
         self.last.pop(owner, None)
         self.interval.pop(owner, None)
+        self.keys.pop(owner, None)
 
 
 def _deliver(batch: list[_Call], answers: list[Any]) -> None:

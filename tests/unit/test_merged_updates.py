@@ -23,6 +23,7 @@ from services.trainer.model import adapter_set
 from services.trainer.model.lora import adapter_state
 from services.trainer.testing import make_tiny_model
 from services.trainer.types import ActorLoss, TrainSample
+from services.trainer.updates import merged
 from services.trainer.weights import snapshots
 from tests.unit.test_trainer_reference_coalescing import _held
 
@@ -128,8 +129,6 @@ def test_concurrent_calls_of_different_adapters_share_a_pass(model):
 def test_a_batch_that_cannot_run_in_one_pass_runs_each_call_alone(model, monkeypatch):
     engine = _engine(model)
     calls = _calls(engine)
-    from services.trainer.updates import merged
-
     monkeypatch.setattr(merged, "unmergeable", lambda rank, names: "test: no mixed forward")
     bad = (calls[1][0], calls[1][1], "gone")              # an adapter deleted after its call was checked
     out = engine.commands.run("train_actors", [calls[0], bad, calls[2]])
@@ -166,7 +165,11 @@ def test_a_call_waits_for_an_adapter_whose_call_is_due_and_no_longer(model):
     merger = engine.train_merger
     merger._pass_s = 2.0                                    # a pass took 2 s: a leader waits up to 1 s
     now = time.monotonic()
-    merger.cadence.last["b"], merger.cadence.interval["b"] = now - 9.7, 10.0     # b's next call: in 0.3 s
+    key = merged.merge_key(engine.rank, same[1][0], same[1][1])
+    merger.cadence.arrived("b", now - 19.7, key)
+    merger.cadence.arrived("b", now - 9.7, key)                                    # b's next call: in 0.3 s
+    merger.cadence.arrived("c", now - 20.0, ("another key",))
+    merger.cadence.arrived("c", now - 10.0, ("another key",))                      # due now, but never merges
     out: list = []
     first = threading.Thread(target=lambda: out.append(engine.train_actor_step(*same[1][:2], None, "a")[0]))
     first.start()
