@@ -151,8 +151,7 @@ class Coalescer(_Merger):
                                  len(prompts)))
 
     def args(self, batch: list[_Call]) -> tuple:
-        return ([p for c in batch for p in c.payload[0]], [r for c in batch for r in c.payload[1]],
-                *batch[0].key, *self.extra)
+        return (*_rows(batch), *batch[0].key, *self.extra)
 
     def split(self, out: list[list[float]], batch: list[_Call]) -> list[Any]:
         assert len(out) == sum(c.size for c in batch), "a merged command answered other rows"
@@ -178,8 +177,12 @@ class AdapterCoalescer(Coalescer):
                                  len(prompts)))
 
     def args(self, batch: list[_Call]) -> tuple:
-        return ([p for c in batch for p in c.payload[0]], [r for c in batch for r in c.payload[1]],
-                batch[0].key[0], [(c.payload[2], c.size) for c in batch])
+        return (*_rows(batch), batch[0].key[0], [(c.payload[2], c.size) for c in batch])
+
+
+def _rows(batch: list[_Call]) -> tuple[list, list]:
+    """The prompts and the responses of a log-prob command's calls, in order."""
+    return [p for c in batch for p in c.payload[0]], [r for c in batch for r in c.payload[1]]
 
 
 class TrainMerger(_Merger):
@@ -189,8 +192,8 @@ class TrainMerger(_Merger):
     Runs on one trainer drift apart (one generates while another trains), so their calls seldom queue together by
     chance. A leader therefore waits a little for the adapters whose next call is due (`Cadence`: each adapter's
     calls come about one gap apart): at most half a pass (GATHER_MAX_S at most), and only for calls expected
-    within that time, so a run alone, or beside runs of another pace, waits for nothing. Once merged, the runs' next
-    steps start together and their generate, reference and log-prob calls meet too."""
+    within that time, so a run alone, or beside runs of another pace, waits for nothing. (On an H100, 4 runs: 5 of
+    9 waits caught a partner; the runs drift apart again after a merged pass: docs/many_runs.md.)"""
 
     def __init__(self, commands: Commands):
         super().__init__(commands, "train_actors", max_rows=float("inf"))

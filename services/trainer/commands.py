@@ -237,7 +237,8 @@ COMMANDS: dict[str, Callable[..., Any]] = {
 
 # Commands that are one profiling phase as a whole (nvtx.PHASES); training commands mark forward_backward and
 # optimizer inside.
-COMMAND_PHASES = {"compute_logprobs": "logprobs", "adapter_logprobs": "logprobs", "compute_values": "values", "state_for_sync": "state_for_sync",
+COMMAND_PHASES = {"compute_logprobs": "logprobs", "adapter_logprobs": "logprobs", "compute_values": "values",
+                  "state_for_sync": "state_for_sync",
                   "export_hf": "export_hf", "export_adapter": "export_hf", "save_checkpoint": "save_checkpoint", "load_checkpoint": "load_checkpoint"}
 
 

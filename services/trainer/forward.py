@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-import numpy as np
 import torch
 
 from services.common.tensors.compile import warm_up_forward
 from services.common.tensors.fused import sequence_logprobs
-from services.common.tensors.packing import token_rows
 from services.trainer.model import lora_mixed
 from services.trainer.model.lora import adapters_off
 from services.trainer.parallel.mesh import gather_to_rank0
@@ -106,13 +104,12 @@ def compute_values(rank: Rank, prompts, responses) -> list[list[float]] | None:
 
 
 def _mixed(rank: Rank, row_adapters: tuple[list[str], list[int]] | None, group, prompts, responses):
-    """The micro-batch's rows each under its own adapter (lora_mixed.rows), or nothing to set."""
+    """The micro-batch's rows each under its own adapter (lora_mixed.by_row), or nothing to set."""
     if row_adapters is None:
         return nullcontext()
     names, of_row = row_adapters
-    rows = np.asarray([of_row[i] for i in group], dtype=np.int64)
-    token_adapter = rows[token_rows(prompts, responses, packed=rank.layout.packed)]
-    return lora_mixed.rows(names, torch.from_numpy(token_adapter).to(rank.device))
+    return lora_mixed.by_row(names, [of_row[i] for i in group], prompts, responses, packed=rank.layout.packed,
+                             device=rank.device)
 
 
 def _group_ids(rank: Rank, group: list[int] | None, prompts, responses):

@@ -4,8 +4,8 @@ engine's decode already serves every run's rows in one batch.
 
 An adapted linear in mixed mode computes y = x W^T + b + (z * M) B^T with z = x A^T, where A stacks the adapters'
 A's ([R, in], R the sum of their ranks), B holds their B's side by side ([out, R]) and M [T, R] is the adapter's
-scaling where column r belongs to token t's adapter, else 0. So the frozen base runs one GEMM over every row, and the adapters two
-GEMMs of inner size R (the k adapters' rank-r GEMMs as one), each adapter's gradient only from its own rows (M zeroes
+scaling where column r belongs to token t's adapter, else 0. So the frozen base runs one GEMM over every row, and
+the adapters two GEMMs of inner size R (the k adapters' rank-r GEMMs as one), each adapter's gradient only from its own rows (M zeroes
 the others'). Plain autograd ops: this mode runs in the eager trainer that serves several runs (a compiled trainer
 goes eager at its first named adapter: model/adapter_set.py).
 
@@ -19,9 +19,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from services.common.tensors.packing import token_rows
 
 _ACTIVE: "MixedRows | None" = None
 
@@ -63,6 +66,14 @@ def rows(names: Sequence[str], token_adapter: torch.Tensor):
         yield _ACTIVE
     finally:
         _ACTIVE = None
+
+
+def by_row(names: Sequence[str], of_row: Sequence[int], prompts, responses, *, packed: bool,
+           device: torch.device):
+    """`rows` for a micro-batch of prompts + responses laid out as token_layout lays them (packed or padded), row r
+    under adapter names[of_row[r]]."""
+    token_adapter = np.asarray(of_row, dtype=np.int64)[token_rows(prompts, responses, packed=packed)]
+    return rows(names, torch.from_numpy(token_adapter).to(device))
 
 
 def unmixable(layers: dict[str, nn.Module], names: Sequence[str]) -> str | None:

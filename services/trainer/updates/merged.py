@@ -19,7 +19,6 @@ import time
 import numpy as np
 import torch
 
-from services.common.tensors.packing import token_rows
 from services.trainer.batch import mini_batches
 from services.trainer.model import adapter_set, lora_mixed
 from services.trainer.model.lora import lora_layers
@@ -120,15 +119,16 @@ def _mini_batch(rank, updates: list[ActorUpdate], names: list[str], idx: list[li
         samples = [updates[i].items[j] for i, j in rows]
         prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
         of_row = np.array([i for i, _ in rows], dtype=np.int64)
-        token_adapter = torch.from_numpy(of_row[token_rows(prompts, responses, packed=layout.packed)])
-        with lora_mixed.rows([adapter_set.adapter_name(n) for n in names], token_adapter.to(layout.device)):
+        with lora_mixed.by_row([adapter_set.adapter_name(n) for n in names], of_row, prompts, responses,
+                               packed=layout.packed, device=layout.device):
             with layout.amp():
                 logp, mask, entropy = updates[0].logprobs_of(prompts, responses)
             total = None
             for i in sorted(set(of_row.tolist())):
-                sel = torch.from_numpy(np.flatnonzero(of_row == i)).to(layout.device)
-                part, st = updates[i].loss_of([samples[r] for r in np.flatnonzero(of_row == i)], logp[sel],
-                                              mask[sel], entropy[sel], denoms[i])
+                mine = np.flatnonzero(of_row == i)
+                sel = torch.from_numpy(mine).to(layout.device)
+                part, st = updates[i].loss_of([samples[r] for r in mine], logp[sel], mask[sel], entropy[sel],
+                                              denoms[i])
                 total = part if total is None else total + part
                 stats[i] += st
             total.backward()
