@@ -178,6 +178,9 @@ class RunContext:
     said: set = field(default_factory=set)
     # Its named adapter on the trainer when it runs beside other LoRA runs ("" = the trainer's run adapter).
     adapter: str = ""
+    # Held while generate brings joined or restarted replicas up to date (phases.bring_new_replicas_up_to_date):
+    # the batches an async run launches together push the weights once, not once each.
+    catch_up: asyncio.Lock = field(default_factory=asyncio.Lock)
     closed: bool = False
 
     @property

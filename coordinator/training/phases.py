@@ -72,29 +72,33 @@ async def bring_new_replicas_up_to_date(ctx: RunContext) -> None:
     """A replica that joined (or restarted) gets the current weights before it serves.
 
     Each replica is asked itself (a pool call could answer from another one); version 0 is pushed too,
-    since a replica that served another run holds other weights under a higher version.
+    since a replica that served another run holds other weights under a higher version. Calls wait for each
+    other (ctx.catch_up): batches generated together find the replica stale at once, and each pushing would
+    send the weights again, the later ones after a step may have trained (a batch launched at version 0 would
+    then start on the next version's weights).
     """
-    stale = []
-    for rep in ctx.rollout.healthy():
-        if ctx.adapter and not rep.adapter:
-            # A run beside others: a replica never given its named adapter would answer with another run's weights
-            # whatever version it reports.
-            stale.append(rep.address)
-            continue
-        if rep.weight_version != ctx.weight_version:
-            try:
-                info = await remote.info(rep.stub)
-            except grpc.aio.AioRpcError as e:
-                log.warning("rollout pool: %s did not answer GetInfo (%s); leaving it out", rep.address,
-                            e.code().name)
-                rep.healthy = False
-                continue
-            rep.weight_version = info.weight_version
-            if rep.weight_version != ctx.weight_version:
+    async with ctx.catch_up:
+        stale = []
+        for rep in ctx.rollout.healthy():
+            if ctx.adapter and not rep.adapter:
+                # A run beside others: a replica never given its named adapter would answer with another run's
+                # weights whatever version it reports.
                 stale.append(rep.address)
-    if stale:
-        log.info("pushing weights v%d to %s", ctx.weight_version, stale)
-        await push_to_replicas(ctx, stale)
+                continue
+            if rep.weight_version != ctx.weight_version:
+                try:
+                    info = await remote.info(rep.stub)
+                except grpc.aio.AioRpcError as e:
+                    log.warning("rollout pool: %s did not answer GetInfo (%s); leaving it out", rep.address,
+                                e.code().name)
+                    rep.healthy = False
+                    continue
+                rep.weight_version = info.weight_version
+                if rep.weight_version != ctx.weight_version:
+                    stale.append(rep.address)
+        if stale:
+            log.info("pushing weights v%d to %s", ctx.weight_version, stale)
+            await push_to_replicas(ctx, stale)
 
 
 async def push_to_replicas(ctx: RunContext, targets: list[str]) -> remote.PushOutcome:

@@ -83,6 +83,17 @@ def hold_for_a_swap(engine, bound_s: float = 15.0) -> None:
     engine._between_steps = held
 
 
+def record_updates(engine) -> list[int]:
+    """The weight versions the engine applies, in order."""
+    applied, apply_update = [], engine.apply_update
+
+    async def recorded(version, tensors, **kw):
+        applied.append(version)
+        return await apply_update(version, tensors, **kw)
+    engine.apply_update = recorded
+    return applied
+
+
 def test_no_sample_trains_more_than_k_versions_behind_for_k_1_2_3(arith_model_path, tmp_path):
     cfgs = {k: config(arith_model_path, tmp_path / f"k{k}", k) for k in (1, 2, 3)}
     cfgs[2]["rollout"]["partial_rollouts"] = "continue"
@@ -91,6 +102,7 @@ def test_no_sample_trains_more_than_k_versions_behind_for_k_1_2_3(arith_model_pa
     async def main():
         mesh = await start_local_mesh(cfgs[1], num_rollout=1)
         hold_for_a_swap(mesh.engines["rollout"][0].engine)
+        applied = record_updates(mesh.engines["rollout"][0].engine)
         server, port, engine = await start_coordinator(load_config(CoordinatorSettings, data={}), "127.0.0.1:0")
         client = Client(f"127.0.0.1:{port}")
         try:
@@ -101,6 +113,10 @@ def test_no_sample_trains_more_than_k_versions_behind_for_k_1_2_3(arith_model_pa
                 final = await asyncio.to_thread(client.wait, run_id)
                 assert final.state == "COMPLETED", final.message
                 out[k] = check_run(Path(final.run_dir), k)
+                # The run's weights reach the replica once each: a later run's batches launched together push
+                # its version 0 once (they used to push it once each, the last ones after step 1 had trained).
+                assert applied == sorted(set(applied)) and len(applied) == NUM_STEPS + (k > 1), (k, applied)
+                applied.clear()
             return out
         finally:
             client.close()
