@@ -308,3 +308,55 @@ def test_a_grpc_update_with_a_device_bucket_or_a_short_payload_is_invalid_argume
 
 if __name__ == "__main__":
     _slow_replica_main(sys.argv[1])
+
+
+@pytest.mark.slow
+def test_a_push_the_replica_answers_unavailable_is_sent_again_once_whole(model_dir):
+    """The grpc stream goes without gRPC's retry buffer (GrpcSender.max_attempts = 1), so the sender itself sends
+    a stream that met UNAVAILABLE again, whole, on a fresh channel; a second UNAVAILABLE fails the replica."""
+    from services.common.errors import Unavailable
+    from services.rollout.config import RolloutSettings
+    from services.rollout.engine_torch.engine import TorchEngine
+    from services.rollout.servicer import start as start_rollout
+
+    samples = random_samples(4, vocab_size=32)
+
+    class Flaky(TorchEngine):
+        refusals = 1
+        calls = 0
+
+        async def update_weights(self, manifest, buckets):
+            Flaky.calls += 1
+            received = [b async for b in buckets]          # the whole stream came in before the refusal
+            if Flaky.refusals:
+                Flaky.refusals -= 1
+                raise Unavailable("replica restarting")
+
+            async def again():
+                for b in received:
+                    yield b
+            return await super().update_weights(manifest, again())
+
+    async def main():
+        async with trainer_and_replicas(model_dir, 1) as (stub, targets):
+            rs = RolloutSettings(model={"path": model_dir}, server={"auth_token": TOKEN})
+            server, port, engine = await start_rollout(rs, "127.0.0.1:0", engine=Flaky(rs))
+            flaky = f"127.0.0.1:{port}"
+            try:
+                await train_once(stub, samples)
+                once = await stub.PushWeights(trainer_pb2.PushWeightsRequest(targets=[flaky, targets[0]]))
+                calls_once = Flaky.calls
+                Flaky.refusals = 2
+                await train_once(stub, samples)
+                twice = await stub.PushWeights(trainer_pb2.PushWeightsRequest(targets=[flaky, targets[0]]))
+                return once, calls_once, twice, Flaky.calls, await served(flaky, samples)
+            finally:
+                await server.stop(0)
+                await engine.close()
+
+    once, calls_once, twice, calls, (version, _, _) = asyncio.run(main())
+    assert [r.ok for r in once.results] == [True, True], [r.error for r in once.results]
+    assert calls_once == 2                             # refused once, sent again, applied
+    assert [r.ok for r in twice.results] == [False, True]
+    assert "UNAVAILABLE" in twice.results[0].error and calls == 4     # two refusals: no third attempt
+    assert twice.weight_version == 2 and version == 1      # version 2 never landed on it

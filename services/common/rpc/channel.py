@@ -77,7 +77,9 @@ def create_channel(address: str, *, token: str | None = None, timeout: float | N
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.enable_retries", 1),
+        # max_attempts 1: no retry machinery at all, transparent retries included (a caller that re-sends its
+        # own call whole, as the weight push does, gains nothing from gRPC's retry buffer).
+        ("grpc.enable_retries", int(max_attempts >= 2)),
         ("grpc.service_config", service_config(max_attempts=max_attempts)),
         ("grpc.keepalive_time_ms", 30_000),
         # Each channel keeps its own connections: a new channel to a service that just restarted (a resumed

@@ -102,6 +102,9 @@ class RpcSender:
     grpc.aio channel belongs to the loop it was made on, and dropped when a call on them fails.
     """
 
+    # gRPC's attempts per call (create_channel): its retry of UNAVAILABLE before the call commits.
+    max_attempts = 4
+
     def __init__(self, *, token: str | None = None, timeout: float | None = 600.0):
         self.token = token
         self.timeout = timeout
@@ -119,7 +122,8 @@ class RpcSender:
         key = (id(asyncio.get_running_loop()), target)
         channel = self._channels.get(key)
         if channel is None:
-            channel = self._channels[key] = create_channel(target, token=self.token, timeout=self.timeout)
+            channel = self._channels[key] = create_channel(target, token=self.token, timeout=self.timeout,
+                                                           max_attempts=self.max_attempts)
         try:
             yield channel
         except BaseException:
