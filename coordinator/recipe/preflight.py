@@ -93,11 +93,18 @@ def check_loggers(cfg: RunConfig) -> None:
             raise ValueError(f"{key}: {logger!r} needs the {package} package (pip install {package})")
 
 
+def _from_here(path: str) -> str:
+    """Where a relative path was looked for: a recipe's paths are taken from the folder the command runs in, not
+    the recipe's own (examples' recipes name paths from the repository's root)."""
+    return "" if Path(path).is_absolute() else f" (from the current folder, {Path.cwd()})"
+
+
 def check_model_folder(key: str, path: str) -> None:
     """A Hugging Face model folder: a config.json and weights."""
     folder = Path(path)
     if not folder.is_dir():
-        raise ValueError(f"{key}: {path!r} is not a folder (a local Hugging Face model folder is expected)")
+        raise ValueError(f"{key}: {path!r}{_from_here(path)} is not a folder (a local Hugging Face model folder is "
+                         "expected)")
     if not (folder / "config.json").is_file():
         raise ValueError(f"{key}: {path!r} is not a Hugging Face model folder (no config.json)")
     if not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
@@ -107,7 +114,7 @@ def check_model_folder(key: str, path: str) -> None:
 def check_data_files(key: str, paths: list[str]) -> None:
     for path in paths:
         if not Path(path).is_file():
-            raise ValueError(f"{key}: data file {path!r} does not exist")
+            raise ValueError(f"{key}: data file {path!r}{_from_here(path)} does not exist")
 
 
 def _smallest_mini_batch(num_samples: int, mini_batch_size: int) -> int:

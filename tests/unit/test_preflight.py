@@ -45,6 +45,14 @@ def test_a_missing_model_folder_is_named_by_model_path(tmp_path):
                                         f"folder is expected)")
 
 
+def test_a_missing_relative_path_says_which_folder_it_was_looked_for_from(tmp_path, monkeypatch):
+    # `meshrl mesh /repo/examples/arith/grpo.yaml` run from elsewhere: the recipe's paths are the repo root's
+    monkeypatch.chdir(tmp_path)
+    assert failure(config("examples/arith/model")) == (
+        f"model.path: 'examples/arith/model' (from the current folder, {tmp_path}) is not a folder (a local Hugging "
+        f"Face model folder is expected)")
+
+
 def test_a_folder_without_config_json_is_not_a_model(tmp_path):
     (tmp_path / "m").mkdir()
     path = str(tmp_path / "m")
