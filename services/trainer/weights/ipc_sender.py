@@ -4,7 +4,6 @@ IPC handles travel over `Rollout.UpdateWeights` (services/trainer/weights/sender
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 import torch
@@ -26,6 +25,7 @@ class IpcSender(RpcSender):
 
     transport = "ipc"
     on_device = True
+    max_attempts = 1               # the sender's own retry (RpcSender.pushed)
 
     def __init__(self, *, token: str | None = None, timeout: float | None = 600.0):
         super().__init__(token=token, timeout=timeout)
@@ -73,14 +73,11 @@ class IpcSender(RpcSender):
         yield COMMIT
 
     async def _push_one(self, target: str, plan: DevicePlan, sums: list[int], tags: ManifestTags) -> PushOutcome:
-        t0 = time.perf_counter()
-        try:
-            async with self.channel(target) as channel:
-                reply = await rollout_pb2_grpc.RolloutStub(channel).UpdateWeights(
-                    _aiter(self._messages(plan, sums, tags)), metadata=self.metadata, timeout=self.timeout)
-            return self._check(target, reply, plan.manifest.version, t0)
-        except Exception as e:  # noqa: BLE001
-            return PushOutcome(target, False, error_text(e), time.perf_counter() - t0)
+        async def call(channel):
+            return await rollout_pb2_grpc.RolloutStub(channel).UpdateWeights(
+                _aiter(self._messages(plan, sums, tags)), metadata=self.metadata, timeout=self.timeout)
+        # The staging buffers stay as they are until the push ends (_one_push): a stream sent again reads the same.
+        return await self.pushed(target, plan.manifest.version, call)
 
     async def push(self, state, version, targets, *, bucket_bytes=DEVICE_BUCKET_BYTES,
                    tags: ManifestTags = NO_TAGS) -> list[PushOutcome]:

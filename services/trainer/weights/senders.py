@@ -102,7 +102,8 @@ class RpcSender:
     grpc.aio channel belongs to the loop it was made on, and dropped when a call on them fails.
     """
 
-    # gRPC's attempts per call (create_channel): its retry of UNAVAILABLE before the call commits.
+    # gRPC's attempts per call (create_channel): its retry of UNAVAILABLE before the call commits. The update
+    # streams go without it (pushed(): max_attempts 1 on their senders).
     max_attempts = 4
 
     def __init__(self, *, token: str | None = None, timeout: float | None = 600.0):
@@ -137,6 +138,29 @@ class RpcSender:
         loop = id(asyncio.get_running_loop())
         for key in [k for k in self._channels if k[0] == loop]:
             await self._channels.pop(key).close()
+
+    async def pushed(self, target: str, version: int, call) -> PushOutcome:
+        """The outcome of one update stream to `target`, `call(channel)` -> its UpdateWeightsResponse.
+
+        The streams go without gRPC's retries (max_attempts 1 on the senders that use this): they buffer a stream
+        to replay it, and a replica killed while a push was queued on its reconnecting channel once aborted the
+        trainer inside that code (gRPC core's check `pending == nullptr`, buffered_call.cc). A stream that meets
+        UNAVAILABLE (a connection closed under it at the replica's max_connection_age, a restart) is sent again
+        here, once, whole, on a fresh channel: a replica given one version twice applies the same weights twice."""
+        t0 = time.perf_counter()
+        for attempt in range(2):
+            try:
+                async with self.channel(target) as channel:       # a failed call drops the channel
+                    reply = await call(channel)
+                return self._check(target, reply, version, t0)
+            except grpc.aio.AioRpcError as e:
+                if attempt == 0 and e.code() == grpc.StatusCode.UNAVAILABLE:
+                    log.info("weight push to %s: %s; sending it again", target, e.details())
+                    continue
+                return PushOutcome(target, False, error_text(e), time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - reported per target, never raised over the others
+                return PushOutcome(target, False, error_text(e), time.perf_counter() - t0)
+        raise AssertionError("unreachable")
 
     def _check(self, target: str, reply, version: int, t0: float) -> PushOutcome:
         if reply.weight_version != version:
