@@ -144,9 +144,12 @@ def _git(*args: str) -> subprocess.CompletedProcess:
 
 
 def head_commit() -> str:
-    """The short commit of the tree, or $MESHRL_COMMIT where the tree has no git (a copy on a GPU machine)."""
+    """$MESHRL_COMMIT when set (a copy of the tree on a GPU machine may carry an old .git of its own: its HEAD is not
+    what ran), else the short commit of the tree."""
+    if os.environ.get("MESHRL_COMMIT"):
+        return os.environ["MESHRL_COMMIT"]
     got = _git("rev-parse", "--short", "HEAD")
-    return got.stdout.strip() if got.returncode == 0 else os.environ.get("MESHRL_COMMIT", "unknown")
+    return got.stdout.strip() if got.returncode == 0 else "unknown"
 
 
 def stamp(stem: str, result: dict, shared_machine: bool | None = None) -> dict:
