@@ -17,7 +17,7 @@ from coordinator.recipe.data import load_dataset
 from coordinator.recipe.distill import check_teacher_replicas
 from coordinator.training import advantages as adv_fns
 from coordinator.training import dpo, loop, remote
-from coordinator.training.context import Algorithm, GuardedTrainer, RunContext, drop_adapter
+from coordinator.training.context import Algorithm, GuardedTrainer, RunContext, TrainerAsReference, drop_adapter
 from meshrl.v1 import trainer_pb2
 from services.common.errors import FailedPrecondition
 from services.common.rpc.channel import create_channel
@@ -34,13 +34,14 @@ def _pools(cfg: RunConfig, algorithm: Algorithm, token: str | None, registry) ->
     reference when configured."""
     pools = {}
     for role, stub_factory in STUBS.items():
-        section = getattr(cfg, role)
+        section, kind = getattr(cfg, role), ReplicaPool
         used = configured(section) or (algorithm.needs_rollout and role != "reference")
         if role == "reference" and not used and _trainer_is_reference(cfg) and cfg.trainer.address:
             # Under actor.lora the trainer answers as the reference: its base model with the adapters off.
             section, used = section.model_copy(update={"servers": [cfg.trainer.address]}), True
-        pools[role] = ReplicaPool.from_section(role, stub_factory, section, registry=registry,
-                                               token=token) if used else None
+            kind = TrainerAsReference
+        pools[role] = kind.from_section(role, stub_factory, section, registry=registry,
+                                        token=token) if used else None
     return pools
 
 

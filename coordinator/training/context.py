@@ -16,7 +16,7 @@ from meshrl.v1 import trainer_pb2
 from coordinator.recipe.config import RunConfig, TrainerLosses
 from coordinator.recipe.data import Problem, PromptStream
 from coordinator.training import advantages as adv_fns
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, Unavailable
 from services.common.rpc.pools import ReplicaPool
 from services.common.rpc.tracing import phase_span
 from services.rollout.types import SamplingParams
@@ -88,6 +88,19 @@ class GuardedTrainer:
                 raise
 
         return call
+
+
+class TrainerAsReference(ReplicaPool):
+    """The reference pool of a run whose trainer answers as the reference (actor.lora): its one replica is the
+    trainer, so a lost replica is the lost trainer and the run pauses (TrainerUnavailable), as after any trainer
+    call, instead of failing with `reference pool: no healthy replica`."""
+
+    async def call(self, fn, *, prefer=None):
+        try:
+            return await super().call(fn, prefer=prefer)
+        except Unavailable as e:
+            raise TrainerUnavailable(f"trainer {', '.join(self.servers)} unavailable during reference log-probs "
+                                     f"(under actor.lora it answers as the reference): {e}") from None
 
 
 class PhaseTimer:
