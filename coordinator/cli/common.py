@@ -278,3 +278,22 @@ class NoCoordinator(RuntimeError):
         looked = f" (the address: {source})" if source else ""
         return cls(f"no coordinator at {address} ({cause}); start a mesh with `meshrl mesh RECIPE` or `meshrl up RECIPE` "
                    f"(README), or name the coordinator with --coordinator HOST:PORT or MESHRL_COORDINATOR{looked}")
+
+
+class LostCoordinator(RuntimeError):
+    """The coordinator went away after the command reached it (killed, or its mesh stopped with its trainer) while
+    it followed a run: one line naming the run and how to find it again, not `no coordinator at ...` (NoCoordinator)
+    nor grpc's own words (`Stream removed (Socket closed)`, `Cancelling all calls`)."""
+
+    @classmethod
+    def of(cls, e: Exception, address: str, run_id: str) -> "LostCoordinator | None":
+        import grpc
+
+        if not (isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None))
+                and e.code() == grpc.StatusCode.UNAVAILABLE):
+            return None
+        cause = e.details() or "UNAVAILABLE"
+        return cls(f"lost the coordinator at {address} while following run {run_id} ({cause}); "
+                   f"with a run store (run.redis_url) the run is kept: once a coordinator on that store serves again "
+                   f"(start the mesh again), `meshrl status` shows it, an interrupted run goes on by itself and "
+                   f"`meshrl resume {run_id}` continues a PAUSED one; without a run store the run is gone")

@@ -11,7 +11,8 @@ from typing import Optional
 import typer
 import yaml
 
-from coordinator.cli.common import PASSTHROUGH, Connection, _fmt, command, connects, console, say
+from coordinator.cli.common import (PASSTHROUGH, Connection, LostCoordinator, _fmt, command, connects, console,
+                                   say)
 
 # How long `meshrl up`'s pools wait for a restarting replica (the supervisor's back-off, 1 + 2 + 4 s, plus a
 # model load) before a call fails.
@@ -397,7 +398,13 @@ def run(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False),
         say(run_id)
         if follow:
             num_steps = client.get_run(run_id).num_steps
-            _follow(client, run_id, num_steps, warn_steps=cfg.run.zero_variance_warn_steps)
+            try:
+                _follow(client, run_id, num_steps, warn_steps=cfg.run.zero_variance_warn_steps)
+            except Exception as e:  # noqa: BLE001 - only a coordinator lost mid-run is re-worded
+                lost = LostCoordinator.of(e, conn.address, run_id)
+                if lost is None:
+                    raise
+                raise lost from None
             status = client.get_run(run_id)
             _print_result(status)
             if status.state != "COMPLETED":  # as `meshrl up`: a run that failed or was stopped is exit 1
