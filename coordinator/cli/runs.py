@@ -167,6 +167,7 @@ def _drive(launcher, data: dict, conn: Connection, cfg, *, resume: str = "", sto
     or SIGTERM: the run is paused after its step in flight and checkpointed, and the resume command printed
     (coordinator/cli/interrupt.py), before the interrupt stops every service."""
     from coordinator.cli.interrupt import pause_for_exit, resume_line
+    from coordinator.cli.launcher import ServiceFailed
 
     with conn.client() as client:
         run_id, from_step = _start_or_resume(client, data, resume)
@@ -178,7 +179,20 @@ def _drive(launcher, data: dict, conn: Connection, cfg, *, resume: str = "", sto
             status = pause_for_exit(client, run_id, stop_wait_s, say, checkpoint=resumable)
             say(resume_line(run_id, status, resumable=resumable))
             raise
+        except ServiceFailed:
+            # The trainer or the coordinator died, which ends `meshrl up`; the run lives on in its store.
+            say(resume_line(run_id, _status_if_answered(client, run_id), resumable=bool(cfg.run.redis_url)))
+            raise
         return client.get_run(run_id)
+
+
+def _status_if_answered(client, run_id: str):
+    import grpc
+
+    try:
+        return client.get_run(run_id)
+    except grpc.RpcError:             # the coordinator is the one that died
+        return None
 
 
 def _start_or_resume(client, data: dict, resume: str) -> tuple[str, int]:

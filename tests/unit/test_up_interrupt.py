@@ -64,3 +64,53 @@ def test_a_run_that_ended_before_the_interrupt_has_no_resume_line():
     status = SimpleNamespace(step=6, num_steps=6, checkpoint_path="", state="COMPLETED", finished=True)
     assert resume_line("r-1", status, resumable=True) == \
         "meshrl up: run r-1 COMPLETED after 6 steps; there is nothing to resume"
+
+
+class _Client:
+    """The coordinator as `meshrl up` sees it when a service dies: alive (it answers GetRun) or gone."""
+
+    def __init__(self, alive: bool):
+        self.alive = alive
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def get_run(self, run_id):
+        import grpc
+
+        if not self.alive:
+            raise grpc.RpcError("UNAVAILABLE: Connection refused")
+        return SimpleNamespace(step=26, num_steps=30, checkpoint_path="", state="RUNNING", finished=False)
+
+
+@pytest.mark.parametrize("redis_url", ["redis://127.0.0.1:6379/0", ""])
+@pytest.mark.parametrize("coordinator_alive", [True, False])
+def test_a_trainer_or_coordinator_that_dies_mid_run_ends_meshrl_up_with_the_resume_line(monkeypatch, redis_url,
+                                                                                       coordinator_alive):
+    """Found by `kill -9` of the trainer under `meshrl up ... --run.redis_url ...`: it ended with the trainer's
+    cause line only, though `meshrl up --resume RUN_ID ...` continues the run."""
+    from coordinator.cli.launcher import ServiceFailed
+
+    said: list[str] = []
+    monkeypatch.setattr(runs, "say", said.append)
+    monkeypatch.setattr(runs, "_start_or_resume", lambda client, data, resume: ("r-1", 0))
+
+    def dies(*args):
+        raise ServiceFailed("trainer-0 exited with code -9 during the run: killed by SIGKILL (log: t.log)")
+
+    monkeypatch.setattr(runs, "_follow_while_alive", dies)
+    monkeypatch.setattr("sys.argv", ["meshrl", "up", "grpo.yaml", "--run.redis_url", redis_url])
+    conn = SimpleNamespace(client=lambda: _Client(coordinator_alive))
+    cfg = SimpleNamespace(run=SimpleNamespace(num_steps=30, zero_variance_warn_steps=3, redis_url=redis_url))
+    with pytest.raises(ServiceFailed, match="trainer-0 exited"):
+        runs._drive(None, {}, conn, cfg)
+    at = " at step 26/30" if coordinator_alive else ""
+    if redis_url:
+        assert said == [f"meshrl up: run r-1 interrupted{at}; resume it with: meshrl up --resume r-1 grpo.yaml "
+                        f"--run.redis_url {redis_url}"]
+    else:
+        assert said == [f"meshrl up: run r-1 interrupted{at}; its record lived in the coordinator's memory (no "
+                        f"run.redis_url), so it cannot be resumed: set run.redis_url to make runs resumable"]
