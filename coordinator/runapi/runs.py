@@ -81,6 +81,11 @@ class RunManager:
         try:
             ctx = await open_context(run_id, cfg, registry=self.registry, defaults=self.defaults,
                                      start=RunStart(checkpoint), claim=lambda c: self._claim(run_id, c))
+        except TrainerUnavailable as e:
+            # Nothing started: an unreachable trainer is the recipe's address, named as the pools' servers are
+            # (not INTERNAL, nor UNAVAILABLE, which a client's retry policy would send again).
+            self.claims.release(run_id)
+            raise ValueError(f"trainer.address: no trainer answers at {cfg.trainer.address} ({e})") from None
         except BaseException:
             self.claims.release(run_id)
             raise

@@ -84,13 +84,15 @@ def test_runs_train_with_their_own_learning_rate_and_components_and_fixed_keys_a
         one_sample = refusal(stub, run_config(mesh, **{"rollout.n": 1}))
         model = refusal(stub, run_config(mesh, **{"reward.components": [{"name": "embedding"}]}))
         mesh_size = refusal(stub, run_config(mesh, **{"actor.tp_size": 3}))
+        no_trainer = refusal(stub, run_config(mesh, **{"trainer.address": "127.0.0.1:1"}))
         stub.StartRun(coordinator_pb2.StartRunRequest(config=run_config(mesh, **{"run.num_steps": 1000}),
                                                       run_id="long"))
         busy = refusal(stub, run_config(mesh))
         stub.StopRun(coordinator_pb2.RunRequest(run_id="long"))
-        return first, second, third, one_sample, model, mesh_size, busy
+        return first, second, third, one_sample, model, mesh_size, no_trainer, busy
 
-    mesh, ((first, first_steps), (second, second_steps), (third, _), one_sample, model, mesh_size, busy) = \
+    mesh, ((first, first_steps), (second, second_steps), (third, _), one_sample, model, mesh_size, no_trainer,
+           busy) = \
         against_services(arith_model_path, tmp_path, scenario)
     assert third.state == coordinator_pb2.RUN_STATE_COMPLETED
     assert yaml.safe_load(third.config)["rollout"]["n"] == 2
@@ -110,6 +112,10 @@ def test_runs_train_with_their_own_learning_rate_and_components_and_fixed_keys_a
         f'and user functions are loaded when the replica starts; restart it to change, or use built-in rules only)'))
     assert mesh_size == (grpc.StatusCode.INVALID_ARGUMENT, "actor.tp_size: the running trainer has 1, this run "
                                                            "asks 3 (set when the trainer starts; restart it to change)")
+    # nobody answers at the recipe's trainer: its key, not INTERNAL (nor UNAVAILABLE, which clients retry)
+    assert no_trainer[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert no_trainer[1].startswith("trainer.address: no trainer answers at 127.0.0.1:1 (trainer 127.0.0.1:1 "
+                                    "unavailable during "), no_trainer
     trainer_at = mesh.addresses["trainer"][0]
     assert busy == (grpc.StatusCode.FAILED_PRECONDITION, (
         f"trainer.address: the trainer at {trainer_at} is training full-parameter run 'long'; a full-parameter run "
