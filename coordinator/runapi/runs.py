@@ -40,6 +40,14 @@ def parse_run_config(text: str) -> RunConfig:
     return load_config(RunConfig, data=data)
 
 
+def check_run_id(run_id: str, key: str) -> None:
+    """A run id names its folder under run.run_dir: one that is a path ('x/../other-run', '..') would write into
+    another run's folder or outside run_dir, so it is refused by the key that set it (INVALID_ARGUMENT)."""
+    if run_id in (".", "..") or any(c in "/\\" or ord(c) < 32 for c in run_id):
+        raise ValueError(f"{key}: {run_id!r} cannot name a run (it names the run's folder: no '/', '\\', "
+                         f"control characters, '.' or '..')")
+
+
 class RunManager:
     """Owns the asyncio task of every active run; the gRPC servicer and tests call it directly."""
 
@@ -70,6 +78,7 @@ class RunManager:
         # The checks `meshrl up` makes, on the keys this config sets, before any service is called; the keys it
         # leaves out come from the running services and are checked with them (run_settings.settle).
         check_run(cfg, files="coordinator", keys=set(run_settings.user_keys(cfg)))
+        check_run_id(*((run_id, "run_id") if run_id else (cfg.run.name, "run.name")))   # run.name starts a new id
         run_id = run_id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         if await self.store.get(run_id):
             raise ValueError(f"run_id: run {run_id!r} already exists")

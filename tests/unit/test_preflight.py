@@ -197,3 +197,25 @@ def test_start_run_refuses_a_broken_config_before_calling_any_service(arith_mode
         asyncio.run(manager.start_run(yaml.safe_dump(data)))
     assert str(err.value) == line
     assert asyncio.run(manager.store.list()) == []
+
+
+@pytest.mark.parametrize("run_id, name, line", [
+    ("x/../other-run", "arith", "run_id: 'x/../other-run' cannot name a run"),
+    ("..", "arith", "run_id: '..' cannot name a run"),
+    ("", "exp/1", "run.name: 'exp/1' cannot name a run"),
+])
+def test_start_run_refuses_a_run_id_that_is_a_path(arith_model_path, run_id, name, line):
+    # The run id names the run's folder under run.run_dir: 'x/../other-run' would write into another run's folder.
+    import asyncio
+
+    import yaml
+
+    from coordinator.runapi.runs import RunManager
+    from coordinator.runapi.store import MemoryStore
+
+    data = {"model": {"path": arith_model_path}, "rollout": {"n": 4}, "run": {"name": name}}
+    manager = RunManager(MemoryStore())
+    with pytest.raises(ValueError) as err:  # the servicer maps it to INVALID_ARGUMENT
+        asyncio.run(manager.start_run(yaml.safe_dump(data), run_id=run_id))
+    assert str(err.value).startswith(line)
+    assert asyncio.run(manager.store.list()) == []
