@@ -99,7 +99,7 @@ class OpenAIApi:
                    "model": adapter or self.model_name, "choices": choices, "usage": _usage(results),
                    "system_fingerprint": self._fingerprint(results)}
         if body.get("stream"):
-            return await self._stream(request, payload, "text_completion")
+            return await self._stream(request, payload, "text_completion", body)
         return web.json_response(payload)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -177,7 +177,7 @@ class OpenAIApi:
         if body.get("return_token_ids"):     # where vLLM puts it on a chat answer
             payload["prompt_token_ids"] = results[0].prompt_ids
         if body.get("stream"):
-            return await self._stream(request, payload, "chat.completion.chunk")
+            return await self._stream(request, payload, "chat.completion.chunk", body)
         return web.json_response(payload)
 
     # ---- vLLM's weight-update routes (rollout.http_weight_updates): an `openai` replica proxying this one
@@ -276,9 +276,13 @@ class OpenAIApi:
             choice["prompt_token_ids"] = result.prompt_ids
             choice["weight_version"] = sample.weight_version
 
-    async def _stream(self, request: web.Request, payload: dict, chunk_object: str) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, payload: dict, chunk_object: str, body: dict
+                      ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        options = body.get("stream_options")
+        usage = isinstance(options, dict) and bool(options.get("include_usage"))   # OpenAI's last usage chunk
+        head = {k: payload[k] for k in ("id", "created", "model", "system_fingerprint")} | {"object": chunk_object}
         for choice in payload["choices"]:
             chunk_choice = dict(choice)
             if "message" in chunk_choice:
@@ -286,9 +290,10 @@ class OpenAIApi:
                 if "tool_calls" in chunk_choice["delta"]:   # stream deltas number their calls
                     chunk_choice["delta"]["tool_calls"] = [dict(c, index=k) for k, c in
                                                            enumerate(chunk_choice["delta"]["tool_calls"])]
-            chunk = {k: payload[k] for k in ("id", "created", "model", "system_fingerprint")}
-            chunk.update(object=chunk_object, choices=[chunk_choice])
+            chunk = dict(head, choices=[chunk_choice], **({"usage": None} if usage else {}))
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if usage:   # stream_options.include_usage: one more chunk, no choices, the whole request's usage
+            await resp.write(f"data: {json.dumps(dict(head, choices=[], usage=payload['usage']))}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

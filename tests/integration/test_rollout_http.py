@@ -124,6 +124,27 @@ def test_streaming_chat_yields_the_content_then_ends(model_dir):
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
 
 
+def test_streams_end_with_the_usage_chunk_that_stream_options_include_usage_asks_for(model_dir):
+    # OpenAI: with stream_options.include_usage, a last chunk before [DONE] has no choices and the request's usage
+    # (every other chunk's usage is null).
+    async def main():
+        async with http_replica(model_dir) as (client, _):
+            full = await client.completions.create(model="tiny", prompt="2+2=", n=2, temperature=0, max_tokens=6)
+            full_chat = await client.chat.completions.create(model="tiny", temperature=0, max_tokens=6,
+                                                             messages=[{"role": "user", "content": "2+2="}])
+            chat = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "2+2="}],
+                                                        temperature=0, max_tokens=6, stream=True,
+                                                        stream_options={"include_usage": True})
+            text = await client.completions.create(model="tiny", prompt="2+2=", n=2, temperature=0, max_tokens=6,
+                                                   stream=True, stream_options={"include_usage": True})
+            return (full, [c async for c in text]), (full_chat, [c async for c in chat])
+
+    for full, chunks in asyncio.run(main()):
+        assert [len(c.choices) for c in chunks] == [1] * len(full.choices) + [0]
+        assert all(c.usage is None for c in chunks[:-1])
+        assert chunks[-1].usage == full.usage
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(prompt="1+1=", temperature=-1), "sampling.temperature"),
     (dict(prompt="1+1=", n=0), "sampling.n"),
