@@ -70,7 +70,7 @@ class OpenAIApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         adapter = self._adapter_of(body)
-        _reject_unsupported(body, ("echo", "suffix", "best_of"))
+        _reject_unsupported(body, ("echo", "suffix", "best_of", *UNHONOURED_SAMPLING))
         prompts = _prompts(body.get("prompt"))
         k = _opt_int(body, "logprobs")
         sampling = self._sampling(body, default_max_tokens=16, top_logprobs=k or 0, adapter=adapter)
@@ -137,7 +137,7 @@ class OpenAIApi:
 
     def _chat_request(self, body: dict, *, any_model: bool = False) -> tuple[FunctionCalling, SamplingParams]:
         adapter = self._adapter_of(body, any_model=any_model)
-        _reject_unsupported(body, ("response_format",))
+        _reject_unsupported(body, ("response_format", *UNHONOURED_SAMPLING))
         calling = FunctionCalling.from_body(body)
         k = _opt_int(body, "top_logprobs") or 0
         if k and not body.get("logprobs"):
@@ -344,6 +344,11 @@ def _num(body: dict, key: str, kind, default):
 
 def _opt_int(body: dict, key: str) -> int | None:
     return None if body.get(key) is None else _num(body, key, int, None)
+
+
+# Sampling settings of OpenAI's API the engines do not apply: a value that would change the answer is refused, not
+# ignored (0 and {} are their no-op defaults, which clients often send).
+UNHONOURED_SAMPLING = ("logit_bias", "presence_penalty", "frequency_penalty")
 
 
 def _reject_unsupported(body: dict, keys) -> None:

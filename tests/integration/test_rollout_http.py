@@ -151,13 +151,18 @@ def test_streams_end_with_the_usage_chunk_that_stream_options_include_usage_asks
     (dict(prompt="1+1=", max_tokens=0), "sampling.max_tokens"),
     (dict(prompt=[4, 999]), "prompts[0].prompt_ids"),
     (dict(prompt="1+1=", echo=True), "echo"),
+    (dict(prompt="1+1=", logit_bias={"5": 100}), "logit_bias"),          # not applied: refused, not ignored
+    (dict(prompt="1+1=", presence_penalty=0.5), "presence_penalty"),
+    (dict(prompt="1+1=", frequency_penalty=-1.0), "frequency_penalty"),
 ])
 def test_bad_completion_requests_are_400_naming_the_field(model_dir, kwargs, field):
     async def main():
         async with http_replica(model_dir) as (client, _):
             with pytest.raises(openai.BadRequestError) as err:
                 await client.completions.create(model="tiny", **kwargs)
-            ok = await client.completions.create(model="tiny", prompt="1+1=", max_tokens=2)
+            # their no-op values pass (clients often send them)
+            ok = await client.completions.create(model="tiny", prompt="1+1=", max_tokens=2, logit_bias={},
+                                                 presence_penalty=0, frequency_penalty=0.0)
             return err.value, ok
 
     err, ok = asyncio.run(main())
