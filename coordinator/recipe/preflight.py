@@ -117,6 +117,25 @@ def check_data_files(key: str, paths: list[str]) -> None:
             raise ValueError(f"{key}: data file {path!r}{_from_here(path)} does not exist")
 
 
+def check_parquet_columns(cfg: RunConfig, paths: list[str]) -> None:
+    """A prompt file in Parquet has the prompt and answer columns (read from its schema alone, so `meshrl up` names
+    a wrong data.prompt_key before any service starts, as opening the run would after they all did)."""
+    if cfg.algorithm.kind == "dpo" or importlib.util.find_spec("pyarrow") is None:
+        return              # preference pairs have columns of their own; without pyarrow the run open says so
+    import pyarrow.parquet as pq
+
+    from coordinator.recipe.data import check_columns
+
+    for path in paths:
+        if path.endswith(".parquet"):
+            try:
+                names = pq.read_schema(path).names
+            except Exception as e:  # noqa: BLE001 - pyarrow's errors name no file
+                raise ValueError(f"data file {path!r}: not a readable Parquet file ({type(e).__name__}: {e})") \
+                    from None
+            check_columns(path, names, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
+
+
 def _smallest_mini_batch(num_samples: int, mini_batch_size: int) -> int:
     """The trainer's cut (services/trainer/batch.py: mini_batches): consecutive mini_batch_size slices, the
     last one shorter; 0 = one mini-batch of everything."""
@@ -252,6 +271,8 @@ def _check_run(cfg: RunConfig, world_size: int | None, files: str, keys: set[str
     for key, paths in _data_files(cfg).items():
         if key in scope:
             check_data_files(key, paths)
+            if key != "dpo.heldout_files":
+                check_parquet_columns(cfg, paths)
     if "reward" in scope:
         check_reward_functions(cfg)
     if "loggers" in scope:

@@ -219,3 +219,17 @@ def test_start_run_refuses_a_run_id_that_is_a_path(arith_model_path, run_id, nam
         asyncio.run(manager.start_run(yaml.safe_dump(data), run_id=run_id))
     assert str(err.value).startswith(line)
     assert asyncio.run(manager.store.list()) == []
+
+
+def test_a_parquet_file_without_the_prompt_key_column_is_named_before_any_service_starts(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "train.parquet")
+    pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "1+1="}]], "data_source": ["arith"],
+                             "reward_model": [{"style": "rule", "ground_truth": "2"}]}), path)
+    model = model_folder(tmp_path / "m")
+    check_run(config(model, data={"train_files": [path]}), world_size=1)          # verl's columns pass
+    assert failure(config(model, data={"train_files": [path], "prompt_key": "question"}), world_size=1) == (
+        f"data file {path!r}: no column 'question' for the prompt (data.prompt_key: question); its columns: "
+        f"prompt, data_source, reward_model")
