@@ -64,6 +64,16 @@ class OpenAIApi:
                     for name, version in sorted(self.engine.loaded_adapters().items())]
         return web.json_response({"object": "list", "data": [base, *adapters]})
 
+    async def model(self, request: web.Request) -> web.Response:
+        """One model of /v1/models by its id (OpenAI's retrieve)."""
+        listing = json.loads((await self.models(request)).text)["data"]
+        wanted = request.match_info["model"]
+        found = next((m for m in listing if m["id"] == wanted), None)
+        if found is None:
+            raise ModelNotFound(f"model: the model {wanted!r} does not exist on this replica (it serves "
+                                f"{', '.join(repr(m['id']) for m in listing)})")
+        return web.json_response(found)
+
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "weight_version": self.engine.weight_version})
 
@@ -383,6 +393,9 @@ def _middlewares(auth_token: str | None):
                 return _error(401, "missing or invalid bearer token", "authentication_error")
         try:
             return await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as e:    # a route this server does not have
+            return _error(e.status, f"{request.method} {request.path}: {e.reason} on this server",
+                          "invalid_request_error")
         except web.HTTPException:
             raise
         except ValueError as e:
@@ -402,7 +415,8 @@ def build_app(engine: RolloutEngine, *, model_name: str, defaults: RolloutConfig
               auth_token: str | None = None) -> web.Application:
     api = OpenAIApi(engine, model_name=model_name, defaults=defaults)
     app = web.Application(middlewares=_middlewares(auth_token), client_max_size=64 * 1024 * 1024)
-    app.add_routes([web.get("/v1/models", api.models), web.get("/health", api.health),
+    app.add_routes([web.get("/v1/models", api.models), web.get("/v1/models/{model:.+}", api.model),
+                    web.get("/health", api.health),
                     web.post("/v1/completions", api.completions), web.post("/v1/chat/completions", api.chat),
                     # proxy mode (services/rollout/agents/sessions.py)
                     web.get("/sessions/{session_id}/v1/models", api.models),

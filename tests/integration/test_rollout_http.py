@@ -39,10 +39,18 @@ async def http_replica(model_dir: str, *, token: str | None = None, **rollout):
 def test_models_lists_the_served_model(model_dir):
     async def main():
         async with http_replica(model_dir) as (client, _):
-            return await client.models.list()
+            listed, one = await client.models.list(), await client.models.retrieve("tiny")
+            with pytest.raises(openai.NotFoundError) as unknown:
+                await client.models.retrieve("gpt-4o")
+            with pytest.raises(openai.NotFoundError) as no_route:       # a route this server lacks: JSON too
+                await client.embeddings.create(model="tiny", input="1+1=")
+            return listed, one, unknown.value, no_route.value
 
-    models = asyncio.run(main())
+    models, one, unknown, no_route = asyncio.run(main())
     assert [m.id for m in models.data] == ["tiny"]
+    assert (one.id, one.object) == ("tiny", "model")
+    assert unknown.body["code"] == "model_not_found" and "'gpt-4o' does not exist" in unknown.body["message"]
+    assert no_route.body["message"] == "POST /v1/embeddings: Not Found on this server"
 
 
 def test_completions_return_n_choices_per_prompt_with_raw_logprobs(model_dir):
