@@ -317,9 +317,9 @@ class AdapterBank:
                     ) -> None:
         """Slot `slot` of every layer: A and scale * B of the layers in `pairs` in its first `rank` columns, zeros in
         the rest. Bit for bit the per-layer copy of A and of b.to(float32).mul(scale), in a few batched calls (392
-        tensors at the 1.5B shape; one launch per tensor cost the GPU replica milliseconds of host time): the A in
-        one batched copy, the B's scaled in one batched multiply (each product taken in float32 and rounded once to
-        the bank's dtype by the batched copy into its columns), the slot zeroed only where they leave gaps."""
+        tensors at the 1.5B shape; one launch per tensor costs a GPU replica milliseconds of host time): the A in
+        one batched copy, the B's (on a GPU) scaled in one batched multiply and copied in one batched copy, each
+        product taken in float32 and rounded once to the bank's dtype; the slot zeroed only where they leave gaps."""
         if any(t.device != self.device for ab in pairs.values() for t in ab):   # the receivers send device tensors
             pairs = {p: (a.to(self.device), b.to(self.device)) for p, (a, b) in pairs.items()}
         lo, hi = slot * self.max_rank, slot * self.max_rank + rank
@@ -328,13 +328,19 @@ class AdapterBank:
             self._zero_slot(slot)
         if layers:
             torch._foreach_copy_([m.lora_A_cat[lo:hi] for m in layers], [a for a, _ in pairs.values()])
-        if layers:
-            # A float32 B is multiplied in float32 and rounded once by the copy; a bf16 / fp16 one in the bank's dtype
-            # is multiplied in float32 (opmath) and rounded once there, the copy then exact; any other dtype goes
-            # through float32 first, as b.to(float32) did.
-            bs = [b if b.dtype == torch.float32 or b.dtype == self.dtype in (torch.bfloat16, torch.float16)
-                  else b.to(torch.float32) for _, b in pairs.values()]
+        # A float32 B is multiplied in float32 and rounded once into the bank's dtype; a bf16 / fp16 one in the bank's
+        # dtype is multiplied in float32 (opmath) and rounded once; any other dtype goes through float32 first, as
+        # b.to(float32) did.
+        bs = [b if b.dtype == torch.float32 or b.dtype == self.dtype in (torch.bfloat16, torch.float16)
+              else b.to(torch.float32) for _, b in pairs.values()]
+        if layers and self.device.type == "cuda":
+            # Launch-bound: one batched multiply and one batched copy (the copy rounds a float32 product once).
             torch._foreach_copy_([m.lora_B_cat[:, lo:hi] for m in layers], torch._foreach_mul(bs, scale))
+        else:
+            # Memory-bound (CPU): each product written straight into its columns, one pass (the batched pair made
+            # two and took twice as long here, bench/adapter_sync.py).
+            for m, b in zip(layers, bs):
+                torch.mul(b, scale, out=m.lora_B_cat[:, lo:hi])
 
     @torch.no_grad()
     def _zero_slot(self, slot: int) -> None:
