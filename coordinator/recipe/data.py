@@ -59,13 +59,14 @@ def read_rows(path: str) -> list[dict]:
     return rows
 
 
-def read_parquet(path: str):
+def read_parquet(path: str, *, schema_only: bool = False):
+    """The file's table, or with schema_only its schema alone (no row is read)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(f"data file {path!r}: reading Parquet needs pyarrow (pip install pyarrow)") from None
     try:
-        return pq.read_table(path)
+        return pq.read_schema(path) if schema_only else pq.read_table(path)
     except Exception as e:  # noqa: BLE001 - pyarrow's errors name no file
         raise ValueError(f"data file {path!r}: not a readable Parquet file ({type(e).__name__}: {e})") from None
 

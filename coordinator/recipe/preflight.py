@@ -122,17 +122,11 @@ def check_parquet_columns(cfg: RunConfig, paths: list[str]) -> None:
     a wrong data.prompt_key before any service starts, as opening the run would after they all did)."""
     if cfg.algorithm.kind == "dpo" or importlib.util.find_spec("pyarrow") is None:
         return              # preference pairs have columns of their own; without pyarrow the run open says so
-    import pyarrow.parquet as pq
-
-    from coordinator.recipe.data import check_columns
+    from coordinator.recipe.data import check_columns, read_parquet
 
     for path in paths:
         if path.endswith(".parquet"):
-            try:
-                names = pq.read_schema(path).names
-            except Exception as e:  # noqa: BLE001 - pyarrow's errors name no file
-                raise ValueError(f"data file {path!r}: not a readable Parquet file ({type(e).__name__}: {e})") \
-                    from None
+            names = read_parquet(path, schema_only=True).names
             check_columns(path, names, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
 
 

@@ -54,6 +54,9 @@ class OpenAIApi:
     # ---- routes
 
     async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": self._listing()})
+
+    def _listing(self) -> list[dict]:
         """The base model, then each loaded adapter (vLLM's shape: its parent is the base) with its version."""
         max_len = getattr(self.engine, "max_model_len", None)
         base = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "meshrl",
@@ -62,11 +65,11 @@ class OpenAIApi:
         adapters = [{"id": name, "object": "model", "created": self.created, "owned_by": "meshrl",
                      "root": name, "parent": self.model_name, "max_model_len": max_len, "weight_version": version}
                     for name, version in sorted(self.engine.loaded_adapters().items())]
-        return web.json_response({"object": "list", "data": [base, *adapters]})
+        return [base, *adapters]
 
     async def model(self, request: web.Request) -> web.Response:
         """One model of /v1/models by its id (OpenAI's retrieve)."""
-        listing = json.loads((await self.models(request)).text)["data"]
+        listing = self._listing()
         wanted = request.match_info["model"]
         found = next((m for m in listing if m["id"] == wanted), None)
         if found is None:
