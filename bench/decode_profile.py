@@ -110,11 +110,11 @@ def paged_part(args) -> dict:
     for variant in args.variants.split(","):
         eng = engine(model, args, variant)
         g = torch.Generator().manual_seed(0)
-        shape = (2 * args.batch, args.prompt_len)
+        shape = (2 * args.batch // args.n, args.prompt_len)     # n samples of each prompt (a GRPO group)
 
         def call():
             prompts = torch.randint(3, model.config.vocab_size, shape, generator=g).tolist()
-            eng._generate_jobs(batches(prompts, 1, [args.new_tokens] * shape[0]))
+            eng._generate_jobs(batches(prompts, args.n, [args.new_tokens] * shape[0]))
         out[variant] = profiled(call, args.device, args.new_tokens, args.top)
         print(variant, json.dumps(out[variant])[:300], flush=True)
         eng = None
@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64, help="the paged part's prompt tokens")
+    ap.add_argument("--n", type=int, default=1, help="the paged part's samples per prompt (rows = 2 x batch)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
