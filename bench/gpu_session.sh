@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
 #   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench paged_kv spy loratrain
-#          loratests pagedtests lora manyruns profile trainscale
+#          loratests pagedtests cascade lora manyruns profile trainscale
 #          mfuautotune upgpu
 #          meshrl trl trl15 trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
@@ -103,6 +103,14 @@ for what in "$@"; do
       stamp "$OUT/paged_kv_gpu.json" paged_kv_gpu
       part paged_episodes 540 python3 bench/episodes.py --device cuda --shape qwen2.5-0.5b --prompts 32 --n 8 --rounds 3 \
         --kv-caches "${PAGED_EPISODES_CACHES:-none,paged,paged_graphs}" --out "$OUT/paged_episodes_gpu.json" ;;
+    cascade) # issue 44: the shared-prefix decode attention (paged/cascade.py): one layer's attention call beside the
+      # per-row kernel (bench/cascade_attention.py), then bench/paged_kv.py's GRPO and plain decode cases with and
+      # without it (CASCADE_CASES, CASCADE_VARIANTS)
+      part cascade_attention 150 python3 bench/cascade_attention.py --out "$OUT/cascade_attention_gpu.json"
+      stamp "$OUT/cascade_attention_gpu.json" cascade_attention_gpu
+      part cascade_paged 420 python3 bench/paged_kv.py --cases "${CASCADE_CASES:-grpo,decode}" \
+        --variants "${CASCADE_VARIANTS:-none,paged_graphs,paged_graphs-noshare}" --out "$OUT/paged_kv_gpu.json"
+      stamp "$OUT/paged_kv_gpu.json" paged_kv_gpu ;;
     decode) part decode 240 python3 bench/decode_step.py --variants "${DECODE_VARIANTS:-torch,fused,fused_bn64,fused_bn128}" \
               --out "$OUT/decode_step_gpu.json"
             stamp "$OUT/decode_step_gpu.json" decode_step_gpu ;;

@@ -4,7 +4,8 @@ decode), in one process on one GPU, on a random Qwen2.5-0.5B-shaped model in bf1
   grpo      64 prompts of 1,024 random tokens, n=8, 256 new tokens: rows/s and tokens/s (goal: paged >= 1.5x)
   decode    256 prompts of 64 tokens, n=1, 256 new tokens: plain decode (goal: paged no slower)
   (each case runs the variants none, paged and paged_graphs: paged with rollout.kv_cache_cuda_graphs;
-  VARIANT/K: that variant with windows of K decode steps per host sync, e.g. paged_graphs/32)
+  VARIANT/K: that variant with windows of K decode steps per host sync, e.g. paged_graphs/32; paged_graphs-noshare:
+  without the shared-prefix attention, each row reading its group's prompt itself)
   longtail  512 rows with lognormal budgets (median 96, cap 1,024): today's engine decodes 64 rows at a time, its
             cache holding each at prompt + the longest budget; paged gets those bytes (kv_cache_gib) and runs as many
             rows as their lengths fit: its peak running rows vs 64, and tokens/s (goal: >= 2x the rows)
@@ -99,12 +100,19 @@ def case(model, args, name: str, shape: tuple[int, int], n: int, budgets, none_r
     for kv in args.variants.split(","):
         try:
             # "paged_graphs/32": that variant with windows of 32 decode steps per host sync (default 16)
+            # "paged_graphs-noshare": without the shared-prefix attention (every row reads its group's prompt)
             base, _, window = kv.partition("/")
+            base, noshare = base.removesuffix("-noshare"), base.endswith("-noshare")
             decoder.SYNC_EVERY = int(window or default_window)
             eng = engine(model, args, base, **(dict(paged_rollout) if base != "none" else none_rollout or {}))
+            graphs = eng._paged.graphs if eng._paged is not None else None
+            if graphs is not None:
+                graphs.shared_prefix = graphs.shared_prefix and not noshare
             g = torch.Generator().manual_seed(0)
             fresh = lambda: torch.randint(3, model.config.vocab_size, shape, generator=g).tolist()  # noqa: E731
             out[kv] = timed(eng, lambda: batches(fresh(), n, budgets), args.repeats, args.device)
+            if graphs is not None:
+                out[kv]["shared_prefix_rows"] = graphs.stats["shared_prefix_rows"]
         except Exception as e:            # one variant failing (paged_graphs: first GPU run) keeps the others
             out[kv] = {"error": f"{type(e).__name__}: {e}"[:500]}
         eng = None

@@ -64,12 +64,12 @@ KERNEL_CASES = [
     (32, 128, 12, 2, [1, 33, 200], 32, 3),
     (16, 64, 14, 2, [1, 17, 50], 16, 8),
 ]
-KERNEL_SCRIPT = """
+# The interpreter's bf16 dot made right, and the reference over gathered slots (test_paged_cascade.py's script too).
+INTERPRETER_PROLOGUE = """
 import json, sys
 import torch
 import triton.language as tl
 from triton.runtime import interpreter
-from services.rollout.engine_torch.paged.attention import paged_decode_attention
 
 # Triton's interpreter keeps bfloat16 as uint16 bit patterns and its tl.dot multiplies those (triton-lang/triton
 # #11584: bf16 is unsupported there); the GPU multiplies bf16 values into fp32, which converting first reproduces.
@@ -89,6 +89,9 @@ def reference(q, kp, vp, tables, ctx, bs, scale):
         s = torch.einsum("hd,chd->hc", q[b].float(), k) * scale
         out.append(torch.einsum("hc,chd->hd", s.softmax(-1), v))
     return torch.stack(out)
+"""
+KERNEL_SCRIPT = INTERPRETER_PROLOGUE + """
+from services.rollout.engine_torch.paged.attention import paged_decode_attention
 
 dtype = getattr(torch, sys.argv[1])
 errors = []

@@ -82,12 +82,16 @@ def _sm_count(device: torch.device) -> int:
 
 if triton is not None:
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, table_ptr, ctx_ptr, scale,
-                             sq_b, sq_h, s_slot, s_kvh, st_b, so_b, so_h, H, P,
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, table_ptr, ctx_ptr, lo_ptr, pacc_ptr, scale,
+                             sq_b, sq_h, s_slot, s_kvh, st_b, so_b, so_h, H, P, PT,
                              G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-                             TILE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr):
+                             TILE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+                             PREFIX: tl.constexpr = False, PG: tl.constexpr = 1):
         """Program (b, kv head, p): partition p of row b's context. SPLIT: the partial (max, sum, unnormalised
-        output) goes to m_ptr, l_ptr, o_ptr ([B, H, P](, HD) fp32 scratch); otherwise the output itself."""
+        output) goes to m_ptr, l_ptr, o_ptr ([B, H, PT](, HD) fp32 scratch, partials 0..P-1); otherwise the output
+        itself. PREFIX (cascade.py): the row's first lo[b] tokens are its group's shared prefix, attended by the
+        group kernel; this program covers [lo[b], ctx) and, not SPLIT, merges the group kernel's PG partials
+        (m_ptr, l_ptr, pacc_ptr at [B, H, PG](, HD)) of a row with lo[b] > 0 into its output."""
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
         part = tl.program_id(2)
@@ -98,8 +102,11 @@ if triton is not None:
         live = g < G
         q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
         ctx = tl.load(ctx_ptr + b)                                   # tokens with K/V, the current one included
-        chunk = tl.cdiv(tl.cdiv(ctx, P), TILE) * TILE                 # this row's partition length, whole tiles
-        start = part * chunk
+        lo = ctx * 0
+        if PREFIX:
+            lo = tl.load(lo_ptr + b)
+        chunk = tl.cdiv(tl.cdiv(ctx - lo, P), TILE) * TILE            # this row's partition length, whole tiles
+        start = lo + part * chunk
         end = tl.minimum(start + chunk, ctx)
         m = tl.full([GP], -float("inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
@@ -120,25 +127,47 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m = m_new
         if SPLIT:
-            row = (b * H + heads) * P + part                          # [GP] into [B, H, P]
+            row = (b * H + heads) * PT + part                         # [GP] into [B, H, PT]
             tl.store(m_ptr + row, m, mask=live)
             tl.store(l_ptr + row, l, mask=live)
             tl.store(o_ptr + row[:, None] * HD + d[None, :], acc, mask=live[:, None])
         else:
+            if PREFIX:                      # the shared prefix's partials (none read for a row without one)
+                acc, l = _merge_prefix(acc, m, l, m_ptr, l_ptr, pacc_ptr, (b * H + heads) * PG,
+                                       live & (lo + g * 0 > 0), HD, PG)
             o = acc / l[:, None]
             tl.store(o_ptr + b * so_b + heads[:, None] * so_h + d[None, :], o.to(o_ptr.dtype.element_ty),
                      mask=live[:, None])
 
     @triton.jit
-    def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, so_b, so_h, H, P,
-                        PP: tl.constexpr, HD: tl.constexpr):
-        """Program (b, head): its P partials (an empty one has max -inf, sum 0) -> the softmax-weighted output."""
+    def _merge_prefix(acc, m, l, m_ptr, l_ptr, acc_ptr, row, use, HD: tl.constexpr, PG: tl.constexpr):
+        """(acc, l) with the PG partials at row * HD.. (max, sum, unnormalised output) of the heads in `use` merged
+        in: the shared prefix's, from cascade.py's group kernel. m is finite (the suffix holds the current token)."""
+        d = tl.arange(0, HD)
+        for j in tl.static_range(PG):
+            mj = tl.load(m_ptr + row + j, mask=use, other=-float("inf"))
+            lj = tl.load(l_ptr + row + j, mask=use, other=0.0)
+            aj = tl.load(acc_ptr + (row + j)[:, None] * HD + d[None, :], mask=use[:, None], other=0.0)
+            m_new = tl.maximum(m, mj)
+            alpha, beta = tl.exp(m - m_new), tl.exp(mj - m_new)
+            acc = acc * alpha[:, None] + aj * beta[:, None]
+            l = l * alpha + lj * beta
+            m = m_new
+        return acc, l
+
+    @triton.jit
+    def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, lo_ptr, so_b, so_h, H, P, PT,
+                        PP: tl.constexpr, HD: tl.constexpr, PREFIX: tl.constexpr = False):
+        """Program (b, head): its P partials (an empty one has max -inf, sum 0) -> the softmax-weighted output.
+        PREFIX: partials P..PT-1 are the group kernel's over the row's shared prefix, read where lo[b] > 0."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         p = tl.arange(0, PP)
         d = tl.arange(0, HD)
         live = p < P
-        row = (b * H + h) * P + p
+        if PREFIX:
+            live = live | ((p < PT) & (tl.load(lo_ptr + b) + p * 0 > 0))
+        row = (b * H + h) * PT + p
         m = tl.load(m_ptr + row, mask=live, other=-float("inf"))
         l = tl.load(l_ptr + row, mask=live, other=0.0)
         w = tl.where(m > -float("inf"), tl.exp(m - tl.max(m, 0)), 0.0)                # [PP]
@@ -170,17 +199,23 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                   num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     strides = (q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), tables.stride(0))
     if P == 1:
-        _paged_decode_kernel[(B, KV, 1)](q, k_pool, v_pool, out, out, out, tables, ctx, scale, *strides,
-                                         out.stride(0), out.stride(1), H, 1, SPLIT=False, **shapes)
+        _paged_decode_kernel[(B, KV, 1)](q, k_pool, v_pool, out, out, out, tables, ctx, ctx, out, scale, *strides,
+                                         out.stride(0), out.stride(1), H, 1, 1, SPLIT=False, **shapes)
         return out
-    part_m = torch.empty((B, H, P), dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
-    part_o = torch.empty((B, H, P, hd), dtype=torch.float32, device=q.device)
-    _paged_decode_kernel[(B, KV, P)](q, k_pool, v_pool, part_o, part_m, part_l, tables, ctx, scale, *strides,
-                                     0, 0, H, P, SPLIT=True, **shapes)
-    _combine_kernel[(B, H)](part_o, part_m, part_l, out, out.stride(0), out.stride(1), H, P,
+    part_o, part_m, part_l = split_scratch(q, P)
+    _paged_decode_kernel[(B, KV, P)](q, k_pool, v_pool, part_o, part_m, part_l, tables, ctx, ctx, out, scale,
+                                     *strides, 0, 0, H, P, P, SPLIT=True, **shapes)
+    _combine_kernel[(B, H)](part_o, part_m, part_l, out, ctx, out.stride(0), out.stride(1), H, P, P,
                             PP=triton.next_power_of_2(P), HD=hd, num_warps=NUM_WARPS)
     return out
+
+
+def split_scratch(q: torch.Tensor, partials: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scratch for `partials` partial results per (row, head): unnormalised outputs [B, H, n, hd], maxes and sums
+    [B, H, n], fp32."""
+    B, H, hd = q.shape
+    m = torch.empty((B, H, partials), dtype=torch.float32, device=q.device)
+    return torch.empty((B, H, partials, hd), dtype=torch.float32, device=q.device), m, torch.empty_like(m)
 
 
 @paged_decode_attention.register_fake

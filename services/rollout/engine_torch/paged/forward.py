@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from services.rollout.engine_torch.decode_layers import DecodeLayers
-from services.rollout.engine_torch.paged import attention
+from services.rollout.engine_torch.paged import attention, cascade
 from services.rollout.engine_torch.paged.kv import PagedKV
 
 
@@ -92,11 +92,13 @@ class DecodeStep(DecodeLayers):
         super().__init__(model, compile=compile)
         self.kv, self.kernel = kv, kernel
 
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, tab: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, tab: torch.Tensor, ctx: torch.Tensor,
+                 share: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [B, V] in the model's dtype (as the unpaged graph step keeps them: an fp32 copy of a [256, 151936]
         batch cost a pass of its own each step, and the samplers read either) after ids [B, 1] at pos [B, 1] of rows
         whose blocks are tab [B, width], ctx [B] tokens with K/V once this one is written. LoRA rows: the bank's
-        current ones (a graph's: its static rows)."""
+        current ones (a graph's: its static rows). share: (lo, groups) of cascade.share_groups on the device, the
+        rows' shared prefixes read once per group (the kernel only)."""
         m, kv = self.model.model, self.kv
         slot = slots_of(tab, pos, kv.block_size)[:, 0]                                   # [B]
         read = mask = None
@@ -109,23 +111,27 @@ class DecodeStep(DecodeLayers):
         cos, sin = m.rotary_emb(x, pos)
         lora = self._step_mask(x)
         for i, layer in enumerate(m.layers):
-            x = self._layer_fn(layer, x, cos, sin, self._proj[i], lora, kv.k[i], kv.v[i], slot, tab, ctx, read, mask)
+            x = self._layer_fn(layer, x, cos, sin, self._proj[i], lora, kv.k[i], kv.v[i], slot, tab, ctx, read, mask,
+                               share)
         return self.model.lm_head(m.norm(x)[:, 0])
 
     def _layer(self, layer, x, cos, sin, proj: tuple, lora: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor,
                slot: torch.Tensor, tab: torch.Tensor, ctx: torch.Tensor, read: torch.Tensor | None,
-               mask: torch.Tensor | None) -> torch.Tensor:
+               mask: torch.Tensor | None, share: tuple | None = None) -> torch.Tensor:
         """One decoder layer (decode_layers.py) against the layer's pool kc, vc."""
-        return self._layer_body(layer, x, cos, sin, proj, lora, (kc, vc, slot, tab, ctx, read, mask))
+        return self._layer_body(layer, x, cos, sin, proj, lora, (kc, vc, slot, tab, ctx, read, mask, share))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                 slot: torch.Tensor, tab: torch.Tensor, ctx: torch.Tensor, read: torch.Tensor | None,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | None, share: tuple | None) -> torch.Tensor:
         """k, v into each row's pool slot of kc, vc [slots, KV, hd], then q against the row's first ctx tokens."""
         B = q.size(0)
         kc.index_copy_(0, slot, k[:, :, 0])
         vc.index_copy_(0, slot, v[:, :, 0])
-        if read is None:
+        if read is None and share is not None:
+            o = cascade.paged_decode_attention_shared(q[:, :, 0], kc, vc, tab, ctx, *share, self.kv.block_size,
+                                                      self.scaling)
+        elif read is None:
             o = attention.paged_decode_attention(q[:, :, 0], kc, vc, tab, ctx, self.kv.block_size, self.scaling)
         else:
             keys, values = kc[read].transpose(1, 2), vc[read].transpose(1, 2)           # [B, KV, C, hd]

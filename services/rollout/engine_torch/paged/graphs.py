@@ -25,6 +25,7 @@ import torch
 
 from services.rollout.engine_torch.graph_step import capture
 from services.rollout.engine_torch.lora import bank_of
+from services.rollout.engine_torch.paged import cascade
 from services.rollout.engine_torch.paged.forward import DecodeStep
 from services.rollout.engine_torch.paged.kv import PagedKV
 from services.rollout.types import bucket_batch
@@ -38,6 +39,7 @@ class _Bucket:
     pos: torch.Tensor             # [B, 1]
     tab: torch.Tensor             # [B, width]
     ctx: torch.Tensor             # [B]
+    share: tuple[torch.Tensor, torch.Tensor] | None = None    # lo [B], groups [NG, RG] (cascade.py)
     out: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -46,7 +48,8 @@ class PagedGraphs:
     """The decode step's forward per batch bucket, captured once and replayed."""
 
     def __init__(self, model, kv: PagedKV, *, width: int, scratch_block: int, max_batch_size: int,
-                 use_graphs: bool = True, kernel: bool = True, compile: bool = False, step: DecodeStep | None = None):
+                 use_graphs: bool = True, kernel: bool = True, compile: bool = False, step: DecodeStep | None = None,
+                 shared_prefix: bool = True):
         self.model, self.kv, self.width, self.scratch = model, kv, width, scratch_block
         self.max_batch_size, self.use_graphs, self.kernel = max_batch_size, use_graphs, kernel
         # The step the graphs capture (one the decoder's eager steps share, when given: same fused buffers).
@@ -54,10 +57,15 @@ class PagedGraphs:
         assert self.step.kv is kv and self.step.kernel == kernel
         self.device = kv.k[0].device
         self.adapters = bank_of(model)                  # its `rows` buffer: each batch row's adapter slot
+        # Rows sharing a prompt's blocks (a GRPO group) read them once per group (cascade.py): with the kernel, where
+        # a group program's query tile holds two rows or more.
+        self.per_group = cascade.rows_per_group(self.step.num_heads, self.step.num_kv)
+        self.shared_prefix = shared_prefix and kernel and self.per_group >= 2
         self._buckets: dict[int, _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._signature = self._weights()
-        self.stats = {"graphs_captured": 0, "replays": 0}
+        # shared_prefix_rows: rows that read a prefix through their group, summed over windows (their first steps).
+        self.stats = {"graphs_captured": 0, "replays": 0, "shared_prefix_rows": 0}
         self._last: tuple[int, int] | None = None       # (rows, bucket) of the last forward
 
     def _weights(self) -> tuple[int, ...]:
@@ -65,11 +73,13 @@ class PagedGraphs:
 
     @torch.inference_mode()
     def forward(self, ids: list[int] | torch.Tensor, pos: list[int] | None, tables: torch.Tensor | None,
-                slots: list[int] | None = None) -> torch.Tensor:
-        """Logits [R, V] (the model's dtype) after feeding ids[r] at pos[r] of row r, whose blocks are tables[r] (host, [R, w]),
+                slots: list[int] | None = None, host_tables: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [R, V] (the model's dtype) after feeding ids[r] at pos[r] of row r, whose blocks are tables[r] ([R, w],
+        host or device; host_tables: the host copy of device tables, which the groups of shared prefixes are found in),
         with adapter slots[r] (None: the base model's rows). ids: host ints, or a device tensor [R] (a window's
         sampled tokens, fed back without a host round trip). pos and tables None: the previous call's rows, each one
-        token further (a window's next step: positions and context lengths advanced on the device, tables kept)."""
+        token further (a window's next step: positions and context lengths advanced on the device, tables kept, and
+        the groups: their prefixes are blocks before every member's first position)."""
         if pos is not None:                                                # not inside a window
             self.step.refresh_weights()                 # before the pointers are compared: they move back there
         if self.use_graphs and pos is not None and self._weights() != self._signature:
@@ -92,6 +102,8 @@ class PagedGraphs:
             b.ctx[:R] += 1
         else:
             self._load(b, R, ids, pos, tables)
+            if b.share is not None:
+                self._load_groups(b, R, pos, host_tables if host_tables is not None else tables)
         self._last = (R, B)
         if b.graph is None:
             b.out = self._step(b)
@@ -119,8 +131,23 @@ class PagedGraphs:
         b.tab[:R, :tables.size(1)].copy_(tables)
         b.tab[R:, 0].fill_(self.scratch)
 
+    def _load_groups(self, b: _Bucket, R: int, pos: list[int], tables: torch.Tensor) -> None:
+        """The rows' groups of shared prefixes (none: every row reads its whole context itself)."""
+        lo, groups = b.share
+        found = None
+        if tables.device.type == "cpu":
+            found = cascade.share_groups(tables, torch.tensor(pos), self.kv.block_size, groups.size(1), groups.size(0))
+        if found is None:
+            lo.zero_()
+            return
+        lo_h = torch.zeros(lo.size(0), dtype=torch.long)
+        lo_h[:R] = found[0]
+        self.stats["shared_prefix_rows"] += int(found[0].count_nonzero())
+        lo.copy_(lo_h)
+        groups.copy_(found[1])
+
     def _step(self, b: _Bucket) -> torch.Tensor:
-        return self.step(b.ids, b.pos, b.tab, b.ctx)
+        return self.step(b.ids, b.pos, b.tab, b.ctx, b.share)
 
     def _bucket(self, B: int) -> _Bucket:
         b = self._buckets.get(B)
@@ -129,6 +156,8 @@ class PagedGraphs:
         kw = dict(dtype=torch.long, device=self.device)
         b = _Bucket(torch.zeros((B, 1), **kw), torch.zeros((B, 1), **kw),
                     torch.full((B, self.width), self.scratch, **kw), torch.ones(B, **kw))
+        if self.shared_prefix:
+            b.share = (torch.zeros(B, **kw), torch.full((cascade.max_groups(B), self.per_group), -1, **kw))
         if self.use_graphs:
             # Warm-up on a side stream (cuBLAS handles, Triton compile, allocator) before capture.
             side = torch.cuda.Stream(device=self.device)

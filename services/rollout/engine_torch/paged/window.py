@@ -146,7 +146,8 @@ class Windows:
         self.sampler.begin([s.index for s in running], [s.num_response for s in running])
         logits = _batch_logits(running)                                              # [R, V] fp32
         starts, slots = [len(s.tokens) for s in running], [s.slot for s in running]
-        tables = self._host.of(running).to(self.device, non_blocking=True) if k > 1 else None   # once a window
+        host = self._host.of(running) if k > 1 else None                                   # once a window
+        tables = (host, host.to(self.device, non_blocking=True)) if k > 1 else None
         steps = []
         for j in range(k):
             steps.append(self.sampler.draw(logits, j))
@@ -168,15 +169,17 @@ class Windows:
             kept.append(s)
         return kept, ahead is not None
 
-    def _feed(self, tok: torch.Tensor, j: int, starts: list[int], tables: torch.Tensor, slots: list[int]
-              ) -> torch.Tensor:
-        """A window's step j: its tokens tok (device [R]) at positions starts[r] + j -> the next logits [R, V]."""
+    def _feed(self, tok: torch.Tensor, j: int, starts: list[int], tables: tuple[torch.Tensor, torch.Tensor],
+              slots: list[int]) -> torch.Tensor:
+        """A window's step j: its tokens tok (device [R]) at positions starts[r] + j -> the next logits [R, V].
+        tables: the rows' block tables on the host and on the device."""
+        host, dev = tables
         if self.graphs is not None:
             if j == 0:
-                return self.graphs.forward(tok, starts, tables, slots)
+                return self.graphs.forward(tok, starts, dev, slots, host_tables=host)
             return self.graphs.forward(tok, None, None, slots)              # ids, positions advanced on the device
         with adapter_rows(self.adapters, slots):
-            return paged_forward(self.model, self.kv, tables, [p + j for p in starts], tok[:, None],
+            return paged_forward(self.model, self.kv, dev, [p + j for p in starts], tok[:, None],
                                  step=self.decode_step)
 
     def _settle(self, rows, running: list[Seq], tok, lp, hit, top, logps, tops, stop_check) -> None:
