@@ -8,6 +8,7 @@ import logging
 import math
 import time
 import uuid
+from pathlib import Path
 
 import yaml
 
@@ -51,8 +52,11 @@ def check_run_id(run_id: str, key: str) -> None:
 class RunManager:
     """Owns the asyncio task of every active run; the gRPC servicer and tests call it directly."""
 
-    def __init__(self, store: RunStore, registry=None, defaults=None, pool_calls: int = sharing.DEFAULT_POOL_CALLS):
+    def __init__(self, store: RunStore, registry=None, defaults=None, pool_calls: int = sharing.DEFAULT_POOL_CALLS,
+                 run_dir: str = "runs"):
         self.store = store
+        # The coordinator's run.run_dir: where a run whose config sets none writes its folder.
+        self.run_dir = run_dir
         self.registry = registry
         # The mesh's replicas (coordinator/runapi/default_pools.py): a run's roles that list no servers use them.
         self.defaults = defaults
@@ -73,11 +77,20 @@ class RunManager:
         async with cond:
             cond.notify_all()
 
+    def _with_run_dir(self, cfg: RunConfig, run_dir: str = "") -> RunConfig:
+        """A run config that sets no run.run_dir gets the coordinator's (or `run_dir`, a resumed run's folder's
+        parent): a StartRun with an empty config lands where `meshrl mesh --run-dir` puts runs, not in the cwd."""
+        if "run_dir" in cfg.run.model_fields_set:
+            return cfg
+        return cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_dir": run_dir or self.run_dir})})
+
     async def start_run(self, config_text: str, run_id: str = "") -> str:
-        cfg = parse_run_config(config_text)
         # The checks `meshrl up` makes, on the keys this config sets, before any service is called; the keys it
         # leaves out come from the running services and are checked with them (run_settings.settle).
-        check_run(cfg, files="coordinator", keys=set(run_settings.user_keys(cfg)))
+        cfg = parse_run_config(config_text)
+        keys = set(run_settings.user_keys(cfg))
+        cfg = self._with_run_dir(cfg)
+        check_run(cfg, files="coordinator", keys=keys)
         check_run_id(*((run_id, "run_id") if run_id else (cfg.run.name, "run.name")))   # run.name starts a new id
         run_id = run_id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         if await self.store.get(run_id):
@@ -173,7 +186,8 @@ class RunManager:
         """Reconnects a run at the step it and the trainer agree on (coordinator/runapi/recovery.py): its last committed
         step, the step the trainer applied after it, or the last checkpoint's step when the trainer lost its
         weights."""
-        cfg = parse_run_config(record.config)
+        cfg = self._with_run_dir(parse_run_config(record.config),
+                                 str(Path(record.run_dir).parent) if record.run_dir else "")
         # The services are held to the settings the run trained with so far (a record from before effective
         # configs were recorded: to the keys the run set).
         recorded = yaml.safe_load(record.effective_config) if record.effective_config else None

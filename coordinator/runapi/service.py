@@ -33,6 +33,8 @@ class CoordinatorRunSection(Section):
     # Key prefix of this coordinator's run state in Redis (separate deployments can share a server).
     redis_prefix: str = "meshrl"
     resume: bool = Field(True, description="resume unfinished runs found in the store at start-up")
+    # Where a run that sets no run.run_dir writes its folder (`meshrl mesh --run-dir`, the recipe's run.run_dir).
+    run_dir: str = "runs"
 
 
 class CoordinatorSettings(MeshSettings):
@@ -152,7 +154,7 @@ async def start(settings: CoordinatorSettings, address: str | None = None
                          registry=registry, token=token, trainer_address=settings.trainer.address)
     # The store is wrapped so /metrics reports each run's state (coordinator/runapi/observe.py).
     manager = RunManager(observe.ObservedStore(open_store(settings.run.redis_url, settings.run.redis_prefix)),
-                         registry=registry, defaults=pools)
+                         registry=registry, defaults=pools, run_dir=settings.run.run_dir)
     observe.observe_manager(manager)
     mesh, port = await create_server([(coordinator_pb2_grpc.add_CoordinatorServicer_to_server,
                                        CoordinatorServicer(manager, pools))], [SERVICE_NAME], address=address,

@@ -155,3 +155,32 @@ def test_async_mode_overlaps_generation_and_reports_staleness(arith_model_path, 
         client.close()
 
     asyncio.run(with_mesh(config, body))
+
+
+def test_a_run_started_with_an_empty_config_writes_under_the_coordinators_run_dir(tmp_path):
+    # As `meshrl mesh --run-dir DIR` starts it: the coordinator's run.run_dir and the mesh's services as its pools.
+    runs = tmp_path / "mesh-runs"
+
+    async def main():
+        mesh = await start_local_mesh({"rollout": {"max_tokens": 6}}, num_rollout=1)
+        pools = {role: {"servers": mesh.addresses[role]} for role in ("rollout", "reward", "reference")}
+        settings = load_config(CoordinatorSettings, data={"run": {"run_dir": str(runs)}, **pools,
+                                                          "trainer": {"address": mesh.addresses["trainer"][0]}})
+        server, port, engine = await start_coordinator(settings, "127.0.0.1:0")
+        client = Client(f"127.0.0.1:{port}")
+        try:
+            run_id = await asyncio.to_thread(client.start_run, "")
+            started = await asyncio.to_thread(client.get_run, run_id)
+            await asyncio.to_thread(client.stop_run, run_id)
+            return run_id, started, await asyncio.to_thread(client.wait, run_id)
+        finally:
+            client.close()
+            await engine.close()
+            await server.stop(0)
+            await mesh.stop()
+
+    run_id, started, final = asyncio.run(main())
+    assert started.run_dir == str(runs / run_id)
+    assert (runs / run_id / "recipe.yaml").is_file() and final.state == "STOPPED"
+    assert yaml.safe_load(started.config)["run"]["run_dir"] == str(runs)   # the effective config says where
+    assert not (Path("runs") / run_id).exists()
