@@ -334,6 +334,10 @@ class RunManager:
         return sinks
 
     async def get(self, run_id: str) -> RunRecord:
+        """The run's record; every RPC that names a run comes through here, so an empty run_id is refused once,
+        by its field (INVALID_ARGUMENT), not looked up as the run ''."""
+        if not run_id:
+            raise ValueError("run_id: required (the id StartRun answered; ListRuns lists every run)")
         record = await self.store.get(run_id)
         if record is None:
             raise NotFound(f"run_id: no run {run_id!r}")
