@@ -40,6 +40,8 @@ class RunStatus:
     config: str = ""
     # Its named adapter on the trainer when it runs beside other LoRA runs ("" = the trainer's run adapter).
     adapter: str = ""
+    # "stop" or "pause" when asked for and landing after the step in flight; "" when none (or an older coordinator).
+    pending_command: str = ""
 
     @property
     def finished(self) -> bool:
@@ -58,7 +60,7 @@ class Replica:
 def _status(pb: coordinator_pb2.RunStatus) -> RunStatus:
     return RunStatus(pb.run_id, STATE_NAMES[pb.state], pb.step, pb.num_steps, pb.weight_version, pb.data_position,
                      pb.checkpoint_path, pb.message, pb.run_dir, dict(pb.last_metrics), pb.config,
-                     pb.adapter)
+                     pb.adapter, pb.pending_command)
 
 
 def _plain(value: Any) -> Any:

@@ -23,7 +23,7 @@ def status(run_id: Optional[str] = typer.Argument(None), *, conn: Connection):
         return
     # adapter: the run's named adapter when it trains beside other LoRA runs on one trainer (docs/many_runs.md).
     rows = [(r.run_id, r.state, f"{r.step}/{r.num_steps}", str(r.weight_version), str(r.data_position),
-             _fmt(r.last_metrics.get("reward_mean")), r.adapter or "-", r.message) for r in runs]
+             _fmt(r.last_metrics.get("reward_mean")), r.adapter or "-", status_message(r)) for r in runs]
     for line in columns(("run", "state", "step", "weight version", "data position", "reward", "adapter", "message"),
                         rows):
         say(line)
@@ -58,14 +58,24 @@ def trace(run: str = typer.Argument(..., help="run id (under --runs-dir) or run 
 def stop(run_id: str, *, conn: Connection):
     """Stop a run after its current step."""
     with conn.client() as client:
-        say(client.stop_run(run_id).state)
+        say(command_line(client.stop_run(run_id), "stop"))
+
+
+def status_message(status) -> str:
+    """`meshrl status`'s message cell: a pause or stop still pending (it lands after the step in flight), then the
+    run's own message. The state cell stays the API's state, one word for `awk`."""
+    pending = {"stop": "stops after its current step", "pause": "pauses after its current step"}
+    return "; ".join(m for m in (pending.get(status.pending_command, ""), status.message) if m)
 
 
 def command_line(status, asked: str) -> str:
-    """What `meshrl pause` / `meshrl resume` print: the run's state now, or the step it pauses after."""
+    """What `meshrl pause` / `meshrl resume` / `meshrl stop` print: the run's state now, or the step it pauses or
+    stops after."""
     at = f"{status.step}/{status.num_steps}"
     if asked == "pause" and status.state == "RUNNING":
         return f"run {status.run_id} pauses after its current step (steps done: {at}); `meshrl resume` continues it"
+    if asked == "stop" and status.pending_command == "stop":
+        return f"run {status.run_id} stops after its current step (steps done: {at})"
     return f"run {status.run_id} {status.state} at step {at}" + (f" ({status.message})" if status.message else "")
 
 

@@ -47,8 +47,9 @@ def view(status, history: list[dict], replicas) -> Group:
     """One frame: the run's header, its curves, phase times, replicas and the last warning."""
     steps = [m for m in history if "reward_mean" in m]
     last = steps[-1] if steps else {}
-    head = Text.assemble((f"{status.run_id}  ", "bold"), f"{status.state}  step {status.step}/{status.num_steps}  "
-                         f"weight version {status.weight_version}")
+    pending = f" ({status.pending_command} pending)" if status.pending_command else ""
+    head = Text.assemble((f"{status.run_id}  ", "bold"), f"{status.state}{pending}  step {status.step}/"
+                         f"{status.num_steps}  weight version {status.weight_version}")
     curves = Table(box=None, show_header=False, pad_edge=False)
     for key, label in (("reward_mean", "reward"), ("accuracy", "accuracy")):
         series = [m.get(key, math.nan) for m in steps]

@@ -53,7 +53,7 @@ def record_to_pb(r: RunRecord) -> coordinator_pb2.RunStatus:
                                      weight_version=r.weight_version, data_position=r.data_position,
                                      checkpoint_path=r.checkpoint_path, message=r.message, run_dir=r.run_dir,
                                      last_metrics=r.last_metrics, config=r.effective_config,
-                                     adapter=r.adapter)
+                                     adapter=r.adapter, pending_command=r.pending_command)
 
 
 def metrics_to_pb(run_id: str, m: dict) -> coordinator_pb2.StepMetrics:

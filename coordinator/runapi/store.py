@@ -48,6 +48,14 @@ class RunRecord:
     # coordinator/runapi/sharing.py).
     adapter: str = ""
 
+    @property
+    def pending_command(self) -> str:
+        """The pause or stop asked for that lands after the step in flight ("" when none): a PAUSED run's "pause"
+        has landed; a finished run has none."""
+        if self.state not in UNFINISHED or self.command not in ("pause", "stop"):
+            return ""
+        return "" if self.command == "pause" and self.state == "PAUSED" else self.command
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 

@@ -33,3 +33,20 @@ def test_resuming_a_run_paused_for_a_lost_trainer_reconnects_and_reports_what_fa
         assert (await manager.get("r")).state == "PAUSED" and "r" not in manager.tasks
 
     asyncio.run(main())
+
+
+def test_a_pause_or_stop_reads_pending_until_the_run_state_shows_it_landed():
+    async def landed(manager, run_id: str, state: str) -> str:
+        record = await manager.get(run_id)
+        record.state = state                            # what the run's loop writes once the step in flight ends
+        await manager.store.put(record)
+        return (await manager.get(run_id)).pending_command
+
+    async def main():
+        manager = RunManager(MemoryStore())
+        for run_id in ("p", "s"):
+            await manager.store.put(RunRecord(run_id=run_id, config="", state="RUNNING", step=2))
+        return [(await manager.command("p", "pause")).pending_command, await landed(manager, "p", "PAUSED"),
+                (await manager.command("s", "stop")).pending_command, await landed(manager, "s", "STOPPED")]
+
+    assert asyncio.run(main()) == ["pause", "", "stop", ""]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmeshrl/v1/coordinator.proto\x12\tmeshrl.v1\"1\n\x0fStartRunRequest\x12\x0e\n\x06\x63onfig\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"\"\n\x10StartRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x1c\n\nRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xdc\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.meshrl.v1.RunState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x11\n\tnum_steps\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x15\n\rdata_position\x18\x06 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x0f\n\x07run_dir\x18\t \x01(\t\x12;\n\x0clast_metrics\x18\n \x03(\x0b\x32%.meshrl.v1.RunStatus.LastMetricsEntry\x12\x0e\n\x06\x63onfig\x18\x0b \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x0c \x01(\t\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x11\n\x0fListRunsRequest\"6\n\x10ListRunsResponse\x12\"\n\x04runs\x18\x01 \x03(\x0b\x32\x14.meshrl.v1.RunStatus\"9\n\x14StreamMetricsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x03\"\xa4\x01\n\x0bStepMetrics\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x34\n\x07metrics\x18\x03 \x03(\x0b\x32#.meshrl.v1.StepMetrics.MetricsEntry\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"%\n\x13ListServicesRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"e\n\rReplicaStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x0c\n\x04load\x18\x05 \x01(\x05\"B\n\x14ListServicesResponse\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.ReplicaStatus*\xaf\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_PENDING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x14\n\x10RUN_STATE_PAUSED\x10\x03\x12\x17\n\x13RUN_STATE_COMPLETED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x12\x15\n\x11RUN_STATE_STOPPED\x10\x06\x32\xd5\x04\n\x0b\x43oordinator\x12\x43\n\x08StartRun\x12\x1a.meshrl.v1.StartRunRequest\x1a\x1b.meshrl.v1.StartRunResponse\x12\x35\n\x06GetRun\x12\x15.meshrl.v1.RunRequest\x1a\x14.meshrl.v1.RunStatus\x12\x43\n\x08ListRuns\x12\x1a.meshrl.v1.ListRunsRequest\x1a\x1b.meshrl.v1.ListRunsResponse\x12J\n\rStreamMetrics\x12\x1f.meshrl.v1.StreamMetricsRequest\x1a\x16.meshrl.v1.StepMetrics0\x01\x12\x37\n\x08PauseRun\x12\x15.meshrl.v1.RunRequest\x1a\x14.meshrl.v1.RunStatus\x12\x38\n\tResumeRun\x12\x15.meshrl.v1.RunRequest\x1a\x14.meshrl.v1.RunStatus\x12\x36\n\x07StopRun\x12\x15.meshrl.v1.RunRequest\x1a\x14.meshrl.v1.RunStatus\x12=\n\x0eSaveCheckpoint\x12\x15.meshrl.v1.RunRequest\x1a\x14.meshrl.v1.RunStatus\x12O\n\x0cListServices\x12\x1e.meshrl.v1.ListServicesRequest\x1a\x1f.meshrl.v1.ListServicesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmeshrl/v1/coordinator.proto\x12\tmeshrl.v1\"1\n\x0fStartRunRequest\x12\x0e\n\x06\x63onfig\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"\"\n\x10StartRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x1c\n\nRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xf5\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.meshrl.v1.RunState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x11\n\tnum_steps\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x15\n\rdata_position\x18\x06 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x0f\n\x07run_dir\x18\t \x01(\t\x12;\n\x0clast_metrics\x18\n \x03(\x0b\x32%.meshrl.v1.RunStatus.LastMetricsEntry\x12\x0e\n\x06\x63onfig\x18\x0b \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x0c \x01(\t\x12\x17\n\x0fpending_command\x18\r \x01(\t\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x11\n\x0fListRunsRequest\"6\n\x10ListRunsResponse\x12\"\n\x04runs\x18\x01 \x03(\x0b\x32\x14.meshrl.v1.RunStatus\"9\n\x14StreamMetricsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x03\"\xa4\x01\n\x0bStepMetrics\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x34\n\x07metrics\x18\x03 \x03(\x0b\x32#.meshrl.v1.StepMetrics.MetricsEntry\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"%\n\x13ListServicesRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"e\n\rReplicaStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x0c\n\x04load\x18\x05 \x01(\x05\"B\n\x14ListServicesResponse\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.meshrl.v1.ReplicaStatus*\xaf\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_PENDING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x14\n\x10RUN_STATE_PAUSED\x10\x03\x12\x17\n\x13RUN_STATE_COMPLETED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x12\x15\n\x11RUN_STATE_STOPPED\x10\x06\x32\xd5\x04\n\x0b\x43oordinator\x12\x43\n\x08StartRun\x12\x1a.meshrl.v1.StartRunRequest\x1a\x1b.meshrl.v1.StartRunResponse\x12\x35\n\x06GetRun\x12\x15.meshrl.v1.RunRequest\x1a\x14.meshrl.v1.RunStatus\x12\x43\n\x08ListRuns\x12\x1a.meshrl.v1.ListRunsRequest\x1a\x1b.meshrl.v1.ListRunsResponse\x12J\n\rStreamMetrics\x12\x1f.meshrl.v1.StreamMetricsRequest\x1a\x16.meshrl.v1.StepMetrics0\x01\x12\x37\n\x08PauseRun\x12\x15.meshrl.v1.RunRequest\x1a\x14.meshrl.v1.RunStatus\x12\x38\n\tResumeRun\x12\x15.meshrl.v1.RunRequest\x1a\x14.meshrl.v1.RunStatus\x12\x36\n\x07StopRun\x12\x15.meshrl.v1.RunRequest\x1a\x14.meshrl.v1.RunStatus\x12=\n\x0eSaveCheckpoint\x12\x15.meshrl.v1.RunRequest\x1a\x14.meshrl.v1.RunStatus\x12O\n\x0cListServices\x12\x1e.meshrl.v1.ListServicesRequest\x1a\x1f.meshrl.v1.ListServicesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNSTATUS_LASTMETRICSENTRY']._serialized_options = b'8\001'
   _globals['_STEPMETRICS_METRICSENTRY']._loaded_options = None
   _globals['_STEPMETRICS_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_RUNSTATE']._serialized_start=1022
-  _globals['_RUNSTATE']._serialized_end=1197
+  _globals['_RUNSTATE']._serialized_start=1047
+  _globals['_RUNSTATE']._serialized_end=1222
   _globals['_STARTRUNREQUEST']._serialized_start=42
   _globals['_STARTRUNREQUEST']._serialized_end=91
   _globals['_STARTRUNRESPONSE']._serialized_start=93
@@ -44,25 +44,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNREQUEST']._serialized_start=129
   _globals['_RUNREQUEST']._serialized_end=157
   _globals['_RUNSTATUS']._serialized_start=160
-  _globals['_RUNSTATUS']._serialized_end=508
-  _globals['_RUNSTATUS_LASTMETRICSENTRY']._serialized_start=458
-  _globals['_RUNSTATUS_LASTMETRICSENTRY']._serialized_end=508
-  _globals['_LISTRUNSREQUEST']._serialized_start=510
-  _globals['_LISTRUNSREQUEST']._serialized_end=527
-  _globals['_LISTRUNSRESPONSE']._serialized_start=529
-  _globals['_LISTRUNSRESPONSE']._serialized_end=583
-  _globals['_STREAMMETRICSREQUEST']._serialized_start=585
-  _globals['_STREAMMETRICSREQUEST']._serialized_end=642
-  _globals['_STEPMETRICS']._serialized_start=645
-  _globals['_STEPMETRICS']._serialized_end=809
-  _globals['_STEPMETRICS_METRICSENTRY']._serialized_start=763
-  _globals['_STEPMETRICS_METRICSENTRY']._serialized_end=809
-  _globals['_LISTSERVICESREQUEST']._serialized_start=811
-  _globals['_LISTSERVICESREQUEST']._serialized_end=848
-  _globals['_REPLICASTATUS']._serialized_start=850
-  _globals['_REPLICASTATUS']._serialized_end=951
-  _globals['_LISTSERVICESRESPONSE']._serialized_start=953
-  _globals['_LISTSERVICESRESPONSE']._serialized_end=1019
-  _globals['_COORDINATOR']._serialized_start=1200
-  _globals['_COORDINATOR']._serialized_end=1797
+  _globals['_RUNSTATUS']._serialized_end=533
+  _globals['_RUNSTATUS_LASTMETRICSENTRY']._serialized_start=483
+  _globals['_RUNSTATUS_LASTMETRICSENTRY']._serialized_end=533
+  _globals['_LISTRUNSREQUEST']._serialized_start=535
+  _globals['_LISTRUNSREQUEST']._serialized_end=552
+  _globals['_LISTRUNSRESPONSE']._serialized_start=554
+  _globals['_LISTRUNSRESPONSE']._serialized_end=608
+  _globals['_STREAMMETRICSREQUEST']._serialized_start=610
+  _globals['_STREAMMETRICSREQUEST']._serialized_end=667
+  _globals['_STEPMETRICS']._serialized_start=670
+  _globals['_STEPMETRICS']._serialized_end=834
+  _globals['_STEPMETRICS_METRICSENTRY']._serialized_start=788
+  _globals['_STEPMETRICS_METRICSENTRY']._serialized_end=834
+  _globals['_LISTSERVICESREQUEST']._serialized_start=836
+  _globals['_LISTSERVICESREQUEST']._serialized_end=873
+  _globals['_REPLICASTATUS']._serialized_start=875
+  _globals['_REPLICASTATUS']._serialized_end=976
+  _globals['_LISTSERVICESRESPONSE']._serialized_start=978
+  _globals['_LISTSERVICESRESPONSE']._serialized_end=1044
+  _globals['_COORDINATOR']._serialized_start=1225
+  _globals['_COORDINATOR']._serialized_end=1822
 # @@protoc_insertion_point(module_scope)

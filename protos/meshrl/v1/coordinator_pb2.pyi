@@ -45,7 +45,7 @@ class RunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "state", "step", "num_steps", "weight_version", "data_position", "checkpoint_path", "message", "run_dir", "last_metrics", "config", "adapter")
+    __slots__ = ("run_id", "state", "step", "num_steps", "weight_version", "data_position", "checkpoint_path", "message", "run_dir", "last_metrics", "config", "adapter", "pending_command")
     class LastMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class RunStatus(_message.Message):
     LAST_METRICS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PENDING_COMMAND_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     step: int
@@ -77,7 +78,8 @@ class RunStatus(_message.Message):
     last_metrics: _containers.ScalarMap[str, float]
     config: str
     adapter: str
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., step: _Optional[int] = ..., num_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., data_position: _Optional[int] = ..., checkpoint_path: _Optional[str] = ..., message: _Optional[str] = ..., run_dir: _Optional[str] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., config: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
+    pending_command: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., step: _Optional[int] = ..., num_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., data_position: _Optional[int] = ..., checkpoint_path: _Optional[str] = ..., message: _Optional[str] = ..., run_dir: _Optional[str] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., config: _Optional[str] = ..., adapter: _Optional[str] = ..., pending_command: _Optional[str] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
     __slots__ = ()

@@ -113,7 +113,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PauseRun(self, request, context):
-        """Pauses a run after its current step.
+        """Pauses a run after its current step; until then the answer's pending_command says "pause".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,7 +127,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StopRun(self, request, context):
-        """Stops a run after its current step.
+        """Stops a run after its current step; until then the answer's pending_command says "stop".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
