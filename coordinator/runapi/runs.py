@@ -23,7 +23,7 @@ from coordinator.runapi.store import UNFINISHED, RunRecord, RunStore
 from coordinator.training.algorithms import open_context
 from coordinator.training.context import RunContext, TrainerUnavailable
 from coordinator.recipe.no_signal import NoSignalWatch
-from services.common.config import load_config
+from services.common.config import load_config, yaml_error
 from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.trainer.types import RunStart
 
@@ -35,7 +35,7 @@ def parse_run_config(text: str) -> RunConfig:
     try:
         data = yaml.safe_load(text) if text.strip() else {}
     except yaml.YAMLError as e:
-        raise ValueError(f"config: invalid YAML ({e})") from None
+        raise ValueError(f"config: invalid YAML{yaml_error(e)}") from None
     if not isinstance(data, dict):
         raise ValueError("config: top level must be a mapping of sections")
     return load_config(RunConfig, data=data)

@@ -106,6 +106,13 @@ class _YamlSource(PydanticBaseSettingsSource):
 S = TypeVar("S", bound=MeshSettings)
 
 
+def yaml_error(e: yaml.YAMLError) -> str:
+    """PyYAML's error as one line: " line L, column C: problem" (its own text spans lines and quotes the source)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{where}: {getattr(e, 'problem', None) or str(e).splitlines()[0]}"
+
+
 def read_yaml(path: str | os.PathLike) -> dict:
     """Parses a YAML config file; errors name the file and line."""
     p = Path(path)
@@ -114,9 +121,7 @@ def read_yaml(path: str | os.PathLike) -> dict:
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ValueError(f"config file {str(p)!r}{where}: {getattr(e, 'problem', e)}") from None
+        raise ValueError(f"config file {str(p)!r}{yaml_error(e)}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(p)!r}: top level must be a mapping of sections")
     return data

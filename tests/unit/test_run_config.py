@@ -35,6 +35,12 @@ def test_invalid_yaml_is_reported():
         parse_run_config("rollout: [unclosed")
 
 
+def test_invalid_yaml_sent_to_start_run_is_one_line_with_where():
+    with pytest.raises(ValueError) as err:
+        parse_run_config("model:\n\tpath: examples/arith/model\n")       # a tab-indented recipe
+    assert str(err.value) == "config: invalid YAML line 2, column 1: found character '\\t' that cannot start any token"
+
+
 def test_recipes_parse():
     from pathlib import Path
 
