@@ -259,6 +259,8 @@ def check_run(cfg: RunConfig, *, world_size: int | None = None, files: str = "al
 
 def _check_run(cfg: RunConfig, world_size: int | None, files: str, keys: set[str] | None) -> None:
     scope = FILE_SCOPES[files]
+    if not cfg.model.path.strip():      # the coordinator reads its tokenizer wherever the services run
+        raise ValueError("model.path: empty; a local Hugging Face model folder is expected")
     for key, path in _model_folders(cfg).items():
         if key in scope:
             check_model_folder(key, path)

@@ -233,3 +233,9 @@ def test_a_parquet_file_without_the_prompt_key_column_is_named_before_any_servic
     assert failure(config(model, data={"train_files": [path], "prompt_key": "question"}), world_size=1) == (
         f"data file {path!r}: no column 'question' for the prompt (data.prompt_key: question); its columns: "
         f"prompt, data_source, reward_model")
+
+
+def test_an_empty_model_path_is_named_before_any_service_starts(tmp_path):
+    # Not a Hugging Face hub error from the tokenizer load: `model: {path: }` in a recipe reads as empty.
+    assert failure(config(""), world_size=1) == "model.path: empty; a local Hugging Face model folder is expected"
+
