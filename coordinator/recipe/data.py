@@ -45,18 +45,28 @@ def read_rows(path: str) -> list[dict]:
         raise ValueError(f"data file {path!r} does not exist")
     if p.suffix == ".parquet":
         return read_parquet(path).to_pylist()
-    rows = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"data file {path!r} line {n}: invalid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"data file {path!r} line {n}: a row must be a JSON object")
-        rows.append(row)
-    return rows
+    return [_json_row(path, n, line) for n, line in enumerate(p.read_text().splitlines(), start=1) if line.strip()]
+
+
+def first_row(path: str) -> dict:
+    """A JSONL file's first row, read alone (a preflight look at a file the run reads whole)."""
+    with open(path, errors="replace") as f:
+        for n, line in enumerate(f, start=1):
+            if line.strip():
+                return _json_row(path, n, line)
+    raise ValueError(f"data file {path!r} has no rows")
+
+
+def _json_row(path: str, n: int, line: str) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        # A .csv, a pretty-printed .json or a text file reads as JSONL too: say what a data file is.
+        raise ValueError(f"data file {path!r} line {n}: invalid JSON ({e.msg}); a data file is JSON Lines (one "
+                         f"JSON object a line) or .parquet") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"data file {path!r} line {n}: a row must be a JSON object")
+    return row
 
 
 def read_parquet(path: str, *, schema_only: bool = False):
@@ -112,8 +122,6 @@ def _prompt(row: dict, where: str, prompt_key: str, tokenizer, apply_chat_templa
     """The row's prompt as (text, token ids, chat messages); ids and messages are empty for a plain text prompt
     left to the rollout."""
     prompt = _lookup(row, prompt_key)
-    if prompt is None:
-        raise ValueError(f"{where}: missing key {prompt_key!r} (data.prompt_key)")
     if isinstance(prompt, str):
         if not apply_chat_template or tokenizer is None:
             return prompt, (), []
@@ -126,18 +134,27 @@ def _prompt(row: dict, where: str, prompt_key: str, tokenizer, apply_chat_templa
     return (*render_chat(tokenizer, prompt), [dict(m) for m in prompt])
 
 
+def check_row_keys(row: dict, where: str, *, prompt_key: str, answer_key: str) -> Any:
+    """The row holds a prompt at data.prompt_key and an answer at data.answer_key (or verl's
+    reward_model.ground_truth); -> the answer."""
+    if _lookup(row, prompt_key) is None:
+        raise ValueError(f"{where}: missing key {prompt_key!r} (data.prompt_key)")
+    answer = _lookup(row, answer_key)
+    if answer is None:
+        answer = _lookup(row, "reward_model.ground_truth")
+    if answer is None:
+        raise ValueError(f"{where}: missing key {answer_key!r} (data.answer_key) and reward_model.ground_truth")
+    return answer
+
+
 def row_to_problem(row: dict, index: int, *, prompt_key: str, answer_key: str, tokenizer=None,
                    apply_chat_template: bool = False, source: str = "data", reward_fn_key: str = "data_source"
                    ) -> Problem:
     """Accepts verl's rows (prompt as chat messages, reward_model.ground_truth, extra_info) and plain
     prompt/answer rows; every error names the file and row."""
     where = f"{source} row {index}"
+    answer = check_row_keys(row, where, prompt_key=prompt_key, answer_key=answer_key)
     text, ids, messages = _prompt(row, where, prompt_key, tokenizer, apply_chat_template)
-    answer = _lookup(row, answer_key)
-    if answer is None:
-        answer = _lookup(row, "reward_model.ground_truth")
-    if answer is None:
-        raise ValueError(f"{where}: missing key {answer_key!r} (data.answer_key) and reward_model.ground_truth")
     extra_info = row.get("extra_info") or {}
     if not isinstance(extra_info, dict):
         raise ValueError(f"{where}: extra_info must be a mapping, got {type(extra_info).__name__}")
@@ -164,11 +181,24 @@ def _prompt_length(problem: Problem, tokenizer) -> int:
     return len(problem.prompt_ids) if problem.prompt_ids else len(tokenizer(problem.prompt)["input_ids"])
 
 
-def load_dataset(files: Sequence[str], *, prompt_key: str = "prompt", answer_key: str = "answer",
-                 reward_fn_key: str = "data_source", tokenizer=None, apply_chat_template: bool = False,
-                 max_prompt_tokens: int | None = None, filter_overlong: bool = False) -> Dataset:
-    """Every row of `files` as a Problem. A prompt longer than `max_prompt_tokens` is refused naming its row,
-    or dropped and counted with `filter_overlong` (verl's data.filter_overlong_prompts)."""
+def load_dataset(files: Sequence[str], *, key: str = "data", **kwargs) -> Dataset:
+    """Every row of `files` (the recipe's `key`) as a Problem; an error about a file starts with `key`."""
+    try:
+        out = _load_rows(files, **kwargs)
+    except ValueError as e:
+        if str(e).startswith("data file "):
+            raise ValueError(f"{key}: {e}") from None
+        raise
+    if not out.problems:
+        raise ValueError(f"{key}: no rows in {list(files)}")
+    return out
+
+
+def _load_rows(files: Sequence[str], *, prompt_key: str = "prompt", answer_key: str = "answer",
+               reward_fn_key: str = "data_source", tokenizer=None, apply_chat_template: bool = False,
+               max_prompt_tokens: int | None = None, filter_overlong: bool = False) -> Dataset:
+    """A prompt longer than `max_prompt_tokens` is refused naming its row, or dropped and counted with
+    `filter_overlong` (verl's data.filter_overlong_prompts)."""
     out = Dataset([])
     for f in files:
         source = f"data file {f!r}"
@@ -192,8 +222,6 @@ def load_dataset(files: Sequence[str], *, prompt_key: str = "prompt", answer_key
     if out.num_overlong_dropped:
         log.info("dropped %d prompts longer than %d tokens (data.filter_overlong_prompts)", out.num_overlong_dropped,
                  max_prompt_tokens)
-    if not out.problems:
-        raise ValueError(f"data: no rows in {list(files)}")
     return out
 
 

@@ -117,17 +117,29 @@ def check_data_files(key: str, paths: list[str]) -> None:
             raise ValueError(f"{key}: data file {path!r}{_from_here(path)} does not exist")
 
 
-def check_parquet_columns(cfg: RunConfig, paths: list[str]) -> None:
-    """A prompt file in Parquet has the prompt and answer columns (read from its schema alone, so `meshrl up` names
-    a wrong data.prompt_key before any service starts, as opening the run would after they all did)."""
-    if cfg.algorithm.kind == "dpo" or importlib.util.find_spec("pyarrow") is None:
-        return              # preference pairs have columns of their own; without pyarrow the run open says so
-    from coordinator.recipe.data import check_columns, read_parquet
+def check_data_rows(cfg: RunConfig, key: str, paths: list[str]) -> None:
+    """Each data file reads as rows: a Parquet file's schema, a JSONL file's first row (read alone, so `meshrl up`
+    names a file of the wrong format or a wrong data.prompt_key before any service starts, as opening the run would
+    after they all did); a prompt file's rows hold the prompt and the answer. A later malformed row is named when
+    the run opens and reads every row."""
+    from coordinator.recipe.data import check_columns, check_row_keys, first_row, read_parquet
 
+    d = cfg.data
+    # Preference pairs have keys of their own (dpo.chosen_key, ...), read when the run opens.
+    prompts = cfg.algorithm.kind != "dpo" and key != "dpo.heldout_files"
     for path in paths:
-        if path.endswith(".parquet"):
-            names = read_parquet(path, schema_only=True).names
-            check_columns(path, names, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
+        try:
+            if path.endswith(".parquet"):
+                names = read_parquet(path, schema_only=True).names
+                if prompts:
+                    check_columns(path, names, prompt_key=d.prompt_key, answer_key=d.answer_key)
+            else:
+                row = first_row(path)
+                if prompts:
+                    check_row_keys(row, f"data file {path!r} row 0", prompt_key=d.prompt_key,
+                                   answer_key=d.answer_key)
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
 
 
 def _smallest_mini_batch(num_samples: int, mini_batch_size: int) -> int:
@@ -267,8 +279,7 @@ def _check_run(cfg: RunConfig, world_size: int | None, files: str, keys: set[str
     for key, paths in _data_files(cfg).items():
         if key in scope:
             check_data_files(key, paths)
-            if key != "dpo.heldout_files":
-                check_parquet_columns(cfg, paths)
+            check_data_rows(cfg, key, paths)
     if "reward" in scope:
         check_reward_functions(cfg)
     if "loggers" in scope:

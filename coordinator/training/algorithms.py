@@ -82,7 +82,7 @@ def _heldout(cfg: RunConfig, tokenizer) -> list:
     d = cfg.data
     if not d.heldout_files:
         return []
-    ds = load_dataset(d.heldout_files, prompt_key=d.prompt_key, answer_key=d.answer_key,
+    ds = load_dataset(d.heldout_files, key="data.heldout_files", prompt_key=d.prompt_key, answer_key=d.answer_key,
                       reward_fn_key=d.reward_fn_key, tokenizer=tokenizer, apply_chat_template=d.apply_chat_template)
     heldout = ds.problems[:d.heldout_size] if d.heldout_size else ds.problems
     cfg.reward.check_data_sources({p.data_source: ds.sources[p.data_source] for p in heldout})

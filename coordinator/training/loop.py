@@ -59,8 +59,8 @@ def load_prompts(cfg: RunConfig, tokenizer, position: int) -> tuple[PromptStream
     """The training prompts (with their answers for the reward) as a seeded stream at `position`; a data_source
     the reward has nothing for is refused here, before step 1."""
     d = cfg.data
-    ds = load_dataset(d.train_files, prompt_key=d.prompt_key, answer_key=d.answer_key, reward_fn_key=d.reward_fn_key,
-                      tokenizer=tokenizer, apply_chat_template=d.apply_chat_template,
+    ds = load_dataset(d.train_files, key="data.train_files", prompt_key=d.prompt_key, answer_key=d.answer_key,
+                      reward_fn_key=d.reward_fn_key, tokenizer=tokenizer, apply_chat_template=d.apply_chat_template,
                       max_prompt_tokens=d.max_prompt_length, filter_overlong=d.filter_overlong_prompts)
     cfg.reward.check_data_sources(ds.sources)
     return PromptStream(ds.problems, seed=d.seed, shuffle=d.shuffle, position=position,

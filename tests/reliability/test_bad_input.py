@@ -92,6 +92,7 @@ def test_a_malformed_dataset_fails_start_run_naming_the_file_and_the_line(arith_
                 await asyncio.to_thread(client.start_run, yaml.safe_dump(config))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert expected in err.value.details() and (str(data) in err.value.details() or not lines)
+            assert err.value.details().startswith("data.train_files: ")     # the user's key first, then the file
             assert await asyncio.to_thread(client.list_runs) == []          # nothing half-started
         finally:
             client.close()

@@ -231,7 +231,7 @@ def test_a_parquet_file_without_the_prompt_key_column_is_named_before_any_servic
     model = model_folder(tmp_path / "m")
     check_run(config(model, data={"train_files": [path]}), world_size=1)          # verl's columns pass
     assert failure(config(model, data={"train_files": [path], "prompt_key": "question"}), world_size=1) == (
-        f"data file {path!r}: no column 'question' for the prompt (data.prompt_key: question); its columns: "
+        f"data.train_files: data file {path!r}: no column 'question' for the prompt (data.prompt_key: question); its columns: "
         f"prompt, data_source, reward_model")
 
 
@@ -239,3 +239,22 @@ def test_an_empty_model_path_is_named_before_any_service_starts(tmp_path):
     # Not a Hugging Face hub error from the tokenizer load: `model: {path: }` in a recipe reads as empty.
     assert failure(config(""), world_size=1) == "model.path: empty; a local Hugging Face model folder is expected"
 
+
+@pytest.mark.parametrize("key,name,text,prompt_key,line", [
+    ("data.train_files", "train.csv", "question,answer\n1+1,2\n", "prompt",
+     "line 1: invalid JSON (Expecting value); a data file is JSON Lines (one JSON object a line) or .parquet"),
+    ("data.heldout_files", "heldout.jsonl", "\n\n", "prompt", "has no rows"),
+    ("data.train_files", "train.jsonl", '{"question": "1+1=", "answer": "2"}\n', "prompt",
+     "row 0: missing key 'prompt' (data.prompt_key)"),
+    ("data.train_files", "train.jsonl", '{"prompt": "1+1=", "answer": "2"}\n', "promt",
+     "row 0: missing key 'promt' (data.prompt_key)"),
+    ("data.heldout_files", "heldout.jsonl", '{"prompt": "1+1="}\n', "prompt",
+     "row 0: missing key 'answer' (data.answer_key) and reward_model.ground_truth"),
+])
+def test_a_data_file_of_the_wrong_format_or_keys_is_named_by_its_key_before_any_service_starts(
+        tmp_path, key, name, text, prompt_key, line):
+    path = tmp_path / name
+    path.write_text(text)
+    files = {"train_files": [str(path)]} if key == "data.train_files" else {"heldout_files": [str(path)]}
+    cfg = config(model_folder(tmp_path / "m"), data={**files, "prompt_key": prompt_key})
+    assert failure(cfg, world_size=1) == f"{key}: data file {str(path)!r} {line}"
