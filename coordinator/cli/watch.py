@@ -103,6 +103,11 @@ class _Metrics:
             self._new.wait_for(lambda: self.ended.is_set() or any(m["step"] >= step for m in self.history),
                                timeout)
 
+    def wait_for_end(self, timeout: float) -> None:
+        """Until the stream ended: an ended run's last record (`final: 1`, the held-out accuracy after training)
+        comes after its last step's, at the same step number."""
+        self.ended.wait(timeout)
+
 
 def watch_run(client, run_id: str, *, once: bool = False, refresh_s: float = 1.0,
               console: Console | None = None) -> None:
@@ -112,7 +117,10 @@ def watch_run(client, run_id: str, *, once: bool = False, refresh_s: float = 1.0
 
     def frame():
         status = client.get_run(run_id)
-        metrics.wait_for_step(status.step, timeout=10.0 if once else 0.0)
+        if status.finished:     # its whole stream: the frame shows the held-out accuracy after training too
+            metrics.wait_for_end(timeout=10.0)
+        else:
+            metrics.wait_for_step(status.step, timeout=10.0 if once else 0.0)
         return status, view(status, list(metrics.history), client.list_services(run_id))
 
     if once:
