@@ -72,8 +72,7 @@ def _serve(ctx: typer.Context, config: Path | None, run_dir: Path | None, thread
             _say(f"mesh up: {json.dumps(addresses)} (logs in {log_dir})")
             _say(f"meshrl mesh: coordinator at {coordinator}, recorded in {path}; `meshrl run RECIPE` starts a run "
                 f"on it, Ctrl-C or `meshrl mesh --stop` stops it")
-            _say(f"meshrl mesh: training API at {addresses['training'][0]} (docs/training_api.md: "
-                 f"services.training_api.client.ServiceClient() finds it)")
+            _say(_training_line(addresses["training"][0]))
             supervisor = Supervisor(launcher, say=_say)
             try:
                 while not stopping.wait(0.5):
@@ -87,6 +86,11 @@ def _serve(ctx: typer.Context, config: Path | None, run_dir: Path | None, thread
 
 def _say(line: str) -> None:
     console.print(line, highlight=False, soft_wrap=True)
+
+
+def _training_line(address: str) -> str:
+    return (f"meshrl mesh: training API at {address} (docs/training_api.md: "
+            f"services.training_api.client.ServiceClient() finds it)")
 
 
 def _detach(args: list[str]) -> None:
@@ -104,9 +108,10 @@ def _detach(args: list[str]) -> None:
         except subprocess.TimeoutExpired:
             found = mesh_address.read(note=lambda line: None)
             if found is not None and found["pid"] == proc.pid:
-                console.print(f"meshrl mesh: coordinator at {found['coordinator']} (pid {proc.pid}, logs in "
-                              f"{found['log_dir']}, output in {log}); `meshrl mesh --stop` stops it",
-                              highlight=False, soft_wrap=True)
+                _say(f"meshrl mesh: coordinator at {found['coordinator']} (pid {proc.pid}, logs in "
+                     f"{found['log_dir']}, output in {log}); `meshrl mesh --stop` stops it")
+                if found.get("training"):     # as the foreground mesh says it (docs/training_api.md)
+                    _say(_training_line(found["training"]))
                 return
             continue
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]

@@ -75,7 +75,9 @@ def test_the_readme_mesh_and_script_blocks_run_as_written(tmp_path):
     try:
         out = _run(mesh_lang, mesh, env)
         assert "COMPLETED after 10 steps" in out and "held-out accuracy before" in out, out
-        pid = json.loads(record.read_text())["pid"]
+        pid, training = (json.loads(record.read_text())[key] for key in ("pid", "training"))
+        # `--detach` says where the training API is, as the foreground mesh does (docs/training_api.md).
+        assert f"meshrl mesh: training API at {training} " in out, out
         # `meshrl status` and `meshrl services` found the mesh through its record: the run and the replicas.
         assert re.search(r"COMPLETED.*10/10", out), out
         for role in ("rollout", "reward", "reference"):
