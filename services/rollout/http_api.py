@@ -86,7 +86,8 @@ class OpenAIApi:
         _reject_unsupported(body, ("echo", "suffix", "best_of", *UNHONOURED_SAMPLING))
         prompts = _prompts(body.get("prompt"))
         k = _opt_int(body, "logprobs")
-        sampling = self._sampling(body, default_max_tokens=16, top_logprobs=k or 0, adapter=adapter)
+        sampling = self._sampling(body, default_max_tokens=16, top_logprobs=k or 0, adapter=adapter,
+                                  keys={"top_logprobs": "logprobs"})
         results = await self.engine.generate(GenerateBatch(prompts, sampling))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         choices = []
@@ -155,11 +156,9 @@ class OpenAIApi:
         k = _opt_int(body, "top_logprobs") or 0
         if k and not body.get("logprobs"):
             raise ValueError("top_logprobs: needs logprobs: true")
-        if "max_completion_tokens" in body and body.get("max_tokens") is None:
-            body["max_tokens"] = body["max_completion_tokens"]
-        sampling = self._sampling(body, default_max_tokens=getattr(self.engine, "max_model_len", None)
-                                  or self.defaults.max_tokens, top_logprobs=k, adapter=adapter)
-        return calling, sampling
+        keys = {"max_tokens": "max_completion_tokens"} if body.get("max_tokens") is None else {}
+        return calling, self._sampling(body, default_max_tokens=getattr(self.engine, "max_model_len", None)
+                                       or self.defaults.max_tokens, top_logprobs=k, adapter=adapter, keys=keys)
 
     async def _chat_answer(self, request: web.Request, body: dict, calling: FunctionCalling,
                            results: list[PromptResult], adapter: str) -> web.StreamResponse:
@@ -247,24 +246,23 @@ class OpenAIApi:
         versions = {s.weight_version for r in results for s in r.samples}
         return f"meshrl-v{max(versions) if versions else self.engine.weight_version}"
 
-    def _sampling(self, body: dict, *, default_max_tokens: int, top_logprobs: int, adapter: str = ""
-                  ) -> SamplingParams:
+    def _sampling(self, body: dict, *, default_max_tokens: int, top_logprobs: int, adapter: str = "",
+                  keys: dict[str, str] | None = None) -> SamplingParams:
+        """The request's sampling; a bad value is named by the key the client sent (`keys`: field -> request key)."""
+        keys = keys or {}
         stop = body.get("stop")
-        if stop is None:
-            stop = []
-        elif isinstance(stop, str):
-            stop = [stop]
-        elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
             raise ValueError("stop: must be a string or a list of strings")
-        return SamplingParams(
-            n=_num(body, "n", int, 1),
-            temperature=_num(body, "temperature", float, 1.0),
-            top_p=_num(body, "top_p", float, 1.0),
-            max_tokens=_num(body, "max_tokens", int, default_max_tokens),
-            stop=stop,
-            seed=_opt_int(body, "seed"),
-            top_logprobs=top_logprobs,
-            adapter=adapter)
+        n, temperature = _num(body, "n", int, 1), _num(body, "temperature", float, 1.0)
+        top_p, seed = _num(body, "top_p", float, 1.0), _opt_int(body, "seed")
+        max_tokens = _num(body, keys.get("max_tokens", "max_tokens"), int, default_max_tokens)
+        try:    # checked when made, each field named `sampling.<field>` as the gRPC request spells it
+            return SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop,
+                                  seed=seed, top_logprobs=top_logprobs, adapter=adapter)
+        except ValueError as e:
+            field, _, why = str(e).removeprefix("sampling.").partition(": ")
+            raise ValueError(f"{keys.get(field, field)}: {why}") from None
 
     def _render_chat(self, messages, tools: list[dict]) -> str:
         if not isinstance(messages, list) or not messages:

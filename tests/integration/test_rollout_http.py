@@ -153,10 +153,13 @@ def test_streams_end_with_the_usage_chunk_that_stream_options_include_usage_asks
         assert chunks[-1].usage == full.usage
 
 
+# A bad sampling value is named by the request's own key (`param`), not by the gRPC field `sampling.<name>`.
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(prompt="1+1=", temperature=-1), "sampling.temperature"),
-    (dict(prompt="1+1=", n=0), "sampling.n"),
-    (dict(prompt="1+1=", max_tokens=0), "sampling.max_tokens"),
+    (dict(prompt="1+1=", temperature=-1), "temperature"),
+    (dict(prompt="1+1=", n=0), "n"),
+    (dict(prompt="1+1=", max_tokens=0), "max_tokens"),
+    (dict(prompt="1+1=", top_p=1.5), "top_p"),
+    (dict(prompt="1+1=", logprobs=21), "logprobs"),                      # completions' k of top log-probs
     (dict(prompt=[4, 999]), "prompts[0].prompt_ids"),
     (dict(prompt="1+1=", echo=True), "echo"),
     (dict(prompt="1+1=", logit_bias={"5": 100}), "logit_bias"),          # not applied: refused, not ignored
@@ -174,8 +177,26 @@ def test_bad_completion_requests_are_400_naming_the_field(model_dir, kwargs, fie
             return err.value, ok
 
     err, ok = asyncio.run(main())
-    assert field in str(err)
+    assert err.body["param"] == field and err.body["message"].startswith(f"{field}: "), err.body
     assert len(ok.choices) == 1
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(max_completion_tokens=0), "max_completion_tokens"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+])
+def test_bad_chat_requests_are_400_naming_the_key_sent(model_dir, kwargs, field):
+    async def main():
+        async with http_replica(model_dir) as (client, _):
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1+1="}],
+                                                     **kwargs)
+            return err.value
+
+    err = asyncio.run(main())
+    assert err.body["param"] == field and err.body["message"].startswith(f"{field}: "), err.body
 
 
 def test_an_unknown_model_is_404(model_dir):
