@@ -3,6 +3,7 @@ supervised (a dead one is restarted on its port while the coordinator's pools fa
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -101,8 +102,8 @@ class Launcher:
               extra_args: list[str] | None = None, log_name: str = "") -> Child:
         module = MODULES[role]
         args = ["-m", module, "--config", self.config_path, "--port", "0", "--host", self.host]
-        for key, value in self.overrides.items():
-            args += [f"--{key}", str(value)]
+        for key, value in self.overrides.items():    # a list or mapping as YAML's inline form (JSON is one)
+            args += [f"--{key}", value if isinstance(value, str) else json.dumps(value)]
         args += extra_args or []
         if role == "trainer" and nproc > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]

@@ -10,6 +10,8 @@ import socket
 import sys
 from typing import Any, Awaitable, Callable, Sequence
 
+import yaml
+
 from services.common.config import MeshSettings, load_config
 from services.common.rpc.server import MeshServer, announce, serve_until_signalled, setup_logging
 
@@ -28,9 +30,10 @@ def parse_args(role: str, argv: Sequence[str] | None) -> tuple[argparse.Namespac
     return args, parse_dotted_flags(rest)
 
 
-def parse_dotted_flags(rest: Sequence[str]) -> dict[str, str]:
-    """`--rollout.n 4` or `--rollout.n=4` -> {'rollout.n': '4'} (pydantic coerces the type)."""
-    overrides: dict[str, str] = {}
+def parse_dotted_flags(rest: Sequence[str]) -> dict[str, Any]:
+    """`--rollout.n 4` or `--rollout.n=4` -> {'rollout.n': '4'} (pydantic coerces the type); a list or a mapping is
+    written as YAML writes one inline: `--data.train_files [a.jsonl,b.jsonl]`, `--rollout.stop '["###"]'`."""
+    overrides: dict[str, Any] = {}
     i = 0
     while i < len(rest):
         arg = rest[i]
@@ -44,8 +47,21 @@ def parse_dotted_flags(rest: Sequence[str]) -> dict[str, str]:
                 raise SystemExit(f"{arg}: missing value")
             key, value = arg[2:], rest[i + 1]
             i += 2
-        overrides[key] = value
+        overrides[key] = _flag_value(key, value)
     return overrides
+
+
+def _flag_value(key: str, value: str) -> Any:
+    """A flag's value as it was given, or the list or mapping it writes in YAML's inline form (`[a, b]`, `{k: v}`):
+    a list key (data.train_files, rollout.stop, actor.betas, ...) takes a flag as it takes a YAML value. A value
+    that is no such YAML stays the string given (`[::1]:50051`, an address)."""
+    if not value.startswith(("[", "{")):
+        return value
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+    return parsed if isinstance(parsed, (list, dict)) else value
 
 
 def serve_main(role: str, settings_cls: type[MeshSettings], start: StartFn, argv: Sequence[str] | None = None,
