@@ -14,7 +14,7 @@ import types
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Any, Iterable, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -166,10 +166,11 @@ def keys_beside(model: type[BaseModel] | None, loc: tuple) -> list[str]:
 
 
 def format_validation_error(err: ValidationError, source: str = "config", *, section: str = "",
-                            model: type[BaseModel] | None = None) -> str:
+                            model: type[BaseModel] | None = None, flags: Iterable[str] = ()) -> str:
     """One line naming each bad key: `config: rollout.n: ...`; `section` goes in front of every key (a section
     validated on its own), an empty `source` leaves the prefix out. Every unknown key is listed, with the key of
-    its section it was nearest to when `model` (the validated class) is given."""
+    its section it was nearest to when `model` (the validated class) is given. A key set by a `--section.key`
+    flag (`flags`) is named as that flag, and `source` (the file) is left out when no bad key came from it."""
     parts: list[str] = []
     union: dict[str, list[dict]] = {}          # a key's errors, one per member of its type's union (tags dropped)
     for e in err.errors():
@@ -187,7 +188,9 @@ def format_validation_error(err: ValidationError, source: str = "config", *, sec
         else:
             parts.append(f"{key}: {e['msg']}")
     parts = [_union_error(p, union[p]) if p in union else p for p in parts]
-    return f"{source}: " + "; ".join(parts) if source else "; ".join(parts)
+    flagged = [any(p.startswith((f + ":", f + ".", f + "[")) for f in flags) for p in parts]
+    parts = [f"--{p}" if by_flag else p for p, by_flag in zip(parts, flagged)]
+    return f"{source}: " + "; ".join(parts) if source and not all(flagged) else "; ".join(parts)
 
 
 # The location parts pydantic adds for a union's members (`literal['paged','none']`, `bool`, `int`,
@@ -278,7 +281,7 @@ def load_config(cls: type[S], path: str | os.PathLike | None = None, *, data: di
         # pydantic-settings deep-merges the sources, so a dotted override replaces one key only.
         return cls(**nest_overrides(overrides or {}))
     except ValidationError as e:
-        raise ValueError(format_validation_error(e, source, model=cls)) from None
+        raise ValueError(format_validation_error(e, source, model=cls, flags=(overrides or {}).keys())) from None
     finally:
         _YAML_DATA.reset(token)
 
