@@ -240,6 +240,12 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def version(weight_version: int) -> str:
+    """A replica's weight version as `meshrl services` and `meshrl watch` show it: "-" where none is known (no
+    active run has seen the replica since it joined; a reward replica holds no weights)."""
+    return str(weight_version) if weight_version >= 0 else "-"
+
+
 def columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     """Plain aligned lines, each column as wide as its widest cell: nothing is cut or wrapped at the terminal's
     width (a run id is copied from here into the next command), and `grep`/`awk` read them as they are."""

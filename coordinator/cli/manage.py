@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from coordinator.cli.common import PASSTHROUGH, Connection, _fmt, columns, command, connects, console, say
+from coordinator.cli.common import PASSTHROUGH, Connection, _fmt, columns, command, connects, console, say, version
 
 
 @command()
@@ -102,7 +102,8 @@ def services(run_id: Optional[str] = typer.Argument(None, help="a run's pools (d
     """Replicas of every pool with health, weight version and load."""
     with conn.client() as client:
         replicas = client.list_services(run_id or "")
-    rows = [(r.pool, r.address, "yes" if r.healthy else "no", str(r.weight_version), str(r.load)) for r in replicas]
+    rows = [(r.pool, r.address, "yes" if r.healthy else "no", version(r.weight_version), str(r.load))
+            for r in replicas]
     for line in columns(("pool", "address", "healthy", "weight version", "load"), rows):
         say(line)
 

@@ -13,7 +13,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from coordinator.cli.common import columns
+from coordinator.cli.common import columns, version
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 40
@@ -67,7 +67,7 @@ def view(status, history: list[dict], replicas) -> Group:
         phases.add_row("step", f"{last.get('time/step', math.nan):.3f}", "")
     reps = Table("pool", "replica", "healthy", "weight version", "load", box=None, pad_edge=False)
     for r in replicas:
-        reps.add_row(r.pool, r.address, "yes" if r.healthy else "NO", str(r.weight_version), str(r.load))
+        reps.add_row(r.pool, r.address, "yes" if r.healthy else "NO", version(r.weight_version), str(r.load))
     warned = warnings(status, replicas)
     warning = Text(f"last warning: {warned[-1]}" if warned else "last warning: none",
                    style="yellow" if warned else "dim")

@@ -83,7 +83,8 @@ class DefaultPools:
 
 def replica_statuses(pools: Iterable[ReplicaPool], contexts: Iterable[RunContext]) -> list:
     """ReplicaStatus of every replica; load and weight version as the active runs' pools last saw them (a
-    default pool makes no calls of its own)."""
+    default pool makes no calls of its own): weight version -1 where none did (no active run has called it since
+    it joined, or a reward replica, which holds no weights), not a version 0 it may not serve."""
     seen: dict[tuple[str, str], list] = {}
     for ctx in contexts:
         for pool in (ctx.rollout, ctx.reward, ctx.reference):
@@ -95,5 +96,5 @@ def replica_statuses(pools: Iterable[ReplicaPool], contexts: Iterable[RunContext
             same = {id(r): r for r in [rep, *seen.get((pool.role, rep.address), [])]}.values()  # each once
             out.append(coordinator_pb2.ReplicaStatus(
                 pool=pool.role, address=rep.address, healthy=rep.healthy,
-                weight_version=max(0, *(r.weight_version for r in same)), load=sum(r.load for r in same)))
+                weight_version=max(r.weight_version for r in same), load=sum(r.load for r in same)))
     return out

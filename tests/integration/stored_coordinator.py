@@ -12,10 +12,12 @@ from services.common.config import load_config
 
 
 class StoredCoordinator:
-    """`with StoredCoordinator(records, metrics) as address:` serves the records (and each run's metrics)."""
+    """`with StoredCoordinator(records, metrics) as address:` serves the records (and each run's metrics); `config`:
+    the coordinator's own (its default pools: `{"rollout": {"servers": [...]}}`)."""
 
-    def __init__(self, records: list[RunRecord], metrics: dict[str, list[dict]] | None = None):
-        self.records, self.metrics = records, metrics or {}
+    def __init__(self, records: list[RunRecord], metrics: dict[str, list[dict]] | None = None,
+                 config: dict | None = None):
+        self.records, self.metrics, self.config = records, metrics or {}, config or {}
 
     def __enter__(self) -> str:
         self.loop = asyncio.new_event_loop()
@@ -23,7 +25,7 @@ class StoredCoordinator:
         return asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
 
     async def _start(self) -> str:
-        self.server, port, self.engine = await start_coordinator(load_config(CoordinatorSettings, data={}),
+        self.server, port, self.engine = await start_coordinator(load_config(CoordinatorSettings, data=self.config),
                                                                  "127.0.0.1:0")
         store = self.engine.manager.store
         for record in self.records:

@@ -47,3 +47,22 @@ def test_an_unknown_run_id_is_not_found(servicer):
     with pytest.raises(NotFound) as err:  # the server's interceptor maps it to NOT_FOUND
         listing(servicer, "no-such-run")
     assert str(err.value) == "run_id: no run 'no-such-run'"
+
+
+def test_a_replica_no_run_has_seen_has_no_weight_version_not_version_0():
+    # 127.0.0.1:3 is one of the coordinator's own replicas that no active run has called: its version is unknown.
+    servicer = CoordinatorServicer(RunManager(MemoryStore()),
+                                   DefaultPools({"rollout": PoolConfig(servers=["127.0.0.1:3"])}))
+    assert listing(servicer) == [("rollout", "127.0.0.1:3", False, -1, 0)]
+
+
+def test_meshrl_services_shows_an_unknown_weight_version_as_a_dash():
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+    from tests.integration.stored_coordinator import StoredCoordinator
+
+    with StoredCoordinator([], config={"rollout": {"servers": ["127.0.0.1:3"]}}) as address:
+        result = CliRunner().invoke(app, ["services", "--coordinator", address])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[1].split() == ["rollout", "127.0.0.1:3", "no", "-", "0"]
