@@ -393,8 +393,8 @@ def _print_result(status) -> None:
 @connects
 def run(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False),
         follow: bool = typer.Option(True, help="stream metrics until the run ends"), *, conn: Connection):
-    """Start a run on a running coordinator (services listed in the YAML). After the recipe: verl's
-    overrides (`actor_rollout_ref.rollout.n=8`, docs/from_verl.md) and meshrl's `--section.key value`."""
+    """Start a run on a running coordinator (`meshrl mesh`'s, or --coordinator): on the services the recipe lists,
+    else on the mesh's replicas. After the recipe: verl's overrides (`actor_rollout_ref.rollout.n=8`, docs/from_verl.md) and meshrl's `--section.key value`."""
     from coordinator.recipe import verl_keys
     from coordinator.recipe.preflight import check_run
     from coordinator.recipe.run_settings import user_keys

@@ -82,7 +82,7 @@ def train(args) -> tuple[float, float]:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])   # the first paragraph, whole
     p.add_argument("--address", help="the training API (default: $MESHRL_TRAINING_API, else the mesh file)")
     p.add_argument("--base-model", default="examples/arith/model")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank: the trainer's actor.lora.rank")

@@ -163,3 +163,16 @@ def test_watch_of_an_empty_mesh_says_how_to_start_a_run(monkeypatch):
     result = invoke("watch", "--once", "--coordinator", "127.0.0.1:7")
     assert (result.exit_code, result.stdout) == (0, "no runs on the coordinator at 127.0.0.1:7; `meshrl run RECIPE` "
                                                     "starts one\n")
+
+
+def test_run_help_says_a_recipe_without_servers_runs_on_the_meshs_replicas():
+    out = " ".join(invoke("run", "--help").stdout.split())
+    assert "services listed in the YAML" not in out and "else on the mesh's replicas" in out, out
+
+
+def test_the_training_api_example_help_ends_its_description_with_a_whole_sentence():
+    out = subprocess.run([sys.executable, str(REPO / "examples/training_api/grpo_loop.py"), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    description = " ".join(out.stdout.split("options:")[0].split("\n\n", 1)[1].split())
+    assert description.endswith("Held-out greedy accuracy before and after."), description
