@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -25,21 +24,10 @@ import grpc
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from two_runs import Coordinator, merged  # noqa: E402  (the reflection client beside this script)
+from two_runs import Coordinator, merged, mesh_coordinator  # noqa: E402  (the reflection client beside this script)
 
 RUNS = ({"run": {"name": "lora-fast", "priority": 1.0}, "actor": {"lr": 1e-3}},
         {"run": {"name": "lora-slow", "priority": 1.0}, "actor": {"lr": 3e-4}})
-
-
-def mesh_coordinator() -> str:
-    """The coordinator as `meshrl` finds it: MESHRL_COORDINATOR, the running mesh's file, then 127.0.0.1:50050."""
-    if os.environ.get("MESHRL_COORDINATOR"):
-        return os.environ["MESHRL_COORDINATOR"]
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    path = Path(cache) / "meshrl" / "mesh.json"
-    if path.is_file():
-        return json.loads(path.read_text()).get("coordinator") or "127.0.0.1:50050"
-    return "127.0.0.1:50050"
 
 
 def follow(coordinator: Coordinator, run_id: str, out: dict, stop_after: int = 0) -> None:

@@ -7,6 +7,7 @@ recipe's model.path (the second is not trained on from the first one's end), so 
 accuracy before their first step; `run: {init_from: <first run id>}` would start the second from the first's
 checkpoint instead (docs/coordinator.md, "Where a run starts from").
 
+    python examples/run_api/two_runs.py --config examples/arith/grpo.yaml   # on `meshrl mesh`'s coordinator
     python examples/run_api/two_runs.py --coordinator 127.0.0.1:50050 --config examples/arith/grpo.yaml
 
 The second config file (`--config`) is the services' own recipe (their addresses and data); each run sends
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 import grpc
 import yaml
@@ -51,6 +54,17 @@ class Coordinator:
                     response_deserializer=reply.FromString)(request)
 
 
+def mesh_coordinator() -> str:
+    """The coordinator as `meshrl` finds it: MESHRL_COORDINATOR, the running mesh's file, then 127.0.0.1:50050."""
+    if os.environ.get("MESHRL_COORDINATOR"):
+        return os.environ["MESHRL_COORDINATOR"]
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    path = Path(cache) / "meshrl" / "mesh.json"
+    if path.is_file():
+        return json.loads(path.read_text()).get("coordinator") or "127.0.0.1:50050"
+    return "127.0.0.1:50050"
+
+
 def merged(base: dict, changes: dict) -> dict:
     out = dict(base)
     for section, values in changes.items():
@@ -75,12 +89,12 @@ def one_run(coordinator: Coordinator, config: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--coordinator", default="127.0.0.1:50050")
+    parser.add_argument("--coordinator", default="", help="HOST:PORT (default: the running mesh's, as meshrl finds it)")
     parser.add_argument("--config", required=True, help="the services' recipe (YAML)")
     args = parser.parse_args(argv)
     with open(args.config) as f:
         base = yaml.safe_load(f)
-    with grpc.insecure_channel(args.coordinator) as channel:
+    with grpc.insecure_channel(args.coordinator or mesh_coordinator()) as channel:
         coordinator = Coordinator(channel)
         for changes in RUNS:
             try:

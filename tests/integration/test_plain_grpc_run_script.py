@@ -60,3 +60,23 @@ def test_a_reflection_only_script_runs_two_runs_each_with_its_own_lr_and_reward_
     assert second["shown"]["reward components"] == ["reward/boxed", "reward/em"]
     # The second run starts from model.path, as the first did, not from the first one's end.
     assert first["shown"]["heldout_accuracy_before"] == second["shown"]["heldout_accuracy_before"] is not None
+
+
+def test_without_coordinator_the_script_uses_the_running_meshs(tmp_path):
+    """As `Client()` and concurrent_runs.py do: the mesh `meshrl mesh` recorded, not a fixed 127.0.0.1:50050."""
+    from coordinator.runapi.store import RunRecord
+    from tests.integration.stored_coordinator import StoredCoordinator
+
+    recipe = tmp_path / "services.yaml"
+    recipe.write_text(yaml.safe_dump({"run": {"num_steps": 1}}))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MESHRL_COORDINATOR")}
+    with StoredCoordinator([RunRecord(run_id="r", config="")]) as address:
+        (tmp_path / "cache" / "meshrl").mkdir(parents=True)
+        (tmp_path / "cache" / "meshrl" / "mesh.json").write_text(json.dumps({"coordinator": address, "pid": 1}))
+        result = subprocess.run([sys.executable, str(SCRIPT), "--config", str(recipe)], cwd=tmp_path,
+                                env={**env, "XDG_CACHE_HOME": str(tmp_path / "cache")}, capture_output=True,
+                                text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    # That coordinator answered each run (it has no trainer, so it refuses them by the key that names one).
+    answers = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(answers) == 2 and all("trainer" in a["refused"] for a in answers), result.stdout
