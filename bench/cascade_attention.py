@@ -2,7 +2,9 @@
 (paged/attention.py), one layer's attention call at a GRPO decode step's shape: rows in groups of n forked from one
 prompt (their prompt's blocks shared), each with its own generated tokens after it; Qwen2.5-0.5B's heads (14 query,
 2 kv, head_dim 64), bf16, 16-token blocks. Also n=1 (no two rows share a block): the shared path's cost without
-groups. Times by CUDA events over --repeats calls after a warm-up; max difference between the two outputs.
+groups. Each call is captured in a CUDA graph (as the decode step runs it) and timed by CUDA events over --repeats
+replays; the group kernel's tile, warps, stages and prefix partitions are swept (--sweep); max difference between
+the outputs.
 
     PYTHONPATH=.:protos python bench/cascade_attention.py --out /tmp/cascade_attention_gpu.json
     TRITON_INTERPRET=1 PYTHONPATH=.:protos python bench/cascade_attention.py --device cpu --rows 16 --prefix 64 \
@@ -48,18 +50,28 @@ def build(rows: int, n: int, prefix: int, suffix: int, heads: int, kv: int, hd: 
 
 
 def timed(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    if not torch.cuda.is_available():                 # the CPU smoke test (Triton's interpreter): wall time
+    """Milliseconds a call: replays of one CUDA graph of fn (as the decode step runs it: no launch overhead), timed by
+    CUDA events; on the CPU (Triton's interpreter, a smoke test) wall time of plain calls."""
+    fn()
+    if not torch.cuda.is_available():
         t0 = time.perf_counter()
         for _ in range(repeats):
             fn()
         return (time.perf_counter() - t0) * 1e3 / repeats
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
     for _ in range(repeats):
-        fn()
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
@@ -70,14 +82,19 @@ def case(args, n: int) -> dict:
                                                       args.device)
     scale = 64 ** -0.5
     plain = lambda: paged_decode_attention(q, k, v, tables, ctx, args.bs, scale)  # noqa: E731
-    shared = lambda: paged_decode_attention_shared(q, k, v, tables, ctx, lo, groups, args.bs, scale)  # noqa: E731
-    diff = (plain().float() - shared().float()).abs().max().item()
-    out = {"rows": args.rows, "n": n, "grouped_rows": grouped, "max_abs_diff": round(diff, 5)}
-    out["plain_ms"] = round(timed(plain, args.repeats), 4)
-    out["shared_ms"] = round(timed(shared, args.repeats), 4)
-    out["shared_vs_plain"] = round(out["plain_ms"] / out["shared_ms"], 3)
+    want = plain().float()
+    out = {"rows": args.rows, "n": n, "grouped_rows": grouped, "plain_ms": round(timed(plain, args.repeats), 4)}
     kv_bytes = 2 * 2 * 64 * 2                                       # K and V, 2 kv heads, head_dim 64, bf16
     out["plain_kv_gb_per_s"] = round(float(ctx.sum()) * kv_bytes / out["plain_ms"] / 1e6, 1)
+    out["shared"] = {}
+    for config in args.sweep.split(","):                            # tile:warps:stages:prefix partitions (0: auto)
+        tile, warps, stages, parts = map(int, config.split(":"))
+        kw = dict(group_tile=tile, group_warps=warps, group_stages=stages, prefix_parts=parts or None)
+        shared = lambda: paged_decode_attention_shared(q, k, v, tables, ctx, lo, groups, args.bs, scale, **kw)  # noqa: E731
+        ms = timed(shared, args.repeats)
+        diff = (shared().float() - want).abs().max().item()
+        out["shared"][config] = {"ms": round(ms, 4), "vs_plain": round(out["plain_ms"] / ms, 3),
+                                 "max_abs_diff": round(diff, 5)}
     print(json.dumps(out), flush=True)
     return out
 
@@ -91,6 +108,8 @@ def main() -> None:
     ap.add_argument("--suffix", type=int, default=256)
     ap.add_argument("--bs", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--sweep", default="64:4:2:0,128:4:3:0,128:4:2:0,64:4:3:0,32:4:2:0,64:8:2:0,64:4:2:2,64:4:2:8",
+                    help="the group kernel's tile:warps:stages:prefix partitions (0: auto), one timing each")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     res = {"benchmark": "cascade_attention",

@@ -25,6 +25,8 @@ from services.rollout.engine_torch.paged import attention
 from services.rollout.engine_torch.paged.attention import NUM_STAGES, NUM_WARPS, split_scratch, triton
 
 GROUP_QUERIES = 64              # rows x G query heads stacked into one group program's dot
+# The group program's tile (tokens), warps and pipeline stages; bench/cascade_attention.py sweeps them.
+GROUP_TILE, GROUP_WARPS, GROUP_STAGES = 64, 4, 2
 MIN_PREFIX_PARTITION = 256      # tokens of a prefix partition, at least (at the tables' full width)
 MAX_PREFIX_PARTITIONS = 16
 if triton is not None:
@@ -142,8 +144,9 @@ if triton is not None:
 @torch.library.custom_op("meshrl::paged_decode_attention_shared", mutates_args=())
 def paged_decode_attention_shared(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                                   ctx: torch.Tensor, lo: torch.Tensor, groups: torch.Tensor, block_size: int,
-                                  scale: float, *, partitions: int | None = None,
-                                  prefix_parts: int | None = None) -> torch.Tensor:
+                                  scale: float, *, partitions: int | None = None, prefix_parts: int | None = None,
+                                  group_tile: int | None = None, group_warps: int | None = None,
+                                  group_stages: int | None = None) -> torch.Tensor:
     """attention.paged_decode_attention's result, the shared prefixes read once per group: lo [B] (int64, tokens of
     row b read through its group, 0 outside one; a multiple of block_size below ctx[b]), groups [NG, RG] (int64
     member rows, -1 past a group's end; every member's lo and leading lo / block_size table entries equal)."""
@@ -165,7 +168,9 @@ def paged_decode_attention_shared(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
     strides = (q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), tables.stride(0))
     _group_prefix_kernel[(NG, KV, PG)](q, k_pool, v_pool, part_o, part_m, part_l, tables, groups, lo, scale,
                                        *strides, H, PT, P0, PG, G=G, RG=RG,
-                                       MP=max(16, triton.next_power_of_2(RG * G)), **common)
+                                       MP=max(16, triton.next_power_of_2(RG * G)), HD=hd, BS=block_size,
+                                       TILE=max(block_size, group_tile or GROUP_TILE), PREC=prec,
+                                       num_warps=group_warps or GROUP_WARPS, num_stages=group_stages or GROUP_STAGES)
     rows = dict(G=G, GP=max(16, triton.next_power_of_2(G)), PREFIX=True, **common)
     if P == 1:
         attention._paged_decode_kernel[(B, KV, 1)](q, k_pool, v_pool, out, part_m, part_l, tables, ctx, lo, part_o,
@@ -180,5 +185,6 @@ def paged_decode_attention_shared(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
 
 
 @paged_decode_attention_shared.register_fake
-def _(q, k_pool, v_pool, tables, ctx, lo, groups, block_size, scale, *, partitions=None, prefix_parts=None):
+def _(q, k_pool, v_pool, tables, ctx, lo, groups, block_size, scale, *, partitions=None, prefix_parts=None,
+      group_tile=None, group_warps=None, group_stages=None):
     return q.new_empty(q.shape)

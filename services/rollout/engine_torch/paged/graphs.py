@@ -61,12 +61,13 @@ class PagedGraphs:
         # a group program's query tile holds two rows or more.
         self.per_group = cascade.rows_per_group(self.step.num_heads, self.step.num_kv)
         self.shared_prefix = shared_prefix and kernel and self.per_group >= 2
-        self._buckets: dict[int, _Bucket] = {}
+        # Per (batch bucket, groups or not): a window without groups replays the step without the group kernel.
+        self._buckets: dict[tuple[int, bool], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._signature = self._weights()
         # shared_prefix_rows: rows that read a prefix through their group, summed over windows (their first steps).
         self.stats = {"graphs_captured": 0, "replays": 0, "shared_prefix_rows": 0}
-        self._last: tuple[int, int] | None = None       # (rows, bucket) of the last forward
+        self._last: tuple[int, int, bool] | None = None     # (rows, bucket, groups) of the last forward
 
     def _weights(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self.model.parameters())
@@ -94,17 +95,19 @@ class PagedGraphs:
             # zeroed, the base model's.
             assert self.adapters.current is self.adapters.rows and B <= self.adapters.rows.numel()
             self.adapters.set_decode_rows(slots if slots is not None else [])
-        b = self._bucket(B)
         if pos is None:
-            assert self._last == (R, B), "a window's next step needs the previous step's rows"
+            assert self._last is not None and self._last[:2] == (R, B), "a window's next step needs the previous step's rows"
+            b = self._bucket(B, self._last[2])
             b.ids[:R, 0].copy_(ids)
             b.pos[:R] += 1
             b.ctx[:R] += 1
         else:
+            found = self._groups(pos, host_tables if host_tables is not None else tables)
+            b = self._bucket(B, found is not None)
             self._load(b, R, ids, pos, tables)
-            if b.share is not None:
-                self._load_groups(b, R, pos, host_tables if host_tables is not None else tables)
-        self._last = (R, B)
+            if found is not None:
+                self._load_groups(b, R, found)
+        self._last = (R, B, b.share is not None)
         if b.graph is None:
             b.out = self._step(b)
         else:
@@ -131,32 +134,35 @@ class PagedGraphs:
         b.tab[:R, :tables.size(1)].copy_(tables)
         b.tab[R:, 0].fill_(self.scratch)
 
-    def _load_groups(self, b: _Bucket, R: int, pos: list[int], tables: torch.Tensor) -> None:
-        """The rows' groups of shared prefixes (none: every row reads its whole context itself)."""
+    def _groups(self, pos: list[int], tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows' groups of shared prefixes (cascade.share_groups; None: none, or the host tables are not at hand)."""
+        if not self.shared_prefix or tables.device.type != "cpu":
+            return None
+        return cascade.share_groups(tables, torch.tensor(pos), self.kv.block_size, self.per_group,
+                                    cascade.max_groups(len(pos)))
+
+    def _load_groups(self, b: _Bucket, R: int, found: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The groups into the bucket's static buffers (rows past R and groups past the found ones: none)."""
         lo, groups = b.share
-        found = None
-        if tables.device.type == "cpu":
-            found = cascade.share_groups(tables, torch.tensor(pos), self.kv.block_size, groups.size(1), groups.size(0))
-        if found is None:
-            lo.zero_()
-            return
         lo_h = torch.zeros(lo.size(0), dtype=torch.long)
         lo_h[:R] = found[0]
         self.stats["shared_prefix_rows"] += int(found[0].count_nonzero())
         lo.copy_(lo_h)
-        groups.copy_(found[1])
+        groups_h = torch.full(groups.shape, -1, dtype=torch.long)
+        groups_h[:found[1].size(0)] = found[1]
+        groups.copy_(groups_h)
 
     def _step(self, b: _Bucket) -> torch.Tensor:
         return self.step(b.ids, b.pos, b.tab, b.ctx, b.share)
 
-    def _bucket(self, B: int) -> _Bucket:
-        b = self._buckets.get(B)
+    def _bucket(self, B: int, share: bool = False) -> _Bucket:
+        b = self._buckets.get((B, share))
         if b is not None:
             return b
         kw = dict(dtype=torch.long, device=self.device)
         b = _Bucket(torch.zeros((B, 1), **kw), torch.zeros((B, 1), **kw),
                     torch.full((B, self.width), self.scratch, **kw), torch.ones(B, **kw))
-        if self.shared_prefix:
+        if share:
             b.share = (torch.zeros(B, **kw), torch.full((cascade.max_groups(B), self.per_group), -1, **kw))
         if self.use_graphs:
             # Warm-up on a side stream (cuBLAS handles, Triton compile, allocator) before capture.
@@ -170,6 +176,6 @@ class PagedGraphs:
             with capture(b.graph, self._pool):
                 b.out = self._step(b)
             self.stats["graphs_captured"] += 1
-            log.info("paged KV graphs: captured the decode forward for batch=%d", B)
-        self._buckets[B] = b
+            log.info("paged KV graphs: captured the decode forward for batch=%d%s", B, " (shared prefixes)" * share)
+        self._buckets[B, share] = b
         return b
