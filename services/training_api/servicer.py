@@ -64,6 +64,10 @@ class TrainingServicer(training_pb2_grpc.TrainingServicer):
     async def Decode(self, request, context):
         tok = await asyncio.to_thread(self.engine.tokenizer, request.client_id)
         skip = request.skip_special_tokens
+        for i, ids in enumerate(request.ids):
+            bad = [t for t in ids.ids if not 0 <= t < len(tok)]
+            if bad:
+                raise ValueError(f"ids[{i}]: token id {bad[0]} outside the vocabulary [0, {len(tok)})")
         texts = [tok.decode(list(i.ids), skip_special_tokens=skip) for i in request.ids]
         return training_pb2.DecodeResponse(texts=texts)
 
