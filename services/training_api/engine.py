@@ -11,6 +11,7 @@ run one at a time, in the order they arrive (Tinker's ordering guarantee). No gR
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -26,6 +27,22 @@ log = logging.getLogger("meshrl.training_api")
 # The tokenizer files GetTokenizer sends (what AutoTokenizer reads from a model folder).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "chat_template.jinja", "added_tokens.json")
+
+
+def _serial(fn):
+    """Runs the call under the engine's lock, one at a time in arrival order, and to its end once begun: a caller
+    that goes away (deadline, cancel, a killed process) leaves it finishing on the trainer, so the lock is held
+    until the trainer is done and the next call cannot start (or check its state) before that."""
+    @functools.wraps(fn)
+    async def call(self, *args, **kwargs):
+        async with self._lock:
+            task = asyncio.ensure_future(fn(self, *args, **kwargs))
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                await asyncio.wait([task])
+                raise
+    return call
 
 
 @dataclass
@@ -54,38 +71,38 @@ class TrainingEngine:
 
     # ---- clients ----------------------------------------------------------------------------------
 
+    @_serial
     async def create(self, base_model: str, rank: int) -> ClientInfo:
         """A training client on the trainer's model: under LoRA its own fresh adapter beside the open clients'
         (CreateAdapter on the trainer), else the trainer's weights, alone (refused while any client is open)."""
-        async with self._lock:
-            await self._release_idle()
-            info = await self.mesh.trainer_info()
-            held = int(info.details.get("lora_rank", "0") or 0)
-            if not _same_model(base_model, info.model):
-                raise FailedPrecondition(f"base_model: this mesh's trainer holds {info.model!r}, not {base_model!r}")
-            if info.details.get("critic") == "True":
-                raise FailedPrecondition("critic: the training API trains the actor alone; this trainer has a critic "
-                                         "(start the mesh from a recipe without a `critic:` section)")
-            if rank != held:
-                raise FailedPrecondition(f"rank: this mesh's trainer trains " + (
-                    f"LoRA rank {held} (actor.lora.rank, set at its start)" if held else
-                    "every weight (no actor.lora; rank 0)") + f", not rank {rank}")
-            if not held and self.clients:
-                raise FailedPrecondition(f"training client {next(iter(self.clients))} is open on this trainer; a "
-                                         f"full-parameter client trains the trainer's weights alone (close it first)")
-            client_id = uuid.uuid4().hex[:12]
-            if held:
-                adapter = self._free_adapter_name()
-                created = await self.mesh.create_adapter(adapter)
-                version = created.weight_version
-            else:
-                adapter, version = "", (await self.mesh.start_fresh()).weight_version
-            self.model_path = info.model
-            client = ClientInfo(client_id, info.model, rank, version, 0, adapter)
-            self.clients[client_id] = OpenClient(client)
-            log.info("training API: client %s opened on %s (%s)", client_id, info.model,
-                     f"LoRA rank {rank}, adapter {adapter!r}" if held else "every weight")
-            return client
+        await self._release_idle()
+        info = await self.mesh.trainer_info()
+        held = int(info.details.get("lora_rank", "0") or 0)
+        if not _same_model(base_model, info.model):
+            raise FailedPrecondition(f"base_model: this mesh's trainer holds {info.model!r}, not {base_model!r}")
+        if info.details.get("critic") == "True":
+            raise FailedPrecondition("critic: the training API trains the actor alone; this trainer has a critic "
+                                     "(start the mesh from a recipe without a `critic:` section)")
+        if rank != held:
+            raise FailedPrecondition(f"rank: this mesh's trainer trains " + (
+                f"LoRA rank {held} (actor.lora.rank, set at its start)" if held else
+                "every weight (no actor.lora; rank 0)") + f", not rank {rank}")
+        if not held and self.clients:
+            raise FailedPrecondition(f"training client {next(iter(self.clients))} is open on this trainer; a "
+                                     f"full-parameter client trains the trainer's weights alone (close it first)")
+        client_id = uuid.uuid4().hex[:12]
+        if held:
+            adapter = self._free_adapter_name()
+            created = await self.mesh.create_adapter(adapter)
+            version = created.weight_version
+        else:
+            adapter, version = "", (await self.mesh.start_fresh()).weight_version
+        self.model_path = info.model
+        client = ClientInfo(client_id, info.model, rank, version, 0, adapter)
+        self.clients[client_id] = OpenClient(client)
+        log.info("training API: client %s opened on %s (%s)", client_id, info.model,
+                 f"LoRA rank {rank}, adapter {adapter!r}" if held else "every weight")
+        return client
 
     def _free_adapter_name(self) -> str:
         """The lowest `client-<k>` no open client uses. Reused after a client closes: a rollout replica keeps an
@@ -94,12 +111,12 @@ class TrainingEngine:
         taken = {c.info.adapter for c in self.clients.values()}
         return next(f"client-{k}" for k in range(len(taken) + 1) if f"client-{k}" not in taken)
 
+    @_serial
     async def close_client(self, client_id: str) -> ClientInfo:
-        async with self._lock:
-            client = self._check(client_id)
-            await self._drop(client_id)
-            log.info("training API: client %s closed", client_id)
-            return client
+        client = self._check(client_id)
+        await self._drop(client_id)
+        log.info("training API: client %s closed", client_id)
+        return client
 
     async def _drop(self, client_id: str) -> None:
         """Forgets the client and deletes its adapter on the trainer (its weights and optimizer state)."""
@@ -129,70 +146,70 @@ class TrainingEngine:
 
     # ---- primitives -------------------------------------------------------------------------------
 
+    @_serial
     async def forward_backward(self, client_id: str, request):
         """`request`: the trainer's ForwardBackwardRequest as it came (the trainer checks it), on the client's
         adapter."""
-        async with self._lock:
-            client = self._check(client_id)
-            return await self.mesh.forward_backward(request, client.adapter)
+        client = self._check(client_id)
+        return await self.mesh.forward_backward(request, client.adapter)
 
+    @_serial
     async def optim_step(self, client_id: str, adam):
-        async with self._lock:
-            client = self._check(client_id)
-            response = await self.mesh.optim_step(adam, client.adapter)
-            client.weight_version, client.step = response.weight_version, response.step
-            return response
+        client = self._check(client_id)
+        response = await self.mesh.optim_step(adam, client.adapter)
+        client.weight_version, client.step = response.weight_version, response.step
+        return response
 
+    @_serial
     async def sample(self, client_id: str, prompts: list[list[int]], sampling) -> tuple[list[SampleResponse], int]:
         """n samples of each prompt from the client's current weights (its adapter, pushed alone when it changed
         since its last sample); -> (one response per prompt, version)."""
-        async with self._lock:
-            client = self._check(client_id)
-            if await self.mesh.refresh_rollout():
-                # Replicas came or went: none is known to hold any client's weights; each sample pushes first.
-                self.serves, self.merged_owner = {}, None
-                for other in self.clients.values():
-                    other.synced = None
-            if not self.mesh.rollout_addresses:
-                raise FailedPrecondition("rollout.servers: this mesh has no rollout replica to sample on (a recipe "
-                                         "with rollout.replicas >= 1, or rollout.dns naming them)")
-            if not prompts or any(not p for p in prompts):
-                raise ValueError("prompts: at least one prompt, each with at least one token")
-            open_client = self.clients[client_id]
-            # Only a LoRA client's merged push can displace another's (a full-parameter client holds the trainer alone).
-            merged = sorted(t for t, name in self.serves.items() if not name) if client.adapter else []
-            if merged and self.merged_owner not in (None, client_id):
-                raise FailedPrecondition(
-                    f"sample: rollout replica {', '.join(merged)} serves no LoRA adapters and holds training client "
-                    f"{self.merged_owner}'s weights merged; one client at a time samples there (close that client, "
-                    f"or serve adapters: a torch replica with rollout.enable_lora)")
-            if open_client.synced != client.weight_version or (merged and self.merged_owner != client_id):
-                version, serves = await self.mesh.push_weights(client.adapter)
-                self.synced = open_client.synced = client.weight_version = version
-                self.serves.update(serves)
-                if client.adapter and any(not name for name in serves.values()):
-                    self.merged_owner = client_id
-            return await self.mesh.generate(prompts, sampling, self.serves), client.weight_version
+        client = self._check(client_id)
+        if await self.mesh.refresh_rollout():
+            # Replicas came or went: none is known to hold any client's weights; each sample pushes first.
+            self.serves, self.merged_owner = {}, None
+            for other in self.clients.values():
+                other.synced = None
+        if not self.mesh.rollout_addresses:
+            raise FailedPrecondition("rollout.servers: this mesh has no rollout replica to sample on (a recipe "
+                                     "with rollout.replicas >= 1, or rollout.dns naming them)")
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("prompts: at least one prompt, each with at least one token")
+        open_client = self.clients[client_id]
+        # Only a LoRA client's merged push can displace another's (a full-parameter client holds the trainer alone).
+        merged = sorted(t for t, name in self.serves.items() if not name) if client.adapter else []
+        if merged and self.merged_owner not in (None, client_id):
+            raise FailedPrecondition(
+                f"sample: rollout replica {', '.join(merged)} serves no LoRA adapters and holds training client "
+                f"{self.merged_owner}'s weights merged; one client at a time samples there (close that client, "
+                f"or serve adapters: a torch replica with rollout.enable_lora)")
+        if open_client.synced != client.weight_version or (merged and self.merged_owner != client_id):
+            version, serves = await self.mesh.push_weights(client.adapter)
+            self.synced = open_client.synced = client.weight_version = version
+            self.serves.update(serves)
+            if client.adapter and any(not name for name in serves.values()):
+                self.merged_owner = client_id
+        return await self.mesh.generate(prompts, sampling, self.serves), client.weight_version
 
+    @_serial
     async def save_state(self, client_id: str, name: str) -> StateInfo:
-        async with self._lock:
-            client = self._check(client_id)
-            if not name:
-                raise ValueError("path: a name (under training_api.state_dir) or an absolute path")
-            path = name if os.path.isabs(name) else str(Path(self.settings.training_api.state_dir, name).resolve())
-            saved = await self.mesh.save(path, client.adapter)
-            return StateInfo(saved.path, saved.step, saved.weight_version)
+        client = self._check(client_id)
+        if not name:
+            raise ValueError("path: a name (under training_api.state_dir) or an absolute path")
+        path = name if os.path.isabs(name) else str(Path(self.settings.training_api.state_dir, name).resolve())
+        saved = await self.mesh.save(path, client.adapter)
+        return StateInfo(saved.path, saved.step, saved.weight_version)
 
+    @_serial
     async def load_state(self, client_id: str, path: str) -> StateInfo:
-        async with self._lock:
-            client = self._check(client_id)
-            if not path:
-                raise ValueError("path: the path SaveState answered")
-            loaded = await self.mesh.load(path, client.adapter)
-            client.weight_version, client.step = loaded.weight_version, loaded.step
-            # The replicas may hold a version of that number from before the save: push whatever they hold.
-            self.clients[client_id].synced = None
-            return StateInfo(loaded.path, loaded.step, loaded.weight_version)
+        client = self._check(client_id)
+        if not path:
+            raise ValueError("path: the path SaveState answered")
+        loaded = await self.mesh.load(path, client.adapter)
+        client.weight_version, client.step = loaded.weight_version, loaded.step
+        # The replicas may hold a version of that number from before the save: push whatever they hold.
+        self.clients[client_id].synced = None
+        return StateInfo(loaded.path, loaded.step, loaded.weight_version)
 
     # ---- the tokenizer ----------------------------------------------------------------------------
 
