@@ -82,6 +82,34 @@ def _sm_count(device: torch.device) -> int:
 
 if triton is not None:
     @triton.jit
+    def attend_blocks(q, table, start, end, k_ptr, v_ptr, kvh, s_slot, s_kvh, scale, ROWS: tl.constexpr,
+                      HD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr):
+        """The online softmax of the queries q [ROWS, HD] (one kv head's) over tokens [start, end) of the blocks
+        `table` names, TILE tokens an iteration: -> (max [ROWS], sum [ROWS], unnormalised output [ROWS, HD]), fp32.
+        The row kernel's loop over its own blocks and cascade.py's group kernel's over a group's shared ones."""
+        d = tl.arange(0, HD)
+        t = tl.arange(0, TILE)
+        m = tl.full([ROWS], -float("inf"), tl.float32)
+        l = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HD], tl.float32)
+        for n0 in range(start, end, TILE):
+            n = n0 + t
+            valid = n < end
+            blk = tl.load(table + n // BS, mask=valid, other=0).to(tl.int64)
+            off = (blk * BS + n % BS)[:, None] * s_slot + kvh * s_kvh + d[None, :]
+            k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale                  # [ROWS, TILE] fp32
+            s = tl.where(valid[None, :], s, -float("inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m = m_new
+        return m, l, acc
+
+    @triton.jit
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, table_ptr, ctx_ptr, lo_ptr, pacc_ptr, scale,
                              sq_b, sq_h, s_slot, s_kvh, st_b, so_b, so_h, H, P, PT,
                              G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
@@ -97,7 +125,6 @@ if triton is not None:
         part = tl.program_id(2)
         g = tl.arange(0, GP)
         d = tl.arange(0, HD)
-        t = tl.arange(0, TILE)
         heads = kvh * G + g
         live = g < G
         q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
@@ -108,24 +135,8 @@ if triton is not None:
         chunk = tl.cdiv(tl.cdiv(ctx - lo, P), TILE) * TILE            # this row's partition length, whole tiles
         start = lo + part * chunk
         end = tl.minimum(start + chunk, ctx)
-        m = tl.full([GP], -float("inf"), tl.float32)
-        l = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, HD], tl.float32)
-        for n0 in range(start, end, TILE):
-            n = n0 + t
-            valid = n < end
-            blk = tl.load(table_ptr + b * st_b + n // BS, mask=valid, other=0).to(tl.int64)
-            off = (blk * BS + n % BS)[:, None] * s_slot + kvh * s_kvh + d[None, :]
-            k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale                  # [GP, TILE] fp32
-            s = tl.where(valid[None, :], s, -float("inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m = m_new
+        m, l, acc = attend_blocks(q, table_ptr + b * st_b, start, end, k_ptr, v_ptr, kvh, s_slot, s_kvh, scale,
+                                  GP, HD, BS, TILE, PREC)
         if SPLIT:
             row = (b * H + heads) * PT + part                         # [GP] into [B, H, PT]
             tl.store(m_ptr + row, m, mask=live)

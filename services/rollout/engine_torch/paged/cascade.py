@@ -32,6 +32,8 @@ MAX_PREFIX_PARTITIONS = 16
 if triton is not None:
     import triton.language as tl
 
+    from services.rollout.engine_torch.paged.attention import attend_blocks
+
 
 def rows_per_group(num_heads: int, num_kv: int) -> int:
     """Member rows of one group program (a larger group is cut into groups of this many); < 2: no cascade."""
@@ -105,7 +107,6 @@ if triton is not None:
         i = tl.arange(0, MP)
         r = i // G
         d = tl.arange(0, HD)
-        t = tl.arange(0, TILE)
         heads = kvh * G + i % G
         row = tl.load(groups_ptr + grp * RG + r, mask=r < RG, other=-1).to(tl.int64)
         live = row >= 0
@@ -116,25 +117,9 @@ if triton is not None:
         chunk = tl.cdiv(tl.cdiv(S, PG), TILE) * TILE
         start = part * chunk
         end = tl.minimum(start + chunk, S)
-        m = tl.full([MP], -float("inf"), tl.float32)
-        l = tl.zeros([MP], tl.float32)
-        acc = tl.zeros([MP, HD], tl.float32)
         table = table_ptr + tl.maximum(lead, 0) * st_b                 # the leader's table: the members' prefix
-        for n0 in range(start, end, TILE):
-            n = n0 + t
-            valid = n < end
-            blk = tl.load(table + n // BS, mask=valid, other=0).to(tl.int64)
-            off = (blk * BS + n % BS)[:, None] * s_slot + kvh * s_kvh + d[None, :]
-            k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale                  # [MP, TILE] fp32
-            s = tl.where(valid[None, :], s, -float("inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m = m_new
+        m, l, acc = attend_blocks(q, table, start, end, k_ptr, v_ptr, kvh, s_slot, s_kvh, scale, MP, HD, BS, TILE,
+                                  PREC)
         slot = (row * H + heads) * PT + P0 + part
         tl.store(m_ptr + slot, m, mask=live)
         tl.store(l_ptr + slot, l, mask=live)

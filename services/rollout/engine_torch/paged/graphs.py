@@ -102,7 +102,7 @@ class PagedGraphs:
             b.pos[:R] += 1
             b.ctx[:R] += 1
         else:
-            found = self._groups(pos, host_tables if host_tables is not None else tables)
+            found = self._groups(B, pos, host_tables if host_tables is not None else tables)
             b = self._bucket(B, found is not None)
             self._load(b, R, ids, pos, tables)
             if found is not None:
@@ -134,23 +134,22 @@ class PagedGraphs:
         b.tab[:R, :tables.size(1)].copy_(tables)
         b.tab[R:, 0].fill_(self.scratch)
 
-    def _groups(self, pos: list[int], tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The rows' groups of shared prefixes (cascade.share_groups; None: none, or the host tables are not at hand)."""
+    def _groups(self, B: int, pos: list[int], tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows' groups of shared prefixes (cascade.share_groups), as many as bucket B's buffer holds; None: none,
+        or the host tables are not at hand."""
         if not self.shared_prefix or tables.device.type != "cpu":
             return None
         return cascade.share_groups(tables, torch.tensor(pos), self.kv.block_size, self.per_group,
-                                    cascade.max_groups(len(pos)))
+                                    cascade.max_groups(B))
 
     def _load_groups(self, b: _Bucket, R: int, found: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """The groups into the bucket's static buffers (rows past R and groups past the found ones: none)."""
+        """The groups into the bucket's static buffers (rows past R, dummies: in none)."""
         lo, groups = b.share
         lo_h = torch.zeros(lo.size(0), dtype=torch.long)
         lo_h[:R] = found[0]
         self.stats["shared_prefix_rows"] += int(found[0].count_nonzero())
         lo.copy_(lo_h)
-        groups_h = torch.full(groups.shape, -1, dtype=torch.long)
-        groups_h[:found[1].size(0)] = found[1]
-        groups.copy_(groups_h)
+        groups.copy_(found[1])
 
     def _step(self, b: _Bucket) -> torch.Tensor:
         return self.step(b.ids, b.pos, b.tab, b.ctx, b.share)
