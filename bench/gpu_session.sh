@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
 #   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench paged_kv spy loratrain
-#          loratests pagedtests cascade lora manyruns profile trainscale
+#          loratests pagedtests cascade chain lora manyruns profile trainscale
 #          mfuautotune upgpu
 #          meshrl trl trl15 trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
@@ -103,6 +103,12 @@ for what in "$@"; do
       stamp "$OUT/paged_kv_gpu.json" paged_kv_gpu
       part paged_episodes 540 python3 bench/episodes.py --device cuda --shape qwen2.5-0.5b --prompts 32 --n 8 --rounds 3 \
         --kv-caches "${PAGED_EPISODES_CACHES:-none,paged,paged_graphs}" --out "$OUT/paged_episodes_gpu.json" ;;
+    chain) # issue 44: chained windows (paged/window.py: each window launched before the host settles the one before)
+      # beside windows launched after it (-nochain), and the shared-prefix kernel's grid at 2 programs an SM (-pps2),
+      # in bench/paged_kv.py's cases (CHAIN_CASES, CHAIN_VARIANTS; the JSON holds this call's cases only)
+      part chain_paged 560 python3 bench/paged_kv.py --cases "${CHAIN_CASES:-grpo,decode}" \
+        --variants "${CHAIN_VARIANTS:-none,paged_graphs,paged_graphs-nochain}" --out "$OUT/paged_kv_gpu.json"
+      stamp "$OUT/paged_kv_gpu.json" paged_kv_gpu ;;
     cascade) # issue 44: the shared-prefix decode attention (paged/cascade.py): one layer's attention call beside the
       # per-row kernel (bench/cascade_attention.py), then bench/paged_kv.py's GRPO and plain decode cases with and
       # without it (CASCADE_CASES, CASCADE_VARIANTS)

@@ -5,7 +5,9 @@ decode), in one process on one GPU, on a random Qwen2.5-0.5B-shaped model in bf1
   decode    256 prompts of 64 tokens, n=1, 256 new tokens: plain decode (goal: paged no slower)
   (each case runs the variants none, paged and paged_graphs: paged with rollout.kv_cache_cuda_graphs;
   VARIANT/K: that variant with windows of K decode steps per host sync, e.g. paged_graphs/32; paged_graphs-noshare:
-  without the shared-prefix attention, each row reading its group's prompt itself)
+  without the shared-prefix attention, each row reading its group's prompt itself; -nochain: each window launched
+  after the host settled the one before it, not before (window.py's chained windows off); -pps2: the shared-prefix
+  kernel's grid filled to 2 programs an SM, not 4 (cascade.PREFIX_PROGRAMS_PER_SM); suffixes combine)
   longtail  512 rows with lognormal budgets (median 96, cap 1,024): today's engine decodes 64 rows at a time, its
             cache holding each at prompt + the longest budget; paged gets those bytes (kv_cache_gib) and runs as many
             rows as their lengths fit: its peak running rows vs 64, and tokens/s (goal: >= 2x the rows)
@@ -84,7 +86,8 @@ def timed(eng: TorchEngine, jobs_fn, repeats: int, device: str) -> dict:
     tokens = runs[0][1]
     info = eng.info()
     keep = ("preemptions", "resumed_rows", "prefill_tokens", "prefill_tokens_saved", "max_running_rows",
-            "prefix_cache_hit_rate", "kv_blocks_total", "cow_copies", "decode_steps", "decode_syncs")
+            "prefix_cache_hit_rate", "kv_blocks_total", "cow_copies", "decode_steps", "decode_syncs",
+            "chained_windows")
     return {"first_call_s": round(first, 3), "seconds": round(secs, 3), "tokens": tokens,
             "tokens_per_s": round(tokens / secs, 1), **{k: info[k] for k in keep if k in info}}
 
@@ -94,20 +97,26 @@ def case(model, args, name: str, shape: tuple[int, int], n: int, budgets, none_r
     """Both engines on the same calls; each call's prompts are new random ones (a GRPO step's prompts are new,
     so no call finds the previous one's prompts in the prefix cache)."""
     out = {}
-    from services.rollout.engine_torch.paged import decoder
+    from services.rollout.engine_torch.paged import cascade, decoder
 
-    default_window = decoder.SYNC_EVERY
+    default_window, default_pps = decoder.SYNC_EVERY, cascade.PREFIX_PROGRAMS_PER_SM
     for kv in args.variants.split(","):
         try:
             # "paged_graphs/32": that variant with windows of 32 decode steps per host sync (default 16)
             # "paged_graphs-noshare": without the shared-prefix attention (every row reads its group's prompt)
+            # "paged_graphs-nochain": windows launched after the one before was settled
             base, _, window = kv.partition("/")
-            base, noshare = base.removesuffix("-noshare"), base.endswith("-noshare")
+            base, *flags = base.split("-")
+            if set(flags) - {"noshare", "nochain", "pps2"}:
+                raise ValueError(f"--variants: unknown suffix in {kv!r} (noshare, nochain, pps2)")
+            cascade.PREFIX_PROGRAMS_PER_SM = 2 if "pps2" in flags else default_pps
             decoder.SYNC_EVERY = int(window or default_window)
             eng = engine(model, args, base, **(dict(paged_rollout) if base != "none" else none_rollout or {}))
             graphs = eng._paged.graphs if eng._paged is not None else None
             if graphs is not None:
-                graphs.shared_prefix = graphs.shared_prefix and not noshare
+                graphs.shared_prefix = graphs.shared_prefix and "noshare" not in flags
+            if eng._paged is not None:
+                eng._paged.chain_windows = "nochain" not in flags
             g = torch.Generator().manual_seed(0)
             fresh = lambda: torch.randint(3, model.config.vocab_size, shape, generator=g).tolist()  # noqa: E731
             out[kv] = timed(eng, lambda: batches(fresh(), n, budgets), args.repeats, args.device)
@@ -116,7 +125,7 @@ def case(model, args, name: str, shape: tuple[int, int], n: int, budgets, none_r
         except Exception as e:            # one variant failing (paged_graphs: first GPU run) keeps the others
             out[kv] = {"error": f"{type(e).__name__}: {e}"[:500]}
         eng = None
-        decoder.SYNC_EVERY = default_window
+        decoder.SYNC_EVERY, cascade.PREFIX_PROGRAMS_PER_SM = default_window, default_pps
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
         print(name, kv, out[kv], flush=True)

@@ -156,3 +156,40 @@ def test_graph_steps_reading_shared_prefixes_once_per_group_sample_what_they_sam
             assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=atol, rtol=0)
     assert on._paged.graphs.stats["shared_prefix_rows"] > 0
     assert off._paged.graphs.stats["shared_prefix_rows"] == 0
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_chained_windows_launch_without_a_host_sync_and_sample_what_unchained_windows_sample(model_dir, graphs):
+    """Each window after the first is launched before the host reads the one before it (window.py, chained windows):
+    queuing it syncs nothing with the device (torch's sync debug mode raises on a sync), and rows that end inside a
+    window (an eos drawn mid-window) and run on into the next one get the tokens and log-probs of windows that wait
+    for the host (the fused sampler's counter is each row's token index)."""
+    def engine(chain: bool) -> TorchEngine:
+        e = make_engine(model_dir, kv_cache="paged", kv_block_size=16, kv_cache_cuda_graphs=graphs)
+        e._paged.chain_windows = chain
+        return e
+
+    on, off = engine(True), engine(False)
+    sampling = dict(n=4, temperature=1.0, seed=9, max_tokens=100)
+    eos = gen(off, **sampling)[0].response_ids[37]          # drawn mid-window by some rows: they end there
+    on.eos_ids = off.eos_ids = {eos}
+    want = gen(off, **sampling)
+    gen(on, **sampling)                                      # graphs captured (a capture syncs) before the check
+    chain = on._paged._chain
+
+    def strict(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return chain(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    on._paged._chain = strict
+    before = on._paged.stats["chained_windows"]
+    got = gen(on, **sampling)
+    assert on._paged.stats["chained_windows"] > before and off._paged.stats["chained_windows"] == 0
+    assert [s.response_ids for s in got] == [s.response_ids for s in want]
+    assert any(s.finish_reason == "stop" for s in got) and any(s.finish_reason == "length" for s in got)
+    for x, y in zip(got, want):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3, rtol=0)
+    assert on.info()["kv_blocks_used"] == int(graphs) and off.info()["kv_blocks_used"] == int(graphs)

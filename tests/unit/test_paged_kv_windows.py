@@ -112,6 +112,37 @@ def test_rows_of_several_budgets_end_inside_windows_at_their_budget(model_dir):
     assert windows_ran(eng) and eng.info()["kv_blocks_used"] == 0
 
 
+def test_rows_ending_inside_a_window_run_on_into_the_chained_window_and_keep_their_own_samples(model_dir):
+    """Windows of 8, each launched before the host reads the one before it (chained windows): rows of four budgets
+    and an eos drawn mid-window end where today's engine ends them, though they run on into the window launched
+    after theirs (its tokens dropped); top-logprobs stay each row's own as rows drop out of later windows; every
+    block reserved past a row's end goes back."""
+    budgets = [5, 11, 19, 30]
+
+    def jobs():
+        return [_Job(GenerateBatch([PromptInput(id=f"p{i}", prompt_ids=p) for i, p in enumerate(PROMPTS)],
+                                   SamplingParams(n=2, temperature=1.0, seed=40 + k, max_tokens=m, top_logprobs=2)),
+                     [list(p) for p in PROMPTS], None) for k, m in enumerate(budgets)]
+
+    def samples(engine):
+        return [s for job in engine._generate_jobs(jobs()) for r in job for s in r.samples]
+
+    base, chained, unchained = today(model_dir), paged(model_dir, sync_every=8), paged(model_dir, sync_every=8)
+    unchained._paged.chain_windows = False
+    ids = samples(base)[-1].response_ids
+    base.eos_ids = chained.eos_ids = unchained.eos_ids = {next(t for i, t in enumerate(ids) if i > 12
+                                                               and t not in ids[:i])}
+    want = samples(base)
+    assert {s.finish_reason for s in want} == {"stop", "length"}
+    for eng in (chained, unchained):
+        got = samples(eng)
+        assert_same(got, want)
+        assert [[t for t, _ in step] for s in got for step in s.top_logprobs] == \
+            [[t for t, _ in step] for s in want for step in s.top_logprobs]
+        assert eng.info()["kv_blocks_used"] == 0
+    assert chained._paged.stats["chained_windows"] > 0 and unchained._paged.stats["chained_windows"] == 0
+
+
 def test_stop_strings_inside_a_window_cut_where_the_one_step_loop_cuts(model_dir):
     sampling = dict(n=2, temperature=1.0, seed=4, max_tokens=30)
     text = gen(today(model_dir), **sampling)[0].text

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common.tensors.fused import host_to_device
 from services.rollout.types import check_weight_version
 
 log = logging.getLogger("meshrl.rollout")
@@ -238,7 +239,7 @@ class AdapterBank:
     def rows_for(self, slots: Sequence[int] | torch.Tensor):
         """Forwards inside read these per-row slots (eager forwards: prefill, the eager decode loop)."""
         prev = self.current
-        self.current = torch.as_tensor(slots, dtype=torch.long).to(self.device)
+        self.current = host_to_device(torch.as_tensor(slots, dtype=torch.long), self.device)
         try:
             yield
         finally:
@@ -246,7 +247,7 @@ class AdapterBank:
 
     def set_decode_rows(self, slots: Sequence[int], at: torch.Tensor | None = None) -> None:
         """The graph decode's rows: slots of batch rows `at` (default: rows 0.., the rest base)."""
-        t = torch.as_tensor(list(slots), dtype=torch.long).to(self.device)
+        t = host_to_device(torch.as_tensor(list(slots), dtype=torch.long), self.device)      # no host sync
         if at is None:
             self.rows.zero_()
             self.rows[:t.numel()].copy_(t)

@@ -29,6 +29,8 @@ GROUP_QUERIES = 64              # rows x G query heads stacked into one group pr
 GROUP_TILE, GROUP_WARPS, GROUP_STAGES = 64, 4, 2
 MIN_PREFIX_PARTITION = 256      # tokens of a prefix partition, at least (at the tables' full width)
 MAX_PREFIX_PARTITIONS = 16
+# The group kernel's grid is filled up to this many programs an SM (its programs are heavier than the row kernel's).
+PREFIX_PROGRAMS_PER_SM = attention.PROGRAMS_PER_SM
 if triton is not None:
     import triton.language as tl
 
@@ -46,9 +48,9 @@ def max_groups(rows: int) -> int:
 
 def prefix_partitions(rows: int, kv_heads: int, width_tokens: int, sms: int) -> int:
     """Partitions of a group's prefix (host shapes only, fixed at a graph's capture): the grid filled up to
-    attention.PROGRAMS_PER_SM programs an SM for groups of 8 rows, each partition at least MIN_PREFIX_PARTITION
+    PREFIX_PROGRAMS_PER_SM programs an SM for groups of 8 rows, each partition at least MIN_PREFIX_PARTITION
     tokens of the tables' width; a power of two."""
-    want = attention.PROGRAMS_PER_SM * sms // max(1, (rows // 8) * kv_heads)
+    want = PREFIX_PROGRAMS_PER_SM * sms // max(1, (rows // 8) * kv_heads)
     p = max(1, min(want, width_tokens // MIN_PREFIX_PARTITION, MAX_PREFIX_PARTITIONS))
     return 1 << (p.bit_length() - 1)
 

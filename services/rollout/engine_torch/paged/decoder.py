@@ -33,7 +33,7 @@ from services.rollout.engine_torch.paged.forward import DecodeStep, paged_forwar
 from services.rollout.engine_torch.paged.kv import PagedKV, num_blocks_for
 from services.rollout.engine_torch.paged.pins import EpisodePins
 from services.rollout.engine_torch.paged.sample import StepSampler, fused_applies
-from services.rollout.engine_torch.paged.window import SYNC_EVERY, HostTables, Seq, Windows
+from services.rollout.engine_torch.paged.window import SYNC_EVERY, HostTables, Seq, Windows, batch_logits
 
 log = logging.getLogger("meshrl.rollout")
 
@@ -68,8 +68,11 @@ class PagedDecoder(Windows):
         self.spill = num_blocks
         self.max_batch_size = max_batch_size
         self.fused_sampler, self.sync_every = fused_sampler, max(1, SYNC_EVERY if sync_every is None else sync_every)
+        # Launch each window before the one before it is settled, where the loop needs nothing from it (window.py).
+        self.chain_windows = True
         self.stats = {"preemptions": 0, "resumed_rows": 0, "swap_recomputed_rows": 0, "prefill_tokens": 0,
-                      "prefill_tokens_saved": 0, "max_running_rows": 0, "decode_steps": 0, "decode_syncs": 0}
+                      "prefill_tokens_saved": 0, "max_running_rows": 0, "decode_steps": 0, "decode_syncs": 0,
+                      "chained_windows": 0}
         # The decode step with the Triton kernel (forward.DecodeStep: the graph decoder's fused, grouped, compiled
         # layers), eager or captured; None where the kernel cannot run (the eager paged forward attends then).
         self.decode_step = None
@@ -92,8 +95,8 @@ class PagedDecoder(Windows):
         why = attention.graphs_reason(self.device, bs, hd)
         if why is not None:
             raise ValueError(f"rollout.kv_cache_cuda_graphs: true cannot work here ({why}); set it to false")
-        # Wide enough for a window's tokens past the longest row (window.py).
-        return PagedGraphs(self.model, self.kv, width=-(-(max_model_len + self.sync_every) // bs),
+        # Wide enough for two windows' tokens past the longest row (window.py).
+        return PagedGraphs(self.model, self.kv, width=-(-(max_model_len + 2 * self.sync_every) // bs),
                            scratch_block=self.pool.allocate(), max_batch_size=self.max_batch_size,
                            step=self.decode_step)
 
@@ -170,19 +173,23 @@ class PagedDecoder(Windows):
         waiting, running = deque(seqs), []
         tops: list[list] = [[] for _ in rows]
         logps: list[list[float]] = [[] for _ in rows]
+        flight = None                                    # a window launched and not settled (window.py)
         try:
             while waiting or running:
                 self._drain()
-                running += self._admit(waiting, len(running))
-                if not running and self.pins.evict_one():     # the pins hold what one row needs
+                if flight is None:
+                    running += self._admit(waiting, len(running))
+                    self._check_room(running, waiting)
+                    if not running:                        # the pins let go of what one row needs
+                        continue
+                    self.stats["max_running_rows"] = max(self.stats["max_running_rows"], len(running))
+                    k = self._window_size(rows, running, waiting)
+                    flight = self._launch(running, k, batch_logits(running))
+                after = self._chain(rows, flight, waiting, swap_point)
+                running, fed = self._land(rows, flight, logps, tops, stop_check)
+                flight = after
+                if flight is not None:
                     continue
-                if not running:
-                    raise ValueError("rollout.kv_cache_gib: the paged KV cache cannot hold one row's prompt "
-                                     f"({len(waiting[0].tokens)} tokens in {self.pool.num_blocks} blocks of "
-                                     f"{self.pool.block_size}); raise it")
-                self.stats["max_running_rows"] = max(self.stats["max_running_rows"], len(running))
-                k = self._window_size(rows, running, waiting)
-                running, fed = self._window(rows, running, k, logps, tops, stop_check)
                 if not fed:
                     running = self._grow(running, waiting)
                 now = swap_point() if swap_point is not None else version
@@ -205,6 +212,15 @@ class PagedDecoder(Windows):
             r.tokens, r.logprobs = s.response, lp
             r.top = top if r.sampling.top_logprobs else None
             r.cached = max(s.cached_prompt, 0)
+
+    def _check_room(self, running: list[Seq], waiting: deque) -> None:
+        """After admission: no row runs while one waits only when the pool cannot hold one row, even with the
+        episodes' pins let go (one is evicted here per call; the loop looks again)."""
+        if running or self.pins.evict_one():
+            return
+        raise ValueError("rollout.kv_cache_gib: the paged KV cache cannot hold one row's prompt "
+                         f"({len(waiting[0].tokens)} tokens in {self.pool.num_blocks} blocks of "
+                         f"{self.pool.block_size}); raise it")
 
     def _step(self, running: list[Seq]) -> torch.Tensor:
         """The running rows' last tokens through the model (a graph replay with kv_cache_cuda_graphs)."""

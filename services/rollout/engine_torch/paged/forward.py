@@ -19,6 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from services.common.tensors.fused import host_to_device
 from services.rollout.engine_torch.decode_layers import DecodeLayers
 from services.rollout.engine_torch.paged import attention, cascade
 from services.rollout.engine_torch.paged.kv import PagedKV
@@ -46,14 +47,14 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, st
     else:
         # One host tensor each (a decode step at batch 512 builds these every token), then one copy to the device.
         lens = [len(t) for t in new]
-        ids = torch.tensor([t + [0] * (max(lens) - len(t)) for t in new], dtype=torch.long).to(dev, non_blocking=True)
+        ids = host_to_device(torch.tensor([t + [0] * (max(lens) - len(t)) for t in new], dtype=torch.long), dev)
     B, Q = len(lens), max(lens)
     if not isinstance(tables, torch.Tensor):
         width = max(len(t) for t in tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-    tab = tables.to(dev, non_blocking=True)
-    qlen = torch.tensor(lens, dtype=torch.long, device=dev)
-    start = torch.tensor(starts, dtype=torch.long, device=dev)
+    tab = tables.to(dev, non_blocking=True) if tables.device == dev else host_to_device(tables, dev)
+    qlen = host_to_device(torch.tensor(lens, dtype=torch.long), dev)          # no host sync: a window may run
+    start = host_to_device(torch.tensor(starts, dtype=torch.long), dev)
     pos = start[:, None] + torch.arange(Q, device=dev)                              # [B, Q]
     live = torch.arange(Q, device=dev)[None, :] < qlen[:, None]                      # [B, Q]
     pos = torch.where(live, pos, start[:, None])                                     # padded queries: no new slot

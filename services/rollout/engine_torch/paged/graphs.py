@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.tensors.fused import copy_from_host
 from services.rollout.engine_torch.graph_step import capture
 from services.rollout.engine_torch.lora import bank_of
 from services.rollout.engine_torch.paged import cascade
@@ -116,7 +117,8 @@ class PagedGraphs:
         return b.out[:R]
 
     def _load(self, b: _Bucket, R: int, ids, pos: list[int], tables: torch.Tensor) -> None:
-        """The rows' inputs into the bucket's static buffers (one copy each from the host; device ids copied)."""
+        """The rows' inputs into the bucket's static buffers (one copy each from the host, queued without a host
+        sync: the window before may still run; device ids copied)."""
         B = b.ids.size(0)
         pos_h = torch.zeros((B, 1), dtype=torch.long)
         pos_h[:R, 0] = torch.tensor(pos, dtype=torch.long)
@@ -126,12 +128,15 @@ class PagedGraphs:
         else:
             ids_h = torch.zeros((B, 1), dtype=torch.long)
             ids_h[:R, 0] = torch.tensor(ids, dtype=torch.long)
-            b.ids.copy_(ids_h)
-        b.pos.copy_(pos_h)
-        b.ctx.copy_(pos_h[:, 0] + 1)
+            copy_from_host(b.ids, ids_h)
+        copy_from_host(b.pos, pos_h)
+        copy_from_host(b.ctx, pos_h[:, 0] + 1)
         # Only the rows' own blocks are copied (a table entry past a row's context is never read); dummy rows
         # (position 0) read their first entry, the scratch block.
-        b.tab[:R, :tables.size(1)].copy_(tables)
+        if tables.device.type == "cpu":
+            copy_from_host(b.tab[:R, :tables.size(1)], tables)
+        else:
+            b.tab[:R, :tables.size(1)].copy_(tables)
         b.tab[R:, 0].fill_(self.scratch)
 
     def _groups(self, B: int, pos: list[int], tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -148,8 +153,8 @@ class PagedGraphs:
         lo_h = torch.zeros(lo.size(0), dtype=torch.long)
         lo_h[:R] = found[0]
         self.stats["shared_prefix_rows"] += int(found[0].count_nonzero())
-        lo.copy_(lo_h)
-        groups.copy_(found[1])
+        copy_from_host(lo, lo_h)
+        copy_from_host(groups, found[1])
 
     def _step(self, b: _Bucket) -> torch.Tensor:
         return self.step(b.ids, b.pos, b.tab, b.ctx, b.share)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from services.common.tensors.fused import host_to_device
 from services.rollout.engine_torch import fused_sample
 from services.rollout.engine_torch.sampling import sample_tokens
 
@@ -59,14 +60,15 @@ class StepSampler:
         response (the fused sampler's counter)."""
         dev, rs = self.device, [self.rows[i] for i in indices]
         self.R = len(indices)
+        # No host sync: a window is launched while the one before it still runs (window.py).
         if self.fused:
-            idx = torch.tensor(indices, dtype=torch.long, device=dev)
+            idx = host_to_device(torch.tensor(indices, dtype=torch.long), dev)
             self.temp, self.seed = self.temps.index_select(0, idx), self.seeds.index_select(0, idx)
-            self.step = torch.tensor(token_index, dtype=torch.long, device=dev)
+            self.step = host_to_device(torch.tensor(token_index, dtype=torch.long), dev)
             self.scratch = fused_sample.make_scratch(self.R, dev)
         else:
-            self.temp = torch.tensor([r.sampling.temperature for r in rs], device=dev)
-            self.top_p = torch.tensor([r.sampling.top_p for r in rs], device=dev)
+            self.temp = host_to_device(torch.tensor([r.sampling.temperature for r in rs]), dev)
+            self.top_p = host_to_device(torch.tensor([r.sampling.top_p for r in rs]), dev)
             self.gens = [r.generator for r in rs]
             self.tops = [r.sampling.top_logprobs for r in rs]
 
@@ -97,20 +99,20 @@ class StepSampler:
             pack = pack.to("cpu", non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        return pack, event, steps
+        return pack, event, steps, (self.tops if self.top_k and not self.fused else None)
 
     def read(self, pending) -> tuple[list, list, list, list | None]:
         """A snapshot's draws on the host, per row: tokens, log-probs, eos flags [R][k] (one sync), and top
         (id, log-prob) pairs [R][k][k_row] for top-logprobs rows (else None)."""
-        pack, event, steps = pending
+        pack, event, steps, tops = pending                 # tops: the window's rows' own (a later begin moves self's)
         if event is not None:
             event.synchronize()
         tok = pack[0].long().tolist()                                              # [R, k] ints
         lp, hit = pack[1:].tolist()                                                # [2, R, k]
         top = None
-        if self.top_k and not self.fused:
+        if tops is not None:
             vals = torch.stack([d.top[0] for d in steps], 1).tolist()             # [R, k, top_k]
             ids = torch.stack([d.top[1] for d in steps], 1).tolist()
             top = [[list(zip(ids[b][j][:kk], vals[b][j][:kk])) for j in range(len(steps))] if kk else None
-                   for b, kk in enumerate(self.tops)]
+                   for b, kk in enumerate(tops)]
         return tok, lp, hit, top

@@ -15,6 +15,15 @@ shortens it to the steps it can hold, down to k = 1 (rows then grow one token at
 past their end or budget inside a window still run to the window's end: their extra tokens land in blocks reserved
 for them (dropped with those blocks) or, past their budget, in the spill block (one block past the pool's, named by
 every table entry past a row's blocks).
+
+Chained windows: where the loop needs nothing from a window before the next (no row waits to be admitted, no weight
+swap can land between windows, the pool holds the next window), the next window is launched before the host reads
+the last one: its blocks reserved as if every row ran all of the last window's steps, its first draw from the
+logits of the step after the last window, its host inputs copied without a host sync (pinned memory). The host then
+settles the last window while the device runs the next, so the device does not wait for the host's bookkeeping
+between windows. A row that ended in the last window runs to the end of the next one too: its tokens there are
+dropped, and the blocks reserved for them go back to the pool when the last window is settled (later work that
+reuses them is queued after the next window on the same stream).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common.tensors.fused import host_to_device
 from services.rollout.engine_torch.lora import adapter_rows
 from services.rollout.engine_torch.paged.blocks import BlockTable
 from services.rollout.engine_torch.paged.forward import paged_forward
@@ -57,15 +67,25 @@ class Seq:
         return len(self.tokens) - self.prompt_len
 
 
+@dataclass
+class Launched:
+    """A window queued on the device and not yet settled."""
+
+    rows: list[Seq]                         # its rows in batch order (some may have ended in an earlier window)
+    k: int                                  # its steps
+    pending: tuple                          # its draws on their way to the host (StepSampler.snapshot)
+    next_logits: torch.Tensor | None        # [R, V] after its last token, from the step after it (None: k = 1)
+
+
 class HostTables:
     """Every row's block table mirrored in one host tensor [rows, width], written where a table changed (admission,
     a new block, a copy on write), so a decode step's [B, width] tables are one index_select, not B lists. Entries
-    past a row's blocks name the spill block (a window's writes past a row's end go there); wide enough for a
-    window past each row's budget. A table's new entries wait in a dict and land in one index_put_ before the next
+    past a row's blocks name the spill block (a window's writes past a row's end go there); wide enough for two
+    windows past each row's budget (a chained window's rows include rows that ended in the window before it). A table's new entries wait in a dict and land in one index_put_ before the next
     read or cut (a window's reservations are one per row: hundreds of single-entry writes otherwise)."""
 
     def __init__(self, rows, block_size: int, window: int, spill: int):
-        width = max(-(-(len(r.prompt) + r.budget + window) // block_size) for r in rows)
+        width = max(-(-(len(r.prompt) + r.budget + 2 * window) // block_size) for r in rows)
         self.t = torch.full((len(rows), width), spill, dtype=torch.long)
         self.spill = spill
         self._pending: dict[tuple[int, int], int] = {}
@@ -108,19 +128,21 @@ class Windows:
             self.kv.copy_block(*copy)
         self._host.write(s, before - 1 if copy is not None else before)
 
-    def _window_size(self, rows, running: list[Seq], waiting) -> int:
+    def _window_size(self, rows, running: list[Seq], waiting, ahead: int = 0) -> int:
         """k steps for this window, their blocks reserved (the k - 1 tokens fed inside it and the last one, fed by
         the loop's step after it, up to the row's budget: later writes go to the spill block): sync_every (no more
         than the longest remaining budget), else the most steps whose blocks the pool holds beside one spare block
         per running row (often up to the rows' next block boundary, which needs none), else 1. While a preempted row
         waits, a window takes unused blocks only (never the cached blocks that row resumes from); else it may evict
-        cached ones, as the one-step loop does a step later."""
-        k = min(self.sync_every, max(rows[s.index].budget - s.num_response for s in running))
+        cached ones, as the one-step loop does a step later. ahead: tokens each row has in a window launched and not
+        yet settled (a chained window starts after them)."""
+        k = min(self.sync_every, max(rows[s.index].budget - s.num_response - ahead for s in running))
         if k <= 1:
             return 1
         bs, pool = self.pool.block_size, self.pool
         room = (pool.num_unused if waiting and waiting[0].preempted else pool.num_free) - len(running)
-        rs = [(len(s.tokens), s.prompt_len + rows[s.index].budget - 1, len(s.table.blocks) * bs) for s in running]
+        rs = [(len(s.tokens) + ahead, s.prompt_len + rows[s.index].budget - 1, len(s.table.blocks) * bs)
+              for s in running]
         cow = sum(s.table.num_tokens % bs != 0 and pool.ref[s.table.blocks[-1]] > 1 for s in running)
 
         def need(k: int) -> int:                  # new blocks for windows of k steps (and the copies on write)
@@ -138,36 +160,60 @@ class Windows:
             self._reserve(s, min(t + k, lim))
         return k
 
-    def _window(self, rows, running: list[Seq], k: int, logps, tops, stop_check) -> tuple[list[Seq], bool]:
-        """k steps of the running rows, one sync, their bookkeeping; finishes the rows that ended and returns the
-        others, and whether their last sampled token is fed already: with k > 1 the loop's next step (its blocks
-        reserved with the window's) runs ahead on the device while the host reads and settles the window, else the
-        loop's step feeds it."""
-        self.sampler.begin([s.index for s in running], [s.num_response for s in running])
-        logits = _batch_logits(running)                                              # [R, V] fp32
-        starts, slots = [len(s.tokens) for s in running], [s.slot for s in running]
+    def _launch(self, running: list[Seq], k: int, logits: torch.Tensor, ahead: int = 0) -> Launched:
+        """Queues a window of k steps of the running rows from their next token's logits [R, V] (no host sync): the
+        draws, the k - 1 feeds inside it, the copy of its draws to the host and, with k > 1, the step after it.
+        ahead: tokens of an earlier window not settled yet (this window's rows start after them)."""
+        self.sampler.begin([s.index for s in running], [s.num_response + ahead for s in running])
+        starts, slots = [len(s.tokens) + ahead for s in running], [s.slot for s in running]
         host = self._host.of(running) if k > 1 else None                                   # once a window
-        tables = (host, host.to(self.device, non_blocking=True)) if k > 1 else None
+        tables = (host, host_to_device(host, self.device)) if k > 1 else None
         steps = []
         for j in range(k):
             steps.append(self.sampler.draw(logits, j))
             if j + 1 < k:
                 logits = self._feed(steps[-1].tok, j, starts, tables, slots)
         pending = self.sampler.snapshot(steps)                     # the window's draws on their way to the host
-        ahead = self._feed(steps[-1].tok, k - 1, starts, tables, slots) if k > 1 else None
+        next_logits = self._feed(steps[-1].tok, k - 1, starts, tables, slots) if k > 1 else None
         self.stats["decode_steps"] += k
         self.stats["decode_syncs"] += 1
-        self._settle(rows, running, *self.sampler.read(pending), logps, tops, stop_check)
+        return Launched(list(running), k, pending, next_logits)
+
+    def _chain(self, rows, w: Launched, waiting, swap_point) -> Launched | None:
+        """The window after w, launched before w is settled (its blocks reserved as if every row of w ran all of
+        w's steps), so the device goes on while the host reads and settles w; None where the loop must see w's
+        outcome first: rows wait to be admitted, weight swaps may land between windows (partial rollouts), w has no
+        step after it (k = 1), or the pool cannot hold a window of two steps or more. Its rows are w's rows not
+        known to have ended; a row that ends inside w runs to this window's end too, and its tokens are dropped."""
+        if not self.chain_windows or w.next_logits is None or waiting or swap_point is not None:
+            return None
+        live = [(b, s) for b, s in enumerate(w.rows) if not s.done]
+        running = [s for _, s in live]
+        k = self._window_size(rows, running, waiting, ahead=w.k)
+        if k <= 1:
+            return None
+        logits = w.next_logits
+        if len(live) != len(w.rows):
+            logits = logits.index_select(0, host_to_device(torch.tensor([b for b, _ in live]), self.device))
+        self.stats["chained_windows"] += 1
+        return self._launch(running, k, logits, ahead=w.k)
+
+    def _land(self, rows, w: Launched, logps, tops, stop_check) -> tuple[list[Seq], bool]:
+        """Reads window w's draws (one sync) and settles its rows that had not ended before it; finishes the rows
+        that ended in it and returns the others, and whether their last sampled token is fed already (by the step
+        launched after the window: it runs on the device while the host settles)."""
+        live = [(b, s) for b, s in enumerate(w.rows) if not s.done]
+        self._settle(rows, live, *self.sampler.read(w.pending), logps, tops, stop_check)
         kept = []
-        for b, s in enumerate(running):
+        for b, s in live:
             if s.done:
                 self._finish(s)
                 continue
-            if ahead is not None:
+            if w.next_logits is not None:
                 s.table.num_tokens += 1
-                s.logits = (ahead, b)
+                s.logits = (w.next_logits, b)
             kept.append(s)
-        return kept, ahead is not None
+        return kept, w.next_logits is not None
 
     def _feed(self, tok: torch.Tensor, j: int, starts: list[int], tables: tuple[torch.Tensor, torch.Tensor],
               slots: list[int]) -> torch.Tensor:
@@ -182,11 +228,12 @@ class Windows:
             return paged_forward(self.model, self.kv, dev, [p + j for p in starts], tok[:, None],
                                  step=self.decode_step)
 
-    def _settle(self, rows, running: list[Seq], tok, lp, hit, top, logps, tops, stop_check) -> None:
-        """The window's tokens into each row up to its end (eos, stop string, budget: the row is done and lets go of
-        the blocks past its end); each row's KV then covers all its tokens but the last."""
+    def _settle(self, rows, live: list[tuple[int, Seq]], tok, lp, hit, top, logps, tops, stop_check) -> None:
+        """The window's tokens into each live row (its batch index b, the row) up to its end (eos, stop string,
+        budget: the row is done and lets go of the blocks past its end); each row's KV then covers all its tokens
+        but the last."""
         bs = self.pool.block_size
-        for b, s in enumerate(running):
+        for b, s in live:
             r = rows[s.index]
             room = r.budget - s.num_response
             n = min(len(tok[b]), room)                                  # kept, at most, by the budget
@@ -214,7 +261,7 @@ class Windows:
                 self._host.cut(s)
 
 
-def _batch_logits(running: list[Seq]) -> torch.Tensor:
+def batch_logits(running: list[Seq]) -> torch.Tensor:
     """The running rows' logits as one [B, V] batch: the last decode forward's tensor itself when the rows are its
     rows in order (most steps), else rows picked from each source (after admissions and ends)."""
     src0 = running[0].logits[0]
