@@ -165,8 +165,11 @@ for what in "$@"; do
          # step seconds and peak memory of full, lora and lora_peft (peft's own forward), one process each
          # (LORA_VARIANTS=full,lora drops the peft-forward row when the 560 s run out: each variant compiles cold;
          # LORA_VARIANTS=full,lora,lora_addmm sets the meshrl::lora_linear op beside the addmm forward it replaced)
+         # LORA_CKPT=none|selective: both variants under that activation checkpointing (default full), written to
+         # lora_train_gpu_<LORA_CKPT>.json
       part loratrain 560 python3 bench/lora_train.py --shape "${LORA_SHAPE:-qwen2.5-1.5b}" --rank 16 \
-        --variants "${LORA_VARIANTS:-full,lora,lora_peft}" ${LORA_PROFILE:+--profile} --out "$OUT/lora_train_gpu.json" ;;
+        --checkpointing "${LORA_CKPT:-full}" --variants "${LORA_VARIANTS:-full,lora,lora_peft}" ${LORA_PROFILE:+--profile} \
+        --out "$OUT/lora_train_gpu${LORA_CKPT:+_$LORA_CKPT}.json" ;;
     wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py \
               tests/gpu/test_adapter_push_snapshots_gpu.py -s ;;
     trainscale) # the eager LoRA trainer (as it runs beside several runs' adapters) at the many-runs bench's shape
