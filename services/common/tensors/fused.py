@@ -256,14 +256,6 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src) for a CPU tensor src: into CUDA from pinned memory, queued on the stream without a host sync."""
-    if dst.is_cuda:
-        dst.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        dst.copy_(src)
-
-
 def sequence_logprobs(model: nn.Module, prompts, responses, *, pad_id: int, device: torch.device,
                       temperature: float = 1.0, packed: bool = False, fused: bool = False):
     """(logp [B, R], mask [B, R], entropy [B, R]) of the response tokens, padded entries 0; with gradients

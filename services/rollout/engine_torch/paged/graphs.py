@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.tensors.fused import copy_from_host
 from services.rollout.engine_torch.graph_step import capture
 from services.rollout.engine_torch.lora import bank_of
 from services.rollout.engine_torch.paged import cascade
@@ -183,3 +182,11 @@ class PagedGraphs:
             log.info("paged KV graphs: captured the decode forward for batch=%d%s", B, " (shared prefixes)" * share)
         self._buckets[B, share] = b
         return b
+
+
+def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for a CPU tensor src: into CUDA from pinned memory, queued on the stream without a host sync."""
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
