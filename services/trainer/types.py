@@ -163,6 +163,11 @@ class PrimitiveLoss:
             if config:
                 raise ValueError(f"loss_fn_config: ppo takes clip_low_threshold and clip_high_threshold, got "
                                  f"{sorted(config)}")
+            # Checked here, by the client's own keys (the registry's would name clip_ratio_low / clip_ratio_high).
+            if not 0 < low <= 1:
+                raise ValueError(f"loss_fn_config.clip_low_threshold: must be in (0, 1], got {low}")
+            if high < 1:
+                raise ValueError(f"loss_fn_config.clip_high_threshold: must be at least 1, got {high}")
             return name, {"clip_ratio_low": 1.0 - low, "clip_ratio_high": high - 1.0, "clip_ratio_c": 0.0}
         return name, config
 

@@ -29,7 +29,10 @@ def _upstream(fn):
         try:
             return await fn(self, *args, **kwargs)
         except grpc.aio.AioRpcError as e:
-            raise Upstream(e.code().name, f"{fn.__name__}: {e.details()}") from None
+            details = e.details() or ""
+            # The call's name once: the trainer's own messages often start with it already.
+            said = details if details.startswith(f"{fn.__name__}:") else f"{fn.__name__}: {details}"
+            raise Upstream(e.code().name, said) from None
     return call
 
 

@@ -233,7 +233,8 @@ class TrainingEngine:
 
     def info(self) -> dict:
         return {"trainer": self.mesh.trainer_address, "rollout": ",".join(self.mesh.rollout_addresses),
-                "clients": ",".join(self.clients), "synced_version": self.synced}
+                "clients": ",".join(self.clients),
+                "synced_version": "" if self.synced is None else str(self.synced)}      # "": no push yet
 
     async def close(self) -> None:
         """The service stops: its channels close (an open client's trainer state stays where it is)."""

@@ -67,5 +67,9 @@ def test_tinker_loss_names_map_to_the_registry_with_their_settings():
     assert PrimitiveLoss("gspo", {"clip_ratio_low": 1e-3}).policy_loss() == ("gspo", {"clip_ratio_low": 1e-3})
     with pytest.raises(ValueError, match="^loss_fn_config: ppo takes clip_low_threshold and clip_high_threshold"):
         PrimitiveLoss("ppo", {"clip": 0.2}).policy_loss()
+    with pytest.raises(ValueError, match=r"^loss_fn_config.clip_low_threshold: must be in \(0, 1\], got 1.5"):
+        PrimitiveLoss("ppo", {"clip_low_threshold": 1.5}).policy_loss()
+    with pytest.raises(ValueError, match="^loss_fn_config.clip_high_threshold: must be at least 1, got 0.9"):
+        PrimitiveLoss("ppo", {"clip_high_threshold": 0.9}).policy_loss()
     with pytest.raises(ValueError, match="^loss_fn_config: cross_entropy takes no settings"):
         PrimitiveLoss("cross_entropy", {"x": 1.0}).policy_loss()
