@@ -226,9 +226,11 @@ def run_decode(args) -> dict:
            "new_tokens": args.new_tokens, "repeats": args.repeats}
     from services.rollout.engine_torch import lora_expand
 
+    default = lora_expand.ENABLED
     for lora in (False, True, "masked_expand"):
-        # "masked_expand": the LoRA engine with the expand as a mask multiply and a GEMM (lora_expand.ENABLED off)
-        lora_expand.ENABLED = lora != "masked_expand"
+        # True: the LoRA engine with lora_expand's kernel; "masked_expand": with the expand as a mask multiply and a
+        # GEMM (the kernel off)
+        lora_expand.ENABLED = lora is True
         model = build_model(args.size, args.device, getattr(torch, dtype))
         engine = TorchEngine(lora_settings(args.size, args.device, dtype, lora=bool(lora), rank=args.rank, max_loras=4),
                              model=model, tokenizer=None)
@@ -252,6 +254,7 @@ def run_decode(args) -> dict:
         del engine, model
         if cuda:
             torch.cuda.empty_cache()
+    lora_expand.ENABLED = default
     return out
 
 

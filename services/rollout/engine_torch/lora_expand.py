@@ -11,6 +11,8 @@ attention; on the CPU (and without Triton) it is masked_expand.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from services.rollout.engine_torch.lora import masked_expand
@@ -21,9 +23,10 @@ try:
 except ImportError:                       # pragma: no cover - Triton ships with CUDA torch
     triton = None
 
-# Use the kernel where it can run (decode_layers reads this when it traces the step; bench/lora_gpu.py turns it off
-# to measure masked_expand beside it).
-ENABLED = True
+# Use the kernel where it can run (decode_layers reads this when it traces the step). Off until it is measured and
+# tested on a GPU (bench/lora_gpu.py's decode part runs the LoRA engine with it on and off; tests/gpu/
+# test_lora_decode_gpu.py with LORA_EXPAND=1 in the environment).
+ENABLED = os.environ.get("LORA_EXPAND", "0") == "1"
 
 if triton is not None:
     @triton.jit
