@@ -94,6 +94,9 @@ SOURCES: dict[str, list[str]] = {
                  "services/common/tensors/device_staging.py", "services/common/base_identity.py",
                  "services/rollout/weight_receivers.py", "services/rollout/servicer.py", "services/rollout/engine_torch", "bench/lora_gpu.py"],
     # An adapter push over grpc on the CPU (issue 43's host-side costs), beside a baseline checkout.
+    "adapter_load_cpu": ["services/common/tensors/weight_transport.py", "services/common/tensors/weights.py",
+                         "services/rollout/convert.py", "services/rollout/weight_receivers.py",
+                         "services/rollout/engine_torch/lora.py", "bench/adapter_load_cpu.py"],
     "adapter_sync_cpu": ["services/trainer/weights", "services/common/tensors/weight_transport.py",
                          "services/common/tensors/weights.py", "services/rollout/weight_receivers.py",
                          "services/rollout/servicer.py", "services/rollout/engine_torch/lora.py",

@@ -195,3 +195,42 @@ def test_the_host_receiver_stages_each_adapter_in_the_buffer_of_the_last_one_app
         assert receiver._spare is None
 
     asyncio.run(main())
+
+
+
+def test_a_load_after_the_groups_moved_their_a_writes_the_buffers_forwards_read():
+    # The bank keeps each slot's views between loads; LoraGroup.under_base_rows (the graph decoder's fused base
+    # weight) moves every A under a new buffer, and the next load must write there, not into the old one.
+    bank, reference = make_bank(torch.float32), make_bank(torch.float32)
+    config = {"r": MAX_RANK, "lora_alpha": MAX_RANK}
+    bank.load("a", config, adapter(bank, MAX_RANK, torch.float32, seed=7))
+    for g in bank.groups.values():
+        g.under_base_rows(5)
+    second = adapter(bank, MAX_RANK, torch.float32, seed=8)
+    bank.load("a", config, second)
+    per_layer_load(reference, 1, config, second)
+    W = bank.width
+    for g in bank.groups.values():          # what the fused decoder reads: the stacked buffer's tail
+        for j, m in enumerate(g.adapted):
+            path = next(p for p, x in bank.layers.items() if x is m)
+            want = second[f"base_model.model.{path}.lora_A.weight"]
+            assert torch.equal(g.stacked[5 + j * W + MAX_RANK:5 + j * W + 2 * MAX_RANK], want)
+    assert_bitwise_equal(snapshot(bank), snapshot(reference))
+
+
+def test_a_refused_adapter_after_cached_loads_leaves_every_slot_as_it_was():
+    bank = make_bank(torch.bfloat16)
+    bank.load("a", {"r": 4, "lora_alpha": 8}, adapter(bank, 4, torch.bfloat16, seed=1))
+    bank.load("b", {"r": MAX_RANK, "lora_alpha": 8}, adapter(bank, MAX_RANK, torch.bfloat16, seed=2))
+    before, slots = snapshot(bank), dict(bank.slots)
+    bad = adapter(bank, 4, torch.bfloat16, seed=3)
+    last = next(reversed(bad))                              # the very last tensor is the bad one: all else checks out
+    bad[last] = bad[last][:, :3]
+    with pytest.raises(ValueError, match="do not fit rank 4"):
+        bank.load("a", {"r": 4, "lora_alpha": 8}, bad)
+    bad = {**adapter(bank, 4, torch.bfloat16, seed=3), "base_model.model.model.layers.9.mlp.up_proj.lora_B.weight":
+           torch.zeros(48, 4, dtype=torch.bfloat16)}
+    with pytest.raises(ValueError, match=r"targets 'model.layers.9.mlp.up_proj', which is not a LoRA layer"):
+        bank.load("b", {"r": 4, "lora_alpha": 8}, bad)
+    assert_bitwise_equal(snapshot(bank), before)
+    assert bank.slots == slots

@@ -7,12 +7,15 @@ same checks on CUDA, whose foreach copy takes another kernel."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from services.common.tensors import device_staging
 from services.common.tensors.device_staging import DeviceStaging, StagingCopy, cast_copies
 from services.common.tensors.weight_transport import DevicePlan, device_checksum, flat_bytes
+from services.common.tensors.weights import PayloadAssembler, build_manifest
 
 
 def mixed_state(device="cpu", seed: int = 0) -> dict[str, torch.Tensor]:
@@ -170,3 +173,34 @@ def test_the_kept_manifest_message_is_the_one_built_per_push_under_each_version(
     grown = {**state, "a.lora_A.weight": torch.randn(8, 33).bfloat16()}
     plan = staging.plan(grown, 3, 64)
     assert message(plan, "ipc", tags=tags).manifest == device_manifest(plan, "ipc", tags=tags)
+
+
+def test_the_rollout_manifest_converter_gives_each_push_its_own_version_over_one_layout():
+    from meshrl.v1 import common_pb2
+    from services.common.manifest import manifest_from_kwargs
+    from services.rollout import convert
+
+    def pb(version: int, shape: list[int]) -> common_pb2.WeightManifest:
+        tensors = [common_pb2.TensorSpec(name="x.lora_A.weight", dtype="bfloat16", shape=shape, offset=0,
+                                         nbytes=2 * shape[0] * shape[1])]
+        return common_pb2.WeightManifest(version=version, total_bytes=tensors[0].nbytes, tensors=tensors,
+                                         adapter="a", adapter_config="{}", base_id="sha256:b")
+
+    first, second, other = (convert.manifest_from_pb(pb(v, s)) for v, s in ((1, [4, 8]), (2, [4, 8]), (3, [8, 4])))
+    want = pb(2, [4, 8])
+    assert second == manifest_from_kwargs(want.version, want.total_bytes, want.tensors, adapter="a",
+                                          adapter_config="{}", base_id="sha256:b")
+    assert (first.version, second.version, other.version) == (1, 2, 3)
+    assert first.tensors is second.tensors and other.tensors[0].shape == (8, 4)
+
+
+def test_a_bad_manifest_is_refused_every_time_and_a_checked_layout_under_another_total_too():
+    good = build_manifest({"a": torch.zeros(2, 3), "b": torch.zeros(4)}, 1)
+    PayloadAssembler(good)
+    PayloadAssembler(good)                          # checked once, then known
+    with pytest.raises(ValueError, match="total_bytes"):
+        PayloadAssembler(dataclasses.replace(good, total_bytes=good.total_bytes + 4))
+    bad = dataclasses.replace(good, tensors=(good.tensors[0], dataclasses.replace(good.tensors[1], offset=0)))
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"manifest.tensors\[1\] \(b\): offset/nbytes"):
+            PayloadAssembler(bad)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import socket
 import threading
@@ -33,7 +34,7 @@ except ImportError:         # pragma: no cover - depends on the environment
     from zlib import crc32 as _crc32
     CRC32_IMPL = "zlib"
 
-from services.common.tensors.codec import dtype_from_name, tensor_bytes
+from services.common.tensors.codec import DTYPES, dtype_from_name, tensor_bytes
 from services.common.tensors.weights import Manifest, PayloadAssembler, build_manifest
 
 # WeightBucket field tags: manifest = 1 (bytes), data = 2 (bytes), crc32 = 3 (varint), device = 4 (bytes),
@@ -184,28 +185,29 @@ class HostPayload:
 def tensors_from_flat(flat: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
     """The manifest's tensors as views of a flat uint8 buffer (a copy only where an offset is misaligned).
 
-    One strided view of the buffer's words per tensor (an adapter has hundreds of small tensors: slicing and
-    re-viewing each costs three torch calls)."""
+    One strided view of the buffer's words per tensor, its strides looked up by shape (an adapter has hundreds of
+    small tensors: slicing and re-viewing each costs three torch calls, computing its strides in Python another)."""
     if any(m.offset + m.nbytes > flat.numel() for m in manifest.tensors):
         raise ValueError(f"payload truncated: the manifest's tensors reach past its {flat.numel()} bytes")
     out = {}
-    words: dict[torch.dtype, torch.Tensor] = {}       # the buffer as each dtype's words, made once per dtype
+    words: dict[torch.dtype, torch.Tensor | None] = {}    # the buffer as each dtype's words (None: misaligned)
     for m in manifest.tensors:
-        dtype = dtype_from_name(m.dtype, field=m.name)
-        size = dtype.itemsize
+        dtype = DTYPES.get(m.dtype) or dtype_from_name(m.dtype, field=m.name)
+        if dtype not in words:
+            size = dtype.itemsize
+            words[dtype] = None if flat.numel() % size or flat.storage_offset() % size else flat.view(dtype)
+        typed = words[dtype]
         if not m.nbytes:
             out[m.name] = torch.empty(m.shape, dtype=dtype, device=flat.device)
-        elif m.offset % size or flat.numel() % size or flat.storage_offset() % size:
+        elif typed is None or m.offset % dtype.itemsize:
             out[m.name] = flat[m.offset:m.offset + m.nbytes].clone().view(dtype).view(m.shape)
-        else:
-            if dtype not in words:
-                words[dtype] = flat.view(dtype)
-            typed = words[dtype]          # as_strided's offset counts from the storage's start, not the view's
+        else:                             # as_strided's offset counts from the storage's start, not the view's
             out[m.name] = typed.as_strided(m.shape, _contiguous_strides(m.shape), typed.storage_offset() +
-                                           m.offset // size)
+                                           m.offset // dtype.itemsize)
     return out
 
 
+@functools.lru_cache(maxsize=1024)
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for s in reversed(shape):

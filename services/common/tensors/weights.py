@@ -49,6 +49,11 @@ def iter_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int = DEFAULT_
         yield data, zlib.crc32(data)
 
 
+# Layouts that checked out, by the identity of their tensors tuple (immutable, and held here so the id stays its):
+# {id: (tensors, total_bytes)}.
+_CHECKED: dict[int, tuple] = {}
+
+
 @dataclass
 class PayloadAssembler:
     """Collects buckets of one update and rebuilds its tensors once everything checked out."""
@@ -58,6 +63,16 @@ class PayloadAssembler:
     num_buckets: int = 0
 
     def __post_init__(self):
+        tensors, total = self.manifest.tensors, self.manifest.total_bytes
+        held = _CHECKED.get(id(tensors))
+        if held is not None and held[0] is tensors and held[1] == total:
+            return                  # this very layout checked out before (rollout's manifest_from_pb reuses it)
+        self._check()
+        if len(_CHECKED) >= 8:
+            _CHECKED.clear()
+        _CHECKED[id(tensors)] = (tensors, total)
+
+    def _check(self) -> None:
         expected, offset = 0, 0
         for i, m in enumerate(self.manifest.tensors):
             if not m.name:

@@ -149,6 +149,9 @@ class AdapterBank:
         # is other weights to whatever cached KV computed under the one before (the paged cache's keys).
         self.load_ids: dict[str, int] = {}
         self._num_loads = 0
+        # {PEFT's saved name: (module path, 0 = lora_A / 1 = lora_B)} of every tensor an adapter may carry.
+        self._names = {f"{PREFIX}{p}.lora_{w}.weight": (p, j) for p in self.layers for j, w in enumerate("AB")}
+        self._views: dict[int, tuple] = {}          # per slot, the views its last load wrote (_slot_views)
         for m in self.layers.values():
             m.__class__ = LoraLinear
             m._lora_bank = self
@@ -205,7 +208,6 @@ class AdapterBank:
         """[n, k_max * W] in the model's dtype: 1 where a column belongs to row i's slot (built once per graph step,
         read by every group's grouped_delta)."""
         return (self.current[:n, None] == self._group_column_slot).to(self.dtype)
-
 
     def base_only(self, x: torch.Tensor) -> bool:
         """Whether a forward of x is base rows only, known without looking at the rows: wider than the rows set
@@ -281,33 +283,28 @@ class AdapterBank:
         """Frees adapter `name`'s slot (its columns zeroed, so a row still pointing there reads the base); False when
         it was not loaded. Call with no forward running (the engine's swap)."""
         slot = self.slots.pop(name, None)
-        self.versions.pop(name, None)
-        self.configs.pop(name, None)
-        self.load_ids.pop(name, None)
+        for by_name in (self.versions, self.configs, self.load_ids):
+            by_name.pop(name, None)
         if slot is None:
             return False
         self._zero_slot(slot)
         return True
 
     def _pairs(self, tensors: Mapping[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """{module path: (A [r, in], B [out, r])} from PEFT's saved names, each shape checked."""
-        parts: dict[str, dict[str, torch.Tensor]] = {}
+        """{module path: (A [r, in], B [out, r])} from PEFT's saved names, each shape checked: a name is one lookup in
+        the table of those this bank takes (an adapter has hundreds), parsed only to say why one is refused."""
+        parts: dict[str, list] = {}
         for key, t in tensors.items():
-            if not key.startswith(PREFIX) or not (key.endswith(".lora_A.weight") or key.endswith(".lora_B.weight")):
-                raise ValueError(f"manifest.tensors: {key!r} is not a LoRA weight under PEFT's saved names "
-                                 f"({PREFIX}<module>.lora_A.weight / .lora_B.weight)")
-            path, which = key[len(PREFIX):-len(".lora_A.weight")], key[-len("lora_A.weight"):-len(".weight")]
-            if path not in self.layers:
-                raise ValueError(f"manifest.tensors: {key!r} targets {path!r}, which is not a LoRA layer of this "
-                                 f"replica (rollout.lora_target_modules)")
-            parts.setdefault(path, {})[which] = t
+            hit = self._names.get(key)
+            if hit is None:
+                _refuse_name(key)
+            parts.setdefault(hit[0], [None, None])[hit[1]] = t
         out = {}
-        for path, d in parts.items():
+        for path, (a, b) in parts.items():
             m = self.layers[path]
-            a, b = d.get("lora_A"), d.get("lora_B")
             if a is None or b is None:
                 raise ValueError(f"manifest.tensors: {path} has lora_A or lora_B alone")
-            if tuple(a.shape) != (rank, m.in_features) or tuple(b.shape) != (m.out_features, rank):
+            if a.shape != (rank, m.in_features) or b.shape != (m.out_features, rank):
                 raise ValueError(f"manifest.tensors: {path} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
                                  f"fit rank {rank} on a {m.in_features} -> {m.out_features} layer")
             out[path] = (a, b)
@@ -317,31 +314,38 @@ class AdapterBank:
     def _write_slot(self, slot: int, rank: int, scale: float, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
                     ) -> None:
         """Slot `slot` of every layer: A and scale * B of the layers in `pairs` in its first `rank` columns, zeros in
-        the rest. Bit for bit the per-layer copy of A and of b.to(float32).mul(scale), in a few batched calls (392
-        tensors at the 1.5B shape; one launch per tensor costs a GPU replica milliseconds of host time): the A in
-        one batched copy, the B's (on a GPU) scaled in one batched multiply and copied in one batched copy, each
-        product taken in float32 and rounded once to the bank's dtype; the slot zeroed only where they leave gaps."""
+        the rest. Bit for bit the per-layer copy of A and of b.to(float32).mul(scale) in a few batched calls (a launch
+        per tensor, 392 at the 1.5B shape, costs a GPU replica milliseconds of host time): the A's in one copy, on a GPU
+        the B's in one multiply and one copy (float32 products rounded once); the slot zeroed only at gaps."""
         if any(t.device != self.device for ab in pairs.values() for t in ab):   # the receivers send device tensors
             pairs = {p: (a.to(self.device), b.to(self.device)) for p, (a, b) in pairs.items()}
-        lo, hi = slot * self.max_rank, slot * self.max_rank + rank
-        layers = [self.layers[p] for p in pairs]
         if rank < self.max_rank or len(pairs) < len(self.layers):
             self._zero_slot(slot)
-        if layers:
-            torch._foreach_copy_([m.lora_A_cat[lo:hi] for m in layers], [a for a, _ in pairs.values()])
-        # A float32 B is multiplied in float32 and rounded once into the bank's dtype; a bf16 / fp16 one in the bank's
-        # dtype is multiplied in float32 (opmath) and rounded once; any other dtype goes through float32 first, as
-        # b.to(float32) did.
+        a_views, b_views = self._slot_views(slot, rank, tuple(pairs))
+        if a_views:
+            torch._foreach_copy_(a_views, [a for a, _ in pairs.values()])
+        # A float32 B, or a bf16 / fp16 one in the bank's dtype, is multiplied in float32 (opmath) and rounded once;
+        # any other dtype goes through float32 first, as b.to(float32) did.
         bs = [b if b.dtype == torch.float32 or b.dtype == self.dtype in (torch.bfloat16, torch.float16)
               else b.to(torch.float32) for _, b in pairs.values()]
-        if layers and self.device.type == "cuda":
+        if b_views and self.device.type == "cuda":
             # Launch-bound: one batched multiply and one batched copy (the copy rounds a float32 product once).
-            torch._foreach_copy_([m.lora_B_cat[:, lo:hi] for m in layers], torch._foreach_mul(bs, scale))
+            torch._foreach_copy_(b_views, torch._foreach_mul(bs, scale))
         else:
-            # Memory-bound (CPU): each product written straight into its columns, one pass (the batched pair made
-            # two and took twice as long here, bench/adapter_sync.py).
-            for m, b in zip(layers, bs):
-                torch.mul(b, scale, out=m.lora_B_cat[:, lo:hi])
+            # Memory-bound (CPU): each product straight into its columns, one pass (bench/adapter_sync.py).
+            for view, b in zip(b_views, bs):
+                torch.mul(b, scale, out=view)
+
+    def _slot_views(self, slot: int, rank: int, paths: tuple[str, ...]) -> tuple[list, list]:
+        """The first `rank` columns of `slot` in the A_cat and B_cat of the layers `paths`: those the slot's last load
+        made while they still view the layers' current buffers (LoraGroup.under_base_rows moves A), else new ones."""
+        layers, held = [self.layers[p] for p in paths], self._views.get(slot)
+        if held is None or held[:2] != (rank, paths) or any(
+                m.lora_A_cat is not a or m.lora_B_cat is not b for m, a, b in zip(layers, held[2], held[3])):
+            lo, hi = slot * self.max_rank, slot * self.max_rank + rank
+            held = self._views[slot] = (rank, paths, [m.lora_A_cat for m in layers], [m.lora_B_cat for m in layers],
+                                        [m.lora_A_cat[lo:hi] for m in layers], [m.lora_B_cat[:, lo:hi] for m in layers])
+        return held[4], held[5]
 
     @torch.no_grad()
     def _zero_slot(self, slot: int) -> None:
@@ -394,6 +398,15 @@ class TorchAdapters:
         if unloaded and self._paged is not None:
             self._paged.adapters_changed(self.weight_version)
         return unloaded
+
+
+def _refuse_name(key: str) -> None:
+    """Raises why adapter tensor `key` is no name in the bank's table (AdapterBank._names)."""
+    if key.startswith(PREFIX) and key.endswith((".lora_A.weight", ".lora_B.weight")):
+        raise ValueError(f"manifest.tensors: {key!r} targets {key[len(PREFIX):-len('.lora_A.weight')]!r}, which is "
+                         "not a LoRA layer of this replica (rollout.lora_target_modules)")
+    raise ValueError(f"manifest.tensors: {key!r} is not a LoRA weight under PEFT's saved names "
+                     f"({PREFIX}<module>.lora_A.weight / .lora_B.weight)")
 
 
 def _rank_and_scale(config: Mapping, max_rank: int) -> tuple[int, float]:
