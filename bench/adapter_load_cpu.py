@@ -15,7 +15,11 @@ warm-up, then over rounds (rounds alternate the trees, so machine noise hits bot
   (tensors_from_flat): the ipc and nccl receivers' host work besides their device copy and checksum;
 - `receive_s`: transport grpc's receiver (HostReceiver: every bucket CRC-checked and staged, the views);
 - `load_s`: the engine's load_adapter (TorchAdapters: names, ranks and shapes checked, the slot written);
-- `ipc_host_s` = manifest + views + load; `grpc_s` = manifest + receive + load.
+- `ipc_host_s` = manifest + views + load; `grpc_s` = manifest + receive + load;
+- `gpu_b_path` (trees with lora_load.py only): the load with the B's written as on a GPU, run on this CPU:
+  `stacked` (one stacked multiply and copy per projection, AdapterBank.b_stacks) beside `foreach` (the stacks left out:
+  one foreach multiply and a foreach copy that runs a copy per B, as 2f60487's CUDA branch did). On a GPU each of
+  those per-B copies is also a kernel launch.
 
     git archive <commit> | tar -x -C /tmp/base
     OMP_NUM_THREADS=1 PYTHONPATH=.:protos python bench/adapter_load_cpu.py --baseline /tmp/base --baseline-commit <c>
@@ -116,12 +120,29 @@ def child(size: str, rank: int, repeats: int) -> dict:
 
     asyncio.run(main())
     out = {k: statistics.median(v[3:]) for k, v in times.items()}
+    if hasattr(engine.adapters, "b_stacks"):
+        out["gpu_b_path"] = gpu_b_path(engine, state, config, repeats)
     out["ipc_host_s"] = out["manifest_s"] + out["views_s"] + out["load_s"]
     out["grpc_s"] = out["manifest_s"] + out["receive_s"] + out["load_s"]
     bank = engine.adapters
     out["num_tensors"] = len(state)
     out["adapter_bytes"] = flat.numel()
     out["slot_checksum"] = float(sum(t.float().abs().sum() for t in bank.buffers()))   # both trees load alike
+    return out
+
+
+def gpu_b_path(engine, tensors: dict, config: dict, repeats: int) -> dict:
+    """engine.load_adapter's median seconds with the GPU's B path on this CPU, the stacks used and left out."""
+    bank = engine.adapters
+    bank.batched_b_devices, stacks, out = (bank.device.type,), bank.b_stacks, {}
+    for name, use in (("stacked", stacks), ("foreach", [])):
+        bank.b_stacks, times = use, []
+        for i in range(repeats + 3):
+            t0 = time.perf_counter()
+            engine.load_adapter("default", 1000 + i, config, tensors)
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times[3:])
+    bank.b_stacks, bank.batched_b_devices = stacks, type(bank).batched_b_devices
     return out
 
 
@@ -138,7 +159,11 @@ def run_round(tree: Path, size: str, args) -> dict:
 
 def summary(rounds: list[dict]) -> dict:
     keys = (*PHASES, "ipc_host_s", "grpc_s")
-    return {k: round(statistics.median(r[k] for r in rounds), 6) for k in keys}
+    out = {k: round(statistics.median(r[k] for r in rounds), 6) for k in keys}
+    if "gpu_b_path" in rounds[0]:
+        out["gpu_b_path"] = {k: round(statistics.median(r["gpu_b_path"][k] for r in rounds), 6)
+                             for k in rounds[0]["gpu_b_path"]}
+    return out
 
 
 def main(argv=None) -> None:
@@ -174,8 +199,9 @@ def main(argv=None) -> None:
         if "baseline" in rounds:
             if rounds["baseline"][0]["slot_checksum"] != rounds["head"][0]["slot_checksum"]:
                 raise RuntimeError(f"{size}: the trees loaded different slots")
-            row["saved_ms"] = {k: round(1e3 * (row["baseline"][k] - row["head"][k]), 3) for k in summary(rs)}
-            row["speedup"] = {k: round(row["baseline"][k] / row["head"][k], 2) for k in summary(rs)}
+            keys = (*PHASES, "ipc_host_s", "grpc_s")
+            row["saved_ms"] = {k: round(1e3 * (row["baseline"][k] - row["head"][k]), 3) for k in keys}
+            row["speedup"] = {k: round(row["baseline"][k] / row["head"][k], 2) for k in keys}
         result["shapes"][size] = row
     result["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     if args.baseline:

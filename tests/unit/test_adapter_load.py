@@ -73,8 +73,12 @@ DTYPE_PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)
                (torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float64)]
 
 
-def check_batched_load(bank_dtype: torch.dtype, src_dtype: torch.dtype, device: str = "cpu", src_device: str = "cpu"):
+def check_batched_load(bank_dtype: torch.dtype, src_dtype: torch.dtype, device: str = "cpu", src_device: str = "cpu",
+                       batched_b: bool = False):
+    """batched_b: the B's written as on a GPU (stacked per projection, the rest by foreach) on any device."""
     batched, reference = make_bank(bank_dtype, device=device), make_bank(bank_dtype, device=device)
+    if batched_b:
+        batched.batched_b_devices = (device,)
     # A full-rank adapter, then over it in the same slot one of a smaller rank on fewer layers (its gaps must be
     # zeroed), an rsLoRA one in the other slot; scales that are no power of two, so every rounding shows.
     loads = [("a", 1, {"r": MAX_RANK, "lora_alpha": 11.0}, dict(rank=MAX_RANK, seed=1)),
@@ -91,6 +95,38 @@ def check_batched_load(bank_dtype: torch.dtype, src_dtype: torch.dtype, device: 
 @pytest.mark.parametrize("bank_dtype,src_dtype", DTYPE_PAIRS, ids=lambda d: str(d).removeprefix("torch."))
 def test_a_batched_load_writes_every_slot_bit_for_bit_as_the_per_layer_load(bank_dtype, src_dtype):
     check_batched_load(bank_dtype, src_dtype)
+
+
+@pytest.mark.parametrize("bank_dtype,src_dtype", DTYPE_PAIRS, ids=lambda d: str(d).removeprefix("torch."))
+def test_the_gpus_stacked_b_load_writes_every_slot_bit_for_bit_as_the_per_layer_load(bank_dtype, src_dtype):
+    check_batched_load(bank_dtype, src_dtype, batched_b=True)
+
+
+def test_the_stacked_b_load_leaves_a_projection_missing_in_a_layer_or_of_mixed_dtypes_to_the_per_tensor_copies():
+    batched, reference = make_bank(torch.bfloat16), make_bank(torch.bfloat16)
+    batched.batched_b_devices = ("cpu",)
+    stacked: list[set[str]] = []
+    write = batched._write_b_stacked
+    batched._write_b_stacked = lambda *a: stacked.append(write(*a)) or stacked[-1]
+    tensors = adapter(batched, 5, torch.bfloat16, seed=9)
+    for w in "AB":                                          # layer 1 has no down_proj: layer 0's goes alone
+        del tensors[f"base_model.model.model.layers.1.mlp.down_proj.lora_{w}.weight"]
+    up = "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"
+    tensors[up] = tensors[up].float()                       # up_proj's B's in two dtypes: copied one by one
+    config = {"r": 5, "lora_alpha": 9.0}
+    batched.load("a", config, tensors)
+    per_layer_load(reference, 1, config, tensors)
+    assert_bitwise_equal(snapshot(batched), snapshot(reference))
+    assert stacked == [{f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.q_proj", "self_attn.k_proj",
+                        "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj")}]
+
+
+def test_groups_alike_share_one_stacked_b_buffer_and_forwards_see_the_same_shapes():
+    bank = make_bank(torch.float32)
+    assert len(bank.b_stacks) == 4 and all(stack.shape[0] == 2 for stack, _ in bank.b_stacks)   # q/k/v, o, gate/up, down
+    for g in bank.groups.values():
+        assert g.B.is_contiguous() and any(g.B.data_ptr() in (s[0].data_ptr(), s[1].data_ptr()) for s, _ in bank.b_stacks)
+        assert g.B.shape == (sum(m.out_features for m in g.adapted), len(g.adapted) * bank.width)
 
 
 @pytest.mark.parametrize("change,error", [

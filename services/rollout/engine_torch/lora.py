@@ -20,7 +20,6 @@ copies into the same buffers (through the views), so captured graphs stay valid.
 from __future__ import annotations
 
 import logging
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -30,11 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.tensors.fused import host_to_device
+from services.rollout.engine_torch.lora_load import PREFIX, SlotWriter, rank_and_scale
 from services.rollout.types import check_weight_version
 
 log = logging.getLogger("meshrl.rollout")
 
-PREFIX = "base_model.model."
 # The linear layers an adapter may target when the recipe names none (every projection of a decoder layer).
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Linear layers of one module that read the same input, in the order a fused projection stacks their outputs
@@ -126,8 +125,9 @@ def adapter_targets(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Li
     return out
 
 
-class AdapterBank:
-    """The adapters one engine serves: up to max_loras named slots over the model's target layers."""
+class AdapterBank(SlotWriter):
+    """The adapters one engine serves: up to max_loras named slots over the model's target layers (loads written by
+    SlotWriter, lora_load.py)."""
 
     def __init__(self, model: nn.Module, *, max_loras: int, max_rank: int, targets: Sequence[str],
                  max_rows: int):
@@ -167,9 +167,9 @@ class AdapterBank:
 
     def _build_groups(self, model: nn.Module) -> dict[tuple[int, tuple[str, ...]], LoraGroup]:
         """{(id of the parent module, member names): its LoraGroup} over every target layer; each member's A_cat and
-        B_cat set to its views."""
-        groups: dict[tuple[int, tuple[str, ...]], LoraGroup] = {}
-        W = self.width
+        B_cat set to its views. The B's of groups alike (the same members of the same shapes: one group per decoder
+        layer) are one buffer [n, rows, k * W], each group's B one of its n (`b_stacks`, for SlotWriter's loads)."""
+        found: dict[tuple[int, tuple[str, ...]], tuple[list[nn.Module], list[str]]] = {}
         for path, m in self.layers.items():
             parent_path, leaf = path.rsplit(".", 1)
             parent = model.get_submodule(parent_path)
@@ -177,21 +177,40 @@ class AdapterBank:
             members = [getattr(parent, n, None) for n in names]
             if not all(isinstance(x, nn.Linear) and x.in_features == m.in_features for x in members):
                 names, members = (leaf,), [m]
-            if (id(parent), names) in groups:
-                continue
-            adapted = [f"{parent_path}.{n}" in self.layers for n in names]
-            k = sum(adapted)
-            A = torch.zeros((k * W, m.in_features), dtype=self.dtype, device=self.device)
-            B = torch.zeros((sum(x.out_features for x in members), k * W), dtype=self.dtype, device=self.device)
+            found.setdefault((id(parent), names), (members, [f"{parent_path}.{n}" for n in names]))
+        alike: dict[tuple, list] = {}
+        for key, (members, paths) in found.items():
+            shape = tuple((x.in_features, x.out_features, p in self.layers) for x, p in zip(members, paths))
+            alike.setdefault((key[1], shape), []).append(key)
+        groups: dict[tuple[int, tuple[str, ...]], LoraGroup] = {}
+        self.b_stacks = [self._stack_groups(keys, found, groups) for keys in alike.values()]
+        return {key: groups[key] for key in found}
+
+    def _stack_groups(self, keys: list, found: dict, groups: dict) -> tuple:
+        """The groups `keys` (alike) made over one stacked B buffer, into `groups`; their b_stacks entry."""
+        W = self.width
+        members, paths = found[keys[0]]
+        adapted = [p in self.layers for p in paths]
+        k, rows = sum(adapted), sum(x.out_features for x in members)
+        stack = torch.zeros((len(keys), rows, k * W), dtype=self.dtype, device=self.device)
+        for i, key in enumerate(keys):
+            members = found[key][0]
+            A = torch.zeros((k * W, members[0].in_features), dtype=self.dtype, device=self.device)
             row = j = 0
             for x, on in zip(members, adapted):
                 if on:
                     x.lora_A_cat = A[j * W:(j + 1) * W]
-                    x.lora_B_cat = B[row:row + x.out_features, j * W:(j + 1) * W]
+                    x.lora_B_cat = stack[i, row:row + x.out_features, j * W:(j + 1) * W]
                     j += 1
                 row += x.out_features
-            groups[(id(parent), names)] = LoraGroup(A, B, [x for x, on in zip(members, adapted) if on])
-        return groups
+            groups[key] = LoraGroup(A, stack[i], [x for x, on in zip(members, adapted) if on])
+        copies, row, j = [], 0, 0
+        for n, (x, on) in enumerate(zip(members, adapted)):
+            if on:
+                copies.append((slice(row, row + x.out_features), j * W, [found[key][1][n] for key in keys]))
+                j += 1
+            row += x.out_features
+        return stack, copies
 
     def group(self, parent: nn.Module, names: Sequence[str]) -> LoraGroup | None:
         """The group of `parent`'s layers `names` (e.g. an attention module's QKV); None when none of them is adapted
@@ -263,7 +282,7 @@ class AdapterBank:
         first buffer is written. Returns the slot. Call with no forward running (the engine's swap)."""
         if not name:
             raise ValueError("manifest.adapter: empty (\"\" is the base model)")
-        rank, scale = _rank_and_scale(config, self.max_rank)
+        rank, scale = rank_and_scale(config, self.max_rank)
         pairs = self._pairs(tensors, rank)
         slot = self.slots.get(name)
         if slot is None:
@@ -289,71 +308,6 @@ class AdapterBank:
             return False
         self._zero_slot(slot)
         return True
-
-    def _pairs(self, tensors: Mapping[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """{module path: (A [r, in], B [out, r])} from PEFT's saved names, each shape checked: a name is one lookup in
-        the table of those this bank takes (an adapter has hundreds), parsed only to say why one is refused."""
-        parts: dict[str, list] = {}
-        for key, t in tensors.items():
-            hit = self._names.get(key)
-            if hit is None:
-                _refuse_name(key)
-            parts.setdefault(hit[0], [None, None])[hit[1]] = t
-        out = {}
-        for path, (a, b) in parts.items():
-            m = self.layers[path]
-            if a is None or b is None:
-                raise ValueError(f"manifest.tensors: {path} has lora_A or lora_B alone")
-            if a.shape != (rank, m.in_features) or b.shape != (m.out_features, rank):
-                raise ValueError(f"manifest.tensors: {path} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
-                                 f"fit rank {rank} on a {m.in_features} -> {m.out_features} layer")
-            out[path] = (a, b)
-        return out
-
-    @torch.no_grad()
-    def _write_slot(self, slot: int, rank: int, scale: float, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
-                    ) -> None:
-        """Slot `slot` of every layer: A and scale * B of the layers in `pairs` in its first `rank` columns, zeros in
-        the rest. Bit for bit the per-layer copy of A and of b.to(float32).mul(scale) in a few batched calls (a launch
-        per tensor, 392 at the 1.5B shape, costs a GPU replica milliseconds of host time): the A's in one copy, on a GPU
-        the B's in one multiply and one copy (float32 products rounded once); the slot zeroed only at gaps."""
-        if any(t.device != self.device for ab in pairs.values() for t in ab):   # the receivers send device tensors
-            pairs = {p: (a.to(self.device), b.to(self.device)) for p, (a, b) in pairs.items()}
-        if rank < self.max_rank or len(pairs) < len(self.layers):
-            self._zero_slot(slot)
-        a_views, b_views = self._slot_views(slot, rank, tuple(pairs))
-        if a_views:
-            torch._foreach_copy_(a_views, [a for a, _ in pairs.values()])
-        # A float32 B, or a bf16 / fp16 one in the bank's dtype, is multiplied in float32 (opmath) and rounded once;
-        # any other dtype goes through float32 first, as b.to(float32) did.
-        bs = [b if b.dtype == torch.float32 or b.dtype == self.dtype in (torch.bfloat16, torch.float16)
-              else b.to(torch.float32) for _, b in pairs.values()]
-        if b_views and self.device.type == "cuda":
-            # Launch-bound: one batched multiply and one batched copy (the copy rounds a float32 product once).
-            torch._foreach_copy_(b_views, torch._foreach_mul(bs, scale))
-        else:
-            # Memory-bound (CPU): each product straight into its columns, one pass (bench/adapter_sync.py).
-            for view, b in zip(b_views, bs):
-                torch.mul(b, scale, out=view)
-
-    def _slot_views(self, slot: int, rank: int, paths: tuple[str, ...]) -> tuple[list, list]:
-        """The first `rank` columns of `slot` in the A_cat and B_cat of the layers `paths`: those the slot's last load
-        made while they still view the layers' current buffers (LoraGroup.under_base_rows moves A), else new ones."""
-        layers, held = [self.layers[p] for p in paths], self._views.get(slot)
-        if held is None or held[:2] != (rank, paths) or any(
-                m.lora_A_cat is not a or m.lora_B_cat is not b for m, a, b in zip(layers, held[2], held[3])):
-            lo, hi = slot * self.max_rank, slot * self.max_rank + rank
-            held = self._views[slot] = (rank, paths, [m.lora_A_cat for m in layers], [m.lora_B_cat for m in layers],
-                                        [m.lora_A_cat[lo:hi] for m in layers], [m.lora_B_cat[:, lo:hi] for m in layers])
-        return held[4], held[5]
-
-    @torch.no_grad()
-    def _zero_slot(self, slot: int) -> None:
-        """Every layer's columns of `slot` zeroed (a row pointing there computes the base model)."""
-        lo, end = slot * self.max_rank, (slot + 1) * self.max_rank
-        torch._foreach_zero_([m.lora_A_cat[lo:end] for m in self.layers.values()])
-        torch._foreach_zero_([m.lora_B_cat[:, lo:end] for m in self.layers.values()])
-
 
 class TorchAdapters:
     """The torch engine's side of RolloutEngine's adapter methods, over its AdapterBank (`self.adapters`, None when
@@ -398,27 +352,6 @@ class TorchAdapters:
         if unloaded and self._paged is not None:
             self._paged.adapters_changed(self.weight_version)
         return unloaded
-
-
-def _refuse_name(key: str) -> None:
-    """Raises why adapter tensor `key` is no name in the bank's table (AdapterBank._names)."""
-    if key.startswith(PREFIX) and key.endswith((".lora_A.weight", ".lora_B.weight")):
-        raise ValueError(f"manifest.tensors: {key!r} targets {key[len(PREFIX):-len('.lora_A.weight')]!r}, which is "
-                         "not a LoRA layer of this replica (rollout.lora_target_modules)")
-    raise ValueError(f"manifest.tensors: {key!r} is not a LoRA weight under PEFT's saved names "
-                     f"({PREFIX}<module>.lora_A.weight / .lora_B.weight)")
-
-
-def _rank_and_scale(config: Mapping, max_rank: int) -> tuple[int, float]:
-    """The adapter's rank and output scale (peft's: alpha / r, or alpha / sqrt(r) with use_rslora)."""
-    try:
-        rank, alpha = int(config["r"]), float(config["lora_alpha"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"manifest.adapter_config: needs numbers r and lora_alpha ({e})") from None
-    if not 1 <= rank <= max_rank:
-        raise ValueError(f"manifest.adapter_config: r = {rank}, but this replica serves ranks 1..{max_rank} "
-                         "(rollout.max_lora_rank)")
-    return rank, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
 def build_bank(settings, model, resolved, max_rows: int) -> AdapterBank | None:
