@@ -80,8 +80,8 @@ def child(size: str, rank: int, repeats: int) -> dict:
     g = torch.Generator().manual_seed(2)
     state = {}
     for path, m in engine.adapters.layers.items():
-        state[f"base_model.model.{path}.lora_A.weight"] = (torch.randn(rank, m.in_features, generator=g) / 64).bfloat16()
-        state[f"base_model.model.{path}.lora_B.weight"] = (torch.randn(m.out_features, rank, generator=g) / 64).bfloat16()
+        for w, shape in (("A", (rank, m.in_features)), ("B", (m.out_features, rank))):
+            state[f"base_model.model.{path}.lora_{w}.weight"] = (torch.randn(shape, generator=g) / 64).bfloat16()
     config = {"r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS}
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
     receiver = HostReceiver("cpu")

@@ -123,9 +123,10 @@ def test_the_stacked_b_load_leaves_a_projection_missing_in_a_layer_or_of_mixed_d
 
 def test_groups_alike_share_one_stacked_b_buffer_and_forwards_see_the_same_shapes():
     bank = make_bank(torch.float32)
-    assert len(bank.b_stacks) == 4 and all(stack.shape[0] == 2 for stack, _ in bank.b_stacks)   # q/k/v, o, gate/up, down
+    assert len(bank.b_stacks) == 4 and all(stack.shape[0] == 2 for stack, _ in bank.b_stacks)   # q/k/v, o, gate/up..
     for g in bank.groups.values():
-        assert g.B.is_contiguous() and any(g.B.data_ptr() in (s[0].data_ptr(), s[1].data_ptr()) for s, _ in bank.b_stacks)
+        assert g.B.is_contiguous()
+        assert any(g.B.data_ptr() in (s[0].data_ptr(), s[1].data_ptr()) for s, _ in bank.b_stacks)
         assert g.B.shape == (sum(m.out_features for m in g.adapted), len(g.adapted) * bank.width)
 
 
@@ -270,3 +271,17 @@ def test_a_refused_adapter_after_cached_loads_leaves_every_slot_as_it_was():
         bank.load("b", {"r": 4, "lora_alpha": 8}, bad)
     assert_bitwise_equal(snapshot(bank), before)
     assert bank.slots == slots
+
+
+def test_a_layouts_second_payload_gets_views_of_its_own_buffer_and_a_short_one_is_still_refused():
+    state = {"a": torch.randn(3, 5).bfloat16(), "b": torch.randn(4, 2), "empty": torch.zeros(0, 3)}
+    manifest = build_manifest(state, 1)
+    flats = [torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()]) for _ in range(2)]
+    flats[1].view(torch.bfloat16)[:15] += 1                  # the second payload: other values of "a"
+    for flat in flats:                                      # the second call reads the plan the first one made
+        got = tensors_from_flat(flat, manifest)
+        assert got["a"].data_ptr() == flat.data_ptr()
+        assert torch.equal(got["a"], flat[:30].view(torch.bfloat16).view(3, 5))
+        assert torch.equal(got["b"], state["b"]) and got["empty"].shape == (0, 3)
+    with pytest.raises(ValueError, match="payload truncated"):
+        tensors_from_flat(flats[0][:-1], manifest)

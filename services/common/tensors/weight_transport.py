@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import os
 import socket
 import threading
@@ -35,7 +34,7 @@ except ImportError:         # pragma: no cover - depends on the environment
     CRC32_IMPL = "zlib"
 
 from services.common.tensors.codec import DTYPES, dtype_from_name, tensor_bytes
-from services.common.tensors.weights import Manifest, PayloadAssembler, build_manifest
+from services.common.tensors.weights import Manifest, PayloadAssembler, build_manifest, view_plan
 
 # WeightBucket field tags: manifest = 1 (bytes), data = 2 (bytes), crc32 = 3 (varint), device = 4 (bytes),
 # commit = 5 (varint).
@@ -185,35 +184,26 @@ class HostPayload:
 def tensors_from_flat(flat: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
     """The manifest's tensors as views of a flat uint8 buffer (a copy only where an offset is misaligned).
 
-    One strided view of the buffer's words per tensor, its strides looked up by shape (an adapter has hundreds of
-    small tensors: slicing and re-viewing each costs three torch calls, computing its strides in Python another)."""
-    if any(m.offset + m.nbytes > flat.numel() for m in manifest.tensors):
+    One strided view of the buffer's words per tensor, from a plan made once per layout (view_plan: an adapter has
+    hundreds of small tensors, and slicing and re-viewing each costs three torch calls, reading its spec more)."""
+    end, plan = view_plan(manifest.tensors)
+    if end > flat.numel():
         raise ValueError(f"payload truncated: the manifest's tensors reach past its {flat.numel()} bytes")
     out = {}
     words: dict[torch.dtype, torch.Tensor | None] = {}    # the buffer as each dtype's words (None: misaligned)
-    for m in manifest.tensors:
-        dtype = DTYPES.get(m.dtype) or dtype_from_name(m.dtype, field=m.name)
+    for name, dtype_name, shape, strides, offset, nbytes in plan:
+        dtype = DTYPES.get(dtype_name) or dtype_from_name(dtype_name, field=name)
         if dtype not in words:
             size = dtype.itemsize
             words[dtype] = None if flat.numel() % size or flat.storage_offset() % size else flat.view(dtype)
         typed = words[dtype]
-        if not m.nbytes:
-            out[m.name] = torch.empty(m.shape, dtype=dtype, device=flat.device)
-        elif typed is None or m.offset % dtype.itemsize:
-            out[m.name] = flat[m.offset:m.offset + m.nbytes].clone().view(dtype).view(m.shape)
+        if not nbytes:
+            out[name] = torch.empty(shape, dtype=dtype, device=flat.device)
+        elif typed is None or offset % dtype.itemsize:
+            out[name] = flat[offset:offset + nbytes].clone().view(dtype).view(shape)
         else:                             # as_strided's offset counts from the storage's start, not the view's
-            out[m.name] = typed.as_strided(m.shape, _contiguous_strides(m.shape), typed.storage_offset() +
-                                           m.offset // dtype.itemsize)
+            out[name] = typed.as_strided(shape, strides, typed.storage_offset() + offset // dtype.itemsize)
     return out
-
-
-@functools.lru_cache(maxsize=1024)
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for s in reversed(shape):
-        strides.append(step)
-        step *= max(s, 1)
-    return tuple(reversed(strides))
 
 
 def _check_and_copy(dst, data: memoryview, crc: int, index: int) -> None:

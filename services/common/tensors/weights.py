@@ -49,9 +49,33 @@ def iter_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int = DEFAULT_
         yield data, zlib.crc32(data)
 
 
-# Layouts that checked out, by the identity of their tensors tuple (immutable, and held here so the id stays its):
-# {id: (tensors, total_bytes)}.
+# Layouts that checked out, and view_plan's plans, by the identity of their tensors tuple (immutable, and held here so
+# the id stays its): {id: (tensors, total_bytes)}, {id: (tensors, end, plan)}. Rollout's manifest_from_pb hands each
+# push of one layout the same tuple.
 _CHECKED: dict[int, tuple] = {}
+_PLANS: dict[int, tuple] = {}
+
+
+def view_plan(tensors: tuple[TensorMeta, ...]) -> tuple[int, list[tuple]]:
+    """(the furthest byte a tensor reaches, [(name, dtype name, shape, contiguous strides, offset, nbytes)] per tensor)
+    of a manifest's tensors: what tensors_from_flat reads of each, made once per layout."""
+    held = _PLANS.get(id(tensors))
+    if held is None or held[0] is not tensors:
+        if len(_PLANS) >= 8:
+            _PLANS.clear()
+        rows = [(m.name, m.dtype, m.shape, _contiguous_strides(m.shape), m.offset, m.nbytes) for m in tensors]
+        held = (tensors, max((m.offset + m.nbytes for m in tensors), default=0), rows)
+        if isinstance(tensors, tuple):          # immutable: the plan stays its plan
+            _PLANS[id(tensors)] = held
+    return held[1], held[2]
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for s in reversed(shape):
+        strides.append(step)
+        step *= max(s, 1)
+    return tuple(reversed(strides))
 
 
 @dataclass
@@ -70,7 +94,8 @@ class PayloadAssembler:
         self._check()
         if len(_CHECKED) >= 8:
             _CHECKED.clear()
-        _CHECKED[id(tensors)] = (tensors, total)
+        if isinstance(tensors, tuple):
+            _CHECKED[id(tensors)] = (tensors, total)
 
     def _check(self) -> None:
         expected, offset = 0, 0
