@@ -9,8 +9,7 @@ bench/results/lora_gpu.json (a part left out keeps the section it had):
   in bf16, as the trainer sends them (weight_sync dtype = the model's).
 - `decode`: the torch engine's decode tokens/s (CUDA graphs, as `auto` resolves) with rows of 4 adapters in one
   batch vs every row on 1 adapter vs the base model (adapter ""), on the same LoRA engine, and the base on an engine
-  without LoRA (the cost of the adapter GEMMs on base rows); and 4 adapters with the expand as a mask multiply and a
-  GEMM (`four_adapters_masked_expand_tokens_per_s`: lora_expand.py's kernel off).
+  without LoRA (the cost of the adapter GEMMs on base rows).
 A later part (the LoRA train step) adds itself to PARTS.
 
     PYTHONPATH=.:protos python bench/lora_gpu.py --parts sync,decode [--out bench/results/lora_gpu.json]
@@ -224,15 +223,9 @@ def run_decode(args) -> dict:
     prompts = torch.randint(1, SHAPES[args.size]["vocab_size"], (args.batch, args.prompt_len), generator=g).tolist()
     out = {"size": args.size, "rank": args.rank, "batch": args.batch, "prompt_len": args.prompt_len,
            "new_tokens": args.new_tokens, "repeats": args.repeats}
-    from services.rollout.engine_torch import lora_expand
-
-    default = lora_expand.ENABLED
-    for lora in (False, True, "masked_expand"):
-        # True: the LoRA engine with lora_expand's kernel; "masked_expand": with the expand as a mask multiply and a
-        # GEMM (the kernel off)
-        lora_expand.ENABLED = lora is True
+    for lora in (False, True):
         model = build_model(args.size, args.device, getattr(torch, dtype))
-        engine = TorchEngine(lora_settings(args.size, args.device, dtype, lora=bool(lora), rank=args.rank, max_loras=4),
+        engine = TorchEngine(lora_settings(args.size, args.device, dtype, lora=lora, rank=args.rank, max_loras=4),
                              model=model, tokenizer=None)
         engine.warm_up()
         out["cuda_graphs"] = bool(engine.resolved.value("rollout.cuda_graphs"))
@@ -244,17 +237,13 @@ def run_decode(args) -> dict:
             for i, name in enumerate(names):
                 engine.load_adapter(name, 1, adapter_config(args.rank),
                                     adapter_tensors(model, args.rank, model.dtype, args.device, seed=10 + i))
-            keys = (("base_tokens_per_s", [""]), ("one_adapter_tokens_per_s", names[:1]),
-                    ("four_adapters_tokens_per_s", names))
-            if lora == "masked_expand":
-                keys = (("four_adapters_masked_expand_tokens_per_s", names),)
-            for key, adapters in keys:
+            for key, adapters in (("base_tokens_per_s", [""]), ("one_adapter_tokens_per_s", names[:1]),
+                                  ("four_adapters_tokens_per_s", names)):
                 out[key] = round(decode_tps(engine, prompts, adapters, args.new_tokens, args.repeats), 1)
         print(json.dumps(out), flush=True)
         del engine, model
         if cuda:
             torch.cuda.empty_cache()
-    lora_expand.ENABLED = default
     return out
 
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from services.rollout.config import RolloutSettings
-from services.rollout.engine_torch import lora_expand
 from services.rollout.engine_torch.engine import TorchEngine, _Job
 from services.rollout.testing import make_tiny_model
 from tests.unit.test_rollout_lora import batch, greedy, samples, trained_adapter
@@ -45,10 +44,8 @@ def mixed(engine, requests):
     return engine._generate_jobs([_Job(b, engine.check_batch(b), None) for b in requests])
 
 
-@pytest.mark.parametrize("compile,expand_kernel", [(False, False), (True, False), (False, True), (True, True)])
-def test_a_mixed_adapter_batch_on_cuda_graphs_equals_the_eager_loop(model_dir, compile, expand_kernel, monkeypatch):
-    """expand_kernel: the graph step's expand by lora_expand.py's Triton kernel (compiled: as the custom op)."""
-    monkeypatch.setattr(lora_expand, "ENABLED", expand_kernel)
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_mixed_adapter_batch_on_cuda_graphs_equals_the_eager_loop(model_dir, compile):
     graphs, eager = make_engine(model_dir, graphs=True, compile=compile), make_engine(model_dir, graphs=False)
     assert graphs._graph_decoder is not None and graphs._graph_decoder.adapters is graphs.adapters
     load((graphs, eager), "a", 1, model_dir)

@@ -17,8 +17,6 @@ from services.rollout.engine_torch.cuda_decode import GraphDecoder
 from services.rollout.engine_torch.engine import TorchEngine, _Job
 from services.rollout.engine_torch.lora import GATE_UP, QKV, grouped_delta
 from services.rollout.testing import make_tiny_model
-from tests.interpreted import assert_printed_ok, run_interpreted
-from tests.unit.test_paged_kv_attention import INTERPRETER_PROLOGUE
 from tests.unit.test_rollout_lora import assert_same, batch, greedy, samples, trained_adapter
 
 
@@ -150,34 +148,3 @@ def test_fused_parameters_swapped_by_reference_go_back_into_their_buffer_and_upd
     assert torch.equal(w[:mlp.gate_proj.out_features], mlp.gate_proj.weight)
     # The adapters' A rows under the base rows are untouched by either.
     assert torch.equal(w[2 * mlp.gate_proj.out_features:], e.adapters.group(mlp, GATE_UP).A)
-
-
-EXPAND_SCRIPT = INTERPRETER_PROLOGUE + """
-from services.rollout.engine_torch import lora_expand
-from services.rollout.engine_torch.lora import masked_expand
-torch.manual_seed(0)
-W, k, rows = 3 * 4, 3, 40                       # 3 slots of rank 4 (slot 0 the base's), a group of 3 members
-for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-    for N, OUT in ((5, 70), (33, 130)):          # rows and outputs that are not multiples of the tiles
-        y = torch.randn(N, rows + k * W, dtype=dtype)                 # the base GEMM's output: members, then x A^T
-        h = y[:, rows:]                                                # strided rows, as the step slices it
-        slots = torch.randint(0, 3, (N,))
-        column_slot = torch.arange(W) // 4
-        mask = (slots[:, None] == column_slot.repeat(k + 1)).to(dtype)  # wider than k * W, periodic in W
-        B = torch.randn(OUT, k * W, dtype=dtype)
-        B[:, column_slot.repeat(k) == 0] = 0                           # slot 0 (the base's) holds zeros, as in the bank
-        out = torch.empty(N, OUT, dtype=dtype)
-        lora_expand.launch(h, mask, B, out)
-        want = masked_expand(h, B, mask)
-        assert torch.allclose(out.float(), want.float(), atol=atol * max(1.0, want.abs().max().item()), rtol=0), \\
-            (dtype, N, OUT, (out.float() - want.float()).abs().max())
-        assert (out[slots == 0] == 0).all()                            # base rows: no delta
-print("ok")
-"""
-
-
-def test_the_expand_kernel_equals_the_mask_multiply_and_gemm_in_the_interpreter():
-    """lora_expand.py's kernel (the graph step's expand on CUDA) against masked_expand: strided shrink outputs,
-    rows of three slots (base rows get no delta), a mask wider than the group, ragged tiles; fp32 and bf16."""
-    pytest.importorskip("triton")
-    assert_printed_ok(run_interpreted(EXPAND_SCRIPT))

@@ -19,7 +19,6 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from services.rollout.engine_torch import lora_expand
 from services.rollout.engine_torch.fused_weights import fuse, refresh
 from services.rollout.engine_torch.lora import GATE_UP, QKV, LoraLinear, bank_of, grouped_delta, masked_expand
 
@@ -125,11 +124,7 @@ class DecodeLayers:
             y = F.linear(x, w, b)                          # the members' base outputs, then (with adapters) x A^T
             out = y[..., :sum(sizes)]
             if B is not None and mask is not None:         # the block-diagonal expand, lined up with the outputs
-                h = y[..., sum(sizes):]
-                if lora_expand.applies(h) and h.dim() == 3 and h.shape[1] == 1:     # one kernel (lora_expand.py)
-                    out = out + lora_expand.lora_expand(h[:, 0], mask, B)[:, None]
-                else:
-                    out = out + masked_expand(h, B, mask)
+                out = out + masked_expand(y[..., sum(sizes):], B, mask)
             return out.split(sizes, dim=-1)
         outs = [F.linear(x, m.weight, m.bias) for m in members]
         if B is not None and mask is not None:
