@@ -189,8 +189,6 @@ class Windows:
             return None
         live = [(b, s) for b, s in enumerate(w.rows) if not s.done]
         running = [s for _, s in live]
-        if not running:
-            return None
         k = self._window_size(rows, running, waiting, ahead=w.k)
         if k <= 1:
             return None
