@@ -41,13 +41,17 @@ def load_tokenizer(path: str):
     import json
     from pathlib import Path
 
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     folder = Path(path)
     config_file = folder / "tokenizer_config.json"
     tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
     if tokenizer_class in ("TokenizersBackend", "PreTrainedTokenizerFast") and (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    # Imported only here: AutoTokenizer's import pulls in the auto model classes, generation and sklearn (2.7 s of a
+    # fresh process on a CPU), which a coordinator loading a generic tokenizer never uses.
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
