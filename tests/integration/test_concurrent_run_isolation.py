@@ -44,7 +44,9 @@ def test_a_paused_or_failed_run_leaves_the_others_running_and_a_named_run_resume
             c = await manager.start_run(_run(mesh.config, "c", 40, 1e-3))
             recs = {r: await manager.get(r) for r in (a, b, c)}
             assert recs[a].adapter == "" and recs[b].adapter and recs[c].adapter
-            trainer = manager.contexts[c].trainer
+            # The trainer through a's channels: c's close when c fails, which can be before DeleteAdapter answers
+            # (it unloads the adapter from the replicas too), and would cancel the call.
+            trainer = manager.contexts[a].trainer
             held = (await remote.info(trainer)).details["named_adapters"]
             assert set(held.split(",")) == {recs[b].adapter, recs[c].adapter}
             # c fails: its adapter vanishes under it. DeleteAdapter also unloads it from the replicas, so c's next call
