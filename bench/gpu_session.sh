@@ -104,7 +104,7 @@ for what in "$@"; do
       part paged_episodes 540 python3 bench/episodes.py --device cuda --shape qwen2.5-0.5b --prompts 32 --n 8 --rounds 3 \
         --kv-caches "${PAGED_EPISODES_CACHES:-none,paged,paged_graphs}" --out "$OUT/paged_episodes_gpu.json" ;;
     chain) # issue 44: chained windows (paged/window.py: each window launched before the host settles the one before)
-      # beside windows launched after it (-nochain), and the shared-prefix kernel's grid at 2 programs an SM (-pps2),
+      # beside windows launched after it (-nochain), and the shared-prefix kernel's grid at N programs an SM (-ppsN),
       # in bench/paged_kv.py's cases (CHAIN_CASES, CHAIN_VARIANTS; the JSON holds this call's cases only)
       part chain_paged 560 python3 bench/paged_kv.py --cases "${CHAIN_CASES:-grpo,decode}" \
         --variants "${CHAIN_VARIANTS:-none,paged_graphs,paged_graphs-nochain}" --out "$OUT/paged_kv_gpu.json"
@@ -112,7 +112,9 @@ for what in "$@"; do
     cascade) # issue 44: the shared-prefix decode attention (paged/cascade.py): one layer's attention call beside the
       # per-row kernel (bench/cascade_attention.py), then bench/paged_kv.py's GRPO and plain decode cases with and
       # without it (CASCADE_CASES, CASCADE_VARIANTS)
-      part cascade_attention 150 python3 bench/cascade_attention.py --out "$OUT/cascade_attention_gpu.json"
+      # (CASCADE_SWEEP: the group kernel's tile:warps:stages:prefix-partitions configs, bench/cascade_attention.py --sweep)
+      part cascade_attention 150 python3 bench/cascade_attention.py ${CASCADE_SWEEP:+--sweep "$CASCADE_SWEEP"} \
+        --out "$OUT/cascade_attention_gpu.json"
       stamp "$OUT/cascade_attention_gpu.json" cascade_attention_gpu
       part cascade_paged 420 python3 bench/paged_kv.py --cases "${CASCADE_CASES:-grpo,decode}" \
         --variants "${CASCADE_VARIANTS:-none,paged_graphs,paged_graphs-noshare}" --out "$OUT/paged_kv_gpu.json"

@@ -6,8 +6,8 @@ decode), in one process on one GPU, on a random Qwen2.5-0.5B-shaped model in bf1
   (each case runs the variants none, paged and paged_graphs: paged with rollout.kv_cache_cuda_graphs;
   VARIANT/K: that variant with windows of K decode steps per host sync, e.g. paged_graphs/32; paged_graphs-noshare:
   without the shared-prefix attention, each row reading its group's prompt itself; -nochain: each window launched
-  after the host settled the one before it, not before (window.py's chained windows off); -pps2: the shared-prefix
-  kernel's grid filled to 2 programs an SM, not 4 (cascade.PREFIX_PROGRAMS_PER_SM); suffixes combine)
+  after the host settled the one before it, not before (window.py's chained windows off); -ppsN (N = 1..9): the
+  shared-prefix kernel's grid filled to N programs an SM (cascade.PREFIX_PROGRAMS_PER_SM); suffixes combine)
   longtail  512 rows with lognormal budgets (median 96, cap 1,024): today's engine decodes 64 rows at a time, its
             cache holding each at prompt + the longest budget; paged gets those bytes (kv_cache_gib) and runs as many
             rows as their lengths fit: its peak running rows vs 64, and tokens/s (goal: >= 2x the rows)
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -107,9 +108,10 @@ def case(model, args, name: str, shape: tuple[int, int], n: int, budgets, none_r
             # "paged_graphs-nochain": windows launched after the one before was settled
             base, _, window = kv.partition("/")
             base, *flags = base.split("-")
-            if set(flags) - {"noshare", "nochain", "pps2"}:
-                raise ValueError(f"--variants: unknown suffix in {kv!r} (noshare, nochain, pps2)")
-            cascade.PREFIX_PROGRAMS_PER_SM = 2 if "pps2" in flags else default_pps
+            pps = [int(f[3:]) for f in flags if re.fullmatch(r"pps[1-9]", f)]
+            if set(flags) - {"noshare", "nochain"} - {f"pps{n}" for n in pps} or len(pps) > 1:
+                raise ValueError(f"--variants: unknown suffix in {kv!r} (noshare, nochain, ppsN)")
+            cascade.PREFIX_PROGRAMS_PER_SM = pps[0] if pps else default_pps
             decoder.SYNC_EVERY = int(window or default_window)
             eng = engine(model, args, base, **(dict(paged_rollout) if base != "none" else none_rollout or {}))
             graphs = eng._paged.graphs if eng._paged is not None else None
