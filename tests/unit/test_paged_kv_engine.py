@@ -73,19 +73,22 @@ def test_paged_logprobs_equal_a_full_forward_of_prompt_and_response(model_dir):
 def test_a_ragged_paged_forward_equals_the_models_own_logits(model_dir):
     eng = paged(model_dir)
     dec = eng._paged
-    seqs = [[3, 4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16]]
+    seqs = [[3, 4, 5, 6, 7, 8, 9], [10, 11, 17, 18], [12, 13, 14, 15, 16]]
     tables = []
     for q in seqs:
         from services.rollout.engine_torch.paged.blocks import BlockTable
         t = BlockTable()
         dec.pool.reserve(t, len(q))
         tables.append(t.blocks)
-    # Fed in two pieces (a cached prefix, then the rest) as a later call would.
-    paged_forward(eng.model, dec.kv, tables, [0] * 3, [q[:-1] for q in seqs])
+    own = lambda q: eng.model(input_ids=torch.tensor([q])).logits[0, -1].float()  # noqa: E731
+    # Fed in pieces as later calls would: fresh prompts (causal over the forward's own K/V), then two tokens after a
+    # cached prefix (the masked attention over gathered slots), then one.
+    first = paged_forward(eng.model, dec.kv, tables, [0] * 3, [q[:-3] for q in seqs])
+    mid = paged_forward(eng.model, dec.kv, tables, [len(q) - 3 for q in seqs], [q[-3:-1] for q in seqs])
     got = paged_forward(eng.model, dec.kv, tables, [len(q) - 1 for q in seqs], [q[-1:] for q in seqs])
-    for q, lg in zip(seqs, got):
-        want = eng.model(input_ids=torch.tensor([q])).logits[0, -1].float()
-        assert torch.allclose(lg, want, atol=1e-4, rtol=0)
+    for q, a, b, c in zip(seqs, first, mid, got):
+        for lg, upto in ((a, len(q) - 3), (b, len(q) - 1), (c, len(q))):
+            assert torch.allclose(lg, own(q[:upto]), atol=1e-4, rtol=0)
 
 
 def test_a_group_prefills_its_prompt_once_and_forks_it(model_dir):

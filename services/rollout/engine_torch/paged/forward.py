@@ -5,7 +5,9 @@ every earlier token of its sequence through its block table.
 The model's own modules do everything but attention (embedding, RMSNorms, projections, rotary embedding, MLP);
 attention gathers each row's K/V slots by block table and runs scaled_dot_product_attention with a causal mask over
 positions. Rows are right-padded to the longest new-token count; a padded query attends to the row's first key only,
-and its output is never read.
+and its output is never read. A forward whose rows all start their sequences (fresh prompts: nothing cached before
+them) attends causally over its own K/V instead, as the model's own prefill does: on CUDA flash attention, with no
+gather of the pool and no [rows, G x Q, C] mask.
 
 A decode step (one token per row) with the Triton kernel, and the CUDA graphs' step (graphs.py), is DecodeStep:
 the CUDA-graph decoder's layers (decode_layers.py: fused q/k/v and gate/up GEMMs, LoRA by group, the compiled layer
@@ -64,14 +66,16 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, st
     if Q == 1 and kernel:
         step = step if step is not None else DecodeStep(model, kv, kernel=True, compile=False)
         return step(ids, pos, tab, start + 1)
-    C = max(p + n for p, n in zip(starts, lens))                                    # host ints: no sync
-    keys = torch.arange(C, device=dev)
     write = slots_of(tab, pos, kv.block_size)[live]                                  # [N]
-    read = slots_of(tab, keys.expand(B, C), kv.block_size)                           # [B, C]
-    mask = (keys[None, None, :] <= pos[:, :, None])[:, None]                         # [B, 1, Q, C] causal
-    # Grouped query attention without repeating K/V: each kv head's G query heads attend as G x Q queries.
-    groups = model.config.num_attention_heads // model.config.num_key_value_heads
-    mask = mask.repeat(1, 1, groups, 1)                                              # [B, 1, G * Q, C]
+    read = mask = None
+    if any(starts):                     # host ints: no sync. Some row attends to K/V of earlier calls too
+        C = max(p + n for p, n in zip(starts, lens))
+        keys = torch.arange(C, device=dev)
+        read = slots_of(tab, keys.expand(B, C), kv.block_size)                       # [B, C]
+        mask = (keys[None, None, :] <= pos[:, :, None])[:, None]                     # [B, 1, Q, C] causal
+        # Grouped query attention without repeating K/V: each kv head's G query heads attend as G x Q queries.
+        groups = model.config.num_attention_heads // model.config.num_key_value_heads
+        mask = mask.repeat(1, 1, groups, 1)                                          # [B, 1, G * Q, C]
     m = model.model
     x = m.embed_tokens(ids)
     cos, sin = m.rotary_emb(x, pos)
@@ -141,9 +145,11 @@ class DecodeStep(DecodeLayers):
         return o.reshape(B, 1, -1)
 
 
-def _layer(layer, x, cos, sin, kc: torch.Tensor, vc: torch.Tensor, write: torch.Tensor, read: torch.Tensor,
-           live: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One decoder layer: writes the live tokens' K/V at their slots, attends over each row's gathered slots."""
+def _layer(layer, x, cos, sin, kc: torch.Tensor, vc: torch.Tensor, write: torch.Tensor, read: torch.Tensor | None,
+           live: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """One decoder layer: writes the live tokens' K/V at their slots, attends over each row's gathered slots (read,
+    mask), or (read None: every row's tokens start its sequence, a fresh prompt's prefill) causally over this
+    forward's own K/V, as the model's own prefill does (flash attention on CUDA: no gather, no mask)."""
     a = layer.self_attn
     B, Q, _ = x.shape
     hd = a.head_dim
@@ -155,10 +161,16 @@ def _layer(layer, x, cos, sin, kc: torch.Tensor, vc: torch.Tensor, write: torch.
     q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(q, k, cos, sin)
     kc.index_copy_(0, write, k.transpose(1, 2)[live])                                 # [N, KV, hd]
     vc.index_copy_(0, write, v.transpose(1, 2)[live])
-    keys = kc[read].transpose(1, 2)                                                   # [B, KV, C, hd]
-    values = vc[read].transpose(1, 2)
-    KV = keys.size(1)
-    q = q.reshape(B, KV, (H // KV) * Q, hd)                                           # head h = kv * G + g
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling).reshape(B, H, Q, hd)
+    if read is None:
+        # Right-padded rows: a live query's causal keys are all live; a padded query's output is never read.
+        G = H // k.size(1)
+        o = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), is_causal=True,
+                                           scale=a.scaling)
+    else:
+        keys = kc[read].transpose(1, 2)                                               # [B, KV, C, hd]
+        values = vc[read].transpose(1, 2)
+        KV = keys.size(1)
+        q = q.reshape(B, KV, (H // KV) * Q, hd)                                       # head h = kv * G + g
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling).reshape(B, H, Q, hd)
     x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
