@@ -168,10 +168,12 @@ for what in "$@"; do
          # (LORA_VARIANTS=full,lora drops the peft-forward row when the 560 s run out: each variant compiles cold;
          # LORA_VARIANTS=full,lora,lora_addmm sets the meshrl::lora_linear op beside the addmm forward it replaced)
          # LORA_CKPT=none|selective: both variants under that activation checkpointing (default full), written to
-         # lora_train_gpu_<LORA_CKPT>.json
+         # lora_train_gpu_<LORA_CKPT>.json; LORA_BUDGET=TOKENS: every variant's micro-batch token budget (default the
+         # whole batch of 8 x 2,048), in the file's name too
       part loratrain 560 python3 bench/lora_train.py --shape "${LORA_SHAPE:-qwen2.5-1.5b}" --rank 16 \
         --checkpointing "${LORA_CKPT:-full}" --variants "${LORA_VARIANTS:-full,lora,lora_peft}" ${LORA_PROFILE:+--profile} \
-        --out "$OUT/lora_train_gpu${LORA_CKPT:+_$LORA_CKPT}.json" ;;
+        ${LORA_BUDGET:+--micro-batch-tokens "$LORA_BUDGET"} \
+        --out "$OUT/lora_train_gpu${LORA_CKPT:+_$LORA_CKPT}${LORA_BUDGET:+_$LORA_BUDGET}.json" ;;
     wstest) part wstest 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_weight_sync.py \
               tests/gpu/test_adapter_push_snapshots_gpu.py -s ;;
     trainscale) # the eager LoRA trainer (as it runs beside several runs' adapters) at the many-runs bench's shape

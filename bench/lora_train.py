@@ -90,7 +90,8 @@ def one(args) -> dict:
         lora.sibling_groups = lambda model, layers: {}
     cuda = args.device.startswith("cuda")
     actor = {"lr": 1e-5, "activation_checkpointing": checkpointing or args.checkpointing,
-             "micro_batch_token_budget": int(budget or args.batch * (args.prompt + args.response)),
+             "micro_batch_token_budget": int(budget or args.micro_batch_tokens
+                                             or args.batch * (args.prompt + args.response)),
              "activation_checkpointing_every": int(every or 1), "compile": args.compile}
     if name != "full":
         actor["lora"] = {"rank": args.rank, "alpha": 2 * args.rank}
@@ -152,6 +153,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"])
+    ap.add_argument("--micro-batch-tokens", type=int, default=0,
+                    help="actor.micro_batch_token_budget of the variants that name none (0: the whole batch at once)")
     ap.add_argument("--variants", default="full,lora,lora_peft",
                     help="comma-separated; NAME@CHECKPOINTING[/EVERY][:TOKENS] runs that variant with its own "
                          "activation_checkpointing (and micro_batch_token_budget)")
