@@ -117,6 +117,11 @@ SOURCES: dict[str, list[str]] = {
                    "bench/lora_train.py"],
     "lora_train_gpu": ["services/trainer", "services/common/tensors/fused.py", "services/common/tensors/compile.py",
                        "bench/lora_train.py"],
+    # The LoRA graph step's extra GEMMs, kernel by kernel (cuBLAS at the 1.5B shape; the bench alone).
+    "lora_decode_gemms_gpu": ["bench/lora_decode_gemms.py"],
+    # The same, both variants at one setting other than the file above's (gpu_session.sh loratrain LORA_CKPT, LORA_BUDGET).
+    "lora_train_gpu_none_4096": ["services/trainer", "services/common/tensors/fused.py",
+                                 "services/common/tensors/compile.py", "bench/lora_train.py"],
     # The eager LoRA trainer's step at 128 and 512 rows (bench/gpu_session.sh trainscale: what merging runs saves).
     "lora_train_scale_gpu": ["services/trainer", "services/common/tensors/fused.py",
                              "services/common/tensors/compile.py", "bench/lora_train.py"],
