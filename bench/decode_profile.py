@@ -56,6 +56,7 @@ def profiled(call, device: str, steps: int, top: int) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         call()
         sync(device)
+    out["idle"] = idle_gaps(prof, steps)
     rows = [r for r in prof.key_averages() if r.device_time_total > 0]
     total = sum(r.device_time_total for r in rows)
     launches = sum(r.count for r in rows)
@@ -66,6 +67,36 @@ def profiled(call, device: str, steps: int, top: int) -> dict:
                kernels_top=[[r.key[:90], round(r.device_time_total / 1e3 / steps, 4), round(r.count / steps, 2)]
                             for r in rows[:top]])
     return out
+
+
+def idle_gaps(prof, steps: int, big_us: float = 20.0, top: int = 8) -> dict:
+    """Where the GPU sat idle during the profiled call (kernel timeline from the profiler's trace): idle ms a step
+    before the first decode attention kernel (prefill and set-up) and after it (decode), the idle in gaps over
+    `big_us`, and the largest gaps with the kernels either side."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.get("traceEvents", [])
+                     if e.get("cat") == "kernel" and "dur" in e)
+    if not kernels:
+        return {}
+    first_attn = next((t0 for t0, _, n in kernels if n.startswith(ATTENTION_KERNELS)), kernels[-1][0])
+    gaps, end, prev = [], kernels[0][1], kernels[0][2]
+    for t0, t1, name in kernels[1:]:
+        if t0 > end:
+            gaps.append((t0 - end, t0, prev, name))
+        if t1 > end:
+            end, prev = t1, name
+    ms = lambda us: round(us / 1e3 / steps, 4)                                  # noqa: E731
+    gaps.sort(reverse=True)
+    return {"before_decode_ms_per_step": ms(sum(g for g, t, *_ in gaps if t <= first_attn)),
+            "decode_ms_per_step": ms(sum(g for g, t, *_ in gaps if t > first_attn)),
+            f"in_gaps_over_{int(big_us)}us_ms_per_step": ms(sum(g for g, *_ in gaps if g > big_us)),
+            "gaps_over_big": sum(1 for g, *_ in gaps if g > big_us),
+            "largest_us": [[round(g, 1), round((t - kernels[0][0]) / 1e3, 2), a[:50], b[:50]]
+                           for g, t, a, b in gaps[:top]]}
 
 
 def lora_part(args) -> dict:

@@ -251,7 +251,7 @@ def enable_fused_head(model: nn.Module, key: str = "actor.fused_logprobs") -> No
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CPU tensor on `device`; to CUDA from pinned memory without a host sync (a pageable copy waits
     for every kernel queued before it)."""
-    if device.type == "cuda":
+    if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
