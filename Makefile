@@ -32,7 +32,7 @@ demo-ppo: install
 	$(VENV)/bin/meshrl up examples/arith/ppo.yaml
 
 test: install
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=60
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
