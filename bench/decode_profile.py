@@ -57,6 +57,7 @@ def profiled(call, device: str, steps: int, top: int) -> dict:
         call()
         sync(device)
     out["idle"] = idle_gaps(prof, steps)
+    out["host"] = host_profile(call, device)
     rows = [r for r in prof.key_averages() if r.device_time_total > 0]
     total = sum(r.device_time_total for r in rows)
     launches = sum(r.count for r in rows)
@@ -67,6 +68,25 @@ def profiled(call, device: str, steps: int, top: int) -> dict:
                kernels_top=[[r.key[:90], round(r.device_time_total / 1e3 / steps, 4), round(r.count / steps, 2)]
                             for r in rows[:top]])
     return out
+
+
+def host_profile(call, device: str, top: int = 15) -> dict:
+    """One more call under cProfile: the host functions with the most time of their own (a GPU wait shows as the
+    call that synchronises) and meshrl's own functions by cumulative time, in ms for the whole call."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    call()
+    sync(device)
+    pr.disable()
+    stats = pstats.Stats(pr).stats
+    name = lambda f: f"{Path(f[0]).name}:{f[1]}({f[2]})" if f[0] != "~" else f[2]    # noqa: E731
+    own = sorted(((tt, nc, name(f)) for f, (_, nc, tt, _, _) in stats.items()), reverse=True)
+    cumulative = sorted((ct, nc, name(f)) for f, (_, nc, _, ct, _) in stats.items() if "/services/" in f[0])[::-1]
+    return {key: [[n, round(1e3 * ms, 1), calls] for ms, calls, n in rows[:top]]
+            for key, rows in (("own_ms", own), ("meshrl_cumulative_ms", cumulative))}
 
 
 def idle_gaps(prof, steps: int, big_us: float = 20.0, top: int = 8) -> dict:
