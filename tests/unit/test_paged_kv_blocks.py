@@ -63,6 +63,36 @@ def test_hash_chains_name_the_whole_prefix_not_just_the_block():
     assert chain_hashes([1, 2, 3, 4, 5, 6], 4) == a[:1]
 
 
+def test_a_table_extends_its_hash_chain_and_registers_what_a_fresh_chain_names(monkeypatch):
+    """register() and lookup() extend the chain a table carries (its fork's too) instead of hashing every block
+    again; what they cache and find is what chains computed from the first block name."""
+    import services.rollout.engine_torch.paged.blocks as blocks
+
+    hashed = []
+    digest = blocks.hashlib.blake2b
+    monkeypatch.setattr(blocks.hashlib, "blake2b", lambda *a, **k: hashed.append(1) or digest(*a, **k))
+    pool, prompt, adapter = BlockPool(16, 4), list(range(1, 11)), ("a", 1, 0)
+    t = pool.lookup(prompt, 0, limit=len(prompt) - 1, adapter=adapter)
+    assert t.blocks == [] and len(t.hashes) == 2
+    assert pool.reserve(t, len(prompt)) is None
+    t.num_tokens = len(prompt)
+    n = len(hashed)
+    pool.register(prompt, t, 0, adapter=adapter)                     # both full blocks' hashes were known
+    assert len(hashed) == n + 1                                         # the adapter's seed only
+    fork = pool.fork(t)
+    seq = prompt + [20, 21, 22, 23, 24, 25]
+    assert pool.reserve(fork, len(seq)) is not None
+    fork.num_tokens = len(seq)
+    pool.register(seq, fork, 0, adapter=adapter)
+    assert len(hashed) == n + 4                                         # the seed and the fork's two new blocks
+    fresh = chain_hashes(seq, 4, blocks.adapter_seed(adapter))
+    assert fork.hashes == fresh and set(pool._by_hash) == set(fresh)
+    assert pool.lookup(seq + [1], 0, adapter=adapter).num_tokens == 16
+    assert pool.lookup(seq + [1], 0).num_tokens == 0                    # the base model's chain differs
+    pool.free(fork)
+    assert fork.hashes == [] and fork.seed is None
+
+
 def test_a_registered_prefix_is_found_by_a_later_sequence_and_shared():
     pool = BlockPool(8, 4)
     tokens = list(range(10))

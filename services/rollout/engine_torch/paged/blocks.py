@@ -32,10 +32,15 @@ class NoFreeBlock(Exception):
 
 @dataclass
 class BlockTable:
-    """One sequence's blocks in order and how many of its tokens have their KV in them."""
+    """One sequence's blocks in order and how many of its tokens have their KV in them. hashes: the hash chain (from
+    `seed`) of the sequence's first full blocks of tokens as far as it was computed; a table's sequence only grows
+    (a fork's is its source's, an episode's next turn extends the pinned one), so the pool extends the chain rather
+    than hashing every block again when the sequence is registered (a GRPO row's 64 prompt blocks, 512 rows)."""
 
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    hashes: list[bytes] = field(default_factory=list)
+    seed: bytes | None = None
 
 
 # What a block's KV was computed with besides the base weights: a LoRA adapter's (name, version, load), or None.
@@ -50,11 +55,13 @@ def adapter_seed(adapter: Adapter) -> bytes:
     return hashlib.blake2b(f"lora\0{name}\0{version}\0{load}".encode(), digest_size=16).digest()
 
 
-def chain_hashes(tokens: list[int], block_size: int, seed: bytes = b"") -> list[bytes]:
+def chain_hashes(tokens: list[int], block_size: int, seed: bytes = b"", known: list[bytes] = ()) -> list[bytes]:
     """The hash chain of the full blocks of `tokens`: entry i names blocks 0..i (16-byte blake2b digests), starting
-    from `seed` (adapter_seed)."""
-    out, parent = [], seed
-    for i in range(len(tokens) // block_size):
+    from `seed` (adapter_seed); `known`: the chain's first entries, already computed for these tokens."""
+    full = len(tokens) // block_size
+    out = list(known[:full])
+    parent = out[-1] if out else seed
+    for i in range(len(out), full):
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(struct.pack(f"<{block_size}q", *tokens[i * block_size:(i + 1) * block_size]))
         parent = h.digest()
@@ -134,12 +141,12 @@ class BlockPool:
         """A second table sharing every block of `table` (copy on write at its first write into a shared block)."""
         for b in table.blocks:
             self.hold(b)
-        return BlockTable(list(table.blocks), table.num_tokens)
+        return BlockTable(list(table.blocks), table.num_tokens, table.hashes, table.seed)
 
     def free(self, table: BlockTable) -> None:
         for b in table.blocks:
             self.release(b)
-        table.blocks, table.num_tokens = [], 0
+        table.blocks, table.num_tokens, table.hashes, table.seed = [], 0, [], None
 
     def reserve(self, table: BlockTable, num_tokens: int) -> tuple[int, int] | None:
         """Makes room in `table` for its tokens up to `num_tokens`: new blocks as needed, and a private copy of a
@@ -169,8 +176,8 @@ class BlockPool:
         `limit` tokens) computed under weight `version` (and `adapter`); its num_tokens says how many tokens they
         cover."""
         bs = self.block_size
-        hashes = chain_hashes(tokens[:limit] if limit is not None else tokens, bs, adapter_seed(adapter))
         table = BlockTable()
+        hashes = self._chain(table, tokens[:limit] if limit is not None else tokens, adapter)
         self.stats["prefix_lookup_blocks"] += len(hashes)
         for h in hashes:
             b = self._by_hash.get(h)
@@ -188,13 +195,23 @@ class BlockPool:
     def register(self, tokens: list[int], table: BlockTable, version: int, *, adapter: Adapter = None) -> None:
         """Caches the full blocks of `table` whose KV holds `tokens` (computed under weight `version`, by
         `adapter`'s rows); a block whose tokens are cached already (another copy) stays private."""
-        hashes = chain_hashes(tokens[:table.num_tokens], self.block_size, adapter_seed(adapter))
+        hashes = self._chain(table, tokens[:table.num_tokens], adapter)
         for h, b in zip(hashes, table.blocks):
             if b in self._hash_of or h in self._by_hash:
                 continue
             self._hash_of[b], self._by_hash[h], self._version[b] = h, b, version
             if adapter is not None:
                 self._adapter[b] = adapter
+
+    def _chain(self, table: BlockTable, tokens: list[int], adapter: Adapter) -> list[bytes]:
+        """The hash chain of `tokens` (table's sequence, or a prefix of it), extending the one table holds."""
+        seed = adapter_seed(adapter)
+        if table.seed != seed:
+            table.hashes, table.seed = [], seed
+        full = len(tokens) // self.block_size
+        if len(table.hashes) < full:
+            table.hashes = chain_hashes(tokens, self.block_size, seed, table.hashes)
+        return table.hashes[:full]
 
     def set_version(self, version: int) -> int:
         """The weights are now `version`: drops every cached block computed under another one; how many."""

@@ -66,7 +66,10 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, st
     if Q == 1 and kernel:
         step = step if step is not None else DecodeStep(model, kv, kernel=True, compile=False)
         return step(ids, pos, tab, start + 1)
-    write = slots_of(tab, pos, kv.block_size)[live]                                  # [N]
+    # The live (row, query) positions as indices built on the host: a boolean mask index waits for the device
+    # (twice a layer in the prefill of a GRPO step's 64 prompts: the GPU idled between the forward's kernels).
+    flat = host_to_device((torch.arange(Q)[None, :] < torch.tensor(lens)[:, None]).flatten().nonzero()[:, 0], dev)
+    write = slots_of(tab, pos, kv.block_size).flatten()[flat]                        # [N]
     read = mask = None
     if any(starts):                     # host ints: no sync. Some row attends to K/V of earlier calls too
         C = max(p + n for p, n in zip(starts, lens))
@@ -80,7 +83,7 @@ def paged_forward(model, kv: PagedKV, tables: list[list[int]] | torch.Tensor, st
     x = m.embed_tokens(ids)
     cos, sin = m.rotary_emb(x, pos)
     for i, layer in enumerate(m.layers):
-        x = _layer(layer, x, cos, sin, kv.k[i], kv.v[i], write, read, live, mask)
+        x = _layer(layer, x, cos, sin, kv.k[i], kv.v[i], write, read, flat, mask)
     x = m.norm(x)
     last = x[torch.arange(B, device=dev), qlen - 1]                                  # [B, d]
     return model.lm_head(last).float()
@@ -146,10 +149,11 @@ class DecodeStep(DecodeLayers):
 
 
 def _layer(layer, x, cos, sin, kc: torch.Tensor, vc: torch.Tensor, write: torch.Tensor, read: torch.Tensor | None,
-           live: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """One decoder layer: writes the live tokens' K/V at their slots, attends over each row's gathered slots (read,
-    mask), or (read None: every row's tokens start its sequence, a fresh prompt's prefill) causally over this
-    forward's own K/V, as the model's own prefill does (flash attention on CUDA: no gather, no mask)."""
+           flat: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """One decoder layer: writes the live tokens' K/V (flat: their indices among the B x Q queries) at their slots,
+    attends over each row's gathered slots (read, mask), or (read None: every row's tokens start its sequence, a fresh
+    prompt's prefill) causally over this forward's own K/V, as the model's own prefill does (flash attention on
+    CUDA: no gather, no mask)."""
     a = layer.self_attn
     B, Q, _ = x.shape
     hd = a.head_dim
@@ -159,8 +163,8 @@ def _layer(layer, x, cos, sin, kc: torch.Tensor, vc: torch.Tensor, write: torch.
     k = a.k_proj(h).view(B, Q, -1, hd).transpose(1, 2)                               # [B, KV, Q, hd]
     v = a.v_proj(h).view(B, Q, -1, hd).transpose(1, 2)
     q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(q, k, cos, sin)
-    kc.index_copy_(0, write, k.transpose(1, 2)[live])                                 # [N, KV, hd]
-    vc.index_copy_(0, write, v.transpose(1, 2)[live])
+    kc.index_copy_(0, write, k.transpose(1, 2).reshape(B * Q, -1, hd)[flat])       # [N, KV, hd]
+    vc.index_copy_(0, write, v.transpose(1, 2).reshape(B * Q, -1, hd)[flat])
     if read is None:
         # Right-padded rows: a live query's causal keys are all live; a padded query's output is never read.
         G = H // k.size(1)
