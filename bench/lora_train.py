@@ -133,14 +133,22 @@ def one(args) -> dict:
             "param_dtype": e.rank.param_dtype, "compute_dtype": e.rank.compute_dtype}
 
 
-def kernel_table(e, samples, loss, top: int = 25) -> list:
-    """One more step under torch.profiler: the GPU kernels that took the most time, [name, ms, calls]."""
+def kernel_table(e, samples, loss, top: int = 25) -> dict:
+    """One more step under torch.profiler: its wall ms beside the GPU's busy ms and launches (a step whose wall is
+    well over its kernels' time waits on the host's launches, not the GPU), and the kernels that took the most
+    time, [name, ms, calls]."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         e.train_actor(samples, loss)
-    rows = sorted(prof.key_averages(), key=lambda r: r.device_time_total, reverse=True)[:top]
-    return [[r.key[:90], round(r.device_time_total / 1e3, 2), r.count] for r in rows]
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    rows = sorted((r for r in prof.key_averages() if r.device_time_total > 0), key=lambda r: r.device_time_total,
+                  reverse=True)
+    return {"wall_ms": round(1e3 * wall, 1), "kernel_ms": round(sum(r.device_time_total for r in rows) / 1e3, 1),
+            "launches": sum(r.count for r in rows),
+            "top": [[r.key[:90], round(r.device_time_total / 1e3, 2), r.count] for r in rows[:top]]}
 
 
 def main() -> None:
