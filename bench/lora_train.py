@@ -137,6 +137,7 @@ def kernel_table(e, samples, loss, top: int = 25) -> dict:
     """One more step under torch.profiler: its wall ms beside the GPU's busy ms and launches (a step whose wall is
     well over its kernels' time waits on the host's launches, not the GPU), and the kernels that took the most
     time, [name, ms, calls]."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
