@@ -31,12 +31,17 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             intermediate_size=128, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=True)
 
 
+# Qwen2.5-1.5B's 28 layers at the tiny width: a step's compute is next to nothing, so its time on a CPU is about the
+# host's own work per layer and micro-batch (dispatch, autograd, the adapters' ops), which a GPU step waits on.
+SHAPES = {"tiny": TINY, "tiny-deep": dict(TINY, num_hidden_layers=28)}
+
+
 def model_folder(shape: str, root: Path, device: str) -> Path:
     from peers.settings import QWEN25, make_random_model
 
     out = root / shape
     if not (out / "config.json").is_file():
-        make_random_model(out, dtype="bfloat16", shape=TINY if shape == "tiny" else QWEN25[shape],
+        make_random_model(out, dtype="bfloat16", shape=SHAPES.get(shape) or QWEN25[shape],
                           init_in_dtype=True, device=device)
     return out
 
