@@ -114,3 +114,38 @@ def test_a_trainer_or_coordinator_that_dies_mid_run_ends_meshrl_up_with_the_resu
     else:
         assert said == [f"meshrl up: run r-1 interrupted{at}; its record lived in the coordinator's memory (no "
                         f"run.redis_url), so it cannot be resumed: set run.redis_url to make runs resumable"]
+
+
+def test_resume_names_a_run_the_store_holds_with_steps_left_before_any_service_starts(redis_url):
+    """`meshrl up --resume TYPO` failed only after the whole mesh had started; the run store is asked first."""
+    import asyncio
+    import uuid
+
+    from coordinator.runapi.store import RedisStore, RunRecord
+
+    run = SimpleNamespace(redis_url=redis_url, redis_prefix=f"test-resume-{uuid.uuid4().hex[:8]}")
+
+    async def put(*records):
+        store = RedisStore(redis_url, prefix=run.redis_prefix)
+        for r in records:
+            await store.put(r)
+        await store.close()
+
+    asyncio.run(put(RunRecord(run_id="run-a", config="", state="PAUSED", step=3, num_steps=6),
+                    RunRecord(run_id="run-b", config="", state="COMPLETED", step=6, num_steps=6)))
+    runs.check_resumable(run, "run-a")                                   # paused with steps left: fine
+    with pytest.raises(ValueError, match=r"--resume: run 'run-b' is COMPLETED; there is nothing to resume"):
+        runs.check_resumable(run, "run-b")
+    with pytest.raises(ValueError) as err:
+        runs.check_resumable(run, "run-x")
+    message = str(err.value)
+    assert message.startswith("--resume: no run 'run-x' in the store at run.redis_url")
+    assert "run-a (PAUSED, step 3/6)" in message and "run-b (COMPLETED, step 6/6)" in message
+    assert redis_url not in message
+
+
+def test_resume_with_a_store_that_does_not_answer_is_refused_by_name():
+    run = SimpleNamespace(redis_url="redis://:secret@127.0.0.1:1/0", redis_prefix="meshrl")
+    with pytest.raises(ValueError, match=r"^--resume: the run store at run.redis_url did not answer") as err:
+        runs.check_resumable(run, "run-a", timeout_s=2)
+    assert "secret" not in str(err.value)
