@@ -91,3 +91,35 @@ def resume_command(run_id: str, argv: list[str] | None = None) -> str:
             kept.append(arg)
     at = kept.index("up") + 1 if "up" in kept else 0
     return "meshrl " + shlex.join([*kept[:at], "--resume", run_id, *kept[at:]])
+
+
+def check_resumable(run, run_id: str, timeout_s: float = 15.0) -> None:
+    """`--resume RUN_ID` names a run in the store at run.redis_url with steps left: checked before a service starts
+    (a mistyped id cost a whole mesh start, then failed there). Read as the run store writes it
+    (coordinator/run_keys.py); the CLI loads no run manager."""
+    import json
+
+    import redis
+    from redis.exceptions import RedisError
+
+    from coordinator.run_keys import UNFINISHED, redis_key
+
+    client = redis.Redis.from_url(run.redis_url, decode_responses=True, socket_timeout=timeout_s,
+                                  socket_connect_timeout=timeout_s)
+    try:
+        text = client.get(redis_key(run.redis_prefix, "run", run_id))
+        ids = [] if text else sorted(client.smembers(redis_key(run.redis_prefix, "runs")))
+        others = [json.loads(t) for t in (client.mget([redis_key(run.redis_prefix, "run", i) for i in ids])
+                                          if ids else []) if t]
+    except (RedisError, OSError) as e:          # the URL is not printed: it may hold a password
+        raise ValueError(f"--resume: the run store at run.redis_url did not answer ({type(e).__name__}: {e})") from e
+    finally:
+        client.close()
+    if text is None:
+        latest = sorted(others, key=lambda r: r.get("updated_at", 0))[-5:][::-1]
+        known = ", ".join(f"{r['run_id']} ({r['state']}, step {r['step']}/{r['num_steps']})" for r in latest)
+        raise ValueError(f"--resume: no run {run_id!r} in the store at run.redis_url (prefix "
+                         f"{run.redis_prefix!r}); its latest runs: {known or 'none'}")
+    state = json.loads(text)["state"]
+    if state not in UNFINISHED:
+        raise ValueError(f"--resume: run {run_id!r} is {state}; there is nothing to resume")

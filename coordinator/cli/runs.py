@@ -109,6 +109,8 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
                          "memory and ended with the `meshrl up` that ran it (set run.redis_url to make runs "
                          "resumable)")
     if resume:
+        from coordinator.cli.interrupt import check_resumable
+
         check_resumable(cfg.run, resume)
     placement, trainer_devices = _placement(cfg, raw, overrides)
     # On a CUDA model.device: the services' estimated memory fits each GPU, or the recipe is refused here with
@@ -195,35 +197,6 @@ def _status_if_answered(client, run_id: str):
         return client.get_run(run_id)
     except grpc.RpcError:             # the coordinator is the one that died
         return None
-
-
-def check_resumable(run, run_id: str, timeout_s: float = 15.0) -> None:
-    """`--resume RUN_ID` names a run in the store at run.redis_url with steps left: checked before a service starts
-    (a mistyped id cost a whole mesh start, then failed there)."""
-    import asyncio
-
-    from redis.exceptions import RedisError
-
-    from coordinator.runapi.store import UNFINISHED, open_store
-
-    async def look():
-        store = open_store(run.redis_url, run.redis_prefix)
-        try:
-            return await store.get(run_id), await store.list()
-        finally:
-            await store.close()
-
-    try:
-        record, records = asyncio.run(asyncio.wait_for(look(), timeout_s))
-    except (TimeoutError, OSError, RedisError) as e:        # the URL is not printed: it may hold a password
-        raise ValueError(f"--resume: the run store at run.redis_url did not answer ({type(e).__name__}: {e})") from e
-    if record is None:
-        latest = sorted(records, key=lambda r: r.updated_at)[-5:][::-1]
-        known = ", ".join(f"{r.run_id} ({r.state}, step {r.step}/{r.num_steps})" for r in latest) or "none"
-        raise ValueError(f"--resume: no run {run_id!r} in the store at run.redis_url (prefix "
-                         f"{run.redis_prefix!r}); its latest runs: {known}")
-    if record.state not in UNFINISHED:
-        raise ValueError(f"--resume: run {run_id!r} is {record.state}; there is nothing to resume")
 
 
 def _start_or_resume(client, data: dict, resume: str) -> tuple[str, int]:

@@ -8,8 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-RUN_STATES = ("PENDING", "RUNNING", "PAUSED", "COMPLETED", "FAILED", "STOPPED")
-UNFINISHED = ("PENDING", "RUNNING", "PAUSED")
+from coordinator.run_keys import UNFINISHED, redis_key
 
 
 @dataclass
@@ -266,7 +265,7 @@ class RedisStore:
         self._prefix = prefix
 
     def _key(self, *parts: str) -> str:
-        return ":".join((self._prefix, *parts))
+        return redis_key(self._prefix, *parts)
 
     async def put(self, record: RunRecord) -> None:
         record.updated_at = time.time()

@@ -10,7 +10,7 @@ import pytest
 
 from coordinator.cli import runs
 from coordinator.cli.common import Interrupted
-from coordinator.cli.interrupt import resume_command, resume_line, sigterm_as_interrupt
+from coordinator.cli.interrupt import check_resumable, resume_command, resume_line, sigterm_as_interrupt
 from coordinator.recipe.config import RunConfig
 from coordinator.training.algorithms import live_addresses
 from services.common.config import load_config
@@ -133,11 +133,11 @@ def test_resume_names_a_run_the_store_holds_with_steps_left_before_any_service_s
 
     asyncio.run(put(RunRecord(run_id="run-a", config="", state="PAUSED", step=3, num_steps=6),
                     RunRecord(run_id="run-b", config="", state="COMPLETED", step=6, num_steps=6)))
-    runs.check_resumable(run, "run-a")                                   # paused with steps left: fine
+    check_resumable(run, "run-a")                                   # paused with steps left: fine
     with pytest.raises(ValueError, match=r"--resume: run 'run-b' is COMPLETED; there is nothing to resume"):
-        runs.check_resumable(run, "run-b")
+        check_resumable(run, "run-b")
     with pytest.raises(ValueError) as err:
-        runs.check_resumable(run, "run-x")
+        check_resumable(run, "run-x")
     message = str(err.value)
     assert message.startswith("--resume: no run 'run-x' in the store at run.redis_url")
     assert "run-a (PAUSED, step 3/6)" in message and "run-b (COMPLETED, step 6/6)" in message
@@ -147,5 +147,5 @@ def test_resume_names_a_run_the_store_holds_with_steps_left_before_any_service_s
 def test_resume_with_a_store_that_does_not_answer_is_refused_by_name():
     run = SimpleNamespace(redis_url="redis://:secret@127.0.0.1:1/0", redis_prefix="meshrl")
     with pytest.raises(ValueError, match=r"^--resume: the run store at run.redis_url did not answer") as err:
-        runs.check_resumable(run, "run-a", timeout_s=2)
+        check_resumable(run, "run-a", timeout_s=2)
     assert "secret" not in str(err.value)
