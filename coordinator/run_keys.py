@@ -1,9 +1,8 @@
-"""Where a run's record lives in Redis and the states it can be in: the run store writes there
+"""Where a run's record lives in Redis and which of its states have steps left: the run store writes there
 (coordinator/runapi/store.py) and `meshrl up --resume` reads it before the mesh starts (coordinator/cli/interrupt.py)."""
 
 from __future__ import annotations
 
-RUN_STATES = ("PENDING", "RUNNING", "PAUSED", "COMPLETED", "FAILED", "STOPPED")
 UNFINISHED = ("PENDING", "RUNNING", "PAUSED")
 
 
