@@ -72,8 +72,11 @@ def test_compiled_backward_forms_no_gradient_of_the_frozen_weight():
     assert weight_grads == [] and w.grad is None and a.grad is not None and b.grad is not None
 
 
-def test_the_group_op_matches_the_unfused_formula_for_gate_and_up():
+@pytest.mark.parametrize("laid_out", ["one_storage", "apart"])
+def test_the_group_op_matches_the_unfused_formula_for_gate_and_up(laid_out):
     (x, w_gate, a_gate, b_gate), (_, w_up, a_up, b_up) = operands(2), operands(3)
+    if laid_out == "one_storage":           # as apply_lora lays a group's base weights out: one base GEMM for both
+        w_gate, w_up = torch.cat([w_gate, w_up]).split(D_OUT)
     dys = [torch.randn(TOKENS, D_OUT, device="cuda").bfloat16() for _ in range(2)]
     params = (x, a_gate, b_gate, a_up, b_up)
 

@@ -84,13 +84,19 @@ def test_a_lora_step_runs_no_gemm_that_forms_a_frozen_base_weights_gradient(mode
     frozen = {n: p for n, p in e.rank.actor.module.named_parameters() if ".lora_" not in n}
     assert weight_grad_gemms(events, {n: p.shape for n, p in frozen.items()}, tokens) == []
     assert all(p.grad is None for p in frozen.values())
-    # The adapters did train: every B got its gradient GEMM over the tokens, every A too, in one GEMM for a group's
-    # A stacked (q/k/v [3r, in], gate/up [2r, in]: x read once) and one each for o_proj's and down_proj's (compiled:
-    # inside the compiled backward's op, which the profiler sees as it would see the base's).
-    adapters = {n: p.shape for n, p in e.rank.actor.module.named_parameters() if ".lora_" in n}
-    hidden = e.rank.actor.module.config.hidden_size
-    stacked = {"qkv": torch.Size([3 * RANK, hidden]), "gate_up": torch.Size([2 * RANK, hidden])}
-    assert len(weight_grad_gemms(events, adapters | stacked, tokens)) == 2 * (7 + 4)
+    # The adapters did train: one gradient GEMM over the tokens for each A and B of o_proj and down_proj, and for a
+    # group's A stacked (q/k/v [3r, in], gate/up [2r, in]: x read once) and its B's block-diagonal ([O, R]: every
+    # member's B in one) (compiled: inside the compiled backward's op, which the profiler sees as it would see the
+    # base's).
+    adapters = {n: p.shape for n, p in e.rank.actor.module.named_parameters() if ".lora_" in n and (
+        ".o_proj." in n or ".down_proj." in n)}
+    config = e.rank.actor.module.config
+    hidden, head = config.hidden_size, config.hidden_size // config.num_attention_heads
+    qkv_out = hidden + 2 * config.num_key_value_heads * head
+    stacked = {"qkv": torch.Size([3 * RANK, hidden]), "gate_up": torch.Size([2 * RANK, hidden]),
+               "qkv_b": torch.Size([qkv_out, 3 * RANK]), "gate_up_b": torch.Size([2 * config.intermediate_size,
+                                                                                   2 * RANK])}
+    assert len(weight_grad_gemms(events, adapters | stacked, tokens)) == 2 * (4 + 4)
     groups = [n for n, _ in events if n == "meshrl::lora_group_backward"]
     assert len(groups) == 2 * 2                                       # one backward for each group of each block
     # A group's z = x A^T: one GEMM over its input in forward and one in the checkpoint's recompute, none in
@@ -159,18 +165,26 @@ class Siblings(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
+@pytest.mark.parametrize("laid_out", ["one_storage", "apart"])
 @pytest.mark.parametrize("base_first", [True, False], ids=["cpu_order", "cuda_order"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_group_of_adapted_layers_reads_its_input_once_for_all_their_adapters(bias, base_first, monkeypatch):
+def test_a_group_of_adapted_layers_reads_its_input_once_for_all_their_adapters(bias, base_first, laid_out,
+                                                                                monkeypatch):
     monkeypatch.setattr(lora_linear, "base_first", lambda x: base_first)
     T, d_in, outs, r = 37, 48, (80, 24, 24), 4
-    R = 3 * r
+    R, O = 3 * r, sum(outs)
     torch.manual_seed(0)
     model = nn.Module()
     model.attn = Siblings(d_in, outs, bias)
     apply_lora(model, LoraSection(rank=r, alpha=2 * r, target_modules=["q_proj", "k_proj", "v_proj"]),
                adapter_dtype=torch.float32)
     layers = [model.attn.q_proj, model.attn.k_proj, model.attn.v_proj]
+    bases = [layer.base_layer.weight for layer in layers]
+    # apply_lora put the three base weights one after another in one storage (views: the group's one base GEMM).
+    assert len({w.untyped_storage().data_ptr() for w in bases}) == 1
+    assert [w.storage_offset() for w in bases] == [0, outs[0] * d_in, (outs[0] + outs[1]) * d_in]
+    if laid_out == "apart":                 # a weight replaced since: the op runs each member's base GEMM
+        layers[1].base_layer.weight = nn.Parameter(bases[1].detach().clone(), requires_grad=False)
     for layer in layers:
         nn.init.normal_(layer.lora_B[ADAPTER].weight)                               # B = 0 would hide the path
     x = torch.randn(T, d_in, dtype=torch.bfloat16, requires_grad=True)
@@ -183,22 +197,33 @@ def test_a_group_of_adapted_layers_reads_its_input_once_for_all_their_adapters(b
 
     events = profiled(run)
     gemms = [gemm_mkn(n, s) for n, s in events if n in GEMMS]
-    # Forward: one z = x A^T for the three (A stacked, [3r, in]), then each member's adapter part and base GEMM.
-    # Backward: each member's dz, dB and dy W; one dA of the stacked A (x read once) and one dz A; z is not
-    # recomputed (the op kept it).
-    forward = [(T, d_in, R)] + [g for o in outs for g in ((T, r, o), (T, d_in, o))]
-    backward = [g for o in outs for g in ((T, o, r), (o, T, r), (T, o, d_in))] + [(R, T, d_in), (T, R, d_in)]
+    # Forward: one z = x A^T for the three (A stacked, [R, in]), one adapter part for all (the scaled B's as one
+    # block-diagonal [O, R]) and the base's. Backward: one dz, one dB (the block-diagonal's), one dA (x read once),
+    # one dz A and the base's dy W; z is not recomputed (the op kept it). Base weights apart: a base GEMM per member.
+    base_fwd, base_bwd = ([(T, d_in, O)], [(T, O, d_in)]) if laid_out == "one_storage" else (
+        [(T, d_in, o) for o in outs], [(T, o, d_in) for o in outs])
+    forward = [(T, d_in, R), (T, R, O)] + base_fwd
+    backward = [(T, O, R), (O, T, R), (R, T, d_in), (T, R, d_in)] + base_bwd
     assert sorted(gemms) == sorted(forward + backward)
-    assert [g for g in gemms if g[:2] == (T, d_in)] == [(T, d_in, R)] + [(T, d_in, o) for o in outs]
-    # Each member's output: one GEMM accumulates onto the other's in place; x's gradient: one [T, in] product that
-    # the other three accumulate onto (before: one per member, summed by autograd).
-    small = r if base_first else d_in
-    onto = [("aten::addmm_", [[T, o], [T, small], [small, o], [], []]) for o in outs]
-    assert all(e in events for e in onto)
-    assert len([1 for n, s in events if n == "aten::addmm_" and s[0] == [T, d_in]]) == 3
-    big = {(T, d_in)} | {(T, o) for o in outs}
+    assert [g for g in gemms if g[:2] == (T, d_in)] == [(T, d_in, R)] + base_fwd
+    # The output: one GEMM accumulates onto the other's in place (apart: each member's base onto its columns); x's
+    # gradient: one [T, in] product that the rest accumulate onto.
+    if laid_out == "apart":
+        onto = [[[T, o], [T, d_in], [d_in, o], [], []] for o in outs]
+        dx_onto = [[[T, d_in], [T, o], [o, d_in], [], []] for o in outs]
+    else:
+        small, big_k = (R, O) if base_first else (d_in, O)
+        onto = [[[T, O], [T, small], [small, O], [], []] if base_first else [[T, O], [T, d_in], [d_in, O], [], []]]
+        dx_onto = [[[T, d_in], [T, R], [R, d_in], [], []] if base_first else [[T, d_in], [T, O], [O, d_in], [], []]]
+    in_place = [s for n, s in events if n == "aten::addmm_"]
+    assert sorted(map(str, in_place)) == sorted(map(str, onto + dx_onto))
+    # Outside the GEMMs nothing reads or writes a [tokens, features] tensor but a bias's broadcast copy inside addmm
+    # and autograd's own join of the three outputs' gradients into the op's one dy [T, O] (eager; a compiled
+    # block's backward writes them into it).
+    big = {(T, d_in), (T, O)} | {(T, o) for o in outs}
     passes = [(n, s) for n, s in events if n in PASSES and any(tuple(t) in big for t in s)]
-    assert passes == ([("aten::copy_", [[T, o], [T, o], []]) for o in outs] if bias else [])
+    assert passes == ([("aten::copy_", [[T, O], [T, O], []])] if bias else [])
+    assert [s for n, s in events if n == "SplitWithSizesBackward0"] == [[[T, o] for o in outs]]
     assert all(layer.base_layer.weight.grad is None for layer in layers)
     # The values of the unfused formula (fp32 reference of the bf16 operands), and nothing left on x.
     xf = x.detach().float()

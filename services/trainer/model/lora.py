@@ -42,6 +42,8 @@ def apply_lora(model: nn.Module, cfg: LoraSection, *, adapter_dtype: torch.dtype
         if p.requires_grad:
             p.data = p.data.to(adapter_dtype)
             trainable += p.numel()
+    for group in {id(g): g for g, _ in groups.values()}.values():
+        group.fuse_bases()
     total = sum(p.numel() for p in model.parameters())
     log.info("LoRA rank %d on %s: %d of %d parameters train (%.2f%%)", cfg.rank, ",".join(cfg.target_modules),
              trainable, total, 100.0 * trainable / max(1, total))
@@ -110,6 +112,21 @@ class SiblingGroup:
     def __init__(self, members: list[nn.Module], names: list[str]):
         self.members = members
         self.keys = [f"_meshrl_lora_{n}" for n in names]
+
+    @torch.no_grad()
+    def fuse_bases(self) -> None:
+        """The members' frozen base weights moved into one storage, one after another (each stays its own
+        Parameter, a view of it; no more memory): the group's op then runs one base GEMM for all of them
+        (lora_group.stacked). Left as they are where they could not be one tensor (trained, or of other dtypes,
+        devices, input widths or tensor types: a TP shard's DTensor)."""
+        weights = [m.base_layer.weight for m in self.members]
+        if (any(w.requires_grad or type(w) is not nn.Parameter for w in weights)
+                or len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1):
+            return
+        fused, start = torch.cat([w.detach() for w in weights]), 0
+        for m, w in zip(self.members, weights):
+            m.base_layer.weight = nn.Parameter(fused[start:start + w.shape[0]], requires_grad=False)
+            start += w.shape[0]
 
     def output(self, index: int, x: torch.Tensor, adapter: tuple) -> torch.Tensor | None:
         """Member `index`'s output for x (its `adapter` as lean_adapter gives it), or None: it computes alone."""

@@ -34,12 +34,13 @@ def base_first(x: torch.Tensor) -> bool:
 
 @torch.library.custom_op("meshrl::lora_linear", mutates_args=())
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """y [T, out] of x [T, in], weight [out, in], bias [out] or None, lora_a [r, in], lora_b [out, r], all in one
-    dtype. Only y comes out (z = x A^T is recomputed in backward): a recomputed forward whose output backward does not
-    need (the block's last layer, down_proj, under checkpointing) is then dead code that the compiler drops, as it
-    drops a plain linear's; an op that also returned z would run its whole base GEMM again for it."""
-    return project(x, weight, bias, torch.mm(x, lora_a.t()), lora_b * scaling)
+                lora_b: torch.Tensor) -> torch.Tensor:
+    """y [T, out] of x [T, in], weight [out, in], bias [out] or None, lora_a [r, in], lora_b [out, r] (scaled: the
+    caller's s B, so that the scaling is no kernel of its own here), all in one dtype. Only y comes out (z = x A^T
+    is recomputed in backward): a recomputed forward whose output backward does not need (the block's last layer,
+    down_proj, under checkpointing) is then dead code that the compiler drops, as it drops a plain linear's; an op
+    that also returned z would run its whole base GEMM again for it."""
+    return project(x, weight, bias, torch.mm(x, lora_a.t()), lora_b)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor,
@@ -53,19 +54,19 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z:
 
 
 @lora_linear.register_fake
-def _(x, weight, bias, lora_a, lora_b, scaling):
+def _(x, weight, bias, lora_a, lora_b):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @torch.library.custom_op("meshrl::lora_linear_backward", mutates_args=())
 def lora_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                         lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+                         lora_a: torch.Tensor, lora_b: torch.Tensor,
                          need_x: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx [T, in] or an empty tensor when x needs none, dA [r, in], dB [out, r]). No [out, in] product: the base
-    weight is frozen."""
+    """(dx [T, in] or an empty tensor when x needs none, dA [r, in], dB [out, r] of the scaled B). No [out, in]
+    product: the base weight is frozen."""
     z = torch.mm(x, lora_a.t())                                                       # [T, r]
-    dz = torch.mm(dy, lora_b) * scaling                                              # [T, r]
-    d_b = torch.mm(dy.t(), z) * scaling                                              # [out, r]
+    dz = torch.mm(dy, lora_b)                                                         # [T, r]
+    d_b = torch.mm(dy.t(), z)                                                         # [out, r]
     d_a = torch.mm(dz.t(), x)                                                        # [r, in]
     if not need_x:
         return x.new_empty(0), d_a, d_b
@@ -74,15 +75,14 @@ def lora_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 
 
 @lora_linear_backward.register_fake
-def _(dy, x, weight, lora_a, lora_b, scaling, need_x):
+def _(dy, x, weight, lora_a, lora_b, need_x):
     dx = x.new_empty(x.shape) if need_x else x.new_empty(0)
     return dx, lora_a.new_empty(lora_a.shape), lora_b.new_empty(lora_b.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, lora_a, lora_b, scaling = inputs
+    x, weight, bias, lora_a, lora_b = inputs
     ctx.save_for_backward(x, weight, lora_a, lora_b)
-    ctx.scaling = scaling
 
 
 def _backward(ctx, dy):
@@ -90,9 +90,8 @@ def _backward(ctx, dy):
     need_x = ctx.needs_input_grad[0]
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
         raise RuntimeError("lora_linear: the base weight and bias are frozen; this op never computes their grads")
-    dx, d_a, d_b = torch.ops.meshrl.lora_linear_backward(dy.contiguous(), x, weight, lora_a, lora_b, ctx.scaling,
-                                                          need_x)
-    return (dx if need_x else None), None, None, d_a, d_b, None
+    dx, d_a, d_b = torch.ops.meshrl.lora_linear_backward(dy.contiguous(), x, weight, lora_a, lora_b, need_x)
+    return (dx if need_x else None), None, None, d_a, d_b
 
 
 lora_linear.register_autograd(_backward, setup_context=_setup_context)
@@ -101,11 +100,12 @@ lora_linear.register_autograd(_backward, setup_context=_setup_context)
 def adapted_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                    lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
     """base(x) + scaling * B(A(x)) for x [..., in] in the compute dtype: the autocast dtype under autocast (the fp32
-    adapters are cast to it here, as autocast would: their gradients come back in fp32), else x's dtype."""
+    adapters are cast to it here, as autocast would: their gradients come back in fp32), else x's dtype. B is
+    scaled in the same pass as its cast (one kernel under compile; the op's GEMMs need no scaling of their own)."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).to(dtype)
     y = lora_linear(x2, weight.to(dtype), None if bias is None else bias.to(dtype), lora_a.to(dtype),
-                       lora_b.to(dtype), scaling)
+                    (lora_b * scaling).to(dtype))
     return y.view(*lead, y.shape[-1])
