@@ -122,6 +122,9 @@ SOURCES: dict[str, list[str]] = {
     # The same, both variants at one setting other than the file above's (gpu_session.sh loratrain LORA_CKPT, LORA_BUDGET).
     "lora_train_gpu_none_4096": ["services/trainer", "services/common/tensors/fused.py",
                                  "services/common/tensors/compile.py", "bench/lora_train.py"],
+    # ... at the trainer's defaults for both (no checkpointing, 16,384 tokens a micro-batch: the whole batch).
+    "lora_train_gpu_none": ["services/trainer", "services/common/tensors/fused.py",
+                            "services/common/tensors/compile.py", "bench/lora_train.py"],
     # LoRA vs full at the tiny width and 1.5B's 28 layers on a CPU: the host's own work a step (bench/lora_train.py
     # --shape tiny-deep), which a GPU step waits on when its kernels are small.
     "lora_train_host_cpu": ["services/trainer", "services/common/tensors/fused.py",
