@@ -165,6 +165,37 @@ class Siblings(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
+def adapted_siblings(d_in: int, outs: tuple[int, ...], r: int, bias: bool):
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.attn = Siblings(d_in, outs, bias)
+    apply_lora(model, LoraSection(rank=r, alpha=2 * r, target_modules=["q_proj", "k_proj", "v_proj"]),
+               adapter_dtype=torch.float32)
+    return model, [model.attn.q_proj, model.attn.k_proj, model.attn.v_proj]
+
+
+def forward_backward(attn: nn.Module, x: torch.Tensor):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = attn(x)
+    torch.autograd.backward(ys, [torch.ones_like(y) for y in ys])
+    return ys
+
+
+def assert_unfused_values(attn: nn.Module, layers: list[nn.Module], x: torch.Tensor, bias: bool) -> None:
+    """The values of the unfused formula (fp32 reference of the bf16 operands), and nothing left on x."""
+    xf = x.detach().float()
+    bf = lambda t: t.detach().to(torch.bfloat16).float()                            # noqa: E731
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = attn(x)
+    for layer, y in zip(layers, ys):
+        ref = xf @ layer.base_layer.weight.float().t() + layer.scaling[ADAPTER] * (
+            xf @ bf(layer.lora_A[ADAPTER].weight).t()) @ bf(layer.lora_B[ADAPTER].weight).t()
+        if bias:
+            ref = ref + layer.base_layer.bias.float()
+        assert (y.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    assert [v for k, v in vars(x).items() if k.startswith("_meshrl_lora")] == [None, None]
+
+
 @pytest.mark.parametrize("laid_out", ["one_storage", "apart"])
 @pytest.mark.parametrize("base_first", [True, False], ids=["cpu_order", "cuda_order"])
 @pytest.mark.parametrize("bias", [False, True])
@@ -173,12 +204,7 @@ def test_a_group_of_adapted_layers_reads_its_input_once_for_all_their_adapters(b
     monkeypatch.setattr(lora_linear, "base_first", lambda x: base_first)
     T, d_in, outs, r = 37, 48, (80, 24, 24), 4
     R, O = 3 * r, sum(outs)
-    torch.manual_seed(0)
-    model = nn.Module()
-    model.attn = Siblings(d_in, outs, bias)
-    apply_lora(model, LoraSection(rank=r, alpha=2 * r, target_modules=["q_proj", "k_proj", "v_proj"]),
-               adapter_dtype=torch.float32)
-    layers = [model.attn.q_proj, model.attn.k_proj, model.attn.v_proj]
+    model, layers = adapted_siblings(d_in, outs, r, bias)
     bases = [layer.base_layer.weight for layer in layers]
     # apply_lora put the three base weights one after another in one storage (views: the group's one base GEMM).
     assert len({w.untyped_storage().data_ptr() for w in bases}) == 1
@@ -188,14 +214,7 @@ def test_a_group_of_adapted_layers_reads_its_input_once_for_all_their_adapters(b
     for layer in layers:
         nn.init.normal_(layer.lora_B[ADAPTER].weight)                               # B = 0 would hide the path
     x = torch.randn(T, d_in, dtype=torch.bfloat16, requires_grad=True)
-
-    def run():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            ys = model.attn(x)
-        torch.autograd.backward(ys, [torch.ones_like(y) for y in ys])
-        return ys
-
-    events = profiled(run)
+    events = profiled(lambda: forward_backward(model.attn, x))
     gemms = [gemm_mkn(n, s) for n, s in events if n in GEMMS]
     # Forward: one z = x A^T for the three (A stacked, [R, in]), one adapter part for all (the scaled B's as one
     # block-diagonal [O, R]) and the base's. Backward: one dz, one dB (the block-diagonal's), one dA (x read once),
@@ -212,8 +231,7 @@ def test_a_group_of_adapted_layers_reads_its_input_once_for_all_their_adapters(b
         onto = [[[T, o], [T, d_in], [d_in, o], [], []] for o in outs]
         dx_onto = [[[T, d_in], [T, o], [o, d_in], [], []] for o in outs]
     else:
-        small, big_k = (R, O) if base_first else (d_in, O)
-        onto = [[[T, O], [T, small], [small, O], [], []] if base_first else [[T, O], [T, d_in], [d_in, O], [], []]]
+        onto = [[[T, O], [T, R], [R, O], [], []] if base_first else [[T, O], [T, d_in], [d_in, O], [], []]]
         dx_onto = [[[T, d_in], [T, R], [R, d_in], [], []] if base_first else [[T, d_in], [T, O], [O, d_in], [], []]]
     in_place = [s for n, s in events if n == "aten::addmm_"]
     assert sorted(map(str, in_place)) == sorted(map(str, onto + dx_onto))
@@ -225,15 +243,4 @@ def test_a_group_of_adapted_layers_reads_its_input_once_for_all_their_adapters(b
     assert passes == ([("aten::copy_", [[T, O], [T, O], []])] if bias else [])
     assert [s for n, s in events if n == "SplitWithSizesBackward0"] == [[[T, o] for o in outs]]
     assert all(layer.base_layer.weight.grad is None for layer in layers)
-    # The values of the unfused formula (fp32 reference of the bf16 operands), and nothing left on x.
-    xf = x.detach().float()
-    bf = lambda t: t.detach().to(torch.bfloat16).float()                            # noqa: E731
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        ys = model.attn(x)
-    for layer, y in zip(layers, ys):
-        ref = xf @ layer.base_layer.weight.float().t() + layer.scaling[ADAPTER] * (
-            xf @ bf(layer.lora_A[ADAPTER].weight).t()) @ bf(layer.lora_B[ADAPTER].weight).t()
-        if bias:
-            ref = ref + layer.base_layer.bias.float()
-        assert (y.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
-    assert [v for k, v in vars(x).items() if k.startswith("_meshrl_lora")] == [None, None]
+    assert_unfused_values(model.attn, layers, x, bias)
