@@ -32,6 +32,9 @@ DEFAULT_PROMPT_TOKENS = 256
 # vLLM takes this share of the whole GPU unless rollout.gpu_memory_utilization says otherwise
 # (services/rollout/engine_vllm/engine.py GPU_MEMORY_UTILIZATION).
 VLLM_UTILIZATION = 0.9
+# The torch engine's paged KV pool takes this share of the free CUDA memory when rollout.kv_cache_gib is unset
+# (services/rollout/engine_torch/paged/kv.py CUDA_AUTO_SHARE; not imported: that module needs torch).
+PAGED_AUTO_SHARE = 0.5
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # engine_torch/lora.py's GROUPS (not imported: that module needs torch): layers whose adapters share one A and one
 # block-diagonal B.
@@ -189,28 +192,49 @@ def rollout_estimate(cfg, index: int, devices: str, num_replicas: int, gpu_bytes
             share = r.gpu_memory_utilization or VLLM_UTILIZATION
             parts = {f"vLLM gpu_memory_utilization {share}": int(share * gpu_bytes)}
     else:
-        graphs = (r.engine == "torch") if is_auto(r.cuda_graphs) else bool(r.cuda_graphs)
-        cap = AUTO_MAX_BATCH_SIZE[graphs] if is_auto(r.max_batch_size) else r.max_batch_size
-        # Whole groups go to one replica: a replica's share of a step's rows.
-        rows = -(-cfg.data.rollout_batch_size // num_replicas) * r.n
-        if graphs:
-            batch = bucket_batch(min(rows, cap), cap)
-            budget = 2 * r.max_tokens if r.continuous_batching else r.max_tokens
-            length = bucket_len(prompt + budget)
-            parts[f"KV cache ({batch} rows x {length} tokens)"] = batch * length * s.kv_bytes_per_token(b)
-            parts["decode logits"] = batch * s.vocab * b
-        else:
-            batch = min(rows, cap)
-            parts[f"KV cache ({batch} rows x {prompt + r.max_tokens} tokens)"] = (
-                batch * (prompt + r.max_tokens) * s.kv_bytes_per_token(b))
-            parts["decode logits"] = batch * s.vocab * 4
+        name, kv, batch, graphs = _static_kv_cache(cfg, s, b, num_replicas)
+        parts[name] = kv
+        parts["decode logits"] = batch * s.vocab * (b if graphs else 4)
         # Prefill: one forward over the distinct prompts, the last position's logits only.
         prompts = min(batch, -(-cfg.data.rollout_batch_size // num_replicas))
         parts["prefill"] = prompts * prompt * (2 * s.hidden + 2 * s.intermediate) * b
         if r.engine == "torch":
             parts.update(_adapter_slots(cfg, s, b))
+        if r.engine == "torch" and r.kv_cache == "paged":
+            del parts[name]                                            # the block pool instead of that cache
+            parts.update(_paged_pool(r, sum(parts.values()) + CUDA_CONTEXT_BYTES, gpu_bytes))
     parts["CUDA context"] = CUDA_CONTEXT_BYTES
     return Estimate(f"rollout {index}", gpu, parts)
+
+
+def _static_kv_cache(cfg, s: ModelShape, b: int, num_replicas: int) -> tuple[str, int, int, bool]:
+    """(part name, bytes, rows, CUDA graphs) of the KV cache the torch engine (kv_cache none) or vLLM's budget
+    stand-in allocates for a replica's share of a step."""
+    r = cfg.rollout
+    prompt = _prompt_tokens(cfg)
+    graphs = (r.engine == "torch") if is_auto(r.cuda_graphs) else bool(r.cuda_graphs)
+    cap = AUTO_MAX_BATCH_SIZE[graphs] if is_auto(r.max_batch_size) else r.max_batch_size
+    # Whole groups go to one replica: a replica's share of a step's rows.
+    rows = -(-cfg.data.rollout_batch_size // num_replicas) * r.n
+    if graphs:
+        batch = bucket_batch(min(rows, cap), cap)
+        length = bucket_len(prompt + (2 * r.max_tokens if r.continuous_batching else r.max_tokens))
+    else:
+        batch, length = min(rows, cap), prompt + r.max_tokens
+    return f"KV cache ({batch} rows x {length} tokens)", batch * length * s.kv_bytes_per_token(b), batch, graphs
+
+
+def _paged_pool(r, others: int, gpu_bytes: int | None) -> dict[str, int]:
+    """The torch engine's paged KV block pool (rollout.kv_cache paged): rollout.kv_cache_gib, or auto, which takes
+    PAGED_AUTO_SHARE of the CUDA memory free when the replica starts: counted as that share of what the replica's
+    other parts (`others`) leave of the GPU, the most it takes (the GPU's other processes may not have allocated
+    yet). Not counted where the GPU's size is unknown, as vLLM's share."""
+    if r.kv_cache_gib is not None:
+        return {"paged KV pool (rollout.kv_cache_gib)": int(r.kv_cache_gib * GIB)}
+    if not gpu_bytes:
+        return {}
+    return {f"paged KV pool (auto: {PAGED_AUTO_SHARE:.0%} of the memory free at start)":
+            int(PAGED_AUTO_SHARE * max(0, gpu_bytes - others))}
 
 
 def _enable_lora(cfg) -> bool:
@@ -322,7 +346,13 @@ def _variants(cfg, placement: Mapping[str, Sequence[str]]):
     """The settings that shrink the trainer or the rollout, as (advice, cfg, placement), in the order offered."""
     from services.trainer.config import LoraSection
 
-    a = cfg.actor
+    a, r = cfg.actor, cfg.rollout
+    if r.engine == "torch" and r.kv_cache == "paged" and r.kv_cache_gib is None:
+        static = _static_kv_cache(cfg, model_shape(cfg.model.path), DTYPE_BYTES[cfg.model.dtype],
+                                  max(1, len(placement.get("rollout", []))))[1]
+        gib_ = max(1, -(-static // GIB))
+        yield (f"rollout.kv_cache_gib {gib_} (the paged KV pool at what an unpaged cache of a step's rows takes)",
+               cfg.model_copy(update={"rollout": r.model_copy(update={"kv_cache_gib": float(gib_)})}), placement)
     if a.lora is None:
         no_ref = {**placement, "reference": []}
         yield ("actor.lora.rank 16 (adapters over a frozen base; with reference.replicas 0 the trainer serves "
@@ -339,7 +369,6 @@ def _variants(cfg, placement: Mapping[str, Sequence[str]]):
     if a.micro_batch_token_budget > 4096:
         yield ("a smaller actor.micro_batch_token_budget (4096)",
                cfg.model_copy(update={"actor": a.model_copy(update={"micro_batch_token_budget": 4096})}), placement)
-    r = cfg.rollout
     if r.engine == "torch":
         yield ("a smaller rollout.max_batch_size (64)",
                cfg.model_copy(update={"rollout": r.model_copy(update={"max_batch_size": 64})}), placement)

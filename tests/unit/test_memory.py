@@ -262,3 +262,30 @@ def test_the_adapter_slot_estimate_equals_what_the_torch_engine_allocates(tmp_pa
     engine = TorchEngine(RolloutSettings(model={"path": path}, rollout={"enable_lora": True, **rollout}))
     allocated = sum(t.numel() * t.element_size() for t in engine.adapters.buffers())
     assert parts["rollout 0"]["LoRA adapter slots (3 x rank <= 8)"] == allocated > 0
+
+
+def test_a_paged_kv_pool_is_counted_at_its_budget_or_at_the_share_of_the_gpu_auto_takes(tmp_path):
+    model = _qwen(tmp_path, "1.5b")
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model, "rollout.kv_cache": "paged",
+                                                           "rollout.kv_cache_gib": "6"})
+    rollout = next(e for e in memory.check_fits(cfg, placement, H100, trainer_devices) if e.service == "rollout 0")
+    assert rollout.parts["paged KV pool (rollout.kv_cache_gib)"] == 6 * GIB
+    assert not [p for p in rollout.parts if p.startswith("KV cache")]          # the pool replaces the static cache
+    # Auto: half the memory free when the replica starts, at most half of what its other parts leave of the GPU;
+    # beside the trainer on one GPU that is refused, naming the budget that fits (the unpaged cache's size).
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model, "rollout.kv_cache": "paged"})
+    rollout = next(e for e in memory.estimate(cfg, placement, trainer_devices, H100) if e.service == "rollout 0")
+    pool = rollout.parts.pop("paged KV pool (auto: 50% of the memory free at start)")
+    assert pool == (H100 - rollout.total) // 2
+    with pytest.raises(ValueError) as e:
+        memory.check_fits(cfg, placement, H100, trainer_devices)
+    advice = str(e.value).split("; set ", 1)[1]
+    assert advice.startswith("rollout.kv_cache_gib ")
+    gib = advice.split()[1]
+    unpaged = next(e for e in memory.estimate(*_recipe(GPU_RECIPE, {"model.path": model})[:2])
+                   if e.service == "rollout 0")
+    static = next(v for k, v in unpaged.parts.items() if k.startswith("KV cache"))
+    assert int(gib) == -(-static // GIB)
+    fixed, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model, "rollout.kv_cache": "paged",
+                                                             "rollout.kv_cache_gib": gib})
+    memory.check_fits(fixed, placement, H100, trainer_devices)
