@@ -20,7 +20,9 @@
 #   the figures of the docs at HEAD (bench/README.md, "Keeping figures honest"): two calls of < 10 minutes,
 #     MESHRL_COMMIT=<short sha> bench/gpu_session.sh versions rollout decode mfu bundle
 #     MESHRL_COMMIT=<short sha> STEPS=8 WARMUP=2 bench/gpu_session.sh meshrl trl bundle
-#   each result JSON is stamped with the commit (git's, else $MESHRL_COMMIT) and a digest of the code it measures.
+#   each result JSON is stamped with the commit ($MESHRL_COMMIT, else .meshrl_commit's, else git's) and a digest of
+#   the code it measures. The device's copy of .git may be an older commit's (its HEAD and status are not the tree's):
+#   before a call run `git log -1 --format=%h > .meshrl_commit` here and name .meshrl_commit in the call's carry.
 #   `meshrl up examples/gpu/grpo.yaml` with the recipe alone beside the tuned flags, one GPU (bench/up_gpu.py, #38;
 #   ~8 min at 1.5B: the model is built first when examples/gpu/models/ lacks it, each run compiles cold):
 #     UP_STEPS=8 bench/gpu_session.sh upgpu bundle        # -> $OUT/up_gpu.json, up-logs.tgz
@@ -36,6 +38,7 @@
 # STEPS (meshrl / trl GRPO steps, default 12), WARMUP (left out of the medians, default 3); LIMIT_<PART> (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ -z "${MESHRL_COMMIT:-}" ] && [ -s .meshrl_commit ]; then export MESHRL_COMMIT="$(cat .meshrl_commit)"; fi
 OUT="${OUT:-/tmp/meshrl-gpu}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"

@@ -169,13 +169,24 @@ def head_commit() -> str:
     return got.stdout.strip() if got.returncode == 0 else "unknown"
 
 
+def _edits(stem: str) -> bool | None:
+    """Whether the tree's source paths differ from its commit; None when git cannot tell: no git, or a .git whose
+    HEAD is not $MESHRL_COMMIT (a GPU machine's copy of an older .git: its status compares the wrong commit)."""
+    named = os.environ.get("MESHRL_COMMIT")
+    if named:
+        here = _git("rev-parse", "--short", "HEAD").stdout.strip()
+        if not here or not (here.startswith(named) or named.startswith(here)):
+            return None
+    dirty = _git("status", "--porcelain", "--", *SOURCES[stem])
+    return bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
+
+
 def stamp(stem: str, result: dict, shared_machine: bool | None = None) -> dict:
     """Adds `provenance` (commit, whether the tree had edits, source digest, date, host) to `result`."""
-    dirty = _git("status", "--porcelain", "--", *SOURCES[stem])
     prov = {"commit": head_commit(),
             "source_paths": SOURCES[stem],
             "source_digest": source_digest(stem),
-            "tree_had_uncommitted_edits": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None,
+            "tree_had_uncommitted_edits": _edits(stem),
             "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "host": f"{platform.machine()}, {os.cpu_count()} cores"}
     if shared_machine is not None:

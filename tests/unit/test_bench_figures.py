@@ -83,3 +83,14 @@ def test_a_stamped_result_turns_stale_when_the_code_it_measures_changes(tmp_path
     assert provenance.staleness("toy", data)[0] is False
     (tmp_path / "src" / "engine.py").write_text("x = 2\n")
     assert provenance.staleness("toy", data)[0] is True
+
+
+def test_a_named_commit_that_is_not_the_git_head_leaves_the_edits_untold(monkeypatch):
+    # A GPU machine's copy of the tree may carry an older .git: its status would compare the wrong commit.
+    monkeypatch.setenv("MESHRL_COMMIT", "0000000")
+    prov = provenance.stamp("lora_train", {})["provenance"]
+    assert prov["commit"] == "0000000" and prov["tree_had_uncommitted_edits"] is None
+    head = provenance._git("rev-parse", "--short", "HEAD").stdout.strip()
+    if head:                                     # a clone: the named commit is git's own, so git can tell
+        monkeypatch.setenv("MESHRL_COMMIT", head)
+        assert provenance.stamp("lora_train", {})["provenance"]["tree_had_uncommitted_edits"] is not None
