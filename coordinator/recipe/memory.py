@@ -192,16 +192,17 @@ def rollout_estimate(cfg, index: int, devices: str, num_replicas: int, gpu_bytes
             share = r.gpu_memory_utilization or VLLM_UTILIZATION
             parts = {f"vLLM gpu_memory_utilization {share}": int(share * gpu_bytes)}
     else:
+        paged = r.engine == "torch" and r.kv_cache == "paged"          # a block pool instead of that cache
         name, kv, batch, graphs = _static_kv_cache(cfg, s, b, num_replicas)
-        parts[name] = kv
+        if not paged:
+            parts[name] = kv
         parts["decode logits"] = batch * s.vocab * (b if graphs else 4)
         # Prefill: one forward over the distinct prompts, the last position's logits only.
         prompts = min(batch, -(-cfg.data.rollout_batch_size // num_replicas))
         parts["prefill"] = prompts * prompt * (2 * s.hidden + 2 * s.intermediate) * b
         if r.engine == "torch":
             parts.update(_adapter_slots(cfg, s, b))
-        if r.engine == "torch" and r.kv_cache == "paged":
-            del parts[name]                                            # the block pool instead of that cache
+        if paged:
             parts.update(_paged_pool(r, sum(parts.values()) + CUDA_CONTEXT_BYTES, gpu_bytes))
     parts["CUDA context"] = CUDA_CONTEXT_BYTES
     return Estimate(f"rollout {index}", gpu, parts)
