@@ -9,7 +9,9 @@ bench/results/lora_gpu.json (a part left out keeps the section it had):
   in bf16, as the trainer sends them (weight_sync dtype = the model's).
 - `decode`: the torch engine's decode tokens/s (CUDA graphs, as `auto` resolves) with rows of 4 adapters in one
   batch vs every row on 1 adapter vs the base model (adapter ""), on the same LoRA engine, and the base on an engine
-  without LoRA (the cost of the adapter GEMMs on base rows).
+  without LoRA (the cost of the adapter GEMMs on base rows); then, as `torch_ops`, 4 adapters and the base on a LoRA
+  engine whose decode step applies adapters with torch ops (mask, expand GEMM, add) instead of the one
+  `meshrl::lora_expand` kernel per group (engine_torch/lora_expand.py): the same-call baseline of that kernel.
 A later part (the LoRA train step) adds itself to PARTS.
 
     PYTHONPATH=.:protos python bench/lora_gpu.py --parts sync,decode [--out bench/results/lora_gpu.json]
@@ -27,6 +29,7 @@ import statistics
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -214,6 +217,20 @@ def decode_tps(engine, prompts, adapters: list[str], new_tokens: int, repeats: i
     return tokens / statistics.median(times[1:])
 
 
+@contextmanager
+def kernel_off(off: bool):
+    """Engines built inside apply adapters in their decode step with torch ops, not lora_expand's kernel."""
+    from services.rollout.engine_torch import lora_expand
+
+    available = lora_expand.available
+    if off:
+        lora_expand.available = lambda device, sizes: False
+    try:
+        yield
+    finally:
+        lora_expand.available = available
+
+
 def run_decode(args) -> dict:
     from services.rollout.engine_torch.engine import TorchEngine
 
@@ -223,23 +240,26 @@ def run_decode(args) -> dict:
     prompts = torch.randint(1, SHAPES[args.size]["vocab_size"], (args.batch, args.prompt_len), generator=g).tolist()
     out = {"size": args.size, "rank": args.rank, "batch": args.batch, "prompt_len": args.prompt_len,
            "new_tokens": args.new_tokens, "repeats": args.repeats}
-    for lora in (False, True):
+    names = [f"a{i}" for i in range(4)]
+    variants = (("none", False, ()), ("lora", True, (("base_tokens_per_s", [""]), ("one_adapter_tokens_per_s", names[:1]),
+                                                    ("four_adapters_tokens_per_s", names))),
+                ("torch_ops", True, (("torch_ops_base_tokens_per_s", [""]),
+                                     ("torch_ops_four_adapters_tokens_per_s", names))))
+    for variant, lora, runs in variants:
         model = build_model(args.size, args.device, getattr(torch, dtype))
-        engine = TorchEngine(lora_settings(args.size, args.device, dtype, lora=lora, rank=args.rank, max_loras=4),
-                             model=model, tokenizer=None)
-        engine.warm_up()
+        with kernel_off(variant == "torch_ops"):
+            engine = TorchEngine(lora_settings(args.size, args.device, dtype, lora=lora, rank=args.rank,
+                                               max_loras=4), model=model, tokenizer=None)
+            engine.warm_up()
         out["cuda_graphs"] = bool(engine.resolved.value("rollout.cuda_graphs"))
         if not lora:
             out["base_no_lora_engine_tokens_per_s"] = round(decode_tps(engine, prompts, [""], args.new_tokens,
                                                                        args.repeats), 1)
-        else:
-            names = [f"a{i}" for i in range(4)]
-            for i, name in enumerate(names):
-                engine.load_adapter(name, 1, adapter_config(args.rank),
-                                    adapter_tensors(model, args.rank, model.dtype, args.device, seed=10 + i))
-            for key, adapters in (("base_tokens_per_s", [""]), ("one_adapter_tokens_per_s", names[:1]),
-                                  ("four_adapters_tokens_per_s", names)):
-                out[key] = round(decode_tps(engine, prompts, adapters, args.new_tokens, args.repeats), 1)
+        for i, name in enumerate(names if lora else ()):
+            engine.load_adapter(name, 1, adapter_config(args.rank),
+                                adapter_tensors(model, args.rank, model.dtype, args.device, seed=10 + i))
+        for key, adapters in runs:
+            out[key] = round(decode_tps(engine, prompts, adapters, args.new_tokens, args.repeats), 1)
         print(json.dumps(out), flush=True)
         del engine, model
         if cuda:

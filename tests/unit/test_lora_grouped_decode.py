@@ -104,7 +104,8 @@ def test_a_mixed_batch_on_the_grouped_graph_step_equals_the_eager_loop_and_the_m
     # Every group's A sits under its members' weights (one GEMM gives base and shrink), the parameters are views of
     # the same buffer, and the adapters, loaded after the decoder was built through the layers' views, are there.
     attn = graph.model.model.layers[0].self_attn
-    w, _, A, B = dec._proj[0][0]
+    w, _, A, B, kernel = dec._proj[0][0]
+    assert kernel is None and dec._by_torch and not dec._by_kernel      # CPU: the torch ops (lora_expand is CUDA's)
     group = graph.adapters.group(attn, QKV)
     assert A is None and B is group.B and group.A.any()
     assert group.A.data_ptr() == w[w.shape[0] - group.A.shape[0]:].data_ptr()
@@ -112,7 +113,7 @@ def test_a_mixed_batch_on_the_grouped_graph_step_equals_the_eager_loop_and_the_m
     assert attn.k_proj.weight.data_ptr() == w[attn.q_proj.out_features:].data_ptr()
     assert all(p[0] is not None for p in dec._proj[0])               # o and down fused with their A too
     if not fused:       # each member's own GEMM and the group's shrink apart: the group's delta split onto each
-        dec._proj = [tuple((None, None, g.A, g.B) for g in (graph.adapters.group(layer.self_attn, QKV),
+        dec._proj = [tuple((None, None, g.A, g.B, None) for g in (graph.adapters.group(layer.self_attn, QKV),
                                                            graph.adapters.group(layer.self_attn, ("o_proj",)),
                                                            graph.adapters.group(layer.mlp, GATE_UP),
                                                            graph.adapters.group(layer.mlp, ("down_proj",))))

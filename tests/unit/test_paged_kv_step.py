@@ -124,7 +124,7 @@ def test_the_paged_static_step_with_fused_grouped_layers_gives_the_models_own_lo
     assert (got[1] - got[4]).abs().max() > 1e-2
     # The step's projections are the fused buffers with each group's A under them (one GEMM: base and shrink).
     attn = model.model.layers[0].self_attn
-    w, _, A, B = graphs.step._proj[0][0]
+    w, _, A, B, _ = graphs.step._proj[0][0]
     assert A is None and B is bank.group(attn, ("q_proj", "k_proj", "v_proj")).B
     assert attn.q_proj.weight.data_ptr() == w.data_ptr() and attn.q_proj.lora_A_cat.data_ptr() == w[
         w.shape[0] - bank.group(attn, ("q_proj", "k_proj", "v_proj")).A.shape[0]:].data_ptr()
@@ -135,7 +135,7 @@ def test_the_paged_static_step_without_adapters_gives_the_models_own_logits(mode
     seqs, _ = rows(model, [0] * 5)
     got, graphs = static_step(model, None, seqs, [0] * 5)
     torch.testing.assert_close(got, own_forward(model, None, seqs, [0] * 5), atol=1e-4, rtol=1e-4)
-    assert graphs.step._proj[0][1] == (None, None, None, None)      # o and down stay alone without adapters
+    assert graphs.step._proj[0][1] == (None, None, None, None, None)     # o and down stay alone without adapters
     assert model.model.layers[1].mlp.up_proj.weight.data_ptr() == graphs.step._proj[1][2][0][
         model.model.layers[1].mlp.gate_proj.out_features:].data_ptr()
 

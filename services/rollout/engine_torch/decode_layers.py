@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from services.rollout.engine_torch.fused_weights import fuse, refresh
+from services.rollout.engine_torch import lora_expand
 from services.rollout.engine_torch.lora import GATE_UP, QKV, LoraLinear, bank_of, grouped_delta, masked_expand
 
 
@@ -52,11 +53,15 @@ class DecodeLayers:
         # many steps fuse it). With adapters, each group's A sits under its buffer, o's and down's too, so the base
         # GEMM is the shrink as well.
         self._fused = []
+        # Which kinds of group the adapters' rows are applied to (_step_mask builds what they read): lora_expand's
+        # one kernel, or the torch ops (mask, expand GEMM, add).
+        self._by_kernel = self._by_torch = False
         self._proj = [self._layer_projections(i, layer) for i, layer in enumerate(model.model.layers)]
 
     def _layer_projections(self, i: int, layer) -> tuple:
         """The layer's four projection groups (q/k/v, o, gate/up, down) as the step applies them: each
-        (fused weight, its bias, A when not under it, the adapters' B), None where absent."""
+        (fused weight, its bias, A when not under it, the adapters' B, the members' widths when lora_expand's kernel
+        applies the adapters), None where absent."""
         bank, a, mlp = self.adapters, layer.self_attn, layer.mlp
         out, covered = [], 0
         for parent, names in ((a, QKV), (a, ("o_proj",)), (mlp, GATE_UP), (mlp, ("down_proj",))):
@@ -64,8 +69,12 @@ class DecodeLayers:
             f = fuse([getattr(parent, n) for n in names], group) if group is not None or len(names) > 1 else None
             if f is not None:
                 self._fused.append(f)
+            kernel = self._kernel_args(parent, names, group) if f is not None else None
+            self._by_kernel |= kernel is not None
+            self._by_torch |= group is not None and kernel is None
             out.append((f.weight if f else None, f.bias if f else None,
-                        group.A if group is not None and f is None else None, group.B if group is not None else None))
+                        group.A if group is not None and f is None else None, group.B if group is not None else None,
+                        kernel))
             covered += 0 if group is None else group.A.shape[0] // bank.width
         adapted = sum(isinstance(m, LoraLinear) for m in layer.modules())
         if covered != adapted:          # an adapted layer the step would skip: refuse rather than drop its delta
@@ -73,28 +82,47 @@ class DecodeLayers:
                              f"step applies {covered} (q/k/v/o/gate/up/down only); set {self.off_setting}")
         return tuple(out)
 
+    def _kernel_args(self, parent, names: Sequence[str], group) -> tuple | None:
+        """What lora_expand takes besides tensors for this group (its members' widths, each member's first column in
+        the group's B or -1 when not adapted, the bank's slot width and rank); None when its kernel does not serve
+        the group (no adapters, no CUDA or Triton, widths no column block divides)."""
+        if group is None:
+            return None
+        members = [getattr(parent, n) for n in names]
+        sizes = [m.out_features for m in members]
+        if not lora_expand.available(group.B.device, sizes):
+            return None
+        W = self.adapters.width
+        starts = [group.adapted.index(m) * W if m in group.adapted else -1 for m in members]
+        return sizes, starts, W, self.adapters.max_rank
+
     def refresh_weights(self) -> None:
         """After weights were copied into the model (a swap): parameters given other storage go back into the fused
         buffers (in-place copies are there already)."""
         for f in self._fused:
             refresh(f)
 
-    def _step_mask(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The rows' adapter mask, once per step for every group of every layer (None: base rows only). The rows are
-        the bank's current ones: its static rows in a graph (padding rows zero, the base model's)."""
-        return None if self.adapters is None or self.adapters.base_only(x) else self.adapters.step_mask(x.shape[0])
+    def _step_mask(self, x: torch.Tensor) -> tuple | None:
+        """The rows' adapters, once per step for every group of every layer (None: base rows only): (the slot mask
+        the torch ops' groups read, the rows' slots lora_expand's read), each None when no group reads it. The rows
+        are the bank's current ones: its static rows in a graph (padding rows zero, the base model's)."""
+        if self.adapters is None or self.adapters.base_only(x):
+            return None
+        n = x.shape[0]
+        return (self.adapters.step_mask(n) if self._by_torch else None,
+                self.adapters.current[:n] if self._by_kernel else None)
 
-    def _layer(self, layer, x: torch.Tensor, cos, sin, proj: tuple, mask: torch.Tensor | None,
+    def _layer(self, layer, x: torch.Tensor, cos, sin, proj: tuple, mask: tuple | None,
                *cache) -> torch.Tensor:
         """The function `compile` compiles: each subclass's own, calling _layer_body, so each has a code object of its
         own (torch.compile keeps its compiled graphs and its dynamic-size bookkeeping per code object, and the two
         steps' inputs differ)."""
         raise NotImplementedError
 
-    def _layer_body(self, layer, x: torch.Tensor, cos, sin, proj: tuple, mask: torch.Tensor | None,
+    def _layer_body(self, layer, x: torch.Tensor, cos, sin, proj: tuple, mask: tuple | None,
                     cache: tuple) -> torch.Tensor:
         """One decoder layer for one token per row, x [B, 1, d]. proj: the layer's projection groups
-        (_layer_projections), mask: the step's adapter row mask (None: base rows only), cache: what _attend takes
+        (_layer_projections), mask: the step's adapter rows (_step_mask; None: base rows only), cache: what _attend takes
         besides q, k, v (the layer's cache and the step's positions)."""
         B, H, KV, hd = x.shape[0], self.num_heads, self.num_kv, self.head_dim
         a, mlp = layer.self_attn, layer.mlp
@@ -115,18 +143,22 @@ class DecodeLayers:
         raise NotImplementedError
 
     @staticmethod
-    def _project(x: torch.Tensor, members: tuple, group: tuple, mask: torch.Tensor | None) -> Sequence[torch.Tensor]:
-        """Each member's output on x, plus its adapter delta when mask is set. group: (fused weight, bias, A, B) of
-        _layer_projections; without a fused weight, each member's own GEMM and the group's shrink."""
-        w, b, A, B = group
+    def _project(x: torch.Tensor, members: tuple, group: tuple, rows: tuple | None) -> Sequence[torch.Tensor]:
+        """Each member's output on x, plus its adapter delta when rows is set (_step_mask's). group: (fused weight,
+        bias, A, B, widths) of _layer_projections; without a fused weight, each member's own GEMM and the group's
+        shrink."""
+        w, b, A, B, kernel = group
         sizes = [m.out_features for m in members]
         if w is not None:
             y = F.linear(x, w, b)                          # the members' base outputs, then (with adapters) x A^T
+            if kernel is not None and rows is not None:    # expand and add: one kernel
+                out = lora_expand.lora_expand(y.reshape(-1, y.shape[-1]), B, rows[1], *kernel)
+                return out.view(*y.shape[:-1], -1).split(sizes, dim=-1)
             out = y[..., :sum(sizes)]
-            if B is not None and mask is not None:         # the block-diagonal expand, lined up with the outputs
-                out = out + masked_expand(y[..., sum(sizes):], B, mask)
+            if B is not None and rows is not None:         # the block-diagonal expand, lined up with the outputs
+                out = out + masked_expand(y[..., sum(sizes):], B, rows[0])
             return out.split(sizes, dim=-1)
         outs = [F.linear(x, m.weight, m.bias) for m in members]
-        if B is not None and mask is not None:
-            outs = [y + d for y, d in zip(outs, grouped_delta(x, A, B, mask).split(sizes, dim=-1))]
+        if B is not None and rows is not None:
+            outs = [y + d for y, d in zip(outs, grouped_delta(x, A, B, rows[0]).split(sizes, dim=-1))]
         return outs
