@@ -34,6 +34,7 @@ from services.trainer.testing import make_tiny_model, random_samples
 from services.trainer.types import ActorLoss
 
 REPO = Path(__file__).resolve().parents[2]
+LORA = {"rank": 4, "alpha": 8}
 LOSS = ActorLoss(mini_batch_size=4, kl_coef=0.05, entropy_coef=0.01)
 
 
@@ -141,21 +142,25 @@ def _check_layout(info, trained, log: str, *, dp: int, tp: int, pp: int, schedul
 
 def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1, tp: int = 1, pp: int = 1,
                                  schedule: str = "1f1b", budget: int = 16384, fused: bool | None = False,
-                                 device: str = "cpu", dtype: str = "float32", checkpointing: str = "none"):
+                                 device: str = "cpu", dtype: str = "float32", checkpointing: str = "none",
+                                 lora: bool = False):
     # fused: the mesh computes log-probs through the fused LM head, the single process through the plain one
     # (None: both take the device's default). device cuda: every rank on its own GPU (LOCAL_RANK), NCCL; the
     # single process on cuda:0. dtype: the compute dtype (master weights stay fp32). checkpointing: the mesh's
-    # actor.activation_checkpointing (the single process runs without).
+    # actor.activation_checkpointing (the single process runs without). lora: both train rank-4 adapters on every
+    # projection (the q/k/v and gate/up groups' base weights laid in one storage, their parameters views of it),
+    # exported as peft folders and compared with the single process's.
     tol = TOLERANCES[(device, dtype)]
     model = make_tiny_model(tmp_path / "model", num_hidden_layers=4)
-    actor = {"lr": 1e-4, "seed": 3, "dtype": dtype}
+    actor = {"lr": 1e-4, "seed": 3, "dtype": dtype} | ({"lora": LORA} if lora else {})
     config = tmp_path / "trainer.yaml"
     fused_line = "" if fused is None else f"  fused_logprobs: {str(fused).lower()}\n"
     config.write_text(f"model:\n  path: {model}\n  device: {device}\nactor:\n  lr: 1.0e-4\n  seed: 3\n  dtype: {dtype}\n"
                       f"  dp_size: {dp}\n  tp_size: {tp}\n"
                       f"  pp_size: {pp}\n  pipeline_schedule: {schedule}\n  num_microbatches: 2\n"
                       f"  dp_mode: {dp_mode}\n  micro_batch_token_budget: {budget}\n{fused_line}"
-                      f"  activation_checkpointing: {checkpointing}\n")
+                      f"  activation_checkpointing: {checkpointing}\n"
+                      + (f"  lora: {{rank: {LORA['rank']}, alpha: {LORA['alpha']}}}\n" if lora else ""))
     launched = Launched(config, tmp_path / "torchrun.log", nproc=dp * tp * pp)
     single_model = {"path": model, "device": device}
     try:
@@ -165,6 +170,8 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
         expected_lp = single.compute_logprobs([s.prompt_ids for s in first], [s.response_ids for s in first])
         expected = single.train_actor(first, LOSS)
         expected_weights = {k: v.detach().clone() for k, v in named_weights(single.rank.actor.module).items()}
+        if lora:
+            single.export_hf(str(tmp_path / "single_hf"))
         second = _samples(2, single)
         expected_next = single.train_actor(second, LOSS)
 
@@ -182,7 +189,10 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
 
     from safetensors.torch import load_file
 
-    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    if lora:                # the mesh's adapters after one step are the single process's (its export: the same names)
+        expected_weights = load_file(tmp_path / "single_hf" / "adapter_model.safetensors")
+        assert expected_weights and all(".lora_" in k for k in expected_weights)
+    exported = load_file(tmp_path / "hf" / ("adapter_model.safetensors" if lora else "model.safetensors"))
     diff = max((exported[k] - expected_weights[k].cpu()).abs().max().item() for k in expected_weights)
     assert diff < tol.weight
 
@@ -225,6 +235,13 @@ def test_a_four_rank_2d_mesh_step_matches_a_single_process_run(tmp_path, mesh):
 def test_an_eight_rank_3d_mesh_step_matches_a_single_process_run(tmp_path):
     # tp=2 x dp=2 x pp=2 on eight CPU processes: the layout the 8-GPU run takes.
     check_against_single_process(tmp_path, dp=2, tp=2, pp=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp_mode", ["fsdp", "ddp"])
+def test_a_two_rank_lora_step_matches_a_single_process_run(tmp_path, dp_mode):
+    # LoRA trains data-parallel only; the adapters' grouped ops (lora_group.py) run on views of one fused storage.
+    check_against_single_process(tmp_path, dp=2, dp_mode=dp_mode, budget=24, lora=True)
 
 
 GPU_MESHES = {"one-rank": dict(), "fsdp-dp2": dict(dp=2, budget=24), "tp2": dict(tp=2), "pp2-1f1b": dict(pp=2),
