@@ -51,6 +51,7 @@ if triton is not None:
         slot = tl.load(slot_ptr + rows, mask=live, other=0)
         # The member these columns belong to, and its first column in B (and in h after the base outputs).
         start = tl.where(n0 < b1, s0, tl.where(n0 < b2, s1, s2))
+        base = tl.load(y_ptr + rows[:, None] * sy + cols[None, :], mask=live[:, None], other=0.0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         if start >= 0:                                                    # an adapted member
             for c0 in range(R, W, KC):                                    # slot 0's columns (the base) skipped
@@ -60,7 +61,6 @@ if triton is not None:
                     h = tl.load(y_ptr + rows[:, None] * sy + (O + start + c)[None, :], mask=use, other=0.0)
                     bt = tl.load(b_ptr + cols[None, :] * sb + (start + c)[:, None], mask=(c < W)[:, None], other=0.0)
                     acc += tl.dot(h, bt, input_precision=PREC)
-        base = tl.load(y_ptr + rows[:, None] * sy + cols[None, :], mask=live[:, None], other=0.0)
         acc += base.to(tl.float32)
         tl.store(out_ptr + rows[:, None] * so + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
@@ -77,7 +77,7 @@ def lora_expand(y: torch.Tensor, B: torch.Tensor, slots: torch.Tensor, sizes: li
     y, B = (t if t.stride(-1) == 1 else t.contiguous() for t in (y, B))
     out = torch.empty((N, O), dtype=y.dtype, device=y.device)
     bm = 16 if N <= 16 else 32 if N <= 64 else 64
-    kc = max(16, min(64, triton.next_power_of_2(rank)))
+    kc = max(16, min(128, triton.next_power_of_2(width - rank)))     # 4 adapters of rank 16: one chunk
     bounds = [sum(sizes[:i + 1]) for i in range(len(sizes))] + [O] * (3 - len(sizes))
     starts = list(starts) + [-1] * (3 - len(starts))
     prec = "ieee" if y.dtype == torch.float32 else "tf32"
