@@ -1,7 +1,7 @@
-"""GPU tests of the decode step's one-kernel LoRA expand (services/rollout/engine_torch/lora_expand.py) against the
-same arithmetic in fp32 torch: a group's base outputs plus each row's slot's columns of h times its member's block of
-B, rows of several slots and of the base (slot 0) in one call, members not adapted, ranks below the kernel's 16-column
-chunk and ones that straddle it. Skipped without CUDA."""
+"""GPU tests of the decode step's one-kernel LoRA expand and SwiGLU (services/rollout/engine_torch/lora_expand.py)
+against the same arithmetic in fp32 torch: a group's base outputs plus each row's slot's columns of h times its
+member's block of B, rows of several slots and of the base (slot 0) in one call, members not adapted, ranks below the
+kernel's 16-column chunk and ones that straddle it. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -79,3 +79,14 @@ def test_captured_in_a_cuda_graph_it_reads_the_slots_by_address():
     slots[:8] = torch.tensor([0, 1, 2, 3, 4, 4, 1, 0], device="cuda")
     graph.replay()
     torch.testing.assert_close(out, reference(y, B, slots, sizes, W, rank), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("adapted", [[1, 1], [0, 1]])
+@pytest.mark.parametrize("rank", [16, 8])
+@pytest.mark.parametrize("rows", [1, 40, 130])
+def test_the_swiglu_kernel_is_silu_of_gate_times_up_with_their_deltas(adapted, rank, rows):
+    sizes = [128, 128]
+    y, B, slots, starts, W = case(sizes, adapted, rows, rank, slots_n=5, dtype=torch.float32, seed=3)
+    got = lora_expand.lora_swiglu(y, B, slots, sizes, starts, W, rank)
+    full = reference(y, B, slots, sizes, W, rank)
+    torch.testing.assert_close(got, torch.nn.functional.silu(full[:, :128]) * full[:, 128:], atol=1e-4, rtol=1e-4)

@@ -56,6 +56,7 @@ class DecodeLayers:
         # Which kinds of group the adapters' rows are applied to (_step_mask builds what they read): lora_expand's
         # one kernel, or the torch ops (mask, expand GEMM, add).
         self._by_kernel = self._by_torch = False
+        self._silu = getattr(cfg, "hidden_act", None) == "silu"         # the MLP's act_fn (Llama's and Qwen2's)
         self._proj = [self._layer_projections(i, layer) for i, layer in enumerate(model.model.layers)]
 
     def _layer_projections(self, i: int, layer) -> tuple:
@@ -134,8 +135,19 @@ class DecodeLayers:
         o = self._attend(q, k, v, *cache)                                        # [B, 1, H * hd]
         x = x + self._project(o, (a.o_proj,), proj[1], mask)[0]
         # Llama's and Qwen2's MLP: down(act(gate h) * up h).
-        g, u = self._project(layer.post_attention_layernorm(x), (mlp.gate_proj, mlp.up_proj), proj[2], mask)
-        return x + self._project(mlp.act_fn(g) * u, (mlp.down_proj,), proj[3], mask)[0]
+        h = self._mlp_act(mlp, layer.post_attention_layernorm(x), proj[2], mask)
+        return x + self._project(h, (mlp.down_proj,), proj[3], mask)[0]
+
+    def _mlp_act(self, mlp, x: torch.Tensor, group: tuple, rows: tuple | None) -> torch.Tensor:
+        """act(gate x) * up x with the rows' adapter deltas: with SiLU and lora_expand's kernel serving the group,
+        one kernel from the group's GEMM (lora_swiglu: the gate/up sum never written), else _project's outputs."""
+        w, b, _, _, kernel = group
+        if self._silu and kernel is not None and rows is not None:
+            y = F.linear(x, w, b)
+            return lora_expand.lora_swiglu(y.reshape(-1, y.shape[-1]), group[3], rows[1], *kernel).view(
+                *y.shape[:-1], -1)
+        g, u = self._project(x, (mlp.gate_proj, mlp.up_proj), group, rows)
+        return mlp.act_fn(g) * u
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *cache) -> torch.Tensor:
         """Writes this token's k, v [B, KV, 1, hd] into the layer's cache and attends q [B, H, 1, hd] to it:

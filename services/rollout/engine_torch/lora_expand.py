@@ -41,6 +41,21 @@ def available(device: torch.device, sizes: Sequence[int]) -> bool:
 
 if triton is not None:
     @triton.jit
+    def _member_delta(acc, y_ptr, b_ptr, rows, live, slot, cols, start, O, sy, sb, W: tl.constexpr,
+                      R: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr):
+        """acc [BM, BN] plus the rows' adapter delta on columns `cols` of a member whose first column in B (and in
+        h, after the O base outputs) is `start` (-1: not adapted)."""
+        if start >= 0:
+            for c0 in range(R, W, KC):                                    # slot 0's columns (the base) skipped
+                c = c0 + tl.arange(0, KC)
+                if tl.sum(((slot >= c0 // R) & (slot <= (c0 + KC - 1) // R)).to(tl.int32)) > 0:
+                    use = live[:, None] & (slot[:, None] == (c // R)[None, :]) & (c < W)[None, :]
+                    h = tl.load(y_ptr + rows[:, None] * sy + (O + start + c)[None, :], mask=use, other=0.0)
+                    bt = tl.load(b_ptr + cols[None, :] * sb + (start + c)[:, None], mask=(c < W)[:, None], other=0.0)
+                    acc += tl.dot(h, bt, input_precision=PREC)
+        return acc
+
+    @triton.jit
     def _lora_expand_kernel(y_ptr, b_ptr, slot_ptr, out_ptr, N, O, b1, b2, s0, s1, s2, sy, sb, so,
                             W: tl.constexpr, R: tl.constexpr, KC: tl.constexpr, BM: tl.constexpr,
                             BN: tl.constexpr, PREC: tl.constexpr):
@@ -49,20 +64,33 @@ if triton is not None:
         cols = n0 + tl.arange(0, BN)
         live = rows < N
         slot = tl.load(slot_ptr + rows, mask=live, other=0)
-        # The member these columns belong to, and its first column in B (and in h after the base outputs).
-        start = tl.where(n0 < b1, s0, tl.where(n0 < b2, s1, s2))
         base = tl.load(y_ptr + rows[:, None] * sy + cols[None, :], mask=live[:, None], other=0.0)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if start >= 0:                                                    # an adapted member
-            for c0 in range(R, W, KC):                                    # slot 0's columns (the base) skipped
-                c = c0 + tl.arange(0, KC)
-                if tl.sum(((slot >= c0 // R) & (slot <= (c0 + KC - 1) // R)).to(tl.int32)) > 0:
-                    use = live[:, None] & (slot[:, None] == (c // R)[None, :]) & (c < W)[None, :]
-                    h = tl.load(y_ptr + rows[:, None] * sy + (O + start + c)[None, :], mask=use, other=0.0)
-                    bt = tl.load(b_ptr + cols[None, :] * sb + (start + c)[:, None], mask=(c < W)[:, None], other=0.0)
-                    acc += tl.dot(h, bt, input_precision=PREC)
+        # The member these columns belong to, and its first column in B.
+        start = tl.where(n0 < b1, s0, tl.where(n0 < b2, s1, s2))
+        acc = _member_delta(tl.zeros((BM, BN), dtype=tl.float32), y_ptr, b_ptr, rows, live, slot, cols, start, O,
+                            sy, sb, W, R, KC, PREC)
         acc += base.to(tl.float32)
         tl.store(out_ptr + rows[:, None] * so + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def _lora_swiglu_kernel(y_ptr, b_ptr, slot_ptr, out_ptr, N, I, s0, s1, sy, sb, so,
+                            W: tl.constexpr, R: tl.constexpr, KC: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, PREC: tl.constexpr):
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        live = rows < N
+        slot = tl.load(slot_ptr + rows, mask=live, other=0)
+        g = tl.load(y_ptr + rows[:, None] * sy + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        u = tl.load(y_ptr + rows[:, None] * sy + (I + cols)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        g = _member_delta(g, y_ptr, b_ptr, rows, live, slot, cols, s0, 2 * I, sy, sb, W, R, KC, PREC)
+        u = _member_delta(u, y_ptr, b_ptr, rows, live, slot, I + cols, s1, 2 * I, sy, sb, W, R, KC, PREC)
+        act = g / (1.0 + tl.exp(-g)) * u
+        tl.store(out_ptr + rows[:, None] * so + cols[None, :], act.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def _blocks(N: int, width: int, rank: int) -> tuple[int, int]:
+    """(rows a program, adapter columns a chunk): 4 adapters of rank 16 are one chunk (one dot, not four)."""
+    return 16 if N <= 16 else 32 if N <= 64 else 64, max(16, min(128, triton.next_power_of_2(width - rank)))
 
 
 @torch.library.custom_op("meshrl::lora_expand", mutates_args=())
@@ -76,17 +104,40 @@ def lora_expand(y: torch.Tensor, B: torch.Tensor, slots: torch.Tensor, sizes: li
     bn = block_n(sizes)
     y, B = (t if t.stride(-1) == 1 else t.contiguous() for t in (y, B))
     out = torch.empty((N, O), dtype=y.dtype, device=y.device)
-    bm = 16 if N <= 16 else 32 if N <= 64 else 64
-    kc = max(16, min(128, triton.next_power_of_2(width - rank)))     # 4 adapters of rank 16: one chunk
+    bm, kc = _blocks(N, width, rank)
     bounds = [sum(sizes[:i + 1]) for i in range(len(sizes))] + [O] * (3 - len(sizes))
     starts = list(starts) + [-1] * (3 - len(starts))
-    prec = "ieee" if y.dtype == torch.float32 else "tf32"
     _lora_expand_kernel[(triton.cdiv(N, bm), O // bn)](
         y, B, slots, out, N, O, bounds[0], bounds[1], *starts, y.stride(0), B.stride(0), out.stride(0),
-        W=width, R=rank, KC=kc, BM=bm, BN=bn, PREC=prec, num_warps=NUM_WARPS)
+        W=width, R=rank, KC=kc, BM=bm, BN=bn, PREC=_precision(y), num_warps=NUM_WARPS)
     return out
+
+
+def _precision(y: torch.Tensor) -> str:
+    return "ieee" if y.dtype == torch.float32 else "tf32"
 
 
 @lora_expand.register_fake
 def _(y, B, slots, sizes, starts, width, rank):
     return y.new_empty((y.shape[0], sum(sizes)))
+
+
+@torch.library.custom_op("meshrl::lora_swiglu", mutates_args=())
+def lora_swiglu(y: torch.Tensor, B: torch.Tensor, slots: torch.Tensor, sizes: list[int], starts: list[int],
+                width: int, rank: int) -> torch.Tensor:
+    """The MLP's activation silu(gate) * up with each row's adapter deltas, [N, I], from the gate/up group's GEMM
+    y [N, 2I + k * width] (lora_expand's arguments, sizes [I, I]): the [N, 2I] sum never written."""
+    N, I = y.shape[0], sizes[0]
+    y, B = (t if t.stride(-1) == 1 else t.contiguous() for t in (y, B))
+    out = torch.empty((N, I), dtype=y.dtype, device=y.device)
+    bm, kc = _blocks(N, width, rank)
+    bn = block_n(sizes)
+    _lora_swiglu_kernel[(triton.cdiv(N, bm), I // bn)](
+        y, B, slots, out, N, I, starts[0], starts[1], y.stride(0), B.stride(0), out.stride(0),
+        W=width, R=rank, KC=kc, BM=bm, BN=bn, PREC=_precision(y), num_warps=NUM_WARPS)
+    return out
+
+
+@lora_swiglu.register_fake
+def _(y, B, slots, sizes, starts, width, rank):
+    return y.new_empty((y.shape[0], sizes[0]))
