@@ -140,19 +140,18 @@ def _check_layout(info, trained, log: str, *, dp: int, tp: int, pp: int, schedul
         assert f"Rank {rank}: actor loaded on {rank_devices[rank]} (tp={tp} pp={pp} dp={dp})" in log
 
 
-def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1, tp: int = 1, pp: int = 1,
-                                 schedule: str = "1f1b", budget: int = 16384, fused: bool | None = False,
-                                 device: str = "cpu", dtype: str = "float32", checkpointing: str = "none",
-                                 lora: bool = False):
-    # fused: the mesh computes log-probs through the fused LM head, the single process through the plain one
-    # (None: both take the device's default). device cuda: every rank on its own GPU (LOCAL_RANK), NCCL; the
-    # single process on cuda:0. dtype: the compute dtype (master weights stay fp32). checkpointing: the mesh's
-    # actor.activation_checkpointing (the single process runs without). lora: both train rank-4 adapters on every
-    # projection (the q/k/v and gate/up groups' base weights laid in one storage, their parameters views of it),
-    # exported as peft folders and compared with the single process's.
-    tol = TOLERANCES[(device, dtype)]
-    model = make_tiny_model(tmp_path / "model", num_hidden_layers=4)
-    actor = {"lr": 1e-4, "seed": 3, "dtype": dtype} | ({"lora": LORA} if lora else {})
+def _adapter_of(folder: Path) -> dict:
+    """The adapter tensors of a peft export folder."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(folder / "adapter_model.safetensors")
+    assert tensors and all(".lora_" in k for k in tensors)
+    return tensors
+
+
+def _mesh_config(tmp_path, model, *, device, dtype, dp, tp, pp, schedule, dp_mode, budget, fused, checkpointing,
+                 lora) -> Path:
+    """The mesh's trainer.yaml (check_against_single_process's layout)."""
     config = tmp_path / "trainer.yaml"
     fused_line = "" if fused is None else f"  fused_logprobs: {str(fused).lower()}\n"
     config.write_text(f"model:\n  path: {model}\n  device: {device}\nactor:\n  lr: 1.0e-4\n  seed: 3\n  dtype: {dtype}\n"
@@ -161,6 +160,22 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
                       f"  dp_mode: {dp_mode}\n  micro_batch_token_budget: {budget}\n{fused_line}"
                       f"  activation_checkpointing: {checkpointing}\n"
                       + (f"  lora: {{rank: {LORA['rank']}, alpha: {LORA['alpha']}}}\n" if lora else ""))
+    return config
+
+
+def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1, tp: int = 1, pp: int = 1,
+                                 schedule: str = "1f1b", budget: int = 16384, fused: bool | None = False,
+                                 device: str = "cpu", dtype: str = "float32", checkpointing: str = "none",
+                                 lora: bool = False):
+    # fused: the mesh computes log-probs through the fused LM head, the single process through the plain one
+    # (None: both take the device's default). device cuda: every rank on its own GPU (LOCAL_RANK), NCCL; the
+    # single process on cuda:0. dtype: the compute dtype (master weights stay fp32). checkpointing: the mesh's
+    # actor.activation_checkpointing (the single process runs without). lora: both train LORA adapters (peft exports).
+    tol = TOLERANCES[(device, dtype)]
+    model = make_tiny_model(tmp_path / "model", num_hidden_layers=4)
+    actor = {"lr": 1e-4, "seed": 3, "dtype": dtype} | ({"lora": LORA} if lora else {})
+    config = _mesh_config(tmp_path, model, device=device, dtype=dtype, dp=dp, tp=tp, pp=pp, schedule=schedule,
+                          dp_mode=dp_mode, budget=budget, fused=fused, checkpointing=checkpointing, lora=lora)
     launched = Launched(config, tmp_path / "torchrun.log", nproc=dp * tp * pp)
     single_model = {"path": model, "device": device}
     try:
@@ -190,8 +205,7 @@ def check_against_single_process(tmp_path, *, dp_mode: str = "fsdp", dp: int = 1
     from safetensors.torch import load_file
 
     if lora:                # the mesh's adapters after one step are the single process's (its export: the same names)
-        expected_weights = load_file(tmp_path / "single_hf" / "adapter_model.safetensors")
-        assert expected_weights and all(".lora_" in k for k in expected_weights)
+        expected_weights = _adapter_of(tmp_path / "single_hf")
     exported = load_file(tmp_path / "hf" / ("adapter_model.safetensors" if lora else "model.safetensors"))
     diff = max((exported[k] - expected_weights[k].cpu()).abs().max().item() for k in expected_weights)
     assert diff < tol.weight
