@@ -76,6 +76,8 @@ SOURCES: dict[str, list[str]] = {
                            "services/rollout/engine_torch/graph_step.py", "services/rollout/engine_torch/fused_sample.py",
                            "services/common/chat_delta.py", "services/env", "bench/episodes.py"],
     "decode_profile_gpu": ["services/rollout/engine_torch", "bench/decode_profile.py"],
+    # its LoRA part alone, from a later call (gpu_session.sh profile with PROFILE_PARTS=lora)
+    "decode_profile_lora_gpu": ["services/rollout/engine_torch", "bench/decode_profile.py"],
     "cascade_attention_gpu": ["services/rollout/engine_torch/paged/attention.py",
                               "services/rollout/engine_torch/paged/cascade.py", "bench/cascade_attention.py"],
     "paged_kv_gpu": ["services/rollout/engine_torch/paged", "services/rollout/engine_torch/engine.py",
