@@ -1,6 +1,7 @@
-"""Continuous batching in the torch engine's graph decode (services/rollout/engine_torch/continuous.py): requests that
-arrive mid-decode join it in freed batch rows and each request is answered when its own rows ended. On CPU the graph
-decoder runs its step eagerly (use_graphs=False; no Triton sampler or attention)."""
+"""Continuous batching in the torch engine's graph decode (services/rollout/engine_torch/continuous.py) and its paged
+KV cache's decode (paged/decoder.py): requests that arrive mid-decode join it in freed batch rows (the paged decode:
+between windows, while the batch has room) and each request is answered when its own rows ended. On CPU the graph
+decoder runs its step eagerly (use_graphs=False; no Triton sampler or attention), the paged decoder its eager steps."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def cpu_graph_engine(path: str, **rollout) -> TorchEngine:
     e._graph_decoder = GraphDecoder(e.model, pad_id=e.pad_id, eos_ids=sorted(e.eos_ids), max_batch_size=4,
                                     use_graphs=False, compile=False, sync_every=SYNC)
     return e
+
+
+def cpu_paged_engine(path: str, **rollout) -> TorchEngine:
+    return TorchEngine(RolloutSettings(model={"path": path}, rollout={"max_batch_size": 4, "kv_cache": "paged",
+                                                                      **rollout}))
+
+
+ENGINES = {"graph": cpu_graph_engine, "paged": cpu_paged_engine}
 
 
 def request(prompts, i=0, **sampling) -> GenerateBatch:
@@ -90,12 +99,13 @@ def test_rows_that_join_mid_decode_give_the_tokens_and_logprobs_they_give_alone(
             assert [[t for t, _ in step[:3]] for step in out.top[i]] == [[t for t, _ in step] for step in a.top[0]]
 
 
-def test_a_request_is_answered_before_the_decode_ends_when_another_joined(model_dir):
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_request_is_answered_before_the_decode_ends_when_another_joined(model_dir, kind):
     eager = TorchEngine(RolloutSettings(model={"path": model_dir}))
     first, second = request(PROMPTS[:1], 0, n=2, temperature=0, max_tokens=12), \
         request(JOINERS[:1], 1, n=2, temperature=0, max_tokens=40)
     alone = [asyncio.run(eager.generate(b)) for b in (first, second)]
-    e = cpu_graph_engine(model_dir)
+    e = ENGINES[kind](model_dir)
     hold = 30                                       # a call after the first request's rows ended (step 12)
 
     async def go():
@@ -120,13 +130,14 @@ def test_a_request_is_answered_before_the_decode_ends_when_another_joined(model_
         same_as_alone(g, a)
 
 
-def test_many_requests_of_different_lengths_join_with_nothing_lost_or_duplicated(model_dir):
+@pytest.mark.parametrize("kind", ENGINES)
+def test_many_requests_of_different_lengths_join_with_nothing_lost_or_duplicated(model_dir, kind):
     eager = TorchEngine(RolloutSettings(model={"path": model_dir}))
     shapes = [(PROMPTS[:1], 2, 9), (PROMPTS[1:], 1, 25), (JOINERS, 2, 6), (PROMPTS, 1, 17), (JOINERS[1:], 3, 30),
               (PROMPTS[2:], 2, 4)]
     batches = [request(p, i, n=n, temperature=0, max_tokens=t) for i, (p, n, t) in enumerate(shapes)]
     alone = [asyncio.run(eager.generate(b)) for b in batches]
-    e = cpu_graph_engine(model_dir)
+    e = ENGINES[kind](model_dir)
 
     async def go():
         gate = Gate(e.model.model.embed_tokens, (1,))
@@ -148,7 +159,8 @@ def test_many_requests_of_different_lengths_join_with_nothing_lost_or_duplicated
         same_as_alone(g, a)
 
 
-def test_seeded_and_stop_string_requests_wait_for_the_next_decode_and_block_later_ones(model_dir):
+@pytest.mark.parametrize("kind", ENGINES)
+def test_seeded_and_stop_string_requests_wait_for_the_next_decode_and_block_later_ones(model_dir, kind):
     eager = TorchEngine(RolloutSettings(model={"path": model_dir}))
     free = asyncio.run(eager.generate(request(PROMPTS, n=1, temperature=0, max_tokens=30)))
     stops = [free[1].samples[0].text[6:8]]
@@ -157,7 +169,7 @@ def test_seeded_and_stop_string_requests_wait_for_the_next_decode_and_block_late
               request(PROMPTS, 2, n=1, temperature=0, max_tokens=30, stop=stops),
               request(JOINERS, 3, n=1, temperature=0, max_tokens=10)]      # joinable, but behind the others
     alone = [asyncio.run(eager.generate(b)) for b in [first] + others]
-    e = cpu_graph_engine(model_dir)
+    e = ENGINES[kind](model_dir)
 
     async def go():
         gate = Gate(e.model.model.embed_tokens, (3,))
@@ -212,8 +224,9 @@ def test_a_weight_swap_between_steps_tags_the_joined_rows_tokens_from_their_own_
     assert b.response_ids[9:] != reference.response_ids[9:]
 
 
-def test_a_posted_update_stops_joining_so_it_lands_before_the_next_requests(model_dir):
-    e = cpu_graph_engine(model_dir)
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_posted_update_stops_joining_so_it_lands_before_the_next_requests(model_dir, kind):
+    e = ENGINES[kind](model_dir)
     first = request(PROMPTS[:1], 0, n=1, temperature=0, max_tokens=30)
 
     async def go():
@@ -236,8 +249,9 @@ def test_a_posted_update_stops_joining_so_it_lands_before_the_next_requests(mode
     assert [s.weight_version for r in b for s in r.samples] == [1, 1]
 
 
-def test_continuous_batching_off_keeps_whole_batch_decodes(model_dir):
-    e = cpu_graph_engine(model_dir, continuous_batching=False)
+@pytest.mark.parametrize("kind", ENGINES)
+def test_continuous_batching_off_keeps_whole_batch_decodes(model_dir, kind):
+    e = ENGINES[kind](model_dir, continuous_batching=False)
     first = request(PROMPTS[:1], 0, n=2, temperature=0, max_tokens=20)
 
     async def go():
@@ -254,4 +268,4 @@ def test_continuous_batching_off_keeps_whole_batch_decodes(model_dir):
 
     asyncio.run(go())
     assert e.stats["joined_rows"] == 0 and e.stats["decode_batches"] == 2
-    assert e._graph_decoder.stats["replays"] > 0
+    assert (e._graph_decoder.stats["replays"] if kind == "graph" else e._paged.stats["decode_steps"]) > 0

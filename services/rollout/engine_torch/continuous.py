@@ -84,10 +84,13 @@ class Joining:
         return [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
 
     def __call__(self, room: Room) -> list[Joiner]:
-        e = self.engine
-        with e._swaps_mutex:
-            swap_waits = self.flight.partial == "off" and bool(e._swaps)
-        if swap_waits:
+        take = self.take(room)
+        self.ids += take
+        return [Joiner(r.prompt, r.budget, r.sampling.temperature, r.sampling.top_p, r.slot) for r in take]
+
+    def take(self, room: Room) -> list:
+        """The engine rows that join now (their version set, counted in joined_rows)."""
+        if self._swap_waits():
             return []              # an update waits for the engine lock: let the batch drain so it lands
         take = []
         while len(take) < room.free and (self.queue or self._take_request(room)):
@@ -96,26 +99,41 @@ class Joining:
             if not (room.takes(p.temperature, p.top_p, p.top_logprobs) and room.fits(len(row.prompt), row.budget)):
                 break
             take.append(self.queue.popleft())
+        e = self.engine
         for row in take:
             row.version, row.start = e.weight_version, room.step
             self.live[id(row)] = row
-        self.ids += take
         e.stats["joined_rows"] += len(take)
-        return [Joiner(r.prompt, r.budget, r.sampling.temperature, r.sampling.top_p, r.slot) for r in take]
+        return take
+
+    def waiting(self, room: Room) -> bool:
+        """Whether rows could join now (taken rows queued, or the oldest pending request may join): a paged decode
+        then settles its window before launching the next, so they are admitted at its end."""
+        if self.queue:
+            return True
+        if self._swap_waits():
+            return False
+        with self.engine._pending_mutex:
+            return bool(self.engine._pending) and self._may_join(self.engine._pending[0], room)
+
+    def _swap_waits(self) -> bool:
+        e = self.engine
+        with e._swaps_mutex:
+            return self.flight.partial == "off" and bool(e._swaps)
+
+    def _may_join(self, job, room: Room) -> bool:
+        p = job.batch.sampling
+        return not (job.future is None or job.future.done() or p.seed is not None or p.stop
+                    or job.batch.partial_rollout != self.flight.partial
+                    or not room.takes(p.temperature, p.top_p, p.top_logprobs))
 
     def _take_request(self, room: Room) -> bool:
         """Moves the oldest pending request's rows to the queue when they may join this decode."""
         e = self.engine
         with e._pending_mutex:
-            if not e._pending:
+            if not e._pending or not self._may_join(e._pending[0], room):
                 return False
-            job = e._pending[0]
-            p = job.batch.sampling
-            if (job.future is None or job.future.done() or p.seed is not None or p.stop
-                    or job.batch.partial_rollout != self.flight.partial
-                    or not room.takes(p.temperature, p.top_p, p.top_logprobs)):
-                return False
-            e._pending.pop(0)
+            job = e._pending.pop(0)
         self.queue.extend(self.flight.add(job, e._rows_of(job)))
         return True
 
@@ -124,8 +142,13 @@ class Joining:
         for i, out in outs.items():
             row = self.ids[i]
             fill_row(row, *out)
-            self.live.pop(id(row), None)
             rows.append(row)
+        self.rows_ended(rows)
+
+    def rows_ended(self, rows: list) -> None:
+        """Rows whose outputs are filled in: their requests are answered once all their rows ended."""
+        for row in rows:
+            self.live.pop(id(row), None)
         self.flight.ended(rows)
 
 

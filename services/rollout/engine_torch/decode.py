@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from services.rollout.engine_torch.continuous import Flight, fill_row, graph_decode
+from services.rollout.engine_torch.continuous import Flight, Joining, fill_row, graph_decode
 from services.rollout.engine_torch.lora import adapter_rows
 from services.rollout.engine_torch.sampling import left_padded, sample_tokens
 from services.rollout.types import SamplingParams
@@ -103,7 +103,7 @@ def decode_rows(engine, rows: list[Row], *, partial: str = "off", flight: Flight
     land between two steps (engine._between_steps); pause recomputes the running rows' KV cache with the new
     weights (on the eager loop, not the graph one)."""
     if engine._paged is not None:
-        return _paged_decode(engine, rows, partial)
+        return _paged_decode(engine, rows, partial, flight)
     dec = engine._graph_decoder
     if partial != "pause" and dec is not None and dec.serves(
             [r.generator is not None for r in rows], [r.sampling.temperature for r in rows],
@@ -199,14 +199,28 @@ def _mark_stop_strings(engine, hit: torch.Tensor, rows: list[Row], act: list[int
             hit[b] = True
 
 
-def _paged_decode(engine, rows: list[Row], partial: str = "off") -> None:
+def _paged_decode(engine, rows: list[Row], partial: str = "off", flight: Flight | None = None) -> None:
     """The paged KV cache's decode (paged/decoder.py): the prefix cache, forks and preemption live there; partial
-    rollouts land swaps between its steps (engine._swap_point) and tag each row's tokens there."""
+    rollouts land swaps between its steps (engine._swap_point) and tag each row's tokens there. With continuous
+    batching, rows of requests pending meanwhile join it between windows and each request is answered as soon as its
+    rows ended (continuous.py's Joining); rows of a joined request still waiting when the decode ended decode next,
+    in this same call."""
     def stop_check(r: int, tokens: list[int]) -> bool:
         return _hit_stop(engine, rows[r], tokens, rows[r].sampling.stop)
 
-    engine._paged.decode(rows, engine.weight_version, eos_ids=sorted(engine.eos_ids), stop_check=stop_check,
-                         swap_point=engine._swap_point if partial != "off" else None, pause=partial == "pause")
+    joining = Joining(engine, flight, rows) if flight is not None and engine.config.continuous_batching else None
+    while rows:
+        engine._paged.decode(rows, engine.weight_version, eos_ids=sorted(engine.eos_ids), stop_check=stop_check,
+                             swap_point=engine._swap_point if partial != "off" else None, pause=partial == "pause",
+                             joins=joining)
+        if joining is None:
+            return
+        joining.rows_ended(rows)
+        rows = joining.next_rows(engine.max_batch_size)
+        version = engine._swap_point() if partial != "off" else engine.weight_version
+        for row in rows:
+            row.version = version
+        joining.restart(rows)
 
 
 def _graph_decode(engine, rows: list[Row], *, partial: bool = False, flight: Flight | None = None) -> None:

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from services.rollout.engine_torch.decode_join import Room
 from services.rollout.engine_torch.lora import adapter_rows, bank_of
 from services.rollout.engine_torch.paged import attention, metrics
 from services.rollout.engine_torch.paged.blocks import BlockPool, BlockTable, NoFreeBlock
@@ -41,6 +42,15 @@ log = logging.getLogger("meshrl.rollout")
 PREFILL_TOKENS = 16384
 # (row index, its response tokens so far) -> whether they now hold one of its stop strings.
 StopCheck = Callable[[int, list], bool]
+# A joining row's prompt and budget always fit (continuous batching's Room: the pool admits or preempts).
+_ANY = 2**62
+
+
+def _fill(r, s: Seq, lp: list[float], top: list) -> None:
+    """A row's outputs into its engine row."""
+    r.tokens, r.logprobs = s.response, lp
+    r.top = top if r.sampling.top_logprobs else None
+    r.cached = max(s.cached_prompt, 0)
 
 
 class PagedDecoder(Windows):
@@ -82,6 +92,7 @@ class PagedDecoder(Windows):
         self.pins = EpisodePins(self.pool)
         # Held by decode(); episodes that end while a decode runs queue here and are let go at its next step.
         self._busy = threading.RLock()
+        self._joins = None                               # the running decode's continuous.Joining, if any
         self._ending: deque[str] = deque()
         metrics.watch(self)
         log.info("rollout paged KV: %d blocks of %d tokens, %.2f GiB (%s)", num_blocks, block_size,
@@ -145,16 +156,20 @@ class PagedDecoder(Windows):
 
     @torch.inference_mode()
     def decode(self, rows, version: int, *, eos_ids: Sequence[int], stop_check: StopCheck | None = None,
-               swap_point: Callable[[], int] | None = None, pause: bool = False) -> None:
+               swap_point: Callable[[], int] | None = None, pause: bool = False, joins=None) -> None:
         """Decodes engine rows (decode.Row: prompt, budget, sampling, generator, adapter slot) to their end, filling
         their tokens, log-probs, top-logprobs and finish reasons. version: the engine's weight version (one this
         cache was not told of by set_version or adapters_changed counts as new weights: cached blocks go).
         swap_point (partial rollouts): lands posted weight swaps between two steps and returns the version; after a
-        swap the rows go on over their old KV, or (pause) have it recomputed by the new weights."""
+        swap the rows go on over their old KV, or (pause) have it recomputed by the new weights.
+        joins (continuous batching; continuous.Joining): between windows, rows of pending requests join `rows` (appended
+        to the list) while the batch has room, and each row is handed to joins.rows_ended as soon as it ended."""
         with self._busy:
+            self._joins = joins
             try:
                 self._decode(rows, version, eos_ids, stop_check, swap_point, pause)
             finally:
+                self._joins = None
                 if self.graphs is not None and self.adapters is not None:
                     self.adapters.rows.zero_()      # forwards after this one read base rows unless told
         if self._ending:                                 # ended while this ran, after its last step
@@ -187,6 +202,10 @@ class PagedDecoder(Windows):
                     flight = self._launch(running, k, batch_logits(running))
                 after = self._chain(rows, flight, waiting, swap_point)
                 running, fed = self._land(rows, flight, logps, tops, stop_check)
+                if self._joins is not None:
+                    self._answer(rows, flight.rows, logps, tops)
+                    if after is None:                # pending rows join before the loop looks for work
+                        self._join(rows, seqs, logps, tops, waiting, len(running))
                 flight = after
                 if flight is not None:
                     continue
@@ -209,9 +228,51 @@ class PagedDecoder(Windows):
                 if s.table.blocks:
                     self.pool.free(s.table)
         for r, s, lp, top in zip(rows, seqs, logps, tops):
-            r.tokens, r.logprobs = s.response, lp
-            r.top = top if r.sampling.top_logprobs else None
-            r.cached = max(s.cached_prompt, 0)
+            _fill(r, s, lp, top)
+
+    # ---- continuous batching (rollout.continuous_batching)
+
+    def _room(self, rows, busy: int) -> Room:
+        """What this call can take now: batch rows not running or waiting, and rows its sampler mode serves (any
+        prompt and budget: the pool admits, and preempts, as for its own rows)."""
+        fused = self.sampler.fused
+        mode = ("sample" if all(r.sampling.top_p >= 1 for r in rows) else "greedy") if fused else "top_p"
+        return Room(free=self.max_batch_size - busy, step=0, slot=_ANY, size=2 * _ANY, sampler=mode,
+                    top_logprobs=not fused)
+
+    def _joinable(self, rows, busy: int) -> bool:
+        """Whether pending rows could join once the windows launched are settled (a chained window is not
+        launched then)."""
+        if self._joins is None:
+            return False
+        room = self._room(rows, busy)
+        return room.free > 0 and self._joins.waiting(room)
+
+    def _join(self, rows, seqs: list[Seq], logps, tops, waiting: deque, num_running: int) -> None:
+        """Rows of pending requests join the call while the batch has room: they wait to be admitted as its own."""
+        room = self._room(rows, num_running + len(waiting))
+        new = self._joins.take(room) if room.free > 0 else []
+        if not new:
+            return
+        first = len(rows)
+        rows += new
+        self.sampler.extend(new)
+        self._host.add(new)
+        for i, r in enumerate(new, first):
+            s = Seq(i, list(r.prompt), len(r.prompt), episode=r.episode, slot=r.slot)
+            seqs.append(s)
+            waiting.append(s)
+            logps.append([])
+            tops.append([])
+
+    def _answer(self, rows, landed: list[Seq], logps, tops) -> None:
+        """The rows that ended in the window just landed, filled in and handed over (their requests answered)."""
+        done = [s for s in landed if s.done and not s.answered]
+        for s in done:
+            s.answered = True
+            _fill(rows[s.index], s, logps[s.index], tops[s.index])
+        if done:
+            self._joins.rows_ended([rows[s.index] for s in done])
 
     def _check_room(self, running: list[Seq], waiting: deque) -> None:
         """After admission: no row runs while one waits only when the pool cannot hold one row, even with the

@@ -48,12 +48,23 @@ class StepSampler:
         self.rows, self.device, self.eos, self.fused = rows, device, eos, fused
         self.top_k = max((r.sampling.top_logprobs for r in rows), default=0)
         if fused:
-            # Unseeded rows: consecutive keys from a fresh draw; seeded rows: their generator's first draw.
-            base = int(torch.randint(0, 2**62, (1,)).item())
-            keys = [int(torch.randint(0, 2**62, (1,), generator=r.generator)) if r.generator is not None else base + i
-                    for i, r in enumerate(rows)]
-            self.seeds = torch.tensor(keys, dtype=torch.long, device=device)
-            self.temps = torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=device)
+            self.seeds, self.temps = self._keys(rows)
+
+    def _keys(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused sampler's Philox keys and temperatures of rows: unseeded rows consecutive keys from a fresh
+        draw, seeded rows their generator's first draw."""
+        base = int(torch.randint(0, 2**62, (1,)).item())
+        keys = [int(torch.randint(0, 2**62, (1,), generator=r.generator)) if r.generator is not None else base + i
+                for i, r in enumerate(rows)]
+        return (torch.tensor(keys, dtype=torch.long, device=self.device),
+                torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=self.device))
+
+    def extend(self, new) -> None:
+        """Rows that joined the call (already appended to its rows; continuous batching): their keys."""
+        self.top_k = max(self.top_k, *(r.sampling.top_logprobs for r in new))
+        if self.fused:
+            seeds, temps = self._keys(new)
+            self.seeds, self.temps = torch.cat([self.seeds, seeds]), torch.cat([self.temps, temps])
 
     def begin(self, indices: list[int], token_index: list[int]) -> None:
         """The window's rows (engine row indices, in batch order) and each one's next token's index in its

@@ -57,6 +57,7 @@ class Seq:
     episode: str = ""                            # its episode's id: the table is pinned when it ends
     slot: int = 0                                # its LoRA adapter's slot in the bank (0: the base model)
     key: tuple = ()                              # what its KV was computed with, since its admission (_key)
+    answered: bool = False                       # handed over as ended (continuous batching)
 
     @property
     def response(self) -> list[int]:
@@ -85,10 +86,20 @@ class HostTables:
     read or cut (a window's reservations are one per row: hundreds of single-entry writes otherwise)."""
 
     def __init__(self, rows, block_size: int, window: int, spill: int):
-        width = max(-(-(len(r.prompt) + r.budget + 2 * window) // block_size) for r in rows)
-        self.t = torch.full((len(rows), width), spill, dtype=torch.long)
-        self.spill = spill
+        self.block_size, self.window, self.spill = block_size, window, spill
+        self.t = torch.full((len(rows), self._width(rows)), spill, dtype=torch.long)
         self._pending: dict[tuple[int, int], int] = {}
+
+    def _width(self, rows) -> int:
+        return max(-(-(len(r.prompt) + r.budget + 2 * self.window) // self.block_size) for r in rows)
+
+    def add(self, rows) -> None:
+        """Entries for rows that joined the call (the next indices), the tensor widened where they need it."""
+        self._flush()
+        grow = self._width(rows) - self.t.size(1)
+        if grow > 0:
+            self.t = torch.cat([self.t, self.t.new_full((self.t.size(0), grow), self.spill)], 1)
+        self.t = torch.cat([self.t, self.t.new_full((len(rows), self.t.size(1)), self.spill)])
 
     def write(self, s: Seq, start: int = 0) -> None:
         blocks = s.table.blocks
@@ -188,6 +199,8 @@ class Windows:
         if not self.chain_windows or w.next_logits is None or waiting or swap_point is not None:
             return None
         live = [(b, s) for b, s in enumerate(w.rows) if not s.done]
+        if self._joinable(rows, len(live)):
+            return None
         running = [s for _, s in live]
         k = self._window_size(rows, running, waiting, ahead=w.k)
         if k <= 1:
