@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 from coordinator.recipe.model_shape import ModelShape, model_shape
 from services.common.auto import is_auto
-from services.rollout.config import AUTO_MAX_BATCH_SIZE
+from services.rollout.config import AUTO_KV_PROMPT_TOKENS, AUTO_MAX_BATCH_SIZE, auto_kv_pool_tokens
 from services.rollout.types import bucket_batch, bucket_len
 
 GIB = 2**30
@@ -32,8 +32,7 @@ DEFAULT_PROMPT_TOKENS = 256
 # vLLM takes this share of the whole GPU unless rollout.gpu_memory_utilization says otherwise
 # (services/rollout/engine_vllm/engine.py GPU_MEMORY_UTILIZATION).
 VLLM_UTILIZATION = 0.9
-# The torch engine's paged KV pool takes this share of the free CUDA memory when rollout.kv_cache_gib is unset
-# (services/rollout/engine_torch/paged/kv.py CUDA_AUTO_SHARE; not imported: that module needs torch).
+# The paged KV pool's auto cap, a share of free CUDA memory (engine_torch/paged/kv.py CUDA_AUTO_SHARE: needs torch).
 PAGED_AUTO_SHARE = 0.5
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # engine_torch/lora.py's GROUPS (not imported: that module needs torch): layers whose adapters share one A and one
@@ -192,7 +191,7 @@ def rollout_estimate(cfg, index: int, devices: str, num_replicas: int, gpu_bytes
             share = r.gpu_memory_utilization or VLLM_UTILIZATION
             parts = {f"vLLM gpu_memory_utilization {share}": int(share * gpu_bytes)}
     else:
-        paged = r.engine == "torch" and r.kv_cache == "paged"          # a block pool instead of that cache
+        paged = _paged(cfg)                                             # a block pool instead of that cache
         name, kv, batch, graphs = _static_kv_cache(cfg, s, b, num_replicas)
         if not paged:
             parts[name] = kv
@@ -203,7 +202,7 @@ def rollout_estimate(cfg, index: int, devices: str, num_replicas: int, gpu_bytes
         if r.engine == "torch":
             parts.update(_adapter_slots(cfg, s, b))
         if paged:
-            parts.update(_paged_pool(r, sum(parts.values()) + CUDA_CONTEXT_BYTES, gpu_bytes))
+            parts.update(_paged_pool(cfg, s, b, sum(parts.values()) + CUDA_CONTEXT_BYTES, gpu_bytes))
     parts["CUDA context"] = CUDA_CONTEXT_BYTES
     return Estimate(f"rollout {index}", gpu, parts)
 
@@ -225,17 +224,26 @@ def _static_kv_cache(cfg, s: ModelShape, b: int, num_replicas: int) -> tuple[str
     return f"KV cache ({batch} rows x {length} tokens)", batch * length * s.kv_bytes_per_token(b), batch, graphs
 
 
-def _paged_pool(r, others: int, gpu_bytes: int | None) -> dict[str, int]:
-    """The torch engine's paged KV block pool (rollout.kv_cache paged): rollout.kv_cache_gib, or auto, which takes
-    PAGED_AUTO_SHARE of the CUDA memory free when the replica starts: counted as that share of what the replica's
-    other parts (`others`) leave of the GPU, the most it takes (the GPU's other processes may not have allocated
-    yet). Not counted where the GPU's size is unknown, as vLLM's share."""
+def _paged(cfg) -> bool:
+    """Whether the torch engine keeps the paged KV cache: kv_cache paged, or auto (on CUDA, where this estimate runs,
+    unless cuda_graphs: true asks for the unpaged decoder: speed.py's _resolve_paged)."""
+    r = cfg.rollout
+    return r.engine == "torch" and (r.kv_cache == "paged" or is_auto(r.kv_cache) and r.cuda_graphs is not True)
+
+
+def _paged_pool(cfg, s: ModelShape, b: int, others: int, gpu_bytes: int | None) -> dict[str, int]:
+    """The torch engine's paged KV block pool: rollout.kv_cache_gib, or auto: room for max_batch_size rows
+    (rollout/config.py auto_kv_pool_tokens), at most PAGED_AUTO_SHARE of the CUDA memory free at start, counted as
+    that share of what the replica's other parts (`others`) leave of the GPU (others may not have allocated yet)."""
+    r = cfg.rollout
     if r.kv_cache_gib is not None:
         return {"paged KV pool (rollout.kv_cache_gib)": int(r.kv_cache_gib * GIB)}
-    if not gpu_bytes:
-        return {}
-    return {f"paged KV pool (auto: {PAGED_AUTO_SHARE:.0%} of the memory free at start)":
-            int(PAGED_AUTO_SHARE * max(0, gpu_bytes - others))}
+    rows = AUTO_MAX_BATCH_SIZE[True] if is_auto(r.max_batch_size) else r.max_batch_size
+    pool = auto_kv_pool_tokens(rows, r.max_tokens, r.max_model_len) * s.kv_bytes_per_token(b)
+    name, cap = f"auto: {rows} rows of {AUTO_KV_PROMPT_TOKENS} + 2 x {r.max_tokens} tokens", None
+    if gpu_bytes and (cap := int(PAGED_AUTO_SHARE * max(0, gpu_bytes - others))) < pool:
+        pool, name = cap, f"{name}, at most {PAGED_AUTO_SHARE:.0%} of the memory free at start"
+    return {f"paged KV pool ({name})": pool}
 
 
 def _enable_lora(cfg) -> bool:
@@ -348,7 +356,7 @@ def _variants(cfg, placement: Mapping[str, Sequence[str]]):
     from services.trainer.config import LoraSection
 
     a, r = cfg.actor, cfg.rollout
-    if r.engine == "torch" and r.kv_cache == "paged" and r.kv_cache_gib is None:
+    if _paged(cfg) and r.kv_cache_gib is None:
         static = _static_kv_cache(cfg, model_shape(cfg.model.path), DTYPE_BYTES[cfg.model.dtype],
                                   max(1, len(placement.get("rollout", []))))[1]
         gib_ = max(1, -(-static // GIB))

@@ -27,6 +27,16 @@ ENGINES: dict[str, str] = {
 # rollout.max_batch_size auto, by whether the torch engine decodes with CUDA graphs
 # (services/rollout/engine_torch/speed.py).
 AUTO_MAX_BATCH_SIZE = {True: 512, False: 64}
+# The paged KV pool's auto size on CUDA (rollout.kv_cache_gib unset) is room for max_batch_size rows of this many
+# prompt tokens plus twice rollout.max_tokens (what the unpaged graph decoder's cache takes for a full batch of such
+# prompts with continuous batching), at most max_model_len a row, and at most half the CUDA memory free at start.
+AUTO_KV_PROMPT_TOKENS = 256
+
+
+def auto_kv_pool_tokens(max_batch_size: int, max_tokens: int, max_model_len: int | None) -> int:
+    """Tokens the paged KV pool holds under auto on CUDA (before the cap by free memory)."""
+    per_row = AUTO_KV_PROMPT_TOKENS + 2 * max_tokens
+    return max_batch_size * (per_row if max_model_len is None else min(per_row, max_model_len))
 
 
 # Agent loops by name (`rollout.agent.name`, a data row's verl `agent_name`): the loops themselves are
@@ -138,14 +148,16 @@ class RolloutConfig(PoolConfig):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     # KV cache size in GiB. engine "vllm": overrides gpu_memory_utilization's share for the cache (on CPU the
     # environment variable VLLM_CPU_KVCACHE_SPACE, in GiB, overrides both). engine "torch" with kv_cache paged: the
-    # block pool's size; None = half the CUDA memory free after the model loads; on CPU 256 max_model_len rows, at
-    # most 10% of RAM.
+    # block pool's size; None = on CUDA room for max_batch_size rows of 256 prompt tokens + 2 x max_tokens (at most
+    # max_model_len a row), at most half the CUDA memory free after the model loads; on CPU 256 max_model_len rows,
+    # at most 10% of RAM.
     kv_cache_gib: float | None = Field(None, gt=0)
     # engine "torch": the KV cache. paged: fixed-size blocks, block tables, a prefix cache across calls (a GRPO
     # group's prompt prefilled once, an episode's next turn feeds only its new tokens), admission and preemption by
-    # the kv_cache_gib budget (services/rollout/engine_torch/paged/; eager steps, no CUDA graphs). Serves LoRA
+    # the kv_cache_gib budget (services/rollout/engine_torch/paged/; CUDA graphs with kv_cache_cuda_graphs). Serves LoRA
     # adapters (enable_lora): its prefix cache, forks and pins are keyed by adapter name and version as well as by
-    # tokens. none: each decode builds its own left-padded cache. auto: none for now (docs/rollout.md says why).
+    # tokens. none: each decode builds its own left-padded cache. auto: paged where its CUDA-graph step runs (CUDA,
+    # Triton, a model the graph decoders support, power-of-two kv_block_size and head_dim), none elsewhere (CPU).
     kv_cache: Literal["paged", "none"] | Auto = AUTO
     # kv_cache paged: tokens per KV block.
     kv_block_size: int = Field(16, ge=1, le=1024)

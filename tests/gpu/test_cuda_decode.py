@@ -29,7 +29,8 @@ def model_dir(tmp_path_factory) -> str:
 def make_engine(path: str, *, graphs: bool, dtype: str = "float32", compile: bool = False, **rollout) -> TorchEngine:
     # Most tests decode eagerly-built graphs; compiling costs seconds per bucket (one test compiles).
     return TorchEngine(RolloutSettings(model={"path": path, "device": "cuda", "dtype": dtype},
-                                       rollout={"cuda_graphs": graphs, "cuda_graph_compile": compile, **rollout}))
+                                       rollout={"cuda_graphs": graphs, "cuda_graph_compile": compile,
+                                                "kv_cache": "none", **rollout}))
 
 
 @pytest.fixture(scope="module")

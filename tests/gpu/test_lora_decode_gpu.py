@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory) -> str:
 def make_engine(path: str, *, graphs: bool, compile: bool = False) -> TorchEngine:
     return TorchEngine(RolloutSettings(model={"path": path, "device": "cuda", "dtype": "float32"},
                                        rollout={"cuda_graphs": graphs, "cuda_graph_compile": compile,
-                                                "max_batch_size": 16, "enable_lora": True, "max_loras": 3,
+                                                "max_batch_size": 16, "enable_lora": True, "max_loras": 3, "kv_cache": "none",
                                                 "max_lora_rank": 8}))
 
 

@@ -165,3 +165,40 @@ def test_the_decode_layer_compiles_for_either_graph_path(monkeypatch, arith_mode
     out = speed.resolve_speed(r, "cuda:0", model)
     assert out.value("rollout.cuda_graph_compile") is compiled
     assert out.value("rollout.kv_cache_cuda_graphs") is (kv_cache == "paged")
+
+
+@pytest.mark.parametrize("kernel_runs", [True, False])
+def test_kv_cache_auto_takes_the_paged_cache_on_cuda_where_its_graph_step_runs(monkeypatch, arith_model_path,
+                                                                              kernel_runs):
+    """auto: the paged KV cache with its CUDA-graph step (and not the unpaged graph decoder beside it) where the
+    Triton paged kernel runs; the unpaged CUDA-graph decoder where it does not; today's cache on CPU. The CUDA
+    checks are patched: this machine has none."""
+    from transformers import AutoModelForCausalLM
+
+    from services.rollout.engine_torch import speed
+    from services.rollout.engine_torch.paged import attention
+
+    monkeypatch.setattr(attention, "graphs_reason", lambda *a: None if kernel_runs else "no Triton here")
+    monkeypatch.setattr(speed, "_triton_available", lambda: True)
+    monkeypatch.setattr(speed, "keep_compile_cache", lambda: None)
+    model = AutoModelForCausalLM.from_pretrained(arith_model_path)
+    out = speed.resolve_speed(RolloutConfig(), "cuda:0", model)
+    assert out.value("rollout.kv_cache") == ("paged" if kernel_runs else "none")
+    assert out.value("rollout.kv_cache_cuda_graphs") is kernel_runs
+    assert out.value("rollout.cuda_graphs") is not kernel_runs
+    assert out.value("rollout.max_batch_size") == 512 and out.value("rollout.cuda_graph_compile") is True
+    assert ("no Triton here" in out.choices["rollout.kv_cache"].why) is not kernel_runs
+    explicit = speed.resolve_speed(RolloutConfig(cuda_graphs=True), "cuda:0", model)    # the decoder asked for
+    assert explicit.value("rollout.cuda_graphs") is True and explicit.value("rollout.kv_cache") == "none"
+    both = speed.resolve_speed(RolloutConfig(cuda_graphs=True, kv_cache="paged"), "cuda:0", model)
+    assert both.value("rollout.cuda_graphs") is True and both.value("rollout.kv_cache") == "paged"
+    on_cpu = speed.resolve_speed(RolloutConfig(), "cpu", model)
+    assert on_cpu.value("rollout.kv_cache") == "none" and on_cpu.value("rollout.max_batch_size") == 64
+
+
+def test_the_paged_pools_auto_room_is_max_batch_size_rows_of_a_prompt_and_twice_max_tokens():
+    from services.rollout.config import auto_kv_pool_tokens
+
+    assert auto_kv_pool_tokens(512, 512, None) == 512 * (256 + 1024)
+    assert auto_kv_pool_tokens(512, 512, 1024) == 512 * 1024                   # at most max_model_len a row
+    assert auto_kv_pool_tokens(64, 16, 4096) == 64 * 288

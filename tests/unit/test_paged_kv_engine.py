@@ -171,7 +171,7 @@ def test_stop_strings_cut_paged_samples_as_they_cut_todays(model_dir):
     assert any(s.finish_reason == "stop" for s in b)
 
 
-def test_kv_cache_auto_keeps_todays_cache_and_paged_needs_the_torch_engine(model_dir):
+def test_kv_cache_auto_keeps_todays_cache_on_cpu_and_paged_needs_the_torch_engine(model_dir):
     assert make_engine(model_dir)._paged is None
     with pytest.raises(ValueError, match="kv_cache: paged needs engine 'torch'"):
         RolloutSettings(model={"path": model_dir}, rollout={"engine": "vllm", "kv_cache": "paged"})
@@ -324,3 +324,23 @@ def test_paged_cuda_graphs_are_refused_without_paged_or_without_cuda(model_dir):
     with pytest.raises(ValueError, match=r"rollout.kv_cache_cuda_graphs: true cannot work here \(model.device is 'cpu', "
                                          r"not CUDA\)"):
         paged(model_dir, kv_cache_cuda_graphs=True)
+
+
+def test_the_paged_warm_up_decodes_then_leaves_no_cached_blocks_and_counts_from_zero(model_dir):
+    """speed.warm_up_paged (the replica's warm-up with the paged cache's CUDA graphs; run here on its eager steps):
+    its decodes happen, then what they cached goes and the counters start from zero, so the run's first call
+    finds an empty cache and its metrics count its own work."""
+    from services.rollout.engine_torch.speed import warm_up_paged
+
+    eng = paged(model_dir)
+    before = eng._paged.stats["decode_steps"]
+    seconds = warm_up_paged(eng._paged, 6, eng.max_model_len, eng.pad_id, eng.vocab_size, eng.max_batch_size,
+                            eng.weight_version)
+    assert seconds > 0 and before == 0
+    m = eng._paged.metrics()
+    assert m["kv_blocks_cached"] == 0 and m["kv_blocks_used"] == 0
+    assert m["decode_steps"] == m["prefill_tokens"] == m["prefix_lookup_blocks"] == 0
+    out = flat(gen(eng, prompts=[PROMPTS[0]], n=2, temperature=0.0, max_tokens=4))
+    assert [s.response_ids for s in out] == [s.response_ids for s in flat(gen(make_engine(model_dir), prompts=[PROMPTS[0]],
+                                                                               n=2, temperature=0.0, max_tokens=4))]
+    assert eng._paged.stats["prefill_tokens"] == len(PROMPTS[0])

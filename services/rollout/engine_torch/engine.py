@@ -28,7 +28,7 @@ from services.rollout.engine_torch.continuous import Flight, answer_of
 from services.rollout.engine_torch.decode import Row, decode_rows
 from services.rollout.engine_torch.lora import TorchAdapters, adapter_rows, build_bank
 from services.rollout.engine_torch.sampling import row_generator
-from services.rollout.engine_torch.speed import resolve_speed, warm_up_decoder
+from services.rollout.engine_torch.speed import resolve_speed, warm_up_decoder, warm_up_paged
 from services.rollout.local_model import LocalModelEngine, find_eos_ids, model_len_limit, try_tokenizer
 from services.rollout.types import GenerateBatch, PromptResult, SampleResult, check_weight_version
 
@@ -126,17 +126,21 @@ class TorchEngine(TorchAdapters, LocalModelEngine):
                                        max_model_len=self.max_model_len, max_batch_size=self.max_batch_size,
                                        cuda_graphs=self.resolved.value("rollout.kv_cache_cuda_graphs"),
                                        fused_sampler=r.cuda_graph_fused_sampler,
-                                       compile=self.resolved.value("rollout.cuda_graph_compile"))
+                                       compile=self.resolved.value("rollout.cuda_graph_compile"),
+                                       max_tokens=r.max_tokens)
         self.warmup_seconds = 0.0
         log.info("rollout torch engine: %s on %s (%s), max_model_len=%d, max_batch_size=%d, tokenizer: %s",
                  self.model_path, self.device, self.dtype, self.max_model_len, self.max_batch_size, self.tokenizer is not None)
 
     def warm_up(self) -> float:
-        """Compiles the graph decoder's step and captures graphs before the replica serves (seconds; 0 without
-        CUDA graphs or with rollout.warmup false): speed.py."""
+        """Compiles the graph decoder's (or the paged cache's) step and captures graphs before the replica serves
+        (seconds; 0 without CUDA graphs or with rollout.warmup false): speed.py."""
         if self._graph_decoder is not None and self.config.warmup:
             self.warmup_seconds = warm_up_decoder(self._graph_decoder, self.config.max_tokens, self.max_model_len,
                                                   self.pad_id, self.vocab_size, self.max_batch_size)
+        if self._paged is not None and self._paged.graphs is not None and self.config.warmup:
+            self.warmup_seconds += warm_up_paged(self._paged, self.config.max_tokens, self.max_model_len, self.pad_id,
+                                                 self.vocab_size, self.max_batch_size, self.weight_version)
         return self.warmup_seconds
 
     @property

@@ -58,12 +58,13 @@ class PagedDecoder(Windows):
 
     def __init__(self, model, *, block_size: int, budget_gib: float | None, max_model_len: int, max_batch_size: int,
                  cuda_graphs: bool = False, fused_sampler: bool = True, sync_every: int | None = None,
-                 compile: bool = False):
+                 compile: bool = False, max_tokens: int = 1):
         cfg = model.config
         p = next(model.parameters())
         attn = model.model.layers[0].self_attn
         num_blocks, why = num_blocks_for(model, block_size=block_size, budget_gib=budget_gib,
-                                         max_model_len=max_model_len)
+                                         max_model_len=max_model_len, max_batch_size=max_batch_size,
+                                         max_tokens=max_tokens)
         self.model, self.device = model, p.device
         self.adapters = bank_of(model)                   # LoRA adapters served on the model (None: none)
         assert self.adapters is None or self.adapters.rows.numel() >= max_batch_size

@@ -8,11 +8,14 @@ import os
 
 import torch
 
+from services.rollout.config import AUTO_KV_PROMPT_TOKENS, auto_kv_pool_tokens
+
 log = logging.getLogger("meshrl.rollout")
 
-# auto budget on CUDA: this share of the memory free once the model is loaded (the rest: prefill activations,
-# logits, the sampler's temporaries); on CPU, room for `CPU_AUTO_ROWS` full-length rows, at most CPU_AUTO_SHARE of
-# the host's RAM (a 32k-context model would otherwise ask for hundreds of GiB).
+# auto budget on CUDA: room for max_batch_size rows (config.auto_kv_pool_tokens), at most this share of the memory
+# free once the model is loaded (the rest: prefill activations, logits, the sampler's temporaries); on CPU, room for
+# `CPU_AUTO_ROWS` full-length rows, at most CPU_AUTO_SHARE of the host's RAM (a 32k-context model would otherwise ask
+# for hundreds of GiB).
 CUDA_AUTO_SHARE = 0.5
 CPU_AUTO_ROWS = 256
 CPU_AUTO_SHARE = 0.1
@@ -47,15 +50,21 @@ def block_bytes(model, block_size: int) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * block_size * p.element_size()
 
 
-def num_blocks_for(model, *, block_size: int, budget_gib: float | None, max_model_len: int) -> tuple[int, str]:
-    """(blocks, why) for a budget in GiB, or auto: a share of free CUDA memory, or CPU_AUTO_ROWS full rows."""
+def num_blocks_for(model, *, block_size: int, budget_gib: float | None, max_model_len: int, max_batch_size: int = 1,
+                   max_tokens: int = 1) -> tuple[int, str]:
+    """(blocks, why) for a budget in GiB, or auto: on CUDA room for max_batch_size rows (config.auto_kv_pool_tokens)
+    at most a share of free CUDA memory; on CPU CPU_AUTO_ROWS full rows."""
     per = block_bytes(model, block_size)
     device = next(model.parameters()).device
     if budget_gib is not None:
         n, why = int(budget_gib * 2**30) // per, f"rollout.kv_cache_gib={budget_gib}"
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        n, why = int(free * CUDA_AUTO_SHARE) // per, f"auto: {CUDA_AUTO_SHARE:.0%} of free CUDA memory"
+        rows = -(-auto_kv_pool_tokens(max_batch_size, max_tokens, max_model_len) // block_size)
+        cap = int(free * CUDA_AUTO_SHARE) // per
+        n = min(rows, cap)
+        why = (f"auto: {max_batch_size} rows of {AUTO_KV_PROMPT_TOKENS} + 2 x {max_tokens} tokens" if n == rows
+               else f"auto: {CUDA_AUTO_SHARE:.0%} of free CUDA memory")
     else:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         n = min(CPU_AUTO_ROWS * -(-max_model_len // block_size), int(ram * CPU_AUTO_SHARE) // per)
