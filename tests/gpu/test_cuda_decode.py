@@ -308,10 +308,13 @@ def test_rows_that_join_a_captured_decode_give_the_tokens_they_give_alone(graph_
         assert max(abs(p - q) for p, q in zip(out.logprobs[i], a.logprobs[0])) < 1e-4
 
 
-def test_concurrent_requests_of_mixed_lengths_join_a_graph_decode_and_all_complete(model_dir, eager_engine):
+@pytest.mark.parametrize("kv_cache", ["none", "paged"])
+def test_concurrent_requests_of_mixed_lengths_join_a_graph_decode_and_all_complete(model_dir, eager_engine, kv_cache):
+    """Either graph decoder: the unpaged one's rows join at syncs, the paged cache's between its windows."""
     import threading
 
-    eng = make_engine(model_dir, graphs=True, max_batch_size=8)
+    eng = make_engine(model_dir, graphs=kv_cache == "none", max_batch_size=8, kv_cache=kv_cache)
+    assert (eng._paged is not None and eng._paged.graphs is not None) is (kv_cache == "paged")
     shapes = [(PROMPTS[:1], 2, 100), (PROMPTS[1:], 1, 30), ([[9, 9, 8]], 3, 60), (PROMPTS, 1, 12),
               ([[5, 6, 7]], 2, 90), (PROMPTS[2:], 2, 5)]
     batches = [GenerateBatch([PromptInput(id=f"r{i}p{j}", prompt_ids=list(p)) for j, p in enumerate(ps)],
