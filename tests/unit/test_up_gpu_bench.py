@@ -158,7 +158,8 @@ def test_resolved_settings_fall_back_to_getinfo_per_target_and_then_nothing():
     r = up_gpu.merge_resolved(infos, None)
     assert r["weight_sync.transport"]["value"] == "ipc"
     assert r["rollout.cuda_graphs"] is None
-    assert up_gpu.merge_resolved({}, None) == {"rollout.cuda_graphs": None, "weight_sync.transport": None}
+    assert up_gpu.merge_resolved({}, None) == {"rollout.kv_cache": None, "rollout.cuda_graphs": None,
+                                               "weight_sync.transport": None}
 
 
 def test_a_recipe_without_a_header_gives_its_plain_values():
