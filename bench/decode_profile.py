@@ -158,11 +158,13 @@ def lora_part(args) -> dict:
 
 
 def paged_part(args) -> dict:
+    from lora_gpu import SHAPES
     from paged_kv import batches, engine
     from rollout_gpu import QWEN25_05B, TINY, build_model
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = build_model(TINY if args.tiny else QWEN25_05B, args.device, dtype)
+    shape = TINY if args.tiny else QWEN25_05B if args.paged_shape == "0.5b" else SHAPES[args.paged_shape]
+    model = build_model(shape, args.device, dtype)
     args.variants = "none,paged_graphs" if args.device.startswith("cuda") else "none,paged"
     out = {}
     for variant in args.variants.split(","):
@@ -201,6 +203,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64, help="the paged part's prompt tokens")
     ap.add_argument("--n", type=int, default=1, help="the paged part's samples per prompt (rows = 2 x batch)")
+    ap.add_argument("--paged-shape", default="0.5b", choices=["0.5b", "1.5b"], help="the paged part's model shape")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

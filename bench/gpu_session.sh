@@ -201,8 +201,11 @@ for what in "$@"; do
       [ -f bench/results/lora_gpu.json ] && [ ! -f "$OUT/lora_gpu.json" ] && cp bench/results/lora_gpu.json "$OUT/"
       part lora 560 python3 bench/lora_gpu.py --parts "${LORA_PARTS:-sync,decode}" --out "$OUT/lora_gpu.json" ;;
     profile) # where a decode step's GPU time goes: LoRA engine vs none, paged vs none (bench/decode_profile.py)
-      part profile 300 python3 bench/decode_profile.py --parts "${PROFILE_PARTS:-lora,paged}" ${PROFILE_ARGS:-} --out "$OUT/decode_profile_gpu.json"
-      stamp "$OUT/decode_profile_gpu.json" decode_profile_gpu ;;
+      # PROFILE_STEM names the result file and its provenance stem (decode_profile_paged_1_5b_gpu: the paged part at
+      # the 1.5B shape, PROFILE_ARGS="--paged-shape 1.5b --batch 128 --n 8 --prompt-len 32 --new-tokens 256")
+      part profile 300 python3 bench/decode_profile.py --parts "${PROFILE_PARTS:-lora,paged}" ${PROFILE_ARGS:-} \
+        --out "$OUT/${PROFILE_STEM:-decode_profile_gpu}.json"
+      stamp "$OUT/${PROFILE_STEM:-decode_profile_gpu}.json" "${PROFILE_STEM:-decode_profile_gpu}" ;;
     manyruns) # issue 45: 4 LoRA runs (0.5B shape, random weights) at once on one mesh vs one after another; the mesh
       # in process (MANY_MESH=inprocess, the default) or as `meshrl mesh` processes (MANY_MESH=processes)
       part manyrunsmodel 240 python3 examples/gpu/make_model.py --shape qwen2.5-0.5b   # no-op when already built

@@ -78,6 +78,7 @@ SOURCES: dict[str, list[str]] = {
     "decode_profile_gpu": ["services/rollout/engine_torch", "bench/decode_profile.py"],
     # its LoRA part alone, from a later call (gpu_session.sh profile with PROFILE_PARTS=lora)
     "decode_profile_lora_gpu": ["services/rollout/engine_torch", "bench/decode_profile.py"],
+    "decode_profile_paged_1_5b_gpu": ["services/rollout/engine_torch", "bench/decode_profile.py"],
     "cascade_attention_gpu": ["services/rollout/engine_torch/paged/attention.py",
                               "services/rollout/engine_torch/paged/cascade.py", "bench/cascade_attention.py"],
     "paged_kv_gpu": ["services/rollout/engine_torch/paged", "services/rollout/engine_torch/engine.py",
