@@ -165,6 +165,9 @@ def paged_part(args) -> dict:
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     shape = TINY if args.tiny else QWEN25_05B if args.paged_shape == "0.5b" else SHAPES[args.paged_shape]
     model = build_model(shape, args.device, dtype)
+    if args.paged_tile_elements:                    # the paged kernel's K/V tile (attention.TILE_ELEMENTS), to sweep
+        from services.rollout.engine_torch.paged import attention
+        attention.TILE_ELEMENTS = args.paged_tile_elements
     args.variants = "none,paged_graphs" if args.device.startswith("cuda") else "none,paged"
     out = {}
     for variant in args.variants.split(","):
@@ -204,6 +207,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64, help="the paged part's prompt tokens")
     ap.add_argument("--n", type=int, default=1, help="the paged part's samples per prompt (rows = 2 x batch)")
     ap.add_argument("--paged-shape", default="0.5b", choices=["0.5b", "1.5b"], help="the paged part's model shape")
+    ap.add_argument("--paged-tile-elements", type=int, default=0, help="the paged kernel's tile (0: its own)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -135,11 +135,14 @@ def test_paged_top_p_and_top_logprobs_rows_keep_the_torch_sampler(model_dir):
                                                                              for step in y.top_logprobs]
 
 
-def test_graph_steps_reading_shared_prefixes_once_per_group_sample_what_they_sample_without(model_dir):
+def test_graph_steps_reading_shared_prefixes_once_per_group_sample_what_they_sample_without(model_dir, monkeypatch):
     """GRPO-like groups (n=4 and a group of 12, cut at the kernel's rows per group) forked from prompts of 1-4 full
     blocks: the captured steps with the shared-prefix attention (cascade.py) give the tokens and log-probs of the
     same steps without it (fp32: the two sum in different orders; bf16 ties could flip a token on this random
     model; bench/cascade_attention.py reports the bf16 difference at the kernel)."""
+    from services.rollout.engine_torch.paged import cascade
+
+    monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 16)     # these short prefixes take the group path (arithmetic)
     dtype, atol = "float32", 1e-4
     prompts = [list(range(3, 33)) + list(range(3, 13)), [7, 8] * 11, [5] * 70, [9] * 7]
     def engine(shared: bool) -> TorchEngine:
@@ -196,3 +199,12 @@ def test_chained_windows_launch_without_a_host_sync_and_sample_what_unchained_wi
     for x, y in zip(got, want):
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3, rtol=0)
     assert on.info()["kv_blocks_used"] == int(graphs) and off.info()["kv_blocks_used"] == int(graphs)
+
+
+def test_short_shared_prompts_take_the_plain_path(model_dir):
+    """A GRPO group's short prompt (2 blocks, under cascade.MIN_SHARED_TOKENS) costs less read per row than the group
+    kernel's fixed grid: no window takes the shared-prefix path, and the samples are the same."""
+    e = make_engine(model_dir, dtype="float32", kv_cache="paged", kv_block_size=16, kv_cache_cuda_graphs=True)
+    got = gen(e, [list(range(3, 35))], n=8, temperature=0.0, max_tokens=24)
+    assert len(got) == 8 and e._paged.graphs.stats["shared_prefix_rows"] == 0
+    assert e._paged.graphs.stats["replays"] > 0

@@ -9,7 +9,8 @@ import textwrap
 import pytest
 import torch
 
-from services.rollout.engine_torch.paged.cascade import prefix_partitions, rows_per_group, share_groups
+from services.rollout.engine_torch.paged.cascade import (MIN_SHARED_TOKENS, prefix_partitions, rows_per_group,
+                                                        share_groups, worth_sharing)
 from tests.interpreted import assert_printed_ok, run_interpreted
 from tests.unit.test_paged_kv_attention import INTERPRETER_PROLOGUE
 
@@ -147,8 +148,10 @@ def test_paged_windows_with_shared_prefixes_sample_what_they_sample_without_in_t
         import asyncio
         from services.rollout.config import RolloutSettings
         from services.rollout.engine_torch.engine import TorchEngine
+        from services.rollout.engine_torch.paged import cascade
         from services.rollout.engine_torch.paged.graphs import PagedGraphs
         from services.rollout.types import GenerateBatch, PromptInput, SamplingParams
+        cascade.MIN_SHARED_TOKENS = 16          # prefixes of one block take the group path here (the arithmetic)
         prompts = [list(range(3, 33)) + list(range(3, 13)), [7, 8] * 11, [9] * 7]
         def engine(shared):
             e = TorchEngine(RolloutSettings(model={{"path": {str(model_dir)!r}}},
@@ -172,3 +175,18 @@ def test_paged_windows_with_shared_prefixes_sample_what_they_sample_without_in_t
         print("ok")
     """)
     assert_printed_ok(run_interpreted(script, timeout=900))
+
+
+def test_a_window_takes_the_group_path_only_where_a_shared_prefix_is_long_enough_to_pay_for_it():
+    """Short shared prompts (a GRPO group's 32-token prompt) read per row cost less than the group kernel's fixed grid
+    (cascade.MIN_SHARED_TOKENS): the plain path then."""
+    bs = 16
+    blocks = MIN_SHARED_TOKENS // bs
+    prompt = torch.arange(blocks + 1)
+    tables = torch.stack([torch.cat([prompt, torch.tensor([100 + r])]) for r in range(4)])
+    long_lo, _ = share_groups(tables, torch.full((4,), (blocks + 1) * bs + 3), bs, per_group=4, num_groups=2)
+    assert worth_sharing(long_lo) and int(long_lo.max()) == (blocks + 1) * bs
+    short = torch.stack([torch.tensor([0, 1, 200 + r]) for r in range(4)])
+    short_lo, _ = share_groups(short, torch.full((4,), 2 * bs + 3), bs, per_group=4, num_groups=2)
+    assert int(short_lo.max()) == 2 * bs and not worth_sharing(short_lo)
+    assert not worth_sharing(torch.zeros(0, dtype=torch.long))

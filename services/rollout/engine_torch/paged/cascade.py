@@ -29,6 +29,12 @@ GROUP_QUERIES = 64              # rows x G query heads stacked into one group pr
 GROUP_TILE, GROUP_WARPS, GROUP_STAGES = 64, 4, 2
 MIN_PREFIX_PARTITION = 256      # tokens of a prefix partition, at least (at the tables' full width)
 MAX_PREFIX_PARTITIONS = 16
+# A window whose longest shared prefix is shorter than this takes the plain path: the group kernel's grid is fixed at
+# a graph's capture (max_groups x kv heads x prefix partitions of the tables' width), so it costs about the same
+# whatever the prefix (24 us a layer at 256 rows, 1.5B shape, H200: bench/results/decode_profile_paged_1_5b_gpu.json,
+# where 32-token prompts made the paged step 1.33x the unpaged decoder's), about what 256 rows reading a 256-token
+# prefix each cost.
+MIN_SHARED_TOKENS = 256
 # The group kernel's grid is filled up to this many programs an SM (its programs are heavier than the row kernel's).
 PREFIX_PROGRAMS_PER_SM = attention.PROGRAMS_PER_SM
 if triton is not None:
@@ -53,6 +59,12 @@ def prefix_partitions(rows: int, kv_heads: int, width_tokens: int, sms: int) -> 
     want = PREFIX_PROGRAMS_PER_SM * sms // max(1, (rows // 8) * kv_heads)
     p = max(1, min(want, width_tokens // MIN_PREFIX_PARTITION, MAX_PREFIX_PARTITIONS))
     return 1 << (p.bit_length() - 1)
+
+
+def worth_sharing(lo: torch.Tensor) -> bool:
+    """Whether share_groups' lo [R] (each row's tokens read through its group) has a prefix long enough for the
+    group path (MIN_SHARED_TOKENS)."""
+    return lo.numel() > 0 and int(lo.max()) >= MIN_SHARED_TOKENS
 
 
 def share_groups(tables: torch.Tensor, positions: torch.Tensor, block_size: int, per_group: int,

@@ -140,11 +140,12 @@ class PagedGraphs:
 
     def _groups(self, B: int, pos: list[int], tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows' groups of shared prefixes (cascade.share_groups), as many as bucket B's buffer holds; None: none,
-        or the host tables are not at hand."""
+        none long enough to pay for the group kernel (cascade.worth_sharing), or the host tables are not at hand."""
         if not self.shared_prefix or tables.device.type != "cpu":
             return None
-        return cascade.share_groups(tables, torch.tensor(pos), self.kv.block_size, self.per_group,
-                                    cascade.max_groups(B))
+        found = cascade.share_groups(tables, torch.tensor(pos), self.kv.block_size, self.per_group,
+                                     cascade.max_groups(B))
+        return found if found is not None and cascade.worth_sharing(found[0]) else None
 
     def _load_groups(self, b: _Bucket, R: int, found: tuple[torch.Tensor, torch.Tensor]) -> None:
         """The groups into the bucket's static buffers (rows past R, dummies: in none)."""
