@@ -19,8 +19,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from services.rollout.engine_torch.fused_weights import fuse, refresh
 from services.rollout.engine_torch import lora_expand
+from services.rollout.engine_torch.fused_weights import fuse, refresh
 from services.rollout.engine_torch.lora import GATE_UP, QKV, LoraLinear, bank_of, grouped_delta, masked_expand
 
 
@@ -61,8 +61,8 @@ class DecodeLayers:
 
     def _layer_projections(self, i: int, layer) -> tuple:
         """The layer's four projection groups (q/k/v, o, gate/up, down) as the step applies them: each
-        (fused weight, its bias, A when not under it, the adapters' B, the members' widths when lora_expand's kernel
-        applies the adapters), None where absent."""
+        (fused weight, its bias, A when not under it, the adapters' B, _kernel_args' (sizes, starts, width, rank)
+        when lora_expand's kernel applies the adapters), None where absent."""
         bank, a, mlp = self.adapters, layer.self_attn, layer.mlp
         out, covered = [], 0
         for parent, names in ((a, QKV), (a, ("o_proj",)), (mlp, GATE_UP), (mlp, ("down_proj",))):
@@ -141,10 +141,10 @@ class DecodeLayers:
     def _mlp_act(self, mlp, x: torch.Tensor, group: tuple, rows: tuple | None) -> torch.Tensor:
         """act(gate x) * up x with the rows' adapter deltas: with SiLU and lora_expand's kernel serving the group,
         one kernel from the group's GEMM (lora_swiglu: the gate/up sum never written), else _project's outputs."""
-        w, b, _, _, kernel = group
+        w, b, _, B, kernel = group
         if self._silu and kernel is not None and rows is not None:
             y = F.linear(x, w, b)
-            return lora_expand.lora_swiglu(y.reshape(-1, y.shape[-1]), group[3], rows[1], *kernel).view(
+            return lora_expand.lora_swiglu(y.reshape(-1, y.shape[-1]), B, rows[1], *kernel).view(
                 *y.shape[:-1], -1)
         g, u = self._project(x, (mlp.gate_proj, mlp.up_proj), group, rows)
         return mlp.act_fn(g) * u

@@ -1,5 +1,6 @@
-"""A LoRA group's expand and add in one kernel for the decode step (a Triton kernel, the custom op
-`meshrl::lora_expand`).
+"""A LoRA group's expand and add in one kernel for the decode step (Triton kernels, the custom ops
+`meshrl::lora_expand` and, for a gate/up group whose model's activation is SiLU, `meshrl::lora_swiglu`, which also
+writes silu(gate) * up instead of the group's sum).
 
 The decode step's grouped GEMM (decode_layers.py) gives, per row, the members' base outputs followed by the shrink
 h = x A^T over every adapter slot's columns. The torch path then runs three kernels per group: h times the rows' slot
