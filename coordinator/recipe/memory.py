@@ -225,9 +225,10 @@ def _static_kv_cache(cfg, s: ModelShape, b: int, num_replicas: int) -> tuple[str
 
 
 def _paged(cfg) -> bool:
-    """Whether the torch engine keeps the paged KV cache (kv_cache paged; auto is none: speed.py _resolve_paged)."""
+    """Whether the torch engine keeps the paged KV cache: kv_cache paged, or auto (on CUDA, where this estimate runs,
+    unless cuda_graphs: true asks for the unpaged decoder: speed.py's _resolve_paged)."""
     r = cfg.rollout
-    return r.engine == "torch" and r.kv_cache == "paged"
+    return r.engine == "torch" and (r.kv_cache == "paged" or is_auto(r.kv_cache) and r.cuda_graphs is not True)
 
 
 def _paged_pool(cfg, s: ModelShape, b: int, others: int, gpu_bytes: int | None) -> dict[str, int]:

@@ -1,8 +1,8 @@
 """`meshrl up` on one GPU with nothing but a recipe: the `auto` switches pick the fast paths themselves.
 
 A small random Qwen2 on cuda:0 for every service, no speed switch in the recipe: the run's recipe.yaml and the
-console say rollout.cuda_graphs resolved to true and weight_sync.transport to ipc, the replica's log shows each
-update applied over ipc, and every service warmed up before it served. Skipped without CUDA.
+console say rollout.kv_cache resolved to paged (with its CUDA-graph step) and weight_sync.transport to ipc, the
+replica's log shows each update applied over ipc, and every service warmed up before it served. Skipped without CUDA.
 
     PYTHONPATH=.:protos python -m pytest -q tests/gpu/test_up_defaults.py -s
 """
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_meshrl_up_with_defaults_takes_cuda_graphs_and_ipc_on_one_gpu(tmp_path):
+def test_meshrl_up_with_defaults_takes_the_paged_cache_graphs_and_ipc_on_one_gpu(tmp_path):
     from services.rollout.testing import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", hidden_size=256, num_hidden_layers=4, max_position_embeddings=256)
@@ -44,12 +44,14 @@ def test_meshrl_up_with_defaults_takes_cuda_graphs_and_ipc_on_one_gpu(tmp_path):
     result = subprocess.run([sys.executable, "-m", "coordinator.cli", "up", str(recipe)], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "resolved: rollout.cuda_graphs: auto -> true" in result.stdout
+    assert "resolved: rollout.kv_cache: auto -> paged" in result.stdout
+    assert "resolved: rollout.kv_cache_cuda_graphs: auto -> true" in result.stdout
     assert "resolved: weight_sync.transport: auto -> ipc" in result.stdout
 
     run_dir = next(p for p in (tmp_path / "runs").iterdir() if p.name.startswith("up-defaults"))
     resolved = yaml.safe_load((run_dir / "recipe.yaml").read_text())
-    assert resolved["rollout"]["cuda_graphs"] is True
+    assert resolved["rollout"]["kv_cache"] == "paged" and resolved["rollout"]["kv_cache_cuda_graphs"] is True
+    assert resolved["rollout"]["cuda_graphs"] is False          # the paged cache's own graphs decode every row
     assert resolved["rollout"]["max_batch_size"] == 512
     assert resolved["weight_sync"]["transport"] == "ipc"
     assert resolved["actor"]["compile"] is True
@@ -58,7 +60,7 @@ def test_meshrl_up_with_defaults_takes_cuda_graphs_and_ipc_on_one_gpu(tmp_path):
     rollout_log = (logs / "rollout-0.log").read_text()
     assert re.search(r"weights version \d+ applied over ipc", rollout_log)
     assert not re.search(r"weights version \d+ applied:", rollout_log)      # the grpc stream's line
-    assert "warm-up (compile + graph capture) took" in rollout_log
+    assert "paged KV warm-up (compile + graph capture) took" in rollout_log
     assert "weight_sync.transport auto -> ipc" in (logs / "trainer-0.log").read_text()
     assert "trainer: warm-up (compile) took" in (logs / "trainer-0.log").read_text()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -167,25 +167,29 @@ def test_the_decode_layer_compiles_for_either_graph_path(monkeypatch, arith_mode
     assert out.value("rollout.kv_cache_cuda_graphs") is (kv_cache == "paged")
 
 
-def test_kv_cache_auto_keeps_todays_cache_and_an_explicit_paged_cache_decodes_alone(monkeypatch, arith_model_path):
-    """auto: today's cache (the unpaged CUDA-graph decoder) on CUDA as on CPU (docs/rollout.md: the paged step is
-    slower at the 1.5B shape with short prompts); kv_cache: paged takes its own graphs where the Triton paged kernel
-    runs, and cuda_graphs auto then builds no unpaged decoder beside it. The CUDA checks are patched: this machine
-    has none."""
+@pytest.mark.parametrize("kernel_runs", [True, False])
+def test_kv_cache_auto_takes_the_paged_cache_on_cuda_where_its_graph_step_runs(monkeypatch, arith_model_path,
+                                                                              kernel_runs):
+    """auto: the paged KV cache with its CUDA-graph step (and not the unpaged graph decoder beside it) where the
+    Triton paged kernel runs; the unpaged CUDA-graph decoder where it does not; today's cache on CPU. The CUDA
+    checks are patched: this machine has none."""
     from transformers import AutoModelForCausalLM
 
     from services.rollout.engine_torch import speed
     from services.rollout.engine_torch.paged import attention
 
-    monkeypatch.setattr(attention, "graphs_reason", lambda *a: None)
+    monkeypatch.setattr(attention, "graphs_reason", lambda *a: None if kernel_runs else "no Triton here")
     monkeypatch.setattr(speed, "_triton_available", lambda: True)
     monkeypatch.setattr(speed, "keep_compile_cache", lambda: None)
     model = AutoModelForCausalLM.from_pretrained(arith_model_path)
     out = speed.resolve_speed(RolloutConfig(), "cuda:0", model)
-    assert out.value("rollout.kv_cache") == "none" and out.value("rollout.cuda_graphs") is True
-    paged = speed.resolve_speed(RolloutConfig(kv_cache="paged"), "cuda:0", model)
-    assert paged.value("rollout.kv_cache_cuda_graphs") is True and paged.value("rollout.cuda_graphs") is False
-    assert paged.value("rollout.max_batch_size") == 512 and paged.value("rollout.cuda_graph_compile") is True
+    assert out.value("rollout.kv_cache") == ("paged" if kernel_runs else "none")
+    assert out.value("rollout.kv_cache_cuda_graphs") is kernel_runs
+    assert out.value("rollout.cuda_graphs") is not kernel_runs
+    assert out.value("rollout.max_batch_size") == 512 and out.value("rollout.cuda_graph_compile") is True
+    assert ("no Triton here" in out.choices["rollout.kv_cache"].why) is not kernel_runs
+    explicit = speed.resolve_speed(RolloutConfig(cuda_graphs=True), "cuda:0", model)    # the decoder asked for
+    assert explicit.value("rollout.cuda_graphs") is True and explicit.value("rollout.kv_cache") == "none"
     both = speed.resolve_speed(RolloutConfig(cuda_graphs=True, kv_cache="paged"), "cuda:0", model)
     assert both.value("rollout.cuda_graphs") is True and both.value("rollout.kv_cache") == "paged"
     on_cpu = speed.resolve_speed(RolloutConfig(), "cpu", model)

@@ -70,14 +70,15 @@ def test_tiny_config_estimates_equal_the_hand_computed_bytes(tmp_path):
     assert trainer["activations"] == 128 * 2 * (1536 + 1024 + 2048) + FUSED_CHUNK_BYTES
     assert trainer["ipc weight staging"] == params * 4          # transport auto, replica on the trainer's GPU
     rollout = by_service["rollout 0"].parts
-    # CUDA graphs (auto, torch engine): 4 rows -> batch bucket 8; 16 + 2*16 tokens -> length bucket 256;
-    # K and V of 2 layers x 2 kv heads x 16 dims in fp32.
-    assert rollout["KV cache (8 rows x 256 tokens)"] == 8 * 256 * (2 * 2 * 2 * 16 * 4)
-    # kv_cache paged: the pool, room for 512 rows of 256 + 2 * 16 tokens (the GPU's size unknown here: no cap).
-    cfg, placement, trainer_devices = _recipe(recipe, {"rollout.kv_cache": "paged"})
-    rollout = next(e for e in memory.estimate(cfg, placement, trainer_devices) if e.service == "rollout 0").parts
+    # kv_cache auto on CUDA: the paged pool, room for 512 rows of 256 + 2 * 16 tokens (the GPU's size unknown here:
+    # no cap); K and V of 2 layers x 2 kv heads x 16 dims in fp32.
     assert rollout["paged KV pool (auto: 512 rows of 256 + 2 x 16 tokens)"] == 512 * 288 * (2 * 2 * 2 * 16 * 4)
     assert not [p for p in rollout if p.startswith("KV cache")]
+    # kv_cache none: CUDA graphs (auto, torch engine): 4 rows -> batch bucket 8; 16 + 2*16 tokens -> length bucket
+    # 256.
+    cfg, placement, trainer_devices = _recipe(recipe, {"rollout.kv_cache": "none"})
+    rollout = next(e for e in memory.estimate(cfg, placement, trainer_devices) if e.service == "rollout 0").parts
+    assert rollout["KV cache (8 rows x 256 tokens)"] == 8 * 256 * (2 * 2 * 2 * 16 * 4)
     assert by_service["reference 0"].parts["float32 weights"] == params * 4
     assert all(e.gpu == "cuda:0" and e.parts["CUDA context"] == GIB // 2 for e in by_service.values())
 
@@ -276,16 +277,15 @@ def test_a_paged_kv_pool_is_counted_at_its_budget_or_at_the_share_of_the_gpu_aut
     rollout = next(e for e in memory.check_fits(cfg, placement, H100, trainer_devices) if e.service == "rollout 0")
     assert rollout.parts["paged KV pool (rollout.kv_cache_gib)"] == 6 * GIB
     assert not [p for p in rollout.parts if p.startswith("KV cache")]          # the pool replaces the static cache
-    # Auto: room for 512 rows of 256 + 2 x max_tokens tokens; it fits beside the trainer on one GPU at the recipe's
-    # 512 tokens.
-    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model, "rollout.kv_cache": "paged"})
+    # Auto (kv_cache auto is paged on CUDA): room for 512 rows of 256 + 2 x max_tokens tokens; it fits beside the
+    # trainer on one GPU at the recipe's 512 tokens.
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model})
     rollout = next(e for e in memory.check_fits(cfg, placement, H100, trainer_devices) if e.service == "rollout 0")
     assert rollout.parts["paged KV pool (auto: 512 rows of 256 + 2 x 512 tokens)"] == 512 * 1280 * 28 * 2 * 256 * 2
     # At 2,048 tokens that room passes half the memory free when the replica starts, so it is counted at that
     # share, at most half of what its other parts leave of the GPU; beside the trainer on one GPU that is refused,
     # naming the budget that fits (the unpaged cache's size).
-    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model, "rollout.max_tokens": "2048",
-                                                           "rollout.kv_cache": "paged"})
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model, "rollout.max_tokens": "2048"})
     rollout = next(e for e in memory.estimate(cfg, placement, trainer_devices, H100) if e.service == "rollout 0")
     pool = rollout.parts.pop("paged KV pool (auto: 512 rows of 256 + 2 x 2048 tokens, at most 50% of the memory free "
                              "at start)")
@@ -301,5 +301,5 @@ def test_a_paged_kv_pool_is_counted_at_its_budget_or_at_the_share_of_the_gpu_aut
     static = next(v for k, v in unpaged.parts.items() if k.startswith("KV cache"))
     assert int(gib) == -(-static // GIB)
     fixed, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model, "rollout.max_tokens": "2048",
-                                                             "rollout.kv_cache": "paged", "rollout.kv_cache_gib": gib})
+                                                             "rollout.kv_cache_gib": gib})
     memory.check_fits(fixed, placement, H100, trainer_devices)

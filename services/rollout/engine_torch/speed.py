@@ -16,9 +16,9 @@ log = logging.getLogger("meshrl.rollout")
 
 
 def resolve_speed(r, device: str, model) -> Resolved:
-    """The torch engine's `auto` switches: CUDA graphs (the unpaged decoder's, or with kv_cache: paged the paged
-    cache's) and their compile on a CUDA device with a model the graph decoders support, 512 rows per batch there (64
-    elsewhere). An explicit true or paged that cannot work is refused."""
+    """The torch engine's `auto` switches: on a CUDA device with a model the graph decoders support and Triton, the
+    paged KV cache with its CUDA-graph step (else the unpaged CUDA-graph decoder), their compile, 512 rows per batch
+    there (64 elsewhere). An explicit true or paged that cannot work is refused."""
     from services.rollout.engine_torch.graph_step import unsupported_reason
 
     out = Resolved("rollout", log)
@@ -42,8 +42,10 @@ def resolve_speed(r, device: str, model) -> Resolved:
 
 
 def _resolve_paged(out: Resolved, r, device: str, model, reason: str | None) -> tuple[bool, bool]:
-    """rollout.kv_cache (auto: none) and rollout.kv_cache_cuda_graphs (auto: on where the paged cache's CUDA-graph
-    step runs: CUDA, Triton, power-of-two kv_block_size and head_dim)."""
+    """rollout.kv_cache and rollout.kv_cache_cuda_graphs: auto takes the paged cache where its CUDA-graph step runs
+    (CUDA, a model the graph decoders support, Triton, power-of-two kv_block_size and head_dim), where it decodes
+    as fast as the unpaged graph decoder or faster on every case measured (bench/results/paged_kv_gpu.json) and
+    keeps what it computed across calls; elsewhere today's cache (on CPU the suites and benches pin it)."""
     from services.rollout.engine_torch.graph_step import unsupported_reason
     from services.rollout.engine_torch.paged import attention
 
@@ -54,12 +56,13 @@ def _resolve_paged(out: Resolved, r, device: str, model, reason: str | None) -> 
     kernel = (f"model.device is {device!r}, not CUDA" if not cuda
               else attention.graphs_reason(next(model.parameters()).device, r.kv_block_size,
                                            model.model.layers[0].self_attn.head_dim))
-    # auto stays on today's cache everywhere: at the 1.5B shape with short prompts (GRPO on examples/gpu/grpo.yaml)
-    # the paged CUDA-graph step is 1.33x the unpaged decoder's (bench/results/decode_profile_paged_1_5b_gpu.json:
-    # its attention kernels 1.26 ms a step against 0.45), though it wins on long shared prompts, episodes and
-    # long-tailed lengths (docs/rollout.md); on CPU the suites and benches pin today's loop.
-    paged = out.pick("rollout.kv_cache", r.kv_cache, "none", "paged KV is opt-in: its CUDA-graph step is slower "
-                     "than the unpaged decoder's at the 1.5B shape with short prompts (docs/rollout.md)") == "paged"
+    auto_why = reason or kernel
+    if r.cuda_graphs is True:
+        auto_why = "cuda_graphs: true asks for the unpaged CUDA-graph decoder"
+    paged = out.pick("rollout.kv_cache", r.kv_cache, "paged" if auto_why is None else "none",
+                     "CUDA, Triton: the paged cache's CUDA-graph step" if auto_why is None
+                     else f"{auto_why}: the paged cache's CUDA-graph step cannot run" if r.cuda_graphs is not True
+                     else auto_why) == "paged"
     kernel = "kv_cache is none" if not paged else kernel
     if r.kv_cache_cuda_graphs is True and paged and kernel is not None:
         raise ValueError(f"rollout.kv_cache_cuda_graphs: true cannot work here ({kernel}); set it to auto or false")
@@ -69,7 +72,7 @@ def _resolve_paged(out: Resolved, r, device: str, model, reason: str | None) -> 
 
 
 def _resolve_graphs(out: Resolved, r, reason: str | None, paged: bool) -> bool:
-    """rollout.cuda_graphs (the unpaged CUDA-graph decoder): auto on where it runs, unless kv_cache: paged decodes
+    """rollout.cuda_graphs (the unpaged CUDA-graph decoder): auto on where it runs, unless the paged cache decodes
     every row (then it would only take a warm-up and memory)."""
     if paged and reason is None:
         return out.pick("rollout.cuda_graphs", r.cuda_graphs, False, "kv_cache is paged: its own graphs decode")
