@@ -197,9 +197,12 @@ for what in "$@"; do
         tests/gpu/test_adapter_load_gpu.py ${LORATESTS_EXTRA:-} ;;
     lora) # LoRA at 1.5B, rank 16 (bench/lora_gpu.py): weight sync per step of the adapter vs the full weights over
       # grpc loopback and ipc, decode tokens/s with 4 adapters in a batch vs 1 vs the base. LORA_PARTS picks parts;
-      # the parts already in bench/results/lora_gpu.json are kept beside the new ones.
+      # the parts already in bench/results/lora_gpu.json are kept beside the new ones. LORA_KV=paged (or auto, the
+      # default on CUDA since 235906e) decodes on the paged cache instead of the series' unpaged decoder, into
+      # $OUT/lora_gpu_paged.json (with LORA_PARTS=decode).
       [ -f bench/results/lora_gpu.json ] && [ ! -f "$OUT/lora_gpu.json" ] && cp bench/results/lora_gpu.json "$OUT/"
-      part lora 560 python3 bench/lora_gpu.py --parts "${LORA_PARTS:-sync,decode}" --out "$OUT/lora_gpu.json" ;;
+      part lora 560 python3 bench/lora_gpu.py --parts "${LORA_PARTS:-sync,decode}" --kv-cache "${LORA_KV:-none}" \
+        --out "$OUT/lora_gpu${LORA_KV:+_$LORA_KV}.json" ;;
     profile) # where a decode step's GPU time goes: LoRA engine vs none, paged vs none (bench/decode_profile.py)
       # PROFILE_STEM names the result file and its provenance stem (decode_profile_paged_1_5b_gpu: the paged part at
       # the 1.5B shape, PROFILE_ARGS="--paged-shape 1.5b --batch 128 --n 8 --prompt-len 32 --new-tokens 256")

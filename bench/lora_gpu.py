@@ -59,10 +59,14 @@ def build_model(size: str, device: str, dtype: torch.dtype, seed: int = 0):
     return model.eval().requires_grad_(False)
 
 
-def lora_settings(size: str, device: str, dtype: str, *, lora: bool, rank: int, max_loras: int, max_batch: int = 0):
+def lora_settings(size: str, device: str, dtype: str, *, lora: bool, rank: int, max_loras: int, max_batch: int = 0,
+                  kv_cache: str = "none"):
+    """The replica's settings. kv_cache: none (the unpaged CUDA-graph decoder every earlier call measured; auto has
+    been the paged cache on CUDA since 235906e), paged or auto."""
     from services.rollout.config import RolloutSettings
 
-    rollout = {"enable_lora": lora, "max_loras": max_loras, "max_lora_rank": rank, "lora_target_modules": TARGETS}
+    rollout = {"enable_lora": lora, "max_loras": max_loras, "max_lora_rank": rank, "lora_target_modules": TARGETS,
+               "kv_cache": kv_cache}
     if max_batch:
         rollout["max_batch_size"] = max_batch
     return RolloutSettings(model={"path": f"bench-qwen2-{size}", "dtype": dtype, "device": device},
@@ -249,9 +253,10 @@ def run_decode(args) -> dict:
         model = build_model(args.size, args.device, getattr(torch, dtype))
         with kernel_off(variant == "torch_ops"):
             engine = TorchEngine(lora_settings(args.size, args.device, dtype, lora=lora, rank=args.rank,
-                                               max_loras=4), model=model, tokenizer=None)
+                                               max_loras=4, kv_cache=args.kv_cache), model=model, tokenizer=None)
             engine.warm_up()
         out["cuda_graphs"] = bool(engine.resolved.value("rollout.cuda_graphs"))
+        out["kv_cache"] = engine.resolved.value("rollout.kv_cache")
         if not lora:
             out["base_no_lora_engine_tokens_per_s"] = round(decode_tps(engine, prompts, [""], args.new_tokens,
                                                                        args.repeats), 1)
@@ -280,6 +285,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--kv-cache", default="none", choices=["none", "paged", "auto"],
+                        help="the decode part's rollout.kv_cache (none: the series' unpaged decoder)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "lora_gpu.json"))
     args = parser.parse_args(argv)
     args.size = "tiny" if args.tiny else "1.5b"

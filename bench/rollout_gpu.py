@@ -152,7 +152,8 @@ def main(argv=None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     settings = lambda graphs, compile=True: RolloutSettings(  # noqa: E731
         model={"path": "random-init", "device": dev, "dtype": "bfloat16" if dtype == torch.bfloat16 else "float32"},
-        rollout={"max_batch_size": max(batches), "cuda_graphs": graphs, "cuda_graph_compile": compile})
+        rollout={"max_batch_size": max(batches), "cuda_graphs": graphs, "cuda_graph_compile": compile,
+                 "kv_cache": "none"})   # the unpaged decoder, eager or graphs (auto is the paged cache on CUDA)
     engines = {"engine_eager": TorchEngine(settings(False), model=model, tokenizer=None)}
     if dev.startswith("cuda") and "engine_cuda_graphs" not in skip:
         engines["engine_cuda_graphs"] = TorchEngine(settings(True), model=model, tokenizer=None)
