@@ -240,7 +240,7 @@ def _paged_pool(cfg, s: ModelShape, b: int, others: int, gpu_bytes: int | None) 
         return {"paged KV pool (rollout.kv_cache_gib)": int(r.kv_cache_gib * GIB)}
     rows = AUTO_MAX_BATCH_SIZE[True] if is_auto(r.max_batch_size) else r.max_batch_size
     pool = auto_kv_pool_tokens(rows, r.max_tokens, r.max_model_len) * s.kv_bytes_per_token(b)
-    name, cap = f"auto: {rows} rows of {AUTO_KV_PROMPT_TOKENS} + 2 x {r.max_tokens} tokens", None
+    name = f"auto: {rows} rows of {AUTO_KV_PROMPT_TOKENS} + 2 x {r.max_tokens} tokens"
     if gpu_bytes and (cap := int(PAGED_AUTO_SHARE * max(0, gpu_bytes - others))) < pool:
         pool, name = cap, f"{name}, at most {PAGED_AUTO_SHARE:.0%} of the memory free at start"
     return {f"paged KV pool ({name})": pool}

@@ -22,11 +22,11 @@ def resolve_speed(r, device: str, model) -> Resolved:
     from services.rollout.engine_torch.graph_step import unsupported_reason
 
     out = Resolved("rollout", log)
-    cuda = str(device).startswith("cuda")
-    reason = unsupported_reason(model) if cuda else f"model.device is {device!r}, not CUDA"
+    model_reason = unsupported_reason(model)
+    reason = model_reason if str(device).startswith("cuda") else f"model.device is {device!r}, not CUDA"
     if r.cuda_graphs is True and reason is not None:
         raise ValueError(f"rollout.cuda_graphs: true cannot work here ({reason}); set it to auto or false")
-    paged, paged_graphs = _resolve_paged(out, r, device, model, reason)
+    paged, paged_graphs = _resolve_paged(out, r, device, model, reason, model_reason)
     any_graphs = _resolve_graphs(out, r, reason, paged) or (paged and paged_graphs)
     # Either graph path's step runs the compiled layer (graph_step.py, paged/forward.py DecodeStep).
     triton_ok = _triton_available() if any_graphs else False
@@ -41,28 +41,28 @@ def resolve_speed(r, device: str, model) -> Resolved:
     return out
 
 
-def _resolve_paged(out: Resolved, r, device: str, model, reason: str | None) -> tuple[bool, bool]:
+def _resolve_paged(out: Resolved, r, device: str, model, reason: str | None,
+                   model_reason: str | None) -> tuple[bool, bool]:
     """rollout.kv_cache and rollout.kv_cache_cuda_graphs: auto takes the paged cache where its CUDA-graph step runs
     (CUDA, a model the graph decoders support, Triton, power-of-two kv_block_size and head_dim), where it decodes
     as fast as the unpaged graph decoder or faster on every case measured (bench/results/paged_kv_gpu.json) and
-    keeps what it computed across calls; elsewhere today's cache (on CPU the suites and benches pin it)."""
-    from services.rollout.engine_torch.graph_step import unsupported_reason
+    keeps what it computed across calls; elsewhere today's cache (on CPU the suites and benches pin it). reason: why
+    the graph decoders cannot run here (None: they can); model_reason: why not for this model on any device."""
     from services.rollout.engine_torch.paged import attention
 
-    paged_reason = unsupported_reason(model)
-    if r.kv_cache == "paged" and paged_reason is not None:
-        raise ValueError(f"rollout.kv_cache: paged cannot work here ({paged_reason}); set it to auto or none")
-    cuda = str(device).startswith("cuda")
-    kernel = (f"model.device is {device!r}, not CUDA" if not cuda
+    if r.kv_cache == "paged" and model_reason is not None:
+        raise ValueError(f"rollout.kv_cache: paged cannot work here ({model_reason}); set it to auto or none")
+    kernel = (f"model.device is {device!r}, not CUDA" if not str(device).startswith("cuda")
               else attention.graphs_reason(next(model.parameters()).device, r.kv_block_size,
                                            model.model.layers[0].self_attn.head_dim))
-    auto_why = reason or kernel
     if r.cuda_graphs is True:
         auto_why = "cuda_graphs: true asks for the unpaged CUDA-graph decoder"
+    elif reason or kernel:
+        auto_why = f"{reason or kernel}: the paged cache's CUDA-graph step cannot run"
+    else:
+        auto_why = None
     paged = out.pick("rollout.kv_cache", r.kv_cache, "paged" if auto_why is None else "none",
-                     "CUDA, Triton: the paged cache's CUDA-graph step" if auto_why is None
-                     else f"{auto_why}: the paged cache's CUDA-graph step cannot run" if r.cuda_graphs is not True
-                     else auto_why) == "paged"
+                     auto_why or "CUDA, Triton: the paged cache's CUDA-graph step") == "paged"
     kernel = "kv_cache is none" if not paged else kernel
     if r.kv_cache_cuda_graphs is True and paged and kernel is not None:
         raise ValueError(f"rollout.kv_cache_cuda_graphs: true cannot work here ({kernel}); set it to auto or false")
@@ -88,26 +88,29 @@ def _triton_available() -> bool:
         return False
 
 
+def _warm_up_batches(max_tokens: int, max_model_len: int, pad_id: int, vocab_size: int, max_batch_size: int):
+    """The warm-up's two small batches at rollout.max_tokens, as (rows, prompt, budget, temperature): sampled, then
+    greedy as held-out evaluation decodes, the second of another size and length bucket (a longer prompt crosses
+    into the next 256-token bucket), so torch.compile builds its dynamic-size graph during the warm-up, not at a
+    run's first batch."""
+    budget = max(1, min(max_tokens, max_model_len // 2 - 1))
+    token = pad_id + 1 if pad_id + 1 < vocab_size else 0
+    longer = bucket_len(1 + budget) + 1 - budget
+    if longer + budget > max_model_len:
+        longer = 1
+    return [(min(8, max_batch_size), [token], budget, 1.0), (min(16, max_batch_size), [token] * longer, budget, 0.0)]
+
+
 def warm_up_decoder(decoder, max_tokens: int, max_model_len: int, pad_id: int, vocab_size: int,
                     max_batch_size: int) -> float:
     """Compiles the graph decoder's step and captures its graphs before the replica serves; returns the seconds.
 
-    Two small batches at rollout.max_tokens (sampled, then greedy as held-out evaluation decodes): the second
-    batch's other size and length bucket make torch.compile build its dynamic-size graph now, so a run's first
-    batch of any size only captures a graph (well under a second) instead of compiling inside the run's first
-    step. The warm-up's KV buckets are dropped afterwards; the compiled code, Triton kernels and cuBLAS handles
-    stay."""
+    _warm_up_batches' two batches: a run's first batch of any size then only captures a graph (well under a second)
+    instead of compiling inside the run's first step. The warm-up's KV buckets are dropped afterwards; the compiled
+    code, Triton kernels and cuBLAS handles stay."""
     t0 = time.perf_counter()
-    budget = max(1, min(max_tokens, max_model_len // 2 - 1))
-    token = pad_id + 1 if pad_id + 1 < vocab_size else 0
-    # The second batch differs from the first in rows and in KV length bucket (a longer prompt crosses into the
-    # next 256-token bucket), so both dimensions are compiled dynamic here, not at a run's first batch.
-    longer = bucket_len(1 + budget) + 1 - budget
-    if longer + budget > max_model_len:
-        longer = 1
-    for rows, prompt_len, temperature in ((min(8, max_batch_size), 1, 1.0),
-                                          (min(16, max_batch_size), longer, 0.0)):
-        prompt = [token] * prompt_len
+    for rows, prompt, budget, temperature in _warm_up_batches(max_tokens, max_model_len, pad_id, vocab_size,
+                                                              max_batch_size):
         decoder.decode([prompt] * rows, [budget] * rows, [temperature] * rows, [1.0] * rows, seeds=[None] * rows)
     decoder.reset()
     torch.cuda.synchronize(decoder.device)
@@ -118,20 +121,18 @@ def warm_up_decoder(decoder, max_tokens: int, max_model_len: int, pad_id: int, v
 
 def warm_up_paged(paged, max_tokens: int, max_model_len: int, pad_id: int, vocab_size: int, max_batch_size: int,
                   version: int) -> float:
-    """The paged cache's warm_up_decoder: two small decodes (sampled, then greedy; other rows and prompt lengths)
-    compile its step and capture graphs before the replica serves. What they cached goes (an epoch bump, as a
-    weight swap's) and the counters start from zero, so a run's metrics count its own calls only."""
+    """The paged cache's warm_up_decoder: _warm_up_batches through its decode compile its step and capture graphs
+    before the replica serves. What they cached goes (an epoch bump, as a weight swap's) and the counters start from
+    zero, so a run's metrics count its own calls only."""
     from services.rollout.engine_torch.decode import Row
     from services.rollout.types import SamplingParams
 
     t0 = time.perf_counter()
-    budget = max(1, min(max_tokens, max_model_len // 2 - 1))
-    token = pad_id + 1 if pad_id + 1 < vocab_size else 0
-    longer = min(bucket_len(1 + budget) + 1 - budget, max(1, max_model_len - budget))
-    for rows, prompt_len, temperature in ((min(8, max_batch_size), 1, 1.0), (min(16, max_batch_size), longer, 0.0)):
+    for rows, prompt, budget, temperature in _warm_up_batches(max_tokens, max_model_len, pad_id, vocab_size,
+                                                              max_batch_size):
         sampling = SamplingParams(temperature=temperature, max_tokens=budget)
-        batch = [Row(prompt=[token] * prompt_len, budget=budget, sampling=sampling) for _ in range(rows)]
-        paged.decode(batch, version, eos_ids=[])
+        paged.decode([Row(prompt=list(prompt), budget=budget, sampling=sampling) for _ in range(rows)], version,
+                     eos_ids=[])
     paged.set_version(version)
     for counters in (paged.stats, paged.pool.stats):
         for key in counters:

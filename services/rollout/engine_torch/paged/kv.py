@@ -60,10 +60,9 @@ def num_blocks_for(model, *, block_size: int, budget_gib: float | None, max_mode
         n, why = int(budget_gib * 2**30) // per, f"rollout.kv_cache_gib={budget_gib}"
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        rows = -(-auto_kv_pool_tokens(max_batch_size, max_tokens, max_model_len) // block_size)
-        cap = int(free * CUDA_AUTO_SHARE) // per
-        n = min(rows, cap)
-        why = (f"auto: {max_batch_size} rows of {AUTO_KV_PROMPT_TOKENS} + 2 x {max_tokens} tokens" if n == rows
+        want = -(-auto_kv_pool_tokens(max_batch_size, max_tokens, max_model_len) // block_size)
+        n = min(want, int(free * CUDA_AUTO_SHARE) // per)
+        why = (f"auto: {max_batch_size} rows of {AUTO_KV_PROMPT_TOKENS} + 2 x {max_tokens} tokens" if n == want
                else f"auto: {CUDA_AUTO_SHARE:.0%} of free CUDA memory")
     else:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
