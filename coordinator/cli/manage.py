@@ -154,13 +154,13 @@ def memory(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False
     places them, and whether it fits. After the recipe: `--section.key value` flags, as `meshrl up` takes."""
     from rich.table import Table
 
-    from coordinator.recipe import memory as mem
+    from coordinator.recipe import fits, memory as mem
     from coordinator.cli.runs import _load_recipe, _placement, _recipe_args
 
     verl, overrides = _recipe_args(list(ctx.args))
     raw, cfg = _load_recipe(config, verl, overrides)
     placement, trainer_devices = _placement(cfg, raw, overrides)
-    gpu_bytes = int(gpu_gib * mem.GIB) if gpu_gib else mem.gpu_memory()
+    gpu_bytes = int(gpu_gib * mem.GIB) if gpu_gib else fits.gpu_memory()
     estimates = mem.estimate(cfg, placement, trainer_devices, mem.memory_of(gpu_bytes, "cuda:0"))
     if not estimates:
         console.print(f"no service of {config} runs on a GPU (model.device: {cfg.model.device})", highlight=False)
@@ -176,3 +176,5 @@ def memory(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False
             f" of {mem.gib(size)} GiB: " + ("fits" if total <= mem.FIT_FRACTION * size else
                                              f"does not fit ({mem.FIT_FRACTION:.0%} usable)"))
         console.print(f"{gpu}: about {mem.gib(total)} GiB{verdict}", highlight=False)
+    if gpu_bytes and (fitted := fits.fit_auto_pool(cfg, placement, gpu_bytes, trainer_devices)[1]):
+        console.print(f"meshrl up sets {fits.fitted_line(fitted)}", highlight=False, soft_wrap=True)

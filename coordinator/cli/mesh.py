@@ -48,7 +48,7 @@ def _serve(ctx: typer.Context, config: Path | None, run_dir: Path | None, thread
     from coordinator.cli.launcher import Launcher
     from coordinator.cli.runs import _load_recipe, _placement, _recipe_args, _start_mesh, _write_private
     from coordinator.cli.supervisor import Supervisor
-    from coordinator.recipe.memory import check_recipe_fits
+    from coordinator.recipe.fits import check_recipe_fits, fitted_line
     from coordinator.recipe.preflight import check_run
 
     verl, overrides = _recipe_args(list(ctx.args))
@@ -57,7 +57,9 @@ def _serve(ctx: typer.Context, config: Path | None, run_dir: Path | None, thread
     raw, cfg = _load_recipe(config, verl, overrides)
     check_run(cfg, world_size=cfg.trainer.nproc_per_node)
     placement, trainer_devices = _placement(cfg, raw, overrides)
-    check_recipe_fits(cfg, placement, trainer_devices)
+    if fitted := check_recipe_fits(cfg, placement, trainer_devices):
+        overrides.update(fitted)     # every service reads it as a command-line setting
+        _say(fitted_line(fitted))
     log_dir = Path(cfg.run.run_dir).resolve() / "logs" / f"mesh-{time.strftime('%Y%m%d-%H%M%S')}"
     if verl or config is None:  # every service reads the recipe as given (with the verl keys' values in it)
         config = _write_private(log_dir / "recipe.yaml", raw)

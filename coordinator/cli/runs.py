@@ -92,7 +92,7 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
     from coordinator.cli.interrupt import sigterm_as_interrupt
     from coordinator.cli.launcher import Launcher
     from coordinator.recipe import verl_keys
-    from coordinator.recipe.memory import check_recipe_fits
+    from coordinator.recipe.fits import check_recipe_fits, fitted_line
     from coordinator.recipe.preflight import check_run
     from services.common.rpc.channel import ClientTLS
     from services.common.config import read_yaml
@@ -114,8 +114,10 @@ def up(ctx: typer.Context, config: Path = typer.Argument(..., dir_okay=False, he
         check_resumable(cfg.run, resume)
     placement, trainer_devices = _placement(cfg, raw, overrides)
     # On a CUDA model.device: the services' estimated memory fits each GPU, or the recipe is refused here with
-    # the estimate and the setting to change (coordinator/recipe/memory.py), not an out-of-memory error at step 3.
-    check_recipe_fits(cfg, placement, trainer_devices)
+    # the estimate and the setting to change (coordinator/recipe/fits.py), not an out-of-memory error at step 3.
+    if fitted := check_recipe_fits(cfg, placement, trainer_devices):
+        overrides.update(fitted)     # every service reads it as a command-line setting
+        say(fitted_line(fitted))
     log_dir = Path(cfg.run.run_dir) / "logs" / time.strftime("%Y%m%d-%H%M%S")
     if raw != read_yaml(config):  # every service reads the recipe with the verl keys' values in it and what
         # the command line replaced taken out

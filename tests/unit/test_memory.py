@@ -11,7 +11,7 @@ import yaml
 
 from bench.peers.settings import QWEN25
 from coordinator.cli.runs import _load_recipe, _placement
-from coordinator.recipe import memory
+from coordinator.recipe import fits, memory
 from coordinator.recipe.memory import FUSED_CHUNK_BYTES, GIB
 from coordinator.recipe.model_shape import count_params
 
@@ -85,7 +85,7 @@ def test_tiny_config_estimates_equal_the_hand_computed_bytes(tmp_path):
 
 def test_the_one_gpu_recipe_at_1_5b_fits_an_80_gib_gpu(tmp_path):
     cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": _qwen(tmp_path, "1.5b")})
-    estimates = memory.check_fits(cfg, placement, H100, trainer_devices)
+    estimates = fits.check_fits(cfg, placement, H100, trainer_devices)
     assert sorted(e.service for e in estimates) == ["reference 0", "rollout 0", "trainer"]
     total = sum(e.total for e in estimates)
     assert 30 * GIB < total < 0.95 * H100
@@ -97,13 +97,13 @@ def test_the_one_gpu_recipe_without_activation_checkpointing_is_refused_at_1_5b(
     cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": _qwen(tmp_path, "1.5b"),
                                                            "actor.activation_checkpointing": "none"})
     with pytest.raises(ValueError, match="actor.activation_checkpointing full"):
-        memory.check_fits(cfg, placement, H100, trainer_devices)
+        fits.check_fits(cfg, placement, H100, trainer_devices)
 
 
 def test_7b_full_fine_tuning_is_refused_naming_the_estimate_and_the_settings_to_change(tmp_path):
     cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": _qwen(tmp_path, "7b")})
     with pytest.raises(ValueError) as e:
-        memory.check_fits(cfg, placement, H100, trainer_devices)
+        fits.check_fits(cfg, placement, H100, trainer_devices)
     msg = str(e.value)
     assert msg.startswith("model.path: ") and "on cuda:0" in msg and "the GPU has 80.0 GiB" in msg
     assert "trainer " in msg and "AdamW state" in msg and "rollout 0 " in msg and "reference 0 " in msg
@@ -116,7 +116,7 @@ def test_7b_full_fine_tuning_is_refused_naming_the_estimate_and_the_settings_to_
 def test_7b_with_lora_and_the_trainer_as_reference_fits_an_80_gib_gpu(tmp_path):
     cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": _qwen(tmp_path, "7b"),
                                                            "actor.lora.rank": "16", "reference.replicas": "0"})
-    estimates = memory.check_fits(cfg, placement, H100, trainer_devices)
+    estimates = fits.check_fits(cfg, placement, H100, trainer_devices)
     assert sorted(e.service for e in estimates) == ["rollout 0", "trainer"]
     trainer = next(e for e in estimates if e.service == "trainer").parts
     assert trainer["bfloat16 frozen base"] == 7_615_616_512 * 2
@@ -128,13 +128,13 @@ def test_services_on_their_own_gpus_are_summed_per_gpu(tmp_path):
                                                            "trainer.devices": "0", "rollout.devices": "1",
                                                            "reference.devices": "1"})
     # Together the 3B recipe passes 95% of an 80 GiB GPU; the trainer alone on GPU 0 fits.
-    gpus = memory.by_gpu(memory.check_fits(cfg, placement, [H100, H100], trainer_devices))
+    gpus = memory.by_gpu(fits.check_fits(cfg, placement, [H100, H100], trainer_devices))
     assert sorted(gpus) == ["cuda:0", "cuda:1"]
     assert [e.service for e in gpus["cuda:0"]] == ["trainer"]
     assert "nccl staging" in gpus["cuda:0"][0].parts       # transport auto: the replica is on another GPU
     shared, _, _ = _recipe(GPU_RECIPE, {"model.path": str(tmp_path / "qwen2.5-3b")})
     with pytest.raises(ValueError, match="on cuda:0"):
-        memory.check_fits(shared, placement={k: [""] * len(v) for k, v in placement.items()}, gpu_bytes=H100)
+        fits.check_fits(shared, placement={k: [""] * len(v) for k, v in placement.items()}, gpu_bytes=H100)
 
 
 def test_a_recipe_on_cpu_is_not_checked(monkeypatch):
@@ -143,19 +143,19 @@ def test_a_recipe_on_cpu_is_not_checked(monkeypatch):
     def no_gpu_query():
         raise AssertionError("a CPU recipe must not look for GPUs")
 
-    monkeypatch.setattr(memory, "gpu_memory", no_gpu_query)
+    monkeypatch.setattr(fits, "gpu_memory", no_gpu_query)
     assert memory.estimate(cfg, placement, trainer_devices) == []
-    memory.check_recipe_fits(cfg, placement, trainer_devices)      # no GPU query, no error
-    assert memory.check_fits(cfg, placement, 1, trainer_devices) == []
+    fits.check_recipe_fits(cfg, placement, trainer_devices)      # no GPU query, no error
+    assert fits.check_fits(cfg, placement, 1, trainer_devices) == []
 
 
 def test_no_gpu_found_skips_the_check(tmp_path, monkeypatch):
     cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": _qwen(tmp_path, "7b")})
-    monkeypatch.setattr(memory, "gpu_memory", lambda: None)
-    memory.check_recipe_fits(cfg, placement, trainer_devices)
-    monkeypatch.setattr(memory, "gpu_memory", lambda: [H100])
+    monkeypatch.setattr(fits, "gpu_memory", lambda: None)
+    fits.check_recipe_fits(cfg, placement, trainer_devices)
+    monkeypatch.setattr(fits, "gpu_memory", lambda: [H100])
     with pytest.raises(ValueError, match="needs about"):
-        memory.check_recipe_fits(cfg, placement, trainer_devices)
+        fits.check_recipe_fits(cfg, placement, trainer_devices)
 
 
 def test_meshrl_up_refuses_a_recipe_that_cannot_fit_before_any_process_starts(tmp_path, monkeypatch):
@@ -166,7 +166,7 @@ def test_meshrl_up_refuses_a_recipe_that_cannot_fit_before_any_process_starts(tm
 
     path = _qwen(tmp_path, "7b")
     (Path(path) / "model.safetensors").write_bytes(b"")       # preflight wants a weights file; it is not read
-    monkeypatch.setattr(memory, "gpu_memory", lambda: [H100])
+    monkeypatch.setattr(fits, "gpu_memory", lambda: [H100])
 
     def no_start(*args, **kwargs):
         raise AssertionError("the launcher started")
@@ -274,13 +274,13 @@ def test_a_paged_kv_pool_is_counted_at_its_budget_or_at_the_share_of_the_gpu_aut
     model = _qwen(tmp_path, "1.5b")
     cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model, "rollout.kv_cache": "paged",
                                                            "rollout.kv_cache_gib": "6"})
-    rollout = next(e for e in memory.check_fits(cfg, placement, H100, trainer_devices) if e.service == "rollout 0")
+    rollout = next(e for e in fits.check_fits(cfg, placement, H100, trainer_devices) if e.service == "rollout 0")
     assert rollout.parts["paged KV pool (rollout.kv_cache_gib)"] == 6 * GIB
     assert not [p for p in rollout.parts if p.startswith("KV cache")]          # the pool replaces the static cache
     # Auto (kv_cache auto is paged on CUDA): room for 512 rows of 256 + 2 x max_tokens tokens; it fits beside the
     # trainer on one GPU at the recipe's 512 tokens.
     cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model})
-    rollout = next(e for e in memory.check_fits(cfg, placement, H100, trainer_devices) if e.service == "rollout 0")
+    rollout = next(e for e in fits.check_fits(cfg, placement, H100, trainer_devices) if e.service == "rollout 0")
     assert rollout.parts["paged KV pool (auto: 512 rows of 256 + 2 x 512 tokens)"] == 512 * 1280 * 28 * 2 * 256 * 2
     # At 2,048 tokens that room passes half the memory free when the replica starts, so it is counted at that
     # share, at most half of what its other parts leave of the GPU; beside the trainer on one GPU that is refused,
@@ -291,7 +291,7 @@ def test_a_paged_kv_pool_is_counted_at_its_budget_or_at_the_share_of_the_gpu_aut
                              "at start)")
     assert pool == (H100 - rollout.total) // 2 < 512 * 4352 * 28 * 2 * 256 * 2
     with pytest.raises(ValueError) as e:
-        memory.check_fits(cfg, placement, H100, trainer_devices)
+        fits.check_fits(cfg, placement, H100, trainer_devices)
     advice = str(e.value).split("; set ", 1)[1]
     assert advice.startswith("rollout.kv_cache_gib ")
     gib = advice.split()[1]
@@ -302,4 +302,50 @@ def test_a_paged_kv_pool_is_counted_at_its_budget_or_at_the_share_of_the_gpu_aut
     assert int(gib) == -(-static // GIB)
     fixed, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model, "rollout.max_tokens": "2048",
                                                              "rollout.kv_cache_gib": gib})
-    memory.check_fits(fixed, placement, H100, trainer_devices)
+    fits.check_fits(fixed, placement, H100, trainer_devices)
+
+
+def test_meshrl_up_sizes_an_auto_paged_pool_that_would_not_fit_at_what_the_unpaged_cache_takes(tmp_path, monkeypatch):
+    # The one-GPU 1.5B recipe with max_tokens 2048 fitted with the unpaged cache; with the auto paged pool it would
+    # be refused. `meshrl up` sizes the pool instead (and says so); an explicit budget is never replaced.
+    model = _qwen(tmp_path, "1.5b")
+    monkeypatch.setattr(fits, "gpu_memory", lambda: [H100])
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model, "rollout.max_tokens": "2048"})
+    size, _ = fits._static_pool(cfg, placement)
+    assert fits.check_recipe_fits(cfg, placement, trainer_devices) == {"rollout.kv_cache_gib": str(size)}
+    assert f"rollout.kv_cache_gib: auto -> {size} " in fits.fitted_line({"rollout.kv_cache_gib": str(size)})
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model})          # the auto pool fits
+    assert fits.check_recipe_fits(cfg, placement, trainer_devices) == {}
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": model, "rollout.max_tokens": "2048",
+                                                           "rollout.kv_cache_gib": "60"})
+    with pytest.raises(ValueError, match="needs about"):
+        fits.check_recipe_fits(cfg, placement, trainer_devices)
+    # Where even the unpaged cache's size does not fit, nothing is sized: the refusal names what would help.
+    cfg, placement, trainer_devices = _recipe(GPU_RECIPE, {"model.path": _qwen(tmp_path, "7b")})
+    assert fits.fit_auto_pool(cfg, placement, H100, trainer_devices)[1] == {}
+    with pytest.raises(ValueError, match="needs about"):
+        fits.check_recipe_fits(cfg, placement, trainer_devices)
+
+
+def test_meshrl_up_passes_the_sized_pool_to_every_service_and_meshrl_memory_names_it(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app, launcher
+
+    path = _qwen(tmp_path, "1.5b")
+    (Path(path) / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(fits, "gpu_memory", lambda: [H100])
+    seen = {}
+
+    def no_start(*args, overrides=None, **kwargs):
+        seen.update(overrides)
+        raise RuntimeError("stop before any process starts")
+
+    monkeypatch.setattr(launcher, "Launcher", no_start)
+    result = CliRunner().invoke(app, ["up", str(GPU_RECIPE), "--model.path", path, "--rollout.max_tokens", "2048"])
+    assert "rollout.kv_cache_gib: auto -> " in result.output, result.output
+    size = result.output.split("rollout.kv_cache_gib: auto -> ")[1].split()[0]
+    assert seen["rollout.kv_cache_gib"] == size and seen["rollout.max_tokens"] == "2048"
+    result = CliRunner().invoke(app, ["memory", str(GPU_RECIPE), "--gpu-gib", "80", "--model.path", path,
+                                      "--rollout.max_tokens", "2048"])
+    assert "does not fit" in result.output and f"meshrl up sets rollout.kv_cache_gib: auto -> {size} " in result.output
