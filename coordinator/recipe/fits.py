@@ -8,8 +8,8 @@ import shutil
 import subprocess
 from typing import Mapping, Sequence
 
-from coordinator.recipe.memory import (DTYPE_BYTES, FIT_FRACTION, GIB, Estimate, _paged, _static_kv_cache, by_gpu,
-                                       estimate, gib, memory_of)
+from coordinator.recipe.memory import (DTYPE_BYTES, FIT_FRACTION, GIB, Estimate, by_gpu, estimate, gib, memory_of,
+                                       keeps_paged_pool, static_kv_cache)
 from coordinator.recipe.model_shape import model_shape
 
 
@@ -17,9 +17,9 @@ def _static_pool(cfg, placement: Mapping[str, Sequence[str]]):
     """(GiB, cfg with it) for the paged KV pool at what an unpaged cache of a step's rows takes, where the pool's size
     is auto (the torch engine's paged cache, no rollout.kv_cache_gib); else None."""
     r = cfg.rollout
-    if not _paged(cfg) or r.kv_cache_gib is not None:
+    if not keeps_paged_pool(cfg) or r.kv_cache_gib is not None:
         return None
-    static = _static_kv_cache(cfg, model_shape(cfg.model.path), DTYPE_BYTES[cfg.model.dtype],
+    static = static_kv_cache(cfg, model_shape(cfg.model.path), DTYPE_BYTES[cfg.model.dtype],
                               max(1, len(placement.get("rollout", []))))[1]
     size = max(1, -(-static // GIB))
     return size, cfg.model_copy(update={"rollout": r.model_copy(update={"kv_cache_gib": float(size)})})

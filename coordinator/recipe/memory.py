@@ -189,8 +189,8 @@ def rollout_estimate(cfg, index: int, devices: str, num_replicas: int, gpu_bytes
             share = r.gpu_memory_utilization or VLLM_UTILIZATION
             parts = {f"vLLM gpu_memory_utilization {share}": int(share * gpu_bytes)}
     else:
-        paged = _paged(cfg)                                             # a block pool instead of that cache
-        name, kv, batch, graphs = _static_kv_cache(cfg, s, b, num_replicas)
+        paged = keeps_paged_pool(cfg)                                       # a block pool instead of that cache
+        name, kv, batch, graphs = static_kv_cache(cfg, s, b, num_replicas)
         if not paged:
             parts[name] = kv
         parts["decode logits"] = batch * s.vocab * (b if graphs else 4)
@@ -205,7 +205,7 @@ def rollout_estimate(cfg, index: int, devices: str, num_replicas: int, gpu_bytes
     return Estimate(f"rollout {index}", gpu, parts)
 
 
-def _static_kv_cache(cfg, s: ModelShape, b: int, num_replicas: int) -> tuple[str, int, int, bool]:
+def static_kv_cache(cfg, s: ModelShape, b: int, num_replicas: int) -> tuple[str, int, int, bool]:
     """(part name, bytes, rows, CUDA graphs) of the KV cache the torch engine (kv_cache none) or vLLM's budget
     stand-in allocates for a replica's share of a step."""
     r = cfg.rollout
@@ -222,7 +222,7 @@ def _static_kv_cache(cfg, s: ModelShape, b: int, num_replicas: int) -> tuple[str
     return f"KV cache ({batch} rows x {length} tokens)", batch * length * s.kv_bytes_per_token(b), batch, graphs
 
 
-def _paged(cfg) -> bool:
+def keeps_paged_pool(cfg) -> bool:
     """Whether the torch engine keeps the paged KV cache: kv_cache paged, or auto (on CUDA, where this estimate runs,
     unless cuda_graphs: true asks for the unpaged decoder: speed.py's _resolve_paged)."""
     r = cfg.rollout
