@@ -9,8 +9,14 @@ bf16 base, fp32 adapters, the trainer's lean adapter forward: services/trainer/m
 meshrl::lora_linear op a layer, q/k/v and gate/up through one meshrl::lora_group op each), `lora_ungrouped` (that
 forward with every layer on its own op: before lora_group), `lora_addmm` (the lean forward before lora_linear:
 nn.Linear + addmm with the base output as C, autograd's backward) and `lora_peft` (peft's own LoraLayer.forward).
-One step = one TrainActor call of `batch` sequences (prompt + response tokens each) in one optimizer step; the median
-of the steps after `--warmup` (compiles happen there). Peak = torch.cuda.max_memory_allocated over the steps, weights
+`lora_merged` is several runs' updates in one pass (services/trainer/updates/merged.py, as the trainer runs
+concurrent runs' TrainActor calls): `--adapters` adapters, `batch / adapters` rows each, every row under its own
+adapter (model/lora_mixed.py: a group's adapters through one meshrl::lora_group op with their mask);
+`lora_merged_autograd` is that pass before the mask op (commit 95975e8: each layer its own autograd ops). Beside
+`lora` (one adapter, the same `batch` rows) they say what serving several runs in one pass costs.
+One step = one TrainActor call of `batch` sequences (prompt + response tokens each) in one optimizer step (merged:
+one train_actors command, an optimizer step per adapter); the median of the steps after `--warmup` (compiles happen
+there). Peak = torch.cuda.max_memory_allocated over the steps, weights
 and optimizer state included.
 """
 from __future__ import annotations
@@ -26,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "protos"), str(REPO / "bench")]
 
-VARIANTS = ("full", "lora", "lora_ungrouped", "lora_addmm", "lora_peft")
+VARIANTS = ("full", "lora", "lora_ungrouped", "lora_addmm", "lora_peft", "lora_merged", "lora_merged_autograd")
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=True)
 
@@ -93,6 +99,11 @@ def one(args) -> dict:
         from services.trainer.model import lora
 
         lora.sibling_groups = lambda model, layers: {}
+    if name == "lora_merged_autograd":
+        from services.trainer.model import lora_mixed
+
+        lora_mixed.mixed_linear = autograd_mixed_linear
+        lora_mixed.mixed_group = lambda layers, x, mixed: [autograd_mixed_linear(m, x, mixed) for m in layers]
     cuda = args.device.startswith("cuda")
     actor = {"lr": 1e-5, "activation_checkpointing": checkpointing or args.checkpointing,
              "micro_batch_token_budget": int(budget or args.micro_batch_tokens
@@ -116,14 +127,18 @@ def one(args) -> dict:
         torch.cuda.synchronize()
         resident = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+    step = (merged_step(e, samples, args.adapters) if name.startswith("lora_merged")
+            else lambda: e.train_actor(samples, ActorLoss(mini_batch_size=args.batch)))
     times = []
     for _ in range(args.warmup + args.steps):
         t0 = time.perf_counter()
-        e.train_actor(samples, ActorLoss(mini_batch_size=args.batch))       # returns host floats: synced
+        out = step()                                                        # returns host floats: synced
+        if isinstance(out, list) and any(isinstance(o, BaseException) for o in out):
+            raise next(o for o in out if isinstance(o, BaseException))
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    profile = kernel_table(e, samples, ActorLoss(mini_batch_size=args.batch)) if cuda and args.profile else None
+    profile = kernel_table(step) if cuda and args.profile else None
     tokens = args.batch * (args.prompt + args.response)
     step_s = statistics.median(times[args.warmup:])
     return {"variant": args.variant, "step_s": step_s, "tokens_per_s": tokens / step_s,
@@ -138,7 +153,39 @@ def one(args) -> dict:
             "param_dtype": e.rank.param_dtype, "compute_dtype": e.rank.compute_dtype}
 
 
-def kernel_table(e, samples, loss, top: int = 25) -> dict:
+def autograd_mixed_linear(layer, x, mixed):
+    """The merged pass's adapted linear before meshrl::lora_group took a mask (commit 95975e8): every layer its own
+    casts, GEMMs, mask and sum, autograd's backward."""
+    import torch
+    import torch.nn.functional as F
+
+    base = layer.base_layer
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+    a = torch.cat([layer.lora_A[n].weight for n in mixed.names]).to(dtype)
+    b = torch.cat([layer.lora_B[n].weight for n in mixed.names], dim=1).to(dtype)
+    ranks = tuple(layer.lora_A[n].weight.shape[0] for n in mixed.names)
+    scalings = tuple(float(layer.scaling[n]) for n in mixed.names)
+    z = torch.mm(x2, a.t()) * mixed.mask(ranks, scalings, dtype)
+    y = F.linear(x2, base.weight.to(dtype), None if base.bias is None else base.bias.to(dtype))
+    return torch.addmm(y, z, b.t()).view(*x.shape[:-1], -1)
+
+
+def merged_step(e, samples, adapters: int):
+    """The step function of the merged variants: `adapters` adapters (the run's and named ones), the rows split among
+    them, one train_actors command."""
+    from services.trainer.types import ActorLoss
+
+    names = [""] + [f"run{i}" for i in range(1, adapters)]
+    for name in names[1:]:
+        e.create_adapter(name)
+    size = -(-len(samples) // adapters)
+    calls = [(samples[i * size:(i + 1) * size], ActorLoss(mini_batch_size=size), name) for i, name in enumerate(names)]
+    return lambda: e.commands.run("train_actors", calls)
+
+
+def kernel_table(step, top: int = 25) -> dict:
     """One more step under torch.profiler: its wall ms beside the GPU's busy ms and launches (a step whose wall is
     well over its kernels' time waits on the host's launches, not the GPU), and the kernels that took the most
     time, [name, ms, calls]."""
@@ -147,7 +194,7 @@ def kernel_table(e, samples, loss, top: int = 25) -> dict:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        e.train_actor(samples, loss)
+        step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     rows = sorted((r for r in prof.key_averages() if r.device_time_total > 0), key=lambda r: r.device_time_total,
@@ -164,6 +211,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--response", type=int, default=1536)
+    ap.add_argument("--adapters", type=int, default=4, help="adapters of the lora_merged variants")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"])
@@ -203,9 +251,11 @@ def main() -> None:
             ratios[f"{v}_step_vs_full"] = by[v]["step_s"] / by["full"]["step_s"]
             if cuda:
                 ratios[f"{v}_peak_vs_full"] = by[v]["peak_bytes"] / by["full"]["peak_bytes"]
+        if v.startswith("lora_merged") and "lora" in by:
+            ratios[f"{v}_step_vs_lora"] = by[v]["step_s"] / by["lora"]["step_s"]
     result = {"benchmark": "lora_train", "device": torch.cuda.get_device_name() if cuda else "cpu",
               "shape": args.shape, "lora_rank": args.rank, "batch": args.batch, "prompt": args.prompt,
-              "response": args.response, "activation_checkpointing": args.checkpointing, "compile": args.compile,
+              "response": args.response, "adapters": args.adapters, "activation_checkpointing": args.checkpointing, "compile": args.compile,
               "goal": "lora step <= 0.7 x full, lora peak <= 0.5 x full", "ratios": ratios, "results": rows}
     from provenance import stamp
 

@@ -214,3 +214,32 @@ def test_a_merged_pass_that_fails_before_any_step_runs_each_call_alone(model, mo
     for n in NAMES:
         for k, v in _weights(engine)[n].items():
             torch.testing.assert_close(v, _weights(alone)[n][k], rtol=1e-4, atol=3e-5)
+
+
+def test_a_mixed_pass_runs_each_blocks_adapters_through_four_grouped_ops(model):
+    # q/k/v and gate/up each one meshrl::lora_group op with the adapters' mask, o and down one each: the host's
+    # launches are what a merged pass of small adapters waits on. A row's logits are its own adapter's alone.
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.trainer.model import lora_mixed
+    from services.trainer.model.lora import lora_layers
+
+    engine = _engine(model)
+    module = engine.rank.actor.module
+    names = [adapter_set.adapter_name(n) for n in NAMES]
+    for layer in lora_layers(module).values():
+        for n in names:
+            torch.nn.init.normal_(layer.lora_B[n].weight, std=0.5)      # B = 0 would make every adapter the base
+    ids = torch.randint(3, 32, (3, 5), generator=torch.Generator().manual_seed(0))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with lora_mixed.rows(names, torch.arange(3).repeat_interleave(5)):
+            mixed = module(ids, use_cache=False).logits
+        mixed.square().mean().backward()
+    ops = [e.name for e in prof.events() if e.name.startswith("meshrl::lora_group")]
+    blocks = module.config.num_hidden_layers
+    assert ops.count("meshrl::lora_group") == ops.count("meshrl::lora_group_backward") == 4 * blocks
+    with torch.no_grad():
+        for row, name in enumerate(NAMES):
+            with adapter_set.using(engine.rank, name):
+                alone = module(ids[row:row + 1], use_cache=False).logits[0]
+            torch.testing.assert_close(mixed[row], alone, rtol=1e-4, atol=1e-5)

@@ -72,7 +72,8 @@ def lean_forward(layer: nn.Module, group: tuple[SiblingGroup, int] | None = None
             return base(x, *args, **kwargs)
         mixed = lora_mixed.active()
         if mixed is not None and not (args or kwargs):
-            return lora_mixed.mixed_linear(layer, x, mixed)
+            y = None if group is None else group[0].output(group[1], x, None, mixed)
+            return lora_mixed.mixed_linear(layer, x, mixed) if y is None else y
         adapter = None if args or kwargs else lean_adapter(layer)
         if adapter is None:
             return peft_forward(x, *args, **kwargs)
@@ -128,21 +129,29 @@ class SiblingGroup:
             m.base_layer.weight = nn.Parameter(fused[start:start + w.shape[0]], requires_grad=False)
             start += w.shape[0]
 
-    def output(self, index: int, x: torch.Tensor, adapter: tuple) -> torch.Tensor | None:
-        """Member `index`'s output for x (its `adapter` as lean_adapter gives it), or None: it computes alone."""
+    def output(self, index: int, x: torch.Tensor, adapter: tuple | None,
+               mixed: lora_mixed.MixedRows | None = None) -> torch.Tensor | None:
+        """Member `index`'s output for x (its `adapter` as lean_adapter gives it; or, in a mixed pass, each token
+        under its row's adapter: `mixed`), or None: it computes alone."""
         if index:
             y = getattr(x, self.keys[index], None)
             if y is not None:
                 setattr(x, self.keys[index], None)
             return y
-        rest = [(i, lean_adapter(m)) for i, m in enumerate(self.members) if i and not m.disable_adapters]
-        rest = [(i, a) for i, a in rest if a is not None]
-        if not rest:
-            return None
-        bases = [self.members[0].base_layer] + [self.members[i].base_layer for i, _ in rest]
-        adapters = [adapter] + [a for _, a in rest]
-        ys = grouped_linear(x, [b.weight for b in bases], [b.bias for b in bases], [a[0] for a in adapters],
-                            [a[1] for a in adapters], [a[2] for a in adapters])
+        if mixed is not None:               # lora_mixed.unmixable checked every adapted layer before the pass
+            rest = [(i, m) for i, m in enumerate(self.members) if i and not m.disable_adapters]
+            if not rest:
+                return None
+            ys = lora_mixed.mixed_group([self.members[0]] + [m for _, m in rest], x, mixed)
+        else:
+            rest = [(i, lean_adapter(m)) for i, m in enumerate(self.members) if i and not m.disable_adapters]
+            rest = [(i, a) for i, a in rest if a is not None]
+            if not rest:
+                return None
+            bases = [self.members[0].base_layer] + [self.members[i].base_layer for i, _ in rest]
+            adapters = [adapter] + [a for _, a in rest]
+            ys = grouped_linear(x, [b.weight for b in bases], [b.bias for b in bases], [a[0] for a in adapters],
+                                [a[1] for a in adapters], [a[2] for a in adapters])
         for (i, _), y in zip(rest, ys[1:]):
             setattr(x, self.keys[i], y)
         return ys[0]

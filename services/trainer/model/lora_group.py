@@ -45,16 +45,18 @@ def stacked(weights: list[torch.Tensor]) -> torch.Tensor | None:
 
 @torch.library.custom_op("meshrl::lora_group", mutates_args=())
 def lora_group(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None, lora_a: torch.Tensor,
-               lora_b: torch.Tensor) -> list[torch.Tensor]:
-    """[y, z]: y [T, O] = x [W_1; ...; W_k]^T + bias + z Bd^T for x [T, in], weights[i] [out_i, in] (O = sum out_i),
+               lora_b: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """[y, z]: y [T, O] = x [W_1; ...; W_k]^T + bias + z' Bd^T for x [T, in], weights[i] [out_i, in] (O = sum out_i),
     bias [O] or None, lora_a [R, in] (the members' A stacked), lora_b = Bd [O, R] (block-diagonal, scaled);
-    z = x A^T [T, R]. All in one dtype."""
+    z = x A^T [T, R], z' = z, or z * mask for mask [T, R] (several adapters' rows in one pass: lora_mixed.py; the
+    scalings are in the mask then, not in Bd). All in one dtype."""
     z = torch.mm(x, lora_a.t())                                                       # [T, R]
+    zm = z if mask is None else z * mask
     base = stacked(weights)
     if base is not None and lora_linear.base_first(x):
         y = torch.mm(x, base.t()) if bias is None else torch.addmm(bias, x, base.t())
-        return [y.addmm_(z, lora_b.t()), z]
-    y = torch.mm(z, lora_b.t()) if bias is None else torch.addmm(bias, z, lora_b.t())
+        return [y.addmm_(zm, lora_b.t()), z]
+    y = torch.mm(zm, lora_b.t()) if bias is None else torch.addmm(bias, zm, lora_b.t())
     if base is not None:
         return [y.addmm_(x, base.t()), z]                       # the base GEMM accumulates onto the adapters' part
     start = 0
@@ -65,17 +67,22 @@ def lora_group(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor 
 
 
 @lora_group.register_fake
-def _(x, weights, bias, lora_a, lora_b):
+def _(x, weights, bias, lora_a, lora_b, mask):
     return [x.new_empty(x.shape[0], lora_b.shape[0]), x.new_empty(x.shape[0], lora_a.shape[0])]
 
 
 @torch.library.custom_op("meshrl::lora_group_backward", mutates_args=())
 def lora_group_backward(dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor, weights: list[torch.Tensor],
-                        lora_a: torch.Tensor, lora_b: torch.Tensor, need_x: bool) -> list[torch.Tensor]:
+                        lora_a: torch.Tensor, lora_b: torch.Tensor, need_x: bool,
+                        mask: torch.Tensor | None) -> list[torch.Tensor]:
     """[dx [T, in] (an empty tensor when x needs none), dA [R, in], dBd [O, R]] for dy [T, O]. No [out, in]
     product: the base weights are frozen."""
     dz = torch.mm(dy, lora_b)                                                         # [T, R]
-    d_b = torch.mm(dy.t(), z)                                                         # [O, R]
+    if mask is None:
+        d_b = torch.mm(dy.t(), z)                                                     # [O, R]
+    else:                                     # z' = z * mask: each token's gradient reaches its own adapter's A
+        d_b = torch.mm(dy.t(), z * mask)
+        dz = dz.mul_(mask)
     d_a = torch.mm(dz.t(), x)                                                         # [R, in]: x read once
     if not need_x:
         return [x.new_empty(0), d_a, d_b]
@@ -90,27 +97,30 @@ def lora_group_backward(dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor, weig
 
 
 @lora_group_backward.register_fake
-def _(dy, x, z, weights, lora_a, lora_b, need_x):
+def _(dy, x, z, weights, lora_a, lora_b, need_x, mask):
     dx = x.new_empty(x.shape) if need_x else x.new_empty(0)
     return [dx, lora_a.new_empty(lora_a.shape), lora_b.new_empty(lora_b.shape)]
 
 
 def _setup_context(ctx, inputs, output):
-    x, weights, bias, lora_a, lora_b = inputs
+    x, weights, bias, lora_a, lora_b, mask = inputs
     ctx.mark_non_differentiable(output[-1])
     ctx.set_materialize_grads(False)                  # z's gradient is never made (no zeros kernel for it)
-    ctx.save_for_backward(x, output[-1], lora_a, lora_b, *weights)
+    ctx.masked = mask is not None
+    ctx.save_for_backward(x, output[-1], lora_a, lora_b, *([mask] if ctx.masked else []), *weights)
 
 
 def _backward(ctx, grads):
     dy = grads[0]
-    x, z, lora_a, lora_b, *weights = ctx.saved_tensors
-    if any(ctx.needs_input_grad[1]) or ctx.needs_input_grad[2]:
-        raise RuntimeError("lora_group: the base weights and biases are frozen; this op never computes their grads")
+    x, z, lora_a, lora_b, *rest = ctx.saved_tensors
+    mask, weights = (rest[0], rest[1:]) if ctx.masked else (None, rest)
+    if any(ctx.needs_input_grad[1]) or ctx.needs_input_grad[2] or ctx.needs_input_grad[5]:
+        raise RuntimeError("lora_group: the base weights, biases and the adapters' mask are fixed; this op never "
+                           "computes their grads")
     need_x = ctx.needs_input_grad[0]
     dy = x.new_zeros(x.shape[0], lora_b.shape[0]) if dy is None else dy.contiguous()
-    dx, d_a, d_b = torch.ops.meshrl.lora_group_backward(dy, x, z, weights, lora_a, lora_b, need_x)
-    return (dx if need_x else None), [None] * len(weights), None, d_a, d_b
+    dx, d_a, d_b = torch.ops.meshrl.lora_group_backward(dy, x, z, weights, lora_a, lora_b, need_x, mask)
+    return (dx if need_x else None), [None] * len(weights), None, d_a, d_b, None
 
 
 lora_group.register_autograd(_backward, setup_context=_setup_context)
@@ -130,5 +140,5 @@ def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[to
         bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)]).to(dtype)
     block = torch.block_diag(*[b * s for b, s in zip(lora_b, scalings)]).to(dtype)            # [O, R]
     y, _ = lora_group(x.reshape(-1, x.shape[-1]).to(dtype), [w.to(dtype) for w in weights], bias,
-                      torch.cat(lora_a).to(dtype), block)
+                      torch.cat(lora_a).to(dtype), block, None)
     return [part.view(*lead, part.shape[-1]) for part in y.split([w.shape[0] for w in weights], dim=1)]

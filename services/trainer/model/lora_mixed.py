@@ -21,10 +21,10 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.common.tensors.packing import token_rows
+from services.trainer.model.lora_group import lora_group
 
 _ACTIVE: "MixedRows | None" = None
 
@@ -48,6 +48,15 @@ class MixedRows:
             scaled = onehot * torch.tensor(scalings, dtype=torch.float32, device=idx.device)[None, :]
             self._masks[key] = scaled.to(dtype).repeat_interleave(torch.tensor(ranks, device=idx.device), dim=1,
                                                                   output_size=sum(ranks))
+        return self._masks[key]
+
+    def group_mask(self, members: Sequence[tuple[tuple[int, ...], tuple[float, ...]]],
+                   dtype: torch.dtype) -> torch.Tensor:
+        """[T, R'] for sibling layers, each (ranks, scalings): their masks side by side, as their A's are stacked."""
+        key = (tuple(members), dtype)
+        if key not in self._masks:
+            parts = [self.mask(ranks, scalings, dtype) for ranks, scalings in members]
+            self._masks[key] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return self._masks[key]
 
 
@@ -95,18 +104,33 @@ def unmixable(layers: dict[str, nn.Module], names: Sequence[str]) -> str | None:
 def mixed_linear(layer: nn.Module, x: torch.Tensor, mixed: MixedRows) -> torch.Tensor:
     """base(x) + each token's adapter's scaled B(A(x)), in the compute dtype (the autocast dtype under autocast, else
     x's; the fp32 adapters are cast to it and their gradients come back in fp32)."""
-    base = layer.base_layer
+    return mixed_group([layer], x, mixed)[0]
+
+
+def mixed_group(layers: Sequence[nn.Module], x: torch.Tensor, mixed: MixedRows) -> list[torch.Tensor]:
+    """mixed_linear for sibling layers that read one x (q/k/v, gate/up: model/lora.py SiblingGroup), through one
+    meshrl::lora_group op (model/lora_group.py) with the mask: A is every member's adapters' A's stacked, Bd
+    block-diagonal by member (each member's block its adapters' B's side by side), the mask each member's columns of
+    M. One op a group where each layer made seven (their casts, two GEMMs of A and B, the mask, the base, the sum),
+    and a backward that never forms the frozen base's weight gradient: the host's launches are what a merged pass
+    of small adapters waits on."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).to(dtype)
     if x2.shape[0] != mixed.token_adapter.shape[0]:
-        raise RuntimeError(f"lora_mixed: {layer.__class__.__name__} got {x2.shape[0]} tokens, the mixed rows have "
-                           f"{mixed.token_adapter.shape[0]}")
-    a = torch.cat([layer.lora_A[n].weight for n in mixed.names]).to(dtype)                     # [R, in]
-    b = torch.cat([layer.lora_B[n].weight for n in mixed.names], dim=1).to(dtype)              # [out, R]
-    ranks = tuple(layer.lora_A[n].weight.shape[0] for n in mixed.names)
-    scalings = tuple(float(layer.scaling[n]) for n in mixed.names)
-    z = torch.mm(x2, a.t()) * mixed.mask(ranks, scalings, dtype)                              # [T, R]
-    y = F.linear(x2, base.weight.to(dtype), None if base.bias is None else base.bias.to(dtype))
-    return torch.addmm(y, z, b.t()).view(*lead, -1)
+        raise RuntimeError(f"lora_mixed: {layers[0].__class__.__name__} got {x2.shape[0]} tokens, the mixed rows "
+                           f"have {mixed.token_adapter.shape[0]}")
+    a = torch.cat([layer.lora_A[n].weight for layer in layers for n in mixed.names]).to(dtype)          # [R', in]
+    blocks = [torch.cat([layer.lora_B[n].weight for n in mixed.names], dim=1) for layer in layers]   # [out_i, R]
+    b = (blocks[0] if len(blocks) == 1 else torch.block_diag(*blocks)).to(dtype)                    # [O, R']
+    mask = mixed.group_mask([(tuple(layer.lora_A[n].weight.shape[0] for n in mixed.names),
+                              tuple(float(layer.scaling[n]) for n in mixed.names)) for layer in layers], dtype)
+    bases = [layer.base_layer for layer in layers]
+    if all(base.bias is None for base in bases):
+        bias = None
+    else:
+        bias = torch.cat([base.weight.new_zeros(base.weight.shape[0]) if base.bias is None else base.bias
+                          for base in bases]).to(dtype)
+    y, _ = lora_group(x2, [base.weight.to(dtype) for base in bases], bias, a, b, mask)
+    return [part.view(*lead, part.shape[-1]) for part in y.split([base.weight.shape[0] for base in bases], dim=1)]
