@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
 #   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench paged_kv spy loratrain
-#          loratests pagedtests cascade chain lora manyruns profile trainscale
+#          loratests pagedtests cascade chain lora manyruns profile trainscale mergedtrain
 #          mfuautotune upgpu
 #          meshrl trl trl15 trllong asyncbench asynctests asyncsplit splittests bundle
 #   async RL vs sync meshrl, fixed 256 and long-tailed (lognormal, median 96, cap 1,024) lengths, 3 modes each
@@ -187,6 +187,12 @@ for what in "$@"; do
           --response 128 --compile false --variants "${TRAINSCALE_VARIANTS:-lora@full:16384}" --profile \
           --out "$OUT/trainscale_$b.json"
       done ;;
+    mergedtrain) # issue 45: several runs' updates in one merged pass (4 adapters, 32 rows each) beside one adapter's
+      # update of the same 128 rows and the merged pass before its mask op (bench/lora_train.py), at trainscale's shape
+      part mergedtrain 300 python3 bench/lora_train.py --shape qwen2.5-0.5b --rank 8 --batch "${MERGED_BATCH:-128}" \
+        --prompt 24 --response 128 --compile false --adapters 4 --profile \
+        --variants "${MERGED_VARIANTS:-lora@full:16384,lora_merged@full:16384,lora_merged_autograd@full:16384}" \
+        --out "$OUT/lora_merged_train_gpu.json" ;;
     reference) part reference 240 python3 bench/reference_gpu.py --out "$OUT/reference_gpu.json" ;;
     ipcbench) # CUDA IPC between two processes on one GPU vs a same-process copy (bench/weight_sync_ipc.py)
       part ipcbench 240 python3 bench/weight_sync_ipc.py --out "$OUT/weight_sync_ipc.json"

@@ -251,8 +251,9 @@ def main() -> None:
             ratios[f"{v}_step_vs_full"] = by[v]["step_s"] / by["full"]["step_s"]
             if cuda:
                 ratios[f"{v}_peak_vs_full"] = by[v]["peak_bytes"] / by["full"]["peak_bytes"]
-        if v.startswith("lora_merged") and "lora" in by:
-            ratios[f"{v}_step_vs_lora"] = by[v]["step_s"] / by["lora"]["step_s"]
+        one = next((u for u in by if u.partition("@")[0] == "lora"), None)
+        if v.startswith("lora_merged") and one:
+            ratios[f"{v.partition('@')[0]}_step_vs_lora"] = by[v]["step_s"] / by[one]["step_s"]
     result = {"benchmark": "lora_train", "device": torch.cuda.get_device_name() if cuda else "cpu",
               "shape": args.shape, "lora_rank": args.rank, "batch": args.batch, "prompt": args.prompt,
               "response": args.response, "adapters": args.adapters, "activation_checkpointing": args.checkpointing, "compile": args.compile,
