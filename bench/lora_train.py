@@ -180,6 +180,10 @@ def merged_step(e, samples, adapters: int):
     names = [""] + [f"run{i}" for i in range(1, adapters)]
     for name in names[1:]:
         e.create_adapter(name)
+    from services.trainer.updates import merged
+
+    if why := merged.unmergeable(e.rank, names):              # else train_actors would run each update alone
+        raise SystemExit(f"lora_merged: the adapters cannot share one pass: {why}")
     size = -(-len(samples) // adapters)
     calls = [(samples[i * size:(i + 1) * size], ActorLoss(mini_batch_size=size), name) for i, name in enumerate(names)]
     return lambda: e.commands.run("train_actors", calls)
@@ -251,9 +255,9 @@ def main() -> None:
             ratios[f"{v}_step_vs_full"] = by[v]["step_s"] / by["full"]["step_s"]
             if cuda:
                 ratios[f"{v}_peak_vs_full"] = by[v]["peak_bytes"] / by["full"]["peak_bytes"]
-        one = next((u for u in by if u.partition("@")[0] == "lora"), None)
-        if v.startswith("lora_merged") and one:
-            ratios[f"{v.partition('@')[0]}_step_vs_lora"] = by[v]["step_s"] / by[one]["step_s"]
+        single = next((u for u in by if u.partition("@")[0] == "lora"), None)
+        if v.startswith("lora_merged") and single:
+            ratios[f"{v.partition('@')[0]}_step_vs_lora"] = by[v]["step_s"] / by[single]["step_s"]
     result = {"benchmark": "lora_train", "device": torch.cuda.get_device_name() if cuda else "cpu",
               "shape": args.shape, "lora_rank": args.rank, "batch": args.batch, "prompt": args.prompt,
               "response": args.response, "adapters": args.adapters, "activation_checkpointing": args.checkpointing, "compile": args.compile,

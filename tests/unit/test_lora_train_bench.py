@@ -24,3 +24,17 @@ def test_the_lora_train_benchmark_runs_full_lora_and_peft_forward_on_a_tiny_shap
     assert rows["full"]["trainable_params"] == rows["full"]["params"]
     assert 0 < rows["lora"]["trainable_params"] == rows["lora_peft"]["trainable_params"] < rows["full"]["params"]
     assert result["ratios"]["lora_step_vs_full"] > 0 and result["provenance"]["source_paths"]
+
+
+@pytest.mark.slow
+def test_the_lora_train_benchmark_runs_a_merged_pass_of_several_adapters_beside_one_adapter(tmp_path):
+    out = tmp_path / "lora_merged.json"
+    subprocess.run([sys.executable, str(REPO / "bench" / "lora_train.py"), "--shape", "tiny", "--batch", "4",
+                    "--prompt", "8", "--response", "16", "--steps", "1", "--warmup", "1", "--compile", "false",
+                    "--adapters", "2", "--variants", "lora,lora_merged@full:64,lora_merged_autograd",
+                    "--models", str(tmp_path / "models"), "--out", str(out)], check=True, timeout=300)
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["results"]}
+    assert all("step_s" in r for r in rows.values()), rows
+    assert rows["lora_merged@full:64"]["micro_batch_token_budget"] == 64
+    assert result["ratios"]["lora_merged_step_vs_lora"] > 0 and result["ratios"]["lora_merged_autograd_step_vs_lora"] > 0
