@@ -262,9 +262,11 @@ def main() -> None:
               "shape": args.shape, "lora_rank": args.rank, "batch": args.batch, "prompt": args.prompt,
               "response": args.response, "adapters": args.adapters, "activation_checkpointing": args.checkpointing, "compile": args.compile,
               "goal": "lora step <= 0.7 x full, lora peak <= 0.5 x full", "ratios": ratios, "results": rows}
-    from provenance import stamp
+    from provenance import SOURCES, stamp
 
     stem = f"lora_train{'_gpu' if cuda else ''}"
+    if args.out and Path(args.out).stem in SOURCES:      # a result file of its own (lora_merged_train_gpu.json)
+        stem = Path(args.out).stem
     path = Path(args.out or REPO / "bench" / "results" / f"{stem}.json")
     path.write_text(json.dumps(stamp(stem, result), indent=1) + "\n")
     print(json.dumps(ratios))

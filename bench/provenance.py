@@ -135,6 +135,12 @@ SOURCES: dict[str, list[str]] = {
     # The eager LoRA trainer's step at 128 and 512 rows (bench/gpu_session.sh trainscale: what merging runs saves).
     "lora_train_scale_gpu": ["services/trainer", "services/common/tensors/fused.py",
                              "services/common/tensors/compile.py", "bench/lora_train.py"],
+    # Several runs' updates in one merged pass beside one adapter's of the same rows (bench/lora_train.py lora_merged
+    # variants; gpu_session.sh mergedtrain on a GPU, --shape tiny-deep on a CPU: the host's work).
+    "lora_merged_train_gpu": ["services/trainer", "services/common/tensors/fused.py",
+                              "services/common/tensors/compile.py", "bench/lora_train.py"],
+    "lora_merged_train_cpu": ["services/trainer", "services/common/tensors/fused.py",
+                              "services/common/tensors/compile.py", "bench/lora_train.py"],
 }
 
 
