@@ -50,6 +50,12 @@ def lora_group(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor 
     bias [O] or None, lora_a [R, in] (the members' A stacked), lora_b = Bd [O, R] (block-diagonal, scaled);
     z = x A^T [T, R], z' = z, or z * mask for mask [T, R] (several adapters' rows in one pass: lora_mixed.py; the
     scalings are in the mask then, not in Bd). All in one dtype."""
+    return group_forward(x, weights, bias, lora_a, lora_b, mask)
+
+
+def group_forward(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None, lora_a: torch.Tensor,
+                  lora_b: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """meshrl::lora_group's [y, z] (_EagerGroup calls it without the op's dispatch)."""
     z = torch.mm(x, lora_a.t())                                                       # [T, R]
     zm = z if mask is None else z * mask
     base = stacked(weights)
@@ -77,6 +83,13 @@ def lora_group_backward(dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor, weig
                         mask: torch.Tensor | None) -> list[torch.Tensor]:
     """[dx [T, in] (an empty tensor when x needs none), dA [R, in], dBd [O, R]] for dy [T, O]. No [out, in]
     product: the base weights are frozen."""
+    return group_backward(dy, x, z, weights, lora_a, lora_b, need_x, mask)
+
+
+def group_backward(dy: torch.Tensor, x: torch.Tensor, z: torch.Tensor, weights: list[torch.Tensor],
+                   lora_a: torch.Tensor, lora_b: torch.Tensor, need_x: bool,
+                   mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """meshrl::lora_group_backward's [dx, dA, dBd]."""
     dz = torch.mm(dy, lora_b)                                                         # [T, R]
     if mask is None:
         d_b = torch.mm(dy.t(), z)                                                     # [O, R]
@@ -126,6 +139,34 @@ def _backward(ctx, grads):
 lora_group.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerGroup(torch.autograd.Function):
+    """meshrl::lora_group's y with its backward as an autograd.Function (where lora_linear.eager())."""
+
+    @staticmethod
+    def forward(ctx, x, bias, lora_a, lora_b, mask, *weights):
+        y, z = group_forward(x, list(weights), bias, lora_a, lora_b, mask)
+        ctx.save_for_backward(x, z, lora_a, lora_b, mask, *weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, z, lora_a, lora_b, mask, *weights = ctx.saved_tensors
+        if any(ctx.needs_input_grad[5:]) or ctx.needs_input_grad[1] or ctx.needs_input_grad[4]:
+            raise RuntimeError("lora_group: the base weights, biases and the adapters' mask are fixed; this op never "
+                               "computes their grads")
+        need_x = ctx.needs_input_grad[0]
+        dx, d_a, d_b = group_backward(dy.contiguous(), x, z, weights, lora_a, lora_b, need_x, mask)
+        return (dx if need_x else None), None, d_a, d_b, None, *[None] * len(weights)
+
+
+def group(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None, lora_a: torch.Tensor,
+          lora_b: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """y of meshrl::lora_group: _EagerGroup where lora_linear.eager(), else the op."""
+    if lora_linear.eager():
+        return _EagerGroup.apply(x, bias, lora_a, lora_b, mask, *weights)
+    return lora_group(x, weights, bias, lora_a, lora_b, mask)[0]
+
+
 def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
                    lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], scalings: list[float]) -> list[torch.Tensor]:
     """[base_i(x) + s_i B_i(A_i(x))] for x [..., in] in the compute dtype (see lora_linear.adapted_linear: the fp32
@@ -139,6 +180,6 @@ def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[to
     else:                                   # some members have a bias, some not (none of the usual models): zeros
         bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)]).to(dtype)
     block = torch.block_diag(*[b * s for b, s in zip(lora_b, scalings)]).to(dtype)            # [O, R]
-    y, _ = lora_group(x.reshape(-1, x.shape[-1]).to(dtype), [w.to(dtype) for w in weights], bias,
-                      torch.cat(lora_a).to(dtype), block, None)
+    y = group(x.reshape(-1, x.shape[-1]).to(dtype), [w.to(dtype) for w in weights], bias,
+              torch.cat(lora_a).to(dtype), block, None)
     return [part.view(*lead, part.shape[-1]) for part in y.split([w.shape[0] for w in weights], dim=1)]

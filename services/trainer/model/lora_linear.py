@@ -22,6 +22,7 @@ GEMM alone would.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
 def base_first(x: torch.Tensor) -> bool:
@@ -30,6 +31,15 @@ def base_first(x: torch.Tensor) -> bool:
     base's: oneDNN's bf16 GEMM on a CPU ran about 10% slower with beta = 1 (a LoRA step at 0.84x a full one
     instead of 0.78x, compiled), while the rank-16 read and write it then costs is cheap there."""
     return not x.is_cuda
+
+
+def eager() -> bool:
+    """Whether the adapted linears run as autograd.Functions (_EagerLinear, lora_group._EagerGroup): the same math
+    without the torch.library op's dispatch, which costs about 170 us a forward and backward on the host (a tiny op:
+    300 against 130 us), per layer; the eager trainer that several runs' adapters need waits on its host
+    (docs/many_runs.md). The op stays where torch.compile traces it (one node of the graph) and under a dispatch mode
+    (selective checkpointing keeps each op's output, and the Functions' GEMMs accumulate in place)."""
+    return not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()
 
 
 @torch.library.custom_op("meshrl::lora_linear", mutates_args=())
@@ -64,6 +74,12 @@ def lora_linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
                          need_x: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [T, in] or an empty tensor when x needs none, dA [r, in], dB [out, r] of the scaled B). No [out, in]
     product: the base weight is frozen."""
+    return linear_backward(dy, x, weight, lora_a, lora_b, need_x)
+
+
+def linear_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor,
+                    lora_b: torch.Tensor, need_x: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """meshrl::lora_linear_backward's (dx, dA, dB) (_EagerLinear calls it without the op's dispatch)."""
     z = torch.mm(x, lora_a.t())                                                       # [T, r]
     dz = torch.mm(dy, lora_b)                                                         # [T, r]
     d_b = torch.mm(dy.t(), z)                                                         # [out, r]
@@ -97,6 +113,24 @@ def _backward(ctx, dy):
 lora_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerLinear(torch.autograd.Function):
+    """meshrl::lora_linear as an autograd.Function (where `eager()`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b):
+        ctx.save_for_backward(x, weight, lora_a, lora_b)
+        return project(x, weight, bias, torch.mm(x, lora_a.t()), lora_b)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, lora_a, lora_b = ctx.saved_tensors
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            raise RuntimeError("lora_linear: the base weight and bias are frozen; this op never computes their grads")
+        need_x = ctx.needs_input_grad[0]
+        dx, d_a, d_b = linear_backward(dy.contiguous(), x, weight, lora_a, lora_b, need_x)
+        return (dx if need_x else None), None, None, d_a, d_b
+
+
 def adapted_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                    lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
     """base(x) + scaling * B(A(x)) for x [..., in] in the compute dtype: the autocast dtype under autocast (the fp32
@@ -106,6 +140,6 @@ def adapted_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-    y = lora_linear(x2, weight.to(dtype), None if bias is None else bias.to(dtype), lora_a.to(dtype),
-                    (lora_b * scaling).to(dtype))
+    op = _EagerLinear.apply if eager() else lora_linear
+    y = op(x2, weight.to(dtype), None if bias is None else bias.to(dtype), lora_a.to(dtype), (lora_b * scaling).to(dtype))
     return y.view(*lead, y.shape[-1])

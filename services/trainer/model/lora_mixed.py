@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from services.common.tensors.packing import token_rows
-from services.trainer.model.lora_group import lora_group
+from services.trainer.model.lora_group import group
 
 _ACTIVE: "MixedRows | None" = None
 
@@ -109,7 +109,7 @@ def mixed_linear(layer: nn.Module, x: torch.Tensor, mixed: MixedRows) -> torch.T
 
 def mixed_group(layers: Sequence[nn.Module], x: torch.Tensor, mixed: MixedRows) -> list[torch.Tensor]:
     """mixed_linear for sibling layers that read one x (q/k/v, gate/up: model/lora.py SiblingGroup), through one
-    meshrl::lora_group op (model/lora_group.py) with the mask: A is every member's adapters' A's stacked, Bd
+    meshrl::lora_group op (model/lora_group.py, eager: its _EagerGroup) with the mask: A is every member's adapters' A's stacked, Bd
     block-diagonal by member (each member's block its adapters' B's side by side), the mask each member's columns of
     M. One op a group where each layer made seven (their casts, two GEMMs of A and B, the mask, the base, the sum),
     and a backward that never forms the frozen base's weight gradient: the host's launches are what a merged pass
@@ -132,5 +132,5 @@ def mixed_group(layers: Sequence[nn.Module], x: torch.Tensor, mixed: MixedRows) 
     else:
         bias = torch.cat([base.weight.new_zeros(base.weight.shape[0]) if base.bias is None else base.bias
                           for base in bases]).to(dtype)
-    y, _ = lora_group(x2, [base.weight.to(dtype) for base in bases], bias, a, b, mask)
+    y = group(x2, [base.weight.to(dtype) for base in bases], bias, a, b, mask)
     return [part.view(*lead, part.shape[-1]) for part in y.split([base.weight.shape[0] for base in bases], dim=1)]
