@@ -12,7 +12,8 @@ nn.Linear + addmm with the base output as C, autograd's backward) and `lora_peft
 `lora_merged` is several runs' updates in one pass (services/trainer/updates/merged.py, as the trainer runs
 concurrent runs' TrainActor calls): `--adapters` adapters, `batch / adapters` rows each, every row under its own
 adapter (model/lora_mixed.py: a group's adapters through one meshrl::lora_group op with their mask);
-`lora_merged_autograd` is that pass before the mask op (commit 95975e8: each layer its own autograd ops). Beside
+`lora_ops` is `lora` with the torch.library ops where the eager trainer now runs their autograd.Functions
+(lora_linear.eager: before 27f87ca). `lora_merged_autograd` is that pass before the mask op (commit 95975e8: each layer its own autograd ops). Beside
 `lora` (one adapter, the same `batch` rows) they say what serving several runs in one pass costs.
 One step = one TrainActor call of `batch` sequences (prompt + response tokens each) in one optimizer step (merged:
 one train_actors command, an optimizer step per adapter); the median of the steps after `--warmup` (compiles happen
@@ -32,7 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "protos"), str(REPO / "bench")]
 
-VARIANTS = ("full", "lora", "lora_ungrouped", "lora_addmm", "lora_peft", "lora_merged", "lora_merged_autograd")
+VARIANTS = ("full", "lora", "lora_ops", "lora_ungrouped", "lora_addmm", "lora_peft", "lora_merged",
+            "lora_merged_autograd")
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=True)
 
@@ -99,6 +101,10 @@ def one(args) -> dict:
         from services.trainer.model import lora
 
         lora.sibling_groups = lambda model, layers: {}
+    if name == "lora_ops":
+        from services.trainer.model import lora_linear
+
+        lora_linear.eager = lambda: False
     if name == "lora_merged_autograd":
         from services.trainer.model import lora_mixed
 
