@@ -167,6 +167,14 @@ def group(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | Non
     return lora_group(x, weights, bias, lora_a, lora_b, mask)[0]
 
 
+def joined_bias(weights: list[torch.Tensor], biases: list[torch.Tensor | None], dtype: torch.dtype):
+    """The members' biases as one [O] in `dtype`, or None when none has one (zeros for a member without one where
+    others have one: none of the usual models)."""
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)]).to(dtype)
+
+
 def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
                    lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], scalings: list[float]) -> list[torch.Tensor]:
     """[base_i(x) + s_i B_i(A_i(x))] for x [..., in] in the compute dtype (see lora_linear.adapted_linear: the fp32
@@ -175,10 +183,7 @@ def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[to
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     lead = x.shape[:-1]
-    if all(b is None for b in biases):
-        bias = None
-    else:                                   # some members have a bias, some not (none of the usual models): zeros
-        bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)]).to(dtype)
+    bias = joined_bias(weights, biases, dtype)
     block = torch.block_diag(*[b * s for b, s in zip(lora_b, scalings)]).to(dtype)            # [O, R]
     y = group(x.reshape(-1, x.shape[-1]).to(dtype), [w.to(dtype) for w in weights], bias,
               torch.cat(lora_a).to(dtype), block, None)

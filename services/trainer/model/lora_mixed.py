@@ -5,9 +5,10 @@ engine's decode already serves every run's rows in one batch.
 An adapted linear in mixed mode computes y = x W^T + b + (z * M) B^T with z = x A^T, where A stacks the adapters'
 A's ([R, in], R the sum of their ranks), B holds their B's side by side ([out, R]) and M [T, R] is the adapter's
 scaling where column r belongs to token t's adapter, else 0. So the frozen base runs one GEMM over every row, and
-the adapters two GEMMs of inner size R (the k adapters' rank-r GEMMs as one), each adapter's gradient only from its own rows (M zeroes
-the others'). Plain autograd ops: this mode runs in the eager trainer that serves several runs (a compiled trainer
-goes eager at its first named adapter: model/adapter_set.py).
+the adapters two GEMMs of inner size R (the k adapters' rank-r GEMMs as one), each adapter's gradient only from its
+own rows (M zeroes the others'). Sibling layers that read one input (q/k/v, gate/up) run as one lora_group op with
+the mask (mixed_group), as one adapter's pass runs them. This mode runs in the eager trainer that serves several
+runs (a compiled trainer goes eager at its first named adapter: model/adapter_set.py).
 
 The mode is a module-level state, set for one forward and its backward: commands run one at a time
 (services/trainer/commands.py), and on CUDA a checkpointed block's recompute runs on autograd's device thread, where
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from services.common.tensors.packing import token_rows
-from services.trainer.model.lora_group import group
+from services.trainer.model.lora_group import group, joined_bias
 
 _ACTIVE: "MixedRows | None" = None
 
@@ -109,11 +110,11 @@ def mixed_linear(layer: nn.Module, x: torch.Tensor, mixed: MixedRows) -> torch.T
 
 def mixed_group(layers: Sequence[nn.Module], x: torch.Tensor, mixed: MixedRows) -> list[torch.Tensor]:
     """mixed_linear for sibling layers that read one x (q/k/v, gate/up: model/lora.py SiblingGroup), through one
-    meshrl::lora_group op (model/lora_group.py, eager: its _EagerGroup) with the mask: A is every member's adapters' A's stacked, Bd
-    block-diagonal by member (each member's block its adapters' B's side by side), the mask each member's columns of
-    M. One op a group where each layer made seven (their casts, two GEMMs of A and B, the mask, the base, the sum),
-    and a backward that never forms the frozen base's weight gradient: the host's launches are what a merged pass
-    of small adapters waits on."""
+    lora_group op (model/lora_group.py `group`) with the mask: A is every member's adapters' A's stacked, Bd
+    block-diagonal by member (each member's block its adapters' B's side by side), the mask each member's columns
+    of M. One op a group where each layer made seven (their casts, two GEMMs of A and B, the mask, the base, the
+    sum), and a backward that never forms the frozen base's weight gradient: the host's launches are what a merged
+    pass of small adapters waits on."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     lead = x.shape[:-1]
@@ -127,10 +128,6 @@ def mixed_group(layers: Sequence[nn.Module], x: torch.Tensor, mixed: MixedRows) 
     mask = mixed.group_mask([(tuple(layer.lora_A[n].weight.shape[0] for n in mixed.names),
                               tuple(float(layer.scaling[n]) for n in mixed.names)) for layer in layers], dtype)
     bases = [layer.base_layer for layer in layers]
-    if all(base.bias is None for base in bases):
-        bias = None
-    else:
-        bias = torch.cat([base.weight.new_zeros(base.weight.shape[0]) if base.bias is None else base.bias
-                          for base in bases]).to(dtype)
+    bias = joined_bias([base.weight for base in bases], [base.bias for base in bases], dtype)
     y = group(x2, [base.weight.to(dtype) for base in bases], bias, a, b, mask)
     return [part.view(*lead, part.shape[-1]) for part in y.split([base.weight.shape[0] for base in bases], dim=1)]
