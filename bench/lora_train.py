@@ -13,7 +13,8 @@ nn.Linear + addmm with the base output as C, autograd's backward) and `lora_peft
 concurrent runs' TrainActor calls): `--adapters` adapters, `batch / adapters` rows each, every row under its own
 adapter (model/lora_mixed.py: a group's adapters through one meshrl::lora_group op with their mask);
 `lora_ops` is `lora` with the torch.library ops where the eager trainer now runs their autograd.Functions
-(lora_linear.eager: before 27f87ca). `lora_merged_autograd` is that pass before the mask op (commit 95975e8: each layer its own autograd ops). Beside
+(lora_linear.eager: before 27f87ca). `lora_merged_autograd` is that pass before the mask op (commit 95975e8: each
+layer its own autograd ops). Beside
 `lora` (one adapter, the same `batch` rows) they say what serving several runs in one pass costs.
 One step = one TrainActor call of `batch` sequences (prompt + response tokens each) in one optimizer step (merged:
 one train_actors command, an optimizer step per adapter); the median of the steps after `--warmup` (compiles happen
@@ -266,7 +267,8 @@ def main() -> None:
             ratios[f"{v.partition('@')[0]}_step_vs_lora"] = by[v]["step_s"] / by[single]["step_s"]
     result = {"benchmark": "lora_train", "device": torch.cuda.get_device_name() if cuda else "cpu",
               "shape": args.shape, "lora_rank": args.rank, "batch": args.batch, "prompt": args.prompt,
-              "response": args.response, "adapters": args.adapters, "activation_checkpointing": args.checkpointing, "compile": args.compile,
+              "response": args.response, "adapters": args.adapters, "activation_checkpointing": args.checkpointing,
+              "compile": args.compile,
               "goal": "lora step <= 0.7 x full, lora peak <= 0.5 x full", "ratios": ratios, "results": rows}
     from provenance import SOURCES, stamp
 
