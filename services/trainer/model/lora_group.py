@@ -119,14 +119,12 @@ def _setup_context(ctx, inputs, output):
     x, weights, bias, lora_a, lora_b, mask = inputs
     ctx.mark_non_differentiable(output[-1])
     ctx.set_materialize_grads(False)                  # z's gradient is never made (no zeros kernel for it)
-    ctx.masked = mask is not None
-    ctx.save_for_backward(x, output[-1], lora_a, lora_b, *([mask] if ctx.masked else []), *weights)
+    ctx.save_for_backward(x, output[-1], lora_a, lora_b, mask, *weights)
 
 
 def _backward(ctx, grads):
     dy = grads[0]
-    x, z, lora_a, lora_b, *rest = ctx.saved_tensors
-    mask, weights = (rest[0], rest[1:]) if ctx.masked else (None, rest)
+    x, z, lora_a, lora_b, mask, *weights = ctx.saved_tensors
     if any(ctx.needs_input_grad[1]) or ctx.needs_input_grad[2] or ctx.needs_input_grad[5]:
         raise RuntimeError("lora_group: the base weights, biases and the adapters' mask are fixed; this op never "
                            "computes their grads")
