@@ -183,12 +183,11 @@ def merged_step(e, samples, adapters: int):
     """The step function of the merged variants: `adapters` adapters (the run's and named ones), the rows split among
     them, one train_actors command."""
     from services.trainer.types import ActorLoss
+    from services.trainer.updates import merged
 
     names = [""] + [f"run{i}" for i in range(1, adapters)]
     for name in names[1:]:
         e.create_adapter(name)
-    from services.trainer.updates import merged
-
     if why := merged.unmergeable(e.rank, names):              # else train_actors would run each update alone
         raise SystemExit(f"lora_merged: the adapters cannot share one pass: {why}")
     size = -(-len(samples) // adapters)
@@ -257,12 +256,12 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     by = {r["variant"]: r for r in rows if "step_s" in r}
     ratios = {}
+    single = next((u for u in by if u.partition("@")[0] == "lora"), None)     # one adapter: the merged ones' baseline
     for v in by:
         if v != "full" and "full" in by:
             ratios[f"{v}_step_vs_full"] = by[v]["step_s"] / by["full"]["step_s"]
             if cuda:
                 ratios[f"{v}_peak_vs_full"] = by[v]["peak_bytes"] / by["full"]["peak_bytes"]
-        single = next((u for u in by if u.partition("@")[0] == "lora"), None)
         if v.startswith("lora_merged") and single:
             ratios[f"{v.partition('@')[0]}_step_vs_lora"] = by[v]["step_s"] / by[single]["step_s"]
     result = {"benchmark": "lora_train", "device": torch.cuda.get_device_name() if cuda else "cpu",
