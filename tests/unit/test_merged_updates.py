@@ -217,8 +217,8 @@ def test_a_merged_pass_that_fails_before_any_step_runs_each_call_alone(model, mo
 
 
 def test_a_mixed_pass_runs_each_blocks_adapters_through_four_grouped_ops(model):
-    # q/k/v and gate/up each one lora_group op with the adapters' mask, o and down one each: the host's
-    # launches are what a merged pass of small adapters waits on. A row's logits are its own adapter's alone.
+    # q/k/v and gate/up each one lora_group op with the adapters' mask, o and down one each, as one adapter's pass
+    # runs them. A row's logits are its own adapter's alone.
     from torch.profiler import ProfilerActivity, profile
 
     from services.trainer.model import lora_mixed
