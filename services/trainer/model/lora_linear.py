@@ -36,8 +36,8 @@ def base_first(x: torch.Tensor) -> bool:
 def eager() -> bool:
     """Whether the adapted linears run as autograd.Functions (_EagerLinear, lora_group._EagerGroup): the same math
     without the torch.library op's dispatch, which costs about 170 us a forward and backward on the host (a tiny op:
-    300 against 130 us), per layer; the eager trainer that several runs' adapters need waits on its host
-    (docs/many_runs.md). The op stays where torch.compile traces it (one node of the graph) and under a dispatch mode
+    300 against 130 us, on a CPU host; not yet measured on a GPU), per layer; the eager trainer that several runs'
+    adapters need waits on its host (docs/many_runs.md). The op stays where torch.compile traces it (one node of the graph) and under a dispatch mode
     (selective checkpointing keeps each op's output, and the Functions' GEMMs accumulate in place)."""
     return not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()
 
@@ -141,5 +141,6 @@ def adapted_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).to(dtype)
     op = _EagerLinear.apply if eager() else lora_linear
-    y = op(x2, weight.to(dtype), None if bias is None else bias.to(dtype), lora_a.to(dtype), (lora_b * scaling).to(dtype))
+    y = op(x2, weight.to(dtype), None if bias is None else bias.to(dtype), lora_a.to(dtype),
+           (lora_b * scaling).to(dtype))
     return y.view(*lead, y.shape[-1])
