@@ -188,11 +188,11 @@ for what in "$@"; do
           --out "$OUT/trainscale_$b.json"
       done ;;
     mergedtrain) # issue 45: several runs' updates in one merged pass (4 adapters, 32 rows each) beside one adapter's
-      # update of the same 128 rows, the merged pass before its mask op and the eager step on the torch.library ops
-      # (bench/lora_train.py), at trainscale's shape
+      # update of the same 128 rows, the merged pass with its earlier optimizer steps (an adapter switch each) and
+      # the eager step on the torch.library ops (bench/lora_train.py), at trainscale's shape; GPU kernels and host calls
       part mergedtrain 300 python3 bench/lora_train.py --shape qwen2.5-0.5b --rank 8 --batch "${MERGED_BATCH:-128}" \
-        --prompt 24 --response 128 --compile false --adapters 4 --profile \
-        --variants "${MERGED_VARIANTS:-lora@full:16384,lora_ops@full:16384,lora_merged@full:16384,lora_merged_autograd@full:16384}" \
+        --prompt 24 --response 128 --compile false --adapters 4 --profile --host-profile \
+        --variants "${MERGED_VARIANTS:-lora@full:16384,lora_merged@full:16384,lora_merged_switching@full:16384,lora_ops@full:16384}" \
         --out "$OUT/lora_merged_train_gpu.json" ;;
     reference) part reference 240 python3 bench/reference_gpu.py --out "$OUT/reference_gpu.json" ;;
     ipcbench) # CUDA IPC between two processes on one GPU vs a same-process copy (bench/weight_sync_ipc.py)

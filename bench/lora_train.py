@@ -14,7 +14,9 @@ concurrent runs' TrainActor calls): `--adapters` adapters, `batch / adapters` ro
 adapter (model/lora_mixed.py: a group's adapters through one meshrl::lora_group op with their mask);
 `lora_ops` is `lora` with the torch.library ops where the eager trainer now runs their autograd.Functions
 (lora_linear.eager: before 27f87ca). `lora_merged_autograd` is that pass before the mask op (commit 95975e8: each
-layer its own autograd ops). Beside
+layer its own autograd ops), `lora_merged_switching` the pass as it stepped before this bench's --host-profile found
+its cost (each adapter made the active one through peft's set_adapter for its optimizer step, whose clip walked the
+module's trainable parameters and waited for the GPU; every adapter made trainable again after). Beside
 `lora` (one adapter, the same `batch` rows) they say what serving several runs in one pass costs.
 One step = one TrainActor call of `batch` sequences (prompt + response tokens each) in one optimizer step (merged:
 one train_actors command, an optimizer step per adapter); the median of the steps after `--warmup` (compiles happen
@@ -35,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "protos"), str(REPO / "bench")]
 
 VARIANTS = ("full", "lora", "lora_ops", "lora_ungrouped", "lora_addmm", "lora_peft", "lora_merged",
-            "lora_merged_autograd")
+            "lora_merged_autograd", "lora_merged_switching")
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=True)
 
@@ -134,7 +136,7 @@ def one(args) -> dict:
         torch.cuda.synchronize()
         resident = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    step = (merged_step(e, samples, args.adapters) if name.startswith("lora_merged")
+    step = (merged_step(e, samples, args.adapters, name == "lora_merged_switching") if name.startswith("lora_merged")
             else lambda: e.train_actor(samples, ActorLoss(mini_batch_size=args.batch)))
     times = []
     for _ in range(args.warmup + args.steps):
@@ -146,6 +148,7 @@ def one(args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     profile = kernel_table(step) if cuda and args.profile else None
+    host = host_table(step, cuda) if args.host_profile else None
     tokens = args.batch * (args.prompt + args.response)
     step_s = statistics.median(times[args.warmup:])
     return {"variant": args.variant, "step_s": step_s, "tokens_per_s": tokens / step_s,
@@ -156,6 +159,7 @@ def one(args) -> dict:
             "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "activation_checkpointing": actor["activation_checkpointing"],
             "micro_batch_token_budget": actor["micro_batch_token_budget"], "kernels_top": profile,
+            "host_top": host,
             "compiled": e.rank.compiled, "fused_logprobs": e.rank.fused_logprobs, "packed": e.rank.layout.packed,
             "param_dtype": e.rank.param_dtype, "compute_dtype": e.rank.compute_dtype}
 
@@ -179,7 +183,7 @@ def autograd_mixed_linear(layer, x, mixed):
     return torch.addmm(y, z, b.t()).view(*x.shape[:-1], -1)
 
 
-def merged_step(e, samples, adapters: int):
+def merged_step(e, samples, adapters: int, switching: bool = False):
     """The step function of the merged variants: `adapters` adapters (the run's and named ones), the rows split among
     them, one train_actors command."""
     from services.trainer.types import ActorLoss
@@ -190,9 +194,37 @@ def merged_step(e, samples, adapters: int):
         e.create_adapter(name)
     if why := merged.unmergeable(e.rank, names):              # else train_actors would run each update alone
         raise SystemExit(f"lora_merged: the adapters cannot share one pass: {why}")
+    if switching:
+        switching_steps(e, names)
     size = -(-len(samples) // adapters)
     calls = [(samples[i * size:(i + 1) * size], ActorLoss(mini_batch_size=size), name) for i, name in enumerate(names)]
     return lambda: e.commands.run("train_actors", calls)
+
+
+def switching_steps(e, names: list[str]) -> None:
+    """The merged pass's optimizer steps as they ran before (lora_merged_switching): each adapter the active one
+    (peft's set_adapter on every layer) for a synced step whose clip reads the module's trainable parameters;
+    after the last adapter's step every adapter trainable again."""
+    from services.trainer.model import adapter_set, trained as trained_mod
+    from services.trainer.model.optim import clip_grad_norm
+    from services.trainer.updates import merged
+
+    module = e.rank.actor.module
+
+    def clip(trained, layout, *, sync=True):
+        params = [p for p in trained.module.parameters() if p.requires_grad]
+        return clip_grad_norm(params, trained.cfg.grad_clip, pp_group=layout.pp_group, skip=layout.tied_copy,
+                              grad_scale=trained.loss_scale, sync=sync)
+
+    def step(trained, layout, *, defer=False):
+        name = "" if trained is e.rank.actor else trained.name
+        adapter_set._activate(module, adapter_set.adapter_name(name))
+        out = trained_mod._step(trained, layout)
+        if name == names[-1]:
+            adapter_set.trainable(module, names)
+        return out
+    trained_mod._clip = clip
+    merged.optimizer_step = step
 
 
 def kernel_table(step, top: int = 25) -> dict:
@@ -214,6 +246,28 @@ def kernel_table(step, top: int = 25) -> dict:
             "top": [[r.key[:90], round(r.device_time_total / 1e3, 2), r.count] for r in rows[:top]]}
 
 
+def host_table(step, cuda: bool, top: int = 40) -> dict:
+    """One more step under cProfile: the Python functions whose own and callees' time (cumulative) was the most,
+    [function, cumulative ms, own ms, calls]. cProfile's hooks slow Python-heavy code more than kernel launches, so
+    read it as where the host's time goes, not as a step time."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: kv[1][3], reverse=True)
+    return {"total_ms": round(1e3 * st.total_tt, 1),
+            "top": [[f"{Path(f).name}:{line}:{fn}", round(1e3 * ct, 1), round(1e3 * tt, 1), nc]
+                    for (f, line, fn), (cc, nc, tt, ct, _) in rows[:top]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-1.5b")
@@ -233,6 +287,8 @@ def main() -> None:
     ap.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
                     help="actor.compile (false: the eager trainer that serves several runs' adapters)")
     ap.add_argument("--profile", action="store_true", help="each variant's top GPU kernels of one more step")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="each variant's costliest Python calls of one more step")
     ap.add_argument("--models", default="/tmp/meshrl-gpu-work/models")
     ap.add_argument("--out", default=None)
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)      # the child process's one variant

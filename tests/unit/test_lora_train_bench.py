@@ -31,7 +31,8 @@ def test_the_lora_train_benchmark_runs_a_merged_pass_of_several_adapters_beside_
     out = tmp_path / "lora_merged.json"
     subprocess.run([sys.executable, str(REPO / "bench" / "lora_train.py"), "--shape", "tiny", "--batch", "4",
                     "--prompt", "8", "--response", "16", "--steps", "1", "--warmup", "1", "--compile", "false",
-                    "--adapters", "2", "--variants", "lora,lora_merged@full:64,lora_merged_autograd",
+                    "--adapters", "2", "--host-profile", "--variants",
+                    "lora,lora_merged@full:64,lora_merged_autograd,lora_merged_switching",
                     "--models", str(tmp_path / "models"), "--out", str(out)], check=True, timeout=300)
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["results"]}
@@ -39,3 +40,7 @@ def test_the_lora_train_benchmark_runs_a_merged_pass_of_several_adapters_beside_
     assert rows["lora_merged@full:64"]["micro_batch_token_budget"] == 64
     ratios = result["ratios"]
     assert ratios["lora_merged_step_vs_lora"] > 0 and ratios["lora_merged_autograd_step_vs_lora"] > 0
+    assert ratios["lora_merged_switching_step_vs_lora"] > 0
+    # the host profile of one more step: the merged pass's own function among the costliest calls
+    host = rows["lora_merged@full:64"]["host_top"]
+    assert host["total_ms"] > 0 and any("train_together" in row[0] for row in host["top"])

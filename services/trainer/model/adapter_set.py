@@ -116,8 +116,8 @@ def adapter_name(name: str) -> str:
 @contextmanager
 def together(rank, names: list[str]):
     """The Trained of each of `names` ("" = the run's actor), every one of their adapters trainable at once for an
-    update that runs them in one pass (updates/merged.py); `step_of` makes one the active adapter for its optimizer
-    step. The run's adapter is the active one afterwards."""
+    update that runs them in one pass (updates/merged.py; each optimizer step reads its own optimizer's parameters).
+    The run's adapter is the active one afterwards."""
     trained = [rank.actor if not n else get(rank, n).trained for n in names]
     try:
         trainable(rank.actor.module, names)
@@ -132,11 +132,6 @@ def trainable(module, names: list[str]) -> None:
     for n, p in module.named_parameters():
         if any(m in n for m in marks):
             p.requires_grad_(True)
-
-
-def step_of(rank, name: str) -> None:
-    """Adapter `name` alone trainable (the optimizer step's clip reads the trainable parameters)."""
-    _activate(rank.actor.module, adapter_name(name))
 
 
 def create(rank, name: str) -> None:

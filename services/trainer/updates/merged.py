@@ -93,10 +93,11 @@ def train_together(rank, calls: list[tuple[list[TrainSample], ActorLoss, str]], 
                         raise BeforeAnyStep(e) from e
                     for acc, st in zip(local, stats):
                         acc += st
-                for name, u, log in zip(names, updates, logs):
-                    adapter_set.step_of(rank, name)
-                    log.add(*optimizer_step(u.trained, u.layout))
-                adapter_set.trainable(rank.actor.module, names)
+                # Each adapter's clip and step read its optimizer's parameters alone: every adapter stays
+                # trainable (no peft set_adapter between steps); the last steps wait for the GPU with the stats.
+                last = epoch == updates[0].epochs - 1 and k == len(batches[0]) - 1
+                for u, log in zip(updates, logs):
+                    log.add(*optimizer_step(u.trained, u.layout, defer=last and rank.defer_last_step))
         seconds = time.perf_counter() - t0
         out = []
         for u, log, acc in zip(updates, logs, local):
