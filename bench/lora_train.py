@@ -202,14 +202,31 @@ def merged_step(e, samples, adapters: int, switching: bool = False):
 
 
 def switching_steps(e, names: list[str]) -> None:
-    """The merged pass's optimizer steps as they ran before (lora_merged_switching): each adapter the active one
-    (peft's set_adapter on every layer) for a synced step whose clip reads the module's trainable parameters;
-    after the last adapter's step every adapter trainable again."""
+    """The merged pass's adapter handling as it ran before (lora_merged_switching): every adapter made trainable by a
+    walk of the module's parameters; each adapter the active one (peft's set_adapter on every layer) for a synced
+    optimizer step whose clip reads the module's trainable parameters; every adapter trainable again after the last
+    one's step; the run's adapter the active one at the end."""
+    from contextlib import contextmanager
+
     from services.trainer.model import adapter_set, trained as trained_mod
     from services.trainer.model.optim import clip_grad_norm
     from services.trainer.updates import merged
 
     module = e.rank.actor.module
+    marks = tuple(f".lora_{ab}.{adapter_set.adapter_name(n)}." for n in names for ab in "AB")
+
+    def trainable():
+        for n, p in module.named_parameters():
+            if any(m in n for m in marks):
+                p.requires_grad_(True)
+
+    @contextmanager
+    def together(rank, names):
+        try:
+            trainable()
+            yield [rank.actor if not n else adapter_set.get(rank, n).trained for n in names]
+        finally:
+            adapter_set._activate(module, adapter_set.ADAPTER)
 
     def clip(trained, layout, *, sync=True):
         params = [p for p in trained.module.parameters() if p.requires_grad]
@@ -221,8 +238,9 @@ def switching_steps(e, names: list[str]) -> None:
         adapter_set._activate(module, adapter_set.adapter_name(name))
         out = trained_mod._step(trained, layout)
         if name == names[-1]:
-            adapter_set.trainable(module, names)
+            trainable()
         return out
+    adapter_set.together = together
     trained_mod._clip = clip
     merged.optimizer_step = step
 

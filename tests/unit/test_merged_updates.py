@@ -20,7 +20,7 @@ from services.common.config import load_config
 from services.trainer.config import TrainerSettings
 from services.trainer.engine import TrainerEngine
 from services.trainer.model import adapter_set
-from services.trainer.model.lora import adapter_state
+from services.trainer.model.lora import adapter_state, lora_layers
 from services.trainer.testing import make_tiny_model
 from services.trainer.types import ActorLoss, TrainSample
 from services.trainer.updates import merged
@@ -107,6 +107,7 @@ def merged_equals_alone(model: str, device: str) -> None:
         assert version == (adapter_set.get(together.rank, n).weight_version if n else together.rank.weight_version)
     trainable = {name for name, p in together.rank.actor.module.named_parameters() if p.requires_grad}
     assert trainable and all(".default." in name for name in trainable)
+    assert all(layer.active_adapters == ["default"] for layer in lora_layers(together.rank.actor.module).values())
 
 
 def test_concurrent_calls_of_different_adapters_share_a_pass(model):

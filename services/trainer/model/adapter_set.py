@@ -117,21 +117,21 @@ def adapter_name(name: str) -> str:
 def together(rank, names: list[str]):
     """The Trained of each of `names` ("" = the run's actor), every one of their adapters trainable at once for an
     update that runs them in one pass (updates/merged.py; each optimizer step reads its own optimizer's parameters).
-    The run's adapter is the active one afterwards."""
+    The run's adapter stays the layers' active one throughout; the named adapters are frozen again afterwards. Their
+    parameters are their optimizers' own, so nothing walks the module (peft's set_adapter on every layer did)."""
     trained = [rank.actor if not n else get(rank, n).trained for n in names]
     try:
-        trainable(rank.actor.module, names)
+        _trainable(trained, True)
         yield trained
     finally:
-        _activate(rank.actor.module, ADAPTER)
+        _trainable([t for n, t in zip(names, trained) if n], False)
 
 
-def trainable(module, names: list[str]) -> None:
-    """Every adapter of `names` trainable (peft's set_adapter leaves only the active one so)."""
-    marks = tuple(f".lora_{ab}.{adapter_name(n)}." for n in names for ab in "AB")
-    for n, p in module.named_parameters():
-        if any(m in n for m in marks):
-            p.requires_grad_(True)
+def _trainable(trained: list[Trained], on: bool) -> None:
+    for t in trained:
+        for group in t.optimizer.param_groups:
+            for p in group["params"]:
+                p.requires_grad_(on)
 
 
 def create(rank, name: str) -> None:
