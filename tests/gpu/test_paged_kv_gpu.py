@@ -205,6 +205,7 @@ def test_short_shared_prompts_take_the_plain_path(model_dir):
     """A GRPO group's short prompt (2 blocks, under cascade.MIN_SHARED_TOKENS) costs less read per row than the group
     kernel's fixed grid: no window takes the shared-prefix path, and the samples are the same."""
     e = make_engine(model_dir, dtype="float32", kv_cache="paged", kv_block_size=16, kv_cache_cuda_graphs=True)
-    got = gen(e, [list(range(3, 35))], n=8, temperature=0.0, max_tokens=24)
+    prompt = [3 + i % 30 for i in range(32)]                # 2 blocks of 16 in the tiny model's 33-token vocabulary
+    got = gen(e, [prompt], n=8, temperature=0.0, max_tokens=24)
     assert len(got) == 8 and e._paged.graphs.stats["shared_prefix_rows"] == 0
     assert e._paged.graphs.stats["replays"] > 0
