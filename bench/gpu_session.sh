@@ -3,7 +3,7 @@
 # transformers 5.17, CuPy); each named part writes its log and JSON under $OUT.
 #
 #   OUT=/tmp/gpu bench/gpu_session.sh versions gputests reference wsipc meshrl trl bundle
-#   parts: versions gputests decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench paged_kv spy loratrain
+#   parts: versions gputests pytest decodetests packtests wstest wgather wgathercpu fit meshtests multigpu rollout episodes decode mfu packing reference wsipc ipcbench paged_kv spy loratrain
 #          loratests pagedtests cascade chain lora manyruns profile trainscale mergedtrain
 #          mfuautotune upgpu
 #          meshrl trl trl15 trllong asyncbench asynctests asyncsplit splittests bundle
@@ -89,6 +89,8 @@ for what in "$@"; do
       python3 -c "import torch, transformers, grpc, google.protobuf as pb, pydantic; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__, 'pydantic', pydantic.__version__)"
       ;;
     gputests) part gputests 420 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu ;;
+    pytest) # PYTEST_ARGS: test files or ids (and pytest flags) of one pytest run, e.g. one GPU test file after a fix
+      part pytest 400 python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:?PYTEST_ARGS names the tests} ;;
     decodetests) part decodetests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_decode.py \
                    tests/gpu/test_fused_logprobs.py ;;
     rollout) part rollout 360 python3 bench/rollout_gpu.py --out "$OUT/rollout_throughput_gpu.json"
