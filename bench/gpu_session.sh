@@ -219,10 +219,12 @@ for what in "$@"; do
         --out "$OUT/${PROFILE_STEM:-decode_profile_gpu}.json"
       stamp "$OUT/${PROFILE_STEM:-decode_profile_gpu}.json" "${PROFILE_STEM:-decode_profile_gpu}" ;;
     manyruns) # issue 45: 4 LoRA runs (0.5B shape, random weights) at once on one mesh vs one after another; the mesh
-      # in process (MANY_MESH=inprocess, the default) or as `meshrl mesh` processes (MANY_MESH=processes)
+      # in process (MANY_MESH=inprocess, the default) or as `meshrl mesh` processes (MANY_MESH=processes);
+      # MANY_MERGE_WAIT: the mesh's actor.merge_wait_passes (default 0.5; two values in one call: two OUT folders)
       part manyrunsmodel 240 python3 examples/gpu/make_model.py --shape qwen2.5-0.5b   # no-op when already built
       part manyruns 420 python3 bench/many_runs.py --device cuda --runs "${MANY_RUNS:-4}" --steps "${MANY_STEPS:-4}" --rounds "${MANY_ROUNDS:-1}" \
         --max-tokens "${MANY_MAX_TOKENS:-128}" --kv-cache "${MANY_KV:-auto}" --mesh "${MANY_MESH:-inprocess}" \
+        ${MANY_MERGE_WAIT:+--merge-wait-passes "$MANY_MERGE_WAIT"} \
         --threads "$OMP_NUM_THREADS" --mesh-log "$OUT/many_runs_logs" --out "$OUT/many_runs_gpu.json" ;;
     wsipc) part wsipc 240 python3 bench/weight_sync.py --transport ipc --device cuda:0 --repeats 10 \
              --out "$OUT/weight_sync.json" ;;

@@ -59,6 +59,8 @@ def recipe(run_dir: Path, args) -> dict:
     data = yaml.safe_load((REPO / "examples/arith/grpo_lora.yaml").read_text())
     data["rollout"]["replicas"] = args.replicas
     data["run"].update(num_steps=args.steps, eval_every=0, run_dir=str(run_dir), checkpoint_every=0)
+    if args.merge_wait_passes is not None:
+        data.setdefault("actor", {})["merge_wait_passes"] = args.merge_wait_passes
     if args.device != "cpu":
         data["model"] = {"path": str(args.model_path), "device": args.device, "dtype": "bfloat16"}
         data["rollout"].update(max_tokens=args.max_tokens, max_loras=max(4, args.runs), kv_cache=args.kv_cache)
@@ -274,6 +276,7 @@ async def main_async(args) -> dict:
             "model": config["model"], "max_tokens": config["rollout"]["max_tokens"],
             "kv_cache": config["rollout"].get("kv_cache", "auto"),
             "actor_compile": config.get("actor", {}).get("compile", "auto"),
+            "merge_wait_passes": config.get("actor", {}).get("merge_wait_passes", 0.5),
             "samples_per_step": config["data"]["rollout_batch_size"] * config["rollout"]["n"],
             "rounds": args.rounds, "warmup": args.warmup, "phases": phases, "median_samples_per_s": rate,
             "ratio_concurrent_over_sequential": round(rate["concurrent"] / rate["sequential"], 3),
@@ -294,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="cuda: a Hugging Face folder (examples/gpu/make_model.py builds the default)")
     ap.add_argument("--max-tokens", type=int, default=128, help="cuda: rollout.max_tokens")
     ap.add_argument("--batch", type=int, default=16, help="cuda: prompts per step (data.rollout_batch_size), n = 8")
+    ap.add_argument("--merge-wait-passes", type=float, default=None,
+                    help="actor.merge_wait_passes: how long an update waits for other runs' due updates (default 0.5)")
     ap.add_argument("--kv-cache", default="auto", help="cuda: rollout.kv_cache (auto, paged, none)")
     ap.add_argument("--mesh", default="inprocess", choices=("inprocess", "processes"),
                     help="inprocess: every service in this process; processes: `meshrl mesh` (each service its own "

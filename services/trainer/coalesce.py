@@ -191,12 +191,14 @@ class TrainMerger(_Merger):
 
     Runs on one trainer drift apart (one generates while another trains), so their calls seldom queue together by
     chance. A leader therefore waits a little for the adapters whose next call is due (`Cadence`: each adapter's
-    calls come about one gap apart): at most half a pass (GATHER_MAX_S at most), and only for calls expected
-    within that time, so a run alone, or beside runs of another pace, waits for nothing. (On an H100, 4 runs: 5 of
+    calls come about one gap apart): at most `wait_passes` passes (actor.merge_wait_passes, default half a pass;
+    GATHER_MAX_S at most), and only for calls expected within that time, so a run alone, or beside runs of another
+    pace, waits for nothing. (On an H100, 4 runs: 5 of
     9 waits caught a partner; the runs drift apart again after a merged pass: docs/many_runs.md.)"""
 
-    def __init__(self, commands: Commands):
+    def __init__(self, commands: Commands, *, wait_passes: float = 0.5):
         super().__init__(commands, "train_actors", max_rows=float("inf"))
+        self.wait_passes = wait_passes
         self.cadence = Cadence()
         self._pass_s = 0.0                  # the passes' seconds (a moving mean)
         self._started = 0.0
@@ -216,8 +218,8 @@ class TrainMerger(_Merger):
         if call.key is None:
             return
         with self._cond:
-            within = min(GATHER_MAX_S, 0.5 * self._pass_s)
-            if within <= 0:                 # no pass yet: nothing says how long one takes
+            within = min(GATHER_MAX_S, self.wait_passes * self._pass_s)
+            if within <= 0:                 # no pass yet (nothing says how long one takes), or no waiting
                 return
             here = self._owners(call.key)
             due = self.cadence.due(time.monotonic(), within, call.key) - here

@@ -218,6 +218,10 @@ class ActorConfig(OptimSection):
     shuffle: bool = True
     # Samples per TrainActor / ComputeLogProbs call.
     max_batch_size: int = Field(8192, ge=1)
+    # Several LoRA runs on this trainer: how long an update waits for other runs' updates that are due to share its
+    # pass, in passes (the mean seconds of this trainer's recent update passes), at most 1 s; 0 never waits
+    # (services/trainer/coalesce.py TrainMerger, docs/many_runs.md).
+    merge_wait_passes: float = Field(0.5, ge=0, le=4)
     # Weights are cast to this dtype for rollout replicas and ExportHF (default: model.dtype).
     weight_sync_dtype: DType | None = None
     weight_bucket_bytes: int = Field(DEFAULT_BUCKET_BYTES, ge=1024)

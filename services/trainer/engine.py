@@ -53,7 +53,7 @@ class TrainerEngine:
         self.reference = Coalescer(self.commands, "compute_logprobs", True, max_rows=limit)
         self.actor_logprobs = AdapterCoalescer(self.commands, max_rows=limit)
         # Concurrent TrainActor calls of different adapters (several runs' updates) share one pass.
-        self.train_merger = TrainMerger(self.commands)
+        self.train_merger = TrainMerger(self.commands, wait_passes=self.rank.cfg.merge_wait_passes)
 
     # ---- log-probs and values ---------------------------------------------------------------------
 

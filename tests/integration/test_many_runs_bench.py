@@ -39,10 +39,12 @@ def test_the_many_runs_bench_completes_both_phases_and_leaves_no_service_running
 
     monkeypatch.setattr(bench, "timed_phases", seen_then_timed)
     out = tmp_path / "many_runs.json"
-    assert bench.main(["--mesh", mesh, "--runs", "2", "--steps", "1", "--out", str(out)]) == 0
+    wait = ["--merge-wait-passes", "1.0"] if mesh == "processes" else []     # the mesh's trainer takes it
+    assert bench.main(["--mesh", mesh, "--runs", "2", "--steps", "1", "--out", str(out), *wait]) == 0
     result = json.loads(out.read_text())
 
     assert result["mesh"] == mesh and result["samples_per_step"] == 16 * 8
+    assert result["merge_wait_passes"] == (1.0 if wait else 0.5)
     assert [p["mode"] for p in result["phases"]] == ["sequential", "concurrent", "concurrent", "sequential"]
     for p in result["phases"]:
         assert [(r["state"], r["steps"]) for r in p["runs"]] == [("COMPLETED", 1)] * 2, p["runs"]

@@ -36,10 +36,11 @@ def model(tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("merged_updates") / "m")
 
 
-def _engine(model: str, device: str = "cpu") -> TrainerEngine:
+def _engine(model: str, device: str = "cpu", **actor) -> TrainerEngine:
     torch.manual_seed(0)            # the named adapters' A's start alike in every engine
+    actor = {"lr": 1e-2, "lora": LORA, "compile": False, **actor}
     engine = TrainerEngine(load_config(TrainerSettings, data={"model": {"path": model, "device": device},
-                                                              "actor": {"lr": 1e-2, "lora": LORA, "compile": False}}))
+                                                              "actor": actor}))
     for name in NAMES[1:]:
         engine.create_adapter(name)
     for name in NAMES:
@@ -197,6 +198,23 @@ def test_a_call_waits_for_an_adapter_whose_call_is_due_and_no_longer(model):
     merger.forget("b")
     engine.train_actor_step(*same[1][:2], None, "a")
     assert merger.info("train")["train_gathers"] == 2
+
+
+def test_merge_wait_passes_sets_how_far_ahead_a_leader_looks_for_due_calls(model):
+    """actor.merge_wait_passes: a call due 0.6 s from now is waited for within one pass of 0.8 s, not within the
+    default half pass; 0 never waits."""
+    for passes, gathers in ((0.5, 0), (1.0, 1), (0.0, 0)):
+        engine = _engine(model, merge_wait_passes=passes)
+        samples, loss, _ = _calls(engine)[1]
+        merger = engine.train_merger
+        merger._pass_s = 0.8
+        key = merged.merge_key(engine.rank, samples, loss)
+        now = time.monotonic()
+        merger.cadence.arrived("b", now - 19.4, key)
+        merger.cadence.arrived("b", now - 9.4, key)                 # b's next call: in 0.6 s; it never comes
+        engine.train_actor_step(samples, loss, None, "a")
+        info = merger.info("train")
+        assert (info["train_gathers"], info["train_gather_timeouts"]) == (gathers, gathers), (passes, info)
 
 
 def test_a_merged_pass_that_fails_before_any_step_runs_each_call_alone(model, monkeypatch):
