@@ -51,6 +51,7 @@ from coordinator.client import Client  # noqa: E402
 from coordinator.runapi.runs import RunManager  # noqa: E402
 from coordinator.runapi.store import MemoryStore  # noqa: E402
 from services.local import start_local_mesh  # noqa: E402
+from services.trainer.config import ActorConfig  # noqa: E402
 
 DONE = {"COMPLETED", "FAILED", "STOPPED"}
 
@@ -276,7 +277,8 @@ async def main_async(args) -> dict:
             "model": config["model"], "max_tokens": config["rollout"]["max_tokens"],
             "kv_cache": config["rollout"].get("kv_cache", "auto"),
             "actor_compile": config.get("actor", {}).get("compile", "auto"),
-            "merge_wait_passes": config.get("actor", {}).get("merge_wait_passes", 0.5),
+            "merge_wait_passes": config.get("actor", {}).get(
+                "merge_wait_passes", ActorConfig.model_fields["merge_wait_passes"].default),
             "samples_per_step": config["data"]["rollout_batch_size"] * config["rollout"]["n"],
             "rounds": args.rounds, "warmup": args.warmup, "phases": phases, "median_samples_per_s": rate,
             "ratio_concurrent_over_sequential": round(rate["concurrent"] / rate["sequential"], 3),

@@ -193,10 +193,10 @@ class TrainMerger(_Merger):
     chance. A leader therefore waits a little for the adapters whose next call is due (`Cadence`: each adapter's
     calls come about one gap apart): at most `wait_passes` passes (actor.merge_wait_passes, default half a pass;
     GATHER_MAX_S at most), and only for calls expected within that time, so a run alone, or beside runs of another
-    pace, waits for nothing. (On an H100, 4 runs: 5 of
-    9 waits caught a partner; the runs drift apart again after a merged pass: docs/many_runs.md.)"""
+    pace, waits for nothing. (On an H100, 4 runs, at half a pass: 3 of 10 waits caught a partner; the runs drift
+    apart again after a merged pass: docs/many_runs.md.)"""
 
-    def __init__(self, commands: Commands, *, wait_passes: float = 0.5):
+    def __init__(self, commands: Commands, *, wait_passes: float):
         super().__init__(commands, "train_actors", max_rows=float("inf"))
         self.wait_passes = wait_passes
         self.cadence = Cadence()
